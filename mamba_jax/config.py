@@ -1,0 +1,131 @@
+"""Mamba2Config: every field mamba_ssm's Mamba2 / MambaLMHeadModel uses for published models.
+
+Field names follow mamba_ssm (`ssm_cfg` entries flattened into the top level).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Config:
+    """A Mamba2 language model's shape and initialisation. Frozen; validated on creation.
+
+    `vocab_size` is the tokenizer's size; the embedding and logits have `padded_vocab_size`
+    rows (rounded up to `pad_vocab_size_multiple`, as mamba_ssm does).
+    """
+
+    d_model: int = 768
+    n_layer: int = 24
+    vocab_size: int = 50277
+    pad_vocab_size_multiple: int = 16
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    ngroups: int = 1
+    chunk_size: int = 256
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    conv_bias: bool = True
+    bias: bool = False
+    norm_eps: float = 1e-5
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        # Lists from JSON become tuples, so configs stay hashable and compare equal.
+        object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
+        object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
+        positive = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state",
+                    "d_conv", "expand", "headdim", "ngroups", "chunk_size")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Mamba2Config.{name}={value!r} must be a positive integer")
+        for name in ("dt_min", "dt_max", "dt_init_floor", "norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Mamba2Config.{name}={getattr(self, name)!r} must be > 0")
+        if self.dt_min > self.dt_max:
+            raise ValueError(f"Mamba2Config.dt_min={self.dt_min} > dt_max={self.dt_max}: "
+                             "swap them")
+        lo, hi = self.dt_limit
+        if len(self.dt_limit) != 2 or not 0.0 <= lo < hi:
+            raise ValueError(f"Mamba2Config.dt_limit={self.dt_limit} must be (lo, hi) with "
+                             "0 <= lo < hi; (0.0, inf) means no limit")
+        a_lo, a_hi = self.A_init_range
+        if len(self.A_init_range) != 2 or not 0.0 < a_lo <= a_hi:
+            raise ValueError(f"Mamba2Config.A_init_range={self.A_init_range} must be (lo, hi) "
+                             "with 0 < lo <= hi")
+        if self.d_inner % self.headdim:
+            divisors = [d for d in range(1, self.d_inner + 1) if self.d_inner % d == 0]
+            nearby = [d for d in divisors if self.headdim // 2 <= d <= self.headdim * 2]
+            raise ValueError(
+                f"Mamba2Config: d_model*expand = {self.d_model}*{self.expand} = {self.d_inner} "
+                f"is not divisible by headdim={self.headdim}; choose headdim among {nearby} "
+                "or change d_model/expand")
+        if self.nheads % self.ngroups:
+            divisors = [d for d in range(1, self.nheads + 1) if self.nheads % d == 0]
+            raise ValueError(
+                f"Mamba2Config: nheads = d_inner/headdim = {self.nheads} is not divisible by "
+                f"ngroups={self.ngroups}; choose ngroups among {divisors}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x, then B, then C (mamba_ssm's xBC order)."""
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return -(-self.vocab_size // m) * m
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "Mamba2Config":
+        """A named configuration ("mamba2-130m" ... "mamba2-2.7b", "tiny") with overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets are {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def replace(self, **changes: Any) -> "Mamba2Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Mamba2Config":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"Mamba2Config has no fields {unknown}; fields are {sorted(fields)}")
+        return cls(**d)
+
+
+# The published state-spaces/mamba2-* checkpoints: mamba_ssm's Mamba2 defaults (d_state 128,
+# d_conv 4, expand 2, headdim 64, ngroups 1, chunk 256), GPT-NeoX vocabulary padded to 16,
+# tied embeddings.
+PRESETS: dict[str, Mamba2Config] = {
+    "mamba2-130m": Mamba2Config(d_model=768, n_layer=24),
+    "mamba2-370m": Mamba2Config(d_model=1024, n_layer=48),
+    "mamba2-780m": Mamba2Config(d_model=1536, n_layer=48),
+    "mamba2-1.3b": Mamba2Config(d_model=2048, n_layer=48),
+    "mamba2-2.7b": Mamba2Config(d_model=2560, n_layer=64),
+    # Byte-level, small enough to train on a laptop CPU in minutes.
+    "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, d_state=32, headdim=32,
+                         chunk_size=64),
+}

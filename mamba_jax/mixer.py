@@ -1,0 +1,186 @@
+"""Mamba2Mixer: in_proj -> causal conv -> SSD -> gated norm -> out_proj, as mamba_ssm's Mamba2.
+
+Legend: b batch, l sequence, d d_model, h nheads, p headdim, g ngroups, n d_state,
+k d_conv, e conv_dim = h*p + 2*g*n (x, B, C channels in mamba_ssm's order).
+
+mamba_ssm fuses the projections into one `in_proj` [z, x, B, C, dt]; we keep one parameter
+per role, shaped by head or group, so a tensor-parallel shard is a slice of one axis and
+conversion is a fixed split/concatenate (mamba_jax.convert).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mamba_jax.config import Mamba2Config
+from mamba_jax.layers import causal_conv1d, causal_conv1d_step, gated_rms_norm
+from pallas_kernels.ssd import document_ids, process_dt, ssd
+
+
+class MambaCache(NamedTuple):
+    """One Mamba layer's decoding state.
+
+    conv_state [b, e, k]: the last k conv inputs, newest last (mamba_ssm's layout);
+    ssm_state [b, h, p, n] float32.
+    """
+
+    conv_state: jax.Array
+    ssm_state: jax.Array
+
+
+def _uniform(rngs, shape, bound):
+    return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
+
+
+class Mamba2Mixer(nnx.Module):
+    """The Mamba2 mixer. Parameters are float32; `dtype` is the compute dtype of the matmuls,
+    the conv and the SSD operands; dt, A, D and the SSM state stay float32."""
+
+    def __init__(self, cfg: Mamba2Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, h, p, g, n, k = (cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state,
+                            cfg.d_conv)
+        self.cfg = cfg
+        self.dtype = dtype
+        # nn.Linear's default init, U(+-1/sqrt(fan_in)); biases zero (mamba_ssm _init_weights).
+        in_bound = 1.0 / math.sqrt(d)
+        self.z_proj = nnx.Param(_uniform(rngs, (d, h, p), in_bound))
+        self.x_proj = nnx.Param(_uniform(rngs, (d, h, p), in_bound))
+        self.B_proj = nnx.Param(_uniform(rngs, (d, g, n), in_bound))
+        self.C_proj = nnx.Param(_uniform(rngs, (d, g, n), in_bound))
+        self.dt_proj = nnx.Param(_uniform(rngs, (d, h), in_bound))
+        if cfg.bias:
+            self.z_bias = nnx.Param(jnp.zeros((h, p), jnp.float32))
+            self.x_bias = nnx.Param(jnp.zeros((h, p), jnp.float32))
+            self.B_bias = nnx.Param(jnp.zeros((g, n), jnp.float32))
+            self.C_bias = nnx.Param(jnp.zeros((g, n), jnp.float32))
+            self.dt_proj_bias = nnx.Param(jnp.zeros((h,), jnp.float32))
+            self.out_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
+        # nn.Conv1d's default init: fan_in = d_conv for a depthwise conv.
+        conv_bound = 1.0 / math.sqrt(k)
+        self.x_conv = nnx.Param(_uniform(rngs, (k, h, p), conv_bound))
+        self.B_conv = nnx.Param(_uniform(rngs, (k, g, n), conv_bound))
+        self.C_conv = nnx.Param(_uniform(rngs, (k, g, n), conv_bound))
+        if cfg.conv_bias:
+            self.x_conv_bias = nnx.Param(_uniform(rngs, (h, p), conv_bound))
+            self.B_conv_bias = nnx.Param(_uniform(rngs, (g, n), conv_bound))
+            self.C_conv_bias = nnx.Param(_uniform(rngs, (g, n), conv_bound))
+        # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
+        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
+                                    math.log(cfg.dt_min), math.log(cfg.dt_max))
+        dt = jnp.maximum(jnp.exp(log_dt), cfg.dt_init_floor)
+        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(
+            rngs.params(), (h,), jnp.float32, *cfg.A_init_range)))
+        self.D = nnx.Param(jnp.ones((h,), jnp.float32))
+        self.norm = nnx.Param(jnp.ones((h, p), jnp.float32))
+        # Rescaled by 1/sqrt(n_layer) (mamba_ssm's rescale_prenorm_residual, one residual
+        # per layer).
+        self.out_proj = nnx.Param(_uniform(rngs, (h, p, d), 1.0 / math.sqrt(cfg.d_inner))
+                                  / math.sqrt(cfg.n_layer))
+
+    def _bias(self, name):
+        return getattr(self, name)[...] if self.cfg.bias else None
+
+    def _project(self, u):
+        """u [..., d] -> z, x [..., h, p], B, C [..., g, n] in the compute dtype; dt [..., h]
+        float32 (before dt_bias and softplus)."""
+        u = u.astype(self.dtype)
+
+        def proj(w, bias_name, out_dtype=self.dtype):
+            w = w[...]
+            y = jnp.dot(u, w.reshape(w.shape[0], -1).astype(self.dtype),
+                        preferred_element_type=jnp.float32).reshape(*u.shape[:-1], *w.shape[1:])
+            bias = self._bias(bias_name)
+            return (y if bias is None else y + bias).astype(out_dtype)
+
+        # Written out rather than looped, so each einsum's output axes are plain to read.
+        z = proj(self.z_proj, "z_bias")
+        x = proj(self.x_proj, "x_bias")
+        B = proj(self.B_proj, "B_bias")
+        C = proj(self.C_proj, "C_bias")
+        dt = proj(self.dt_proj, "dt_proj_bias", jnp.float32)
+        return z, x, B, C, dt
+
+    def _conv_params(self):
+        """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
+        k = self.cfg.d_conv
+        w = jnp.concatenate([self.x_conv[...].reshape(k, -1), self.B_conv[...].reshape(k, -1),
+                             self.C_conv[...].reshape(k, -1)], axis=-1)
+        if not self.cfg.conv_bias:
+            return w, None
+        bias = jnp.concatenate([self.x_conv_bias[...].reshape(-1),
+                                self.B_conv_bias[...].reshape(-1),
+                                self.C_conv_bias[...].reshape(-1)])
+        return w, bias
+
+    def _split_xBC(self, xBC):
+        """[..., e] -> x [..., h, p], B [..., g, n], C [..., g, n]."""
+        c = self.cfg
+        x, B, C = jnp.split(xBC, [c.d_inner, c.d_inner + c.ngroups * c.d_state], axis=-1)
+        lead = xBC.shape[:-1]
+        return (x.reshape(*lead, c.nheads, c.headdim), B.reshape(*lead, c.ngroups, c.d_state),
+                C.reshape(*lead, c.ngroups, c.d_state))
+
+    def _output(self, y, z):
+        """y, z [..., h, p] -> gated per-group norm -> out_proj -> [..., d] compute dtype."""
+        y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.ngroups)
+        out = jnp.einsum("...hp,hpd->...d", y, self.out_proj[...].astype(self.dtype),
+                         preferred_element_type=jnp.float32)
+        bias = self._bias("out_bias")
+        return (out if bias is None else out + bias).astype(self.dtype)
+
+    def __call__(self, u, seq_idx=None, return_cache=False):
+        """u [b, l, d] -> [b, l, d] in the compute dtype (and a MambaCache if asked).
+
+        seq_idx [b, l]: packed documents; the conv and the SSM state restart where it changes.
+        """
+        c = self.cfg
+        z, x, B, C, dt = self._project(u)
+        b, l = u.shape[:2]
+        xBC_in = jnp.concatenate([x.reshape(b, l, -1), B.reshape(b, l, -1),
+                                  C.reshape(b, l, -1)], axis=-1)
+        w, bias = self._conv_params()
+        doc = None if seq_idx is None else document_ids(seq_idx)
+        x, B, C = self._split_xBC(causal_conv1d(xBC_in, w, bias, doc))
+        y, ssm_state = ssd(
+            x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=c.chunk_size, D=self.D[...],
+            dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=c.dt_limit, seq_idx=seq_idx,
+            return_final_state=True)
+        out = self._output(y, z)
+        if not return_cache:
+            return out
+        # The conv's window holds the last k inputs; zeros stand before the first token.
+        window = jnp.pad(xBC_in, ((0, 0), (max(c.d_conv - l, 0), 0), (0, 0)))[:, -c.d_conv:]
+        return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
+
+    def init_cache(self, batch_size: int) -> MambaCache:
+        c = self.cfg
+        return MambaCache(jnp.zeros((batch_size, c.conv_dim, c.d_conv), self.dtype),
+                          jnp.zeros((batch_size, c.nheads, c.headdim, c.d_state), jnp.float32))
+
+    def step(self, u, cache: MambaCache):
+        """One token: u [b, d] -> ([b, d], the updated MambaCache)."""
+        c = self.cfg
+        z, x, B, C, dt = self._project(u)
+        xBC_in = jnp.concatenate([x.reshape(u.shape[0], -1), B.reshape(u.shape[0], -1),
+                                  C.reshape(u.shape[0], -1)], axis=-1)
+        conv_state = jnp.concatenate(
+            [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
+            axis=-1)
+        w, bias = self._conv_params()
+        x, B, C = self._split_xBC(causal_conv1d_step(jnp.swapaxes(conv_state, 1, 2), w, bias))
+        dt = process_dt(dt, self.dt_bias[...], True, c.dt_limit)  # [b, h] float32
+        decay = jnp.exp(dt * -jnp.exp(self.A_log[...]))
+        r = c.nheads // c.ngroups
+        B_h = jnp.repeat(B.astype(jnp.float32), r, axis=1)  # [b, h, n]
+        C_h = jnp.repeat(C.astype(jnp.float32), r, axis=1)
+        x32 = x.astype(jnp.float32)
+        ssm_state = (cache.ssm_state * decay[:, :, None, None]
+                     + (dt[:, :, None] * x32)[..., None] * B_h[:, :, None, :])
+        y = jnp.einsum("bhpn,bhn->bhp", ssm_state, C_h) + self.D[...][:, None] * x32
+        return self._output(y.astype(self.dtype), z), MambaCache(conv_state, ssm_state)

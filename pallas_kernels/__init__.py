@@ -1,0 +1,1 @@
+"""Pallas kernels with no model knowledge. `pallas_kernels.ssd.ssd` is the SSD scan."""

@@ -1,0 +1,61 @@
+"""The SSD scan of Mamba2 behind one dispatch point.
+
+    y = ssd(x, dt, A, B, C, chunk_size=256, D=D, dt_bias=dt_bias, dt_softplus=True)
+    y, final_state = ssd(..., return_final_state=True)
+
+Shapes (legend: b batch, l sequence, h heads, p headdim, g groups, n d_state):
+x [b, l, h, p] (float32 or bfloat16), dt [b, l, h], A [h], B and C [b, l, g, n] with
+h % g == 0, D [h] or [h, p], dt_bias [h], initial_state [b, h, p, n], seq_idx [b, l] ints
+(the state restarts wherever it changes: packed documents). dt, A, D, dt_bias and states are
+used in float32. y has x's dtype; final_state is float32.
+
+`implementation`: "xla" (the chunked pure-JAX form, any platform) or "auto" (the fastest
+implementation that supports the current device).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pallas_kernels.ssd import reference
+from pallas_kernels.ssd.reference import document_ids, process_dt
+
+__all__ = ["ssd", "document_ids", "process_dt", "IMPLEMENTATIONS"]
+
+IMPLEMENTATIONS = ("auto", "xla")
+
+
+def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
+        dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
+        return_final_state=False, implementation="auto"):
+    """The chunked SSD scan; see the module docstring for shapes and dtypes."""
+    _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"ssd: implementation={implementation!r} is not one of "
+                         f"{IMPLEMENTATIONS}")
+    y, final_state = reference.ssd_chunked(
+        x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        dt_limit=dt_limit, initial_state=initial_state, seq_idx=seq_idx)
+    return (y, final_state) if return_final_state else y
+
+
+def _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx):
+    if x.ndim != 4:
+        raise ValueError(f"ssd: x must be [batch, seqlen, nheads, headdim], got shape {x.shape}")
+    b, l, h, p = x.shape
+    if B.ndim != 4 or B.shape[:2] != (b, l) or C.shape != B.shape:
+        raise ValueError(f"ssd: B and C must both be [batch, seqlen, ngroups, d_state] = "
+                         f"[{b}, {l}, g, n]; got B {B.shape}, C {C.shape}")
+    g, n = B.shape[2:]
+    if h % g:
+        raise ValueError(f"ssd: nheads={h} is not divisible by ngroups={g}; "
+                         f"use ngroups among {[d for d in range(1, h + 1) if h % d == 0]}")
+    expected = {"dt": (dt, (b, l, h)), "A": (A, (h,)), "dt_bias": (dt_bias, (h,)),
+                "initial_state": (initial_state, (b, h, p, n)), "seq_idx": (seq_idx, (b, l))}
+    for name, (value, shape) in expected.items():
+        if value is not None and value.shape != shape:
+            raise ValueError(f"ssd: {name} must have shape {shape}, got {value.shape}")
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise ValueError(f"ssd: D must have shape ({h},) or ({h}, {p}), got {D.shape}")
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"ssd: chunk_size must be a positive int, got {chunk_size!r}")

@@ -1,0 +1,265 @@
+"""SSD forward and backward kernels in Pallas, lowered through Triton (`pl.pallas_call`).
+
+Legend: b batch, l sequence (padded to a multiple of the kernel chunk t), h heads, p headdim,
+g groups, r = h // g heads per group, n d_state, c = l // t chunks, t and s positions inside
+one chunk.
+
+Every kernel sees chunk-local quantities computed outside in XLA, so automatic
+differentiation handles the cheap parts: `dt [b, h, l]` after softplus and `cs [b, h, l]`, the
+cumulative sum of dt * A restarted at every chunk. Document ids `doc [b, l]` (int32) mask
+everything that would cross a document start (see reference.ssd_chunked).
+
+Three kernels:
+- `_forward_kernel`, grid (b, h, p / bp): walks the chunks of one (batch, head) in order
+  with the state [bp, n] in registers; per chunk the quadratic intra-chunk term, the read-out
+  of the entering state, and the state update. Reads x, B, C once, writes y once; when
+  differentiating it also saves each chunk's entering state (the backward's only residual
+  beyond the inputs).
+- `_backward_state_kernel`, grid (b, h, p / bp): walks the chunks backwards carrying dS, the
+  gradient of the state leaving the chunk; per chunk dx, the dt-gradient of the x dt
+  product, and the part of the cumsum gradient that comes through the leaving state. Saves
+  each chunk's dS.
+- `_backward_bc_kernel`, grid (b, c, g): chunks in parallel; loops over the r heads of the
+  group accumulating dB and dC in registers (no atomics, no per-head copies of dB/dC), and
+  writes each head's remaining cumsum gradient.
+
+The kernel chunk t is this module's own tile, independent of the caller's chunk_size: the
+chunked algorithm is exact for any chunk, only rounding differs. Matmul operands are x's
+dtype (bf16 allowed) with float32 accumulation; decays, cumulative sums and states are
+float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots for float32 inputs (not TF32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles and launch shapes. `chunk` (t) and `block_p` (bp) must be powers of two >= 16."""
+    chunk: int = 64
+    block_p: int | None = None  # None: the whole headdim, split in two when b*h is small
+    forward_warps: int = 4
+    backward_state_warps: int = 4
+    backward_bc_warps: int = 8
+    num_stages: int = 2
+
+
+def supports(x, B):
+    """Whether these kernels take the shapes: headdim and d_state powers of two >= 16."""
+    p, n = x.shape[-1], B.shape[-1]
+    return all(d >= 16 and d & (d - 1) == 0 for d in (p, n))
+
+
+def _block_p(config, b, h, p):
+    if config.block_p is not None:
+        return min(config.block_p, p)
+    # Fewer (batch, head) programs than about two waves of an H200's 132 multiprocessors
+    # leaves it half idle; halving headdim doubles the programs at the cost of recomputing
+    # C B^T once more.
+    return p // 2 if b * h < 264 and p >= 32 else p
+
+
+def _dot(a, b, contract=(1, 0)):
+    return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                               precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _chunk_masks(doc_ref, bi, t0, t):
+    """Masks for one chunk: within [t, s] (causal and same document), and the document
+    of the chunk's last position, entered-chunk document (the one open before t0)."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+    causal = col <= row
+    if doc_ref is None:
+        return causal, None, None, None
+    doc = doc_ref[bi, pl.ds(t0, t)]
+    doc_last = doc_ref[bi, t0 + t - 1]
+    doc_entry = doc_ref[bi, jnp.maximum(t0 - 1, 0)]  # the initial state belongs to doc 0
+    return causal & (doc[:, None] == doc[None, :]), doc, doc_last, doc_entry
+
+
+def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
+    """Decays of one chunk: within [t, s], from entry to t [t], from s to the chunk's end [s],
+    and across the whole chunk (a scalar)."""
+    within_decay = jnp.exp(jnp.where(within, cs[:, None] - cs[None, :], -jnp.inf))
+    from_entry = jnp.exp(cs)
+    to_end = jnp.exp(cs_last - cs)
+    across = jnp.exp(cs_last)
+    if doc is not None:
+        from_entry = jnp.where(doc == doc_entry, from_entry, 0.0)
+        to_end = jnp.where(doc == doc_last, to_end, 0.0)
+        across = jnp.where(doc_last == doc_entry, across, 0.0)
+    return within_decay, from_entry, to_end, across
+
+
+def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, has_doc,
+                    save_states):
+    doc_ref, (y_ref, final_ref, *states_ref) = _split_doc(rest, has_doc)
+    bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
+
+    def body(k, state):  # state [bp, n]: the state entering chunk k
+        t0 = pl.multiple_of(k * t, t)
+        ts = pl.ds(t0, t)
+        x = x_ref[bi, ts, hi, ps]
+        Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+        dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
+        within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
+        within_decay, from_entry, to_end, across = _decays(
+            cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
+        if states_ref:
+            states_ref[0][bi, k, hi, ps, :] = state
+        scores = _dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]  # [t, s]
+        y = _dot(scores.astype(dtype), x)
+        y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
+        y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
+        xw = (x.astype(jnp.float32) * (to_end * dt)[:, None]).astype(dtype)
+        return state * across + _dot(xw, Bk, (0, 0))
+
+    final_ref[bi, hi, ps, :] = jax.lax.fori_loop(0, x_ref.shape[1] // t, body,
+                                                 init_ref[bi, hi, ps, :])
+
+
+def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
+                           r, bp, has_doc):
+    doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref) = _split_doc(rest, has_doc)
+    bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
+    nchunks = x_ref.shape[1] // t
+    last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
+
+    def body(i, dstate):  # dstate [bp, n]: gradient of the state leaving chunk k
+        k = nchunks - 1 - i
+        t0 = pl.multiple_of(k * t, t)
+        ts = pl.ds(t0, t)
+        dstates_ref[bi, k, hi, ps, :] = dstate
+        x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
+        Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+        dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
+        within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
+        within_decay, from_entry, to_end, across = _decays(
+            cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
+        # y_t = sum_s CB_ts decay_ts dt_s x_s + ...; leaving state = sum_s to_end_s dt_s x_s B_s^T
+        scores = _dot(Ck, Bk, (1, 1)) * within_decay  # [t, s]
+        dx_state = to_end[:, None] * _dot(Bk, dstate.astype(dtype), (1, 1))  # [s, bp]
+        dx_dt = _dot(scores.astype(dtype), dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
+        xf = x.astype(jnp.float32)
+        dx_ref[bi, ts, hi, ps] = (dx_dt * dt[:, None]).astype(dx_ref.dtype)
+        ddt_ref[pi, bi, hi, ts] = jnp.sum(xf * dx_dt, axis=1)
+        # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
+        via_end = dt * jnp.sum(xf * dx_state, axis=1)
+        dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
+        dye = (dy.astype(jnp.float32) * from_entry[:, None]).astype(dtype)
+        return dstate * across + _dot(dye, Ck, (0, 0))
+
+    dinit_ref[bi, hi, ps, :] = jax.lax.fori_loop(0, nchunks, body, dfinal_ref[bi, hi, ps, :])
+
+
+def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
+                        *rest, t, r, has_doc):
+    doc_ref, (dB_ref, dC_ref, dcs_ref) = _split_doc(rest, has_doc)
+    bi, k, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dtype = x_ref.dtype
+    t0 = pl.multiple_of(k * t, t)
+    ts = pl.ds(t0, t)
+    Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+    CB = _dot(Ck, Bk, (1, 1))  # [t, s]
+    within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
+    last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
+    n = Bk.shape[-1]
+
+    def head(j, grads):
+        dB, dC = grads
+        hi = gi * r + j
+        x, dy = x_ref[bi, ts, hi, :], dy_ref[bi, ts, hi, :]
+        dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
+        state, dstate = states_ref[bi, k, hi], dstates_ref[bi, k, hi]  # entering; leaving
+        within_decay, from_entry, to_end, across = _decays(
+            cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
+        # dscores_ts = d y / d CB_ts, already weighted by decay and dt.
+        dscores = _dot(dy, x, (1, 1)) * within_decay * dt[None, :]  # [t, s]
+        dscores_c = dscores.astype(dtype)
+        C_state = _dot(Ck, state.astype(dtype), (1, 1))  # [t, p]
+        dC = dC + _dot(dscores_c, Bk) + from_entry[:, None] * _dot(dy, state.astype(dtype))
+        xw = (x.astype(jnp.float32) * (to_end * dt)[:, None]).astype(dtype)
+        dB = dB + _dot(dscores_c, Ck, (0, 0)) + _dot(xw, dstate.astype(dtype))
+        # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
+        # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state); the decay
+        # across the chunk gives <dstate, state> at the last position.
+        z = CB * dscores
+        dcs = (jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
+               + from_entry * jnp.sum(dy.astype(jnp.float32) * C_state, axis=1)
+               + jnp.where(last, across * jnp.sum(dstate * state), 0.0))
+        dcs_ref[bi, hi, ts] = dcs
+        return dB, dC
+
+    zeros = jnp.zeros((t, n), jnp.float32)
+    dB, dC = jax.lax.fori_loop(0, r, head, (zeros, zeros))
+    dB_ref[bi, ts, gi, :] = dB
+    dC_ref[bi, ts, gi, :] = dC
+
+
+def _split_doc(refs, has_doc):
+    return (refs[0], refs[1:]) if has_doc else (None, refs)
+
+
+def _call(kernel, grid, out_shape, warps, config, interpret, name):
+    return pl.pallas_call(
+        kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages))
+
+
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, interpret=False):
+    """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
+    initial_state [b, h, p, n] float32, doc [b, l] int32 or None) ->
+    (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32, and when save_states the
+    state entering every chunk [b, c, h, p, n] float32)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    t = config.chunk
+    bp = _block_p(config, b, h, p)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
+    if save_states:
+        out_shape.append(jax.ShapeDtypeStruct((b, l // t, h, p, n), jnp.float32))
+    kernel = functools.partial(_forward_kernel, t=t, r=h // g, bp=bp, has_doc=doc is not None,
+                               save_states=save_states)
+    args = (x, dt, cs, B, C, initial_state) + (() if doc is None else (doc,))
+    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps, config, interpret,
+                 "ssd_forward")(*args)
+
+
+def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, interpret=False):
+    """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
+    dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state), where ddt
+    is the gradient through dt's direct use only; cs's own gradient is dcs."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    t = config.chunk
+    r = h // g
+    bp = _block_p(config, b, h, p)
+    doc_args = () if doc is None else (doc,)
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp,
+                               has_doc=doc is not None)
+    dx, ddt, dcs_end, dstates, dinit = _call(
+        kernel, (b, h, p // bp),
+        [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
+         f32((p // bp, b, h, l)), f32(states.shape), f32((b, h, p, n))],
+        config.backward_state_warps, config, interpret, "ssd_backward_state",
+    )(x, dt, cs, B, C, dy, dfinal, *doc_args)
+    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, has_doc=doc is not None)
+    dB, dC, dcs = _call(
+        kernel, (b, l // t, g), [f32(B.shape), f32(C.shape), f32((b, h, l))],
+        config.backward_bc_warps, config, interpret, "ssd_backward_bc",
+    )(x, dt, cs, B, C, dy, states, dstates, *doc_args)
+    return dx, ddt.sum(0), dcs + dcs_end.sum(0), dB, dC, dinit
