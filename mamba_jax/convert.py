@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.model import Mamba2LM
+from mamba_jax.model import Mamba2LM, param_name
 
 FORMATS = ("hf", "mamba_ssm")
 _EMBEDDING_KEY = {"hf": "backbone.embeddings.weight", "mamba_ssm": "backbone.embedding.weight"}
@@ -303,21 +303,21 @@ def params_to_torch(params: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.n
 def flat_params(model: Mamba2LM) -> dict[str, np.ndarray]:
     """The model's parameters as numpy arrays by dotted name."""
     state = nnx.state(model, nnx.Param)
-    leaves = jax.tree_util.tree_leaves_with_path(state.to_pure_dict())
-    return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(v)
-            for path, v in leaves}
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state))
+    return {param_name(path): np.asarray(v) for path, v in leaves}
 
 
 def model_from_params(cfg: Mamba2Config, params: dict, dtype=jnp.float32) -> Mamba2LM:
     """A Mamba2LM holding exactly `params` (flat names, as flat_params returns)."""
     model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     state = nnx.state(model, nnx.Param)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
 
     def fill(path, abstract):
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        value = params[name]
-        assert value.shape == abstract.shape, (name, value.shape, abstract.shape)
+        value = params[param_name(path)]
+        if value.shape != abstract.shape:
+            raise ValueError(f"parameter {param_name(path)} has shape {value.shape}, the "
+                             f"config needs {abstract.shape}")
         return jnp.asarray(value, jnp.float32)
 
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fill, pure))

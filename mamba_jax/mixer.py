@@ -86,7 +86,7 @@ class Mamba2Mixer(nnx.Module):
     def _bias(self, name):
         return getattr(self, name)[...] if self.cfg.bias else None
 
-    def _project(self, u):
+    def project(self, u):
         """u [..., d] -> z, x [..., h, p], B, C [..., g, n] in the compute dtype; dt [..., h]
         float32 (before dt_bias and softplus)."""
         u = u.astype(self.dtype)
@@ -119,18 +119,46 @@ class Mamba2Mixer(nnx.Module):
         return w, bias
 
     def _split_xBC(self, xBC):
-        """[..., e] -> x [..., h, p], B [..., g, n], C [..., g, n]."""
-        c = self.cfg
-        x, B, C = jnp.split(xBC, [c.d_inner, c.d_inner + c.ngroups * c.d_state], axis=-1)
+        """[..., e] -> x [..., h, p], B [..., g, n], C [..., g, n].
+
+        Sizes come from the conv weights, so a tensor-parallel shard (local heads, and local
+        or all groups) splits its own channels."""
+        (_, h, p), (_, g, n) = self.x_conv.shape, self.B_conv.shape
+        x, B, C = jnp.split(xBC, [h * p, h * p + g * n], axis=-1)
         lead = xBC.shape[:-1]
-        return (x.reshape(*lead, c.nheads, c.headdim), B.reshape(*lead, c.ngroups, c.d_state),
-                C.reshape(*lead, c.ngroups, c.d_state))
+        return x.reshape(*lead, h, p), B.reshape(*lead, g, n), C.reshape(*lead, g, n)
+
+    def conv(self, x, B, C, seq_idx=None):
+        """The causal conv over [x, B, C] (x [b, l, h, p], B, C [b, l, g, n]).
+
+        Returns (x, B, C) after the conv and SiLU, and its input xBC [b, l, e] (the cache's
+        window)."""
+        b, l = x.shape[:2]
+        xBC_in = jnp.concatenate([x.reshape(b, l, -1), B.reshape(b, l, -1),
+                                  C.reshape(b, l, -1)], axis=-1)
+        w, bias = self._conv_params()
+        doc = None if seq_idx is None else document_ids(seq_idx)
+        return *self._split_xBC(causal_conv1d(xBC_in, w, bias, doc)), xBC_in
+
+    def scan(self, x, dt, B, C, seq_idx=None, initial_state=None):
+        """The SSD with D skip: x [b, l, h, p], dt [b, l, h] (before bias and softplus),
+        B, C [b, l, g, n], initial_state [b, h, p, n] or None (zeros) -> (y [b, l, h, p],
+        final state [b, h, p, n] float32)."""
+        return ssd(x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=self.cfg.chunk_size,
+                   D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
+                   dt_limit=self.cfg.dt_limit, initial_state=initial_state, seq_idx=seq_idx,
+                   return_final_state=True)
+
+    def out_proj_partial(self, y):
+        """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the
+        heads this is one tensor-parallel rank's share of the sum."""
+        return jnp.einsum("...hp,hpd->...d", y, self.out_proj[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
 
     def _output(self, y, z):
         """y, z [..., h, p] -> gated per-group norm -> out_proj -> [..., d] compute dtype."""
         y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.ngroups)
-        out = jnp.einsum("...hp,hpd->...d", y, self.out_proj[...].astype(self.dtype),
-                         preferred_element_type=jnp.float32)
+        out = self.out_proj_partial(y)
         bias = self._bias("out_bias")
         return (out if bias is None else out + bias).astype(self.dtype)
 
@@ -140,21 +168,14 @@ class Mamba2Mixer(nnx.Module):
         seq_idx [b, l]: packed documents; the conv and the SSM state restart where it changes.
         """
         c = self.cfg
-        z, x, B, C, dt = self._project(u)
-        b, l = u.shape[:2]
-        xBC_in = jnp.concatenate([x.reshape(b, l, -1), B.reshape(b, l, -1),
-                                  C.reshape(b, l, -1)], axis=-1)
-        w, bias = self._conv_params()
-        doc = None if seq_idx is None else document_ids(seq_idx)
-        x, B, C = self._split_xBC(causal_conv1d(xBC_in, w, bias, doc))
-        y, ssm_state = ssd(
-            x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=c.chunk_size, D=self.D[...],
-            dt_bias=self.dt_bias[...], dt_softplus=True, dt_limit=c.dt_limit, seq_idx=seq_idx,
-            return_final_state=True)
+        z, x, B, C, dt = self.project(u)
+        x, B, C, xBC_in = self.conv(x, B, C, seq_idx)
+        y, ssm_state = self.scan(x, dt, B, C, seq_idx)
         out = self._output(y, z)
         if not return_cache:
             return out
         # The conv's window holds the last k inputs; zeros stand before the first token.
+        l = u.shape[1]
         window = jnp.pad(xBC_in, ((0, 0), (max(c.d_conv - l, 0), 0), (0, 0)))[:, -c.d_conv:]
         return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
 
@@ -166,7 +187,7 @@ class Mamba2Mixer(nnx.Module):
     def step(self, u, cache: MambaCache):
         """One token: u [b, d] -> ([b, d], the updated MambaCache)."""
         c = self.cfg
-        z, x, B, C, dt = self._project(u)
+        z, x, B, C, dt = self.project(u)
         xBC_in = jnp.concatenate([x.reshape(u.shape[0], -1), B.reshape(u.shape[0], -1),
                                   C.reshape(u.shape[0], -1)], axis=-1)
         conv_state = jnp.concatenate(

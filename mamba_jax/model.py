@@ -20,6 +20,18 @@ from mamba_jax.layers import RMSNorm
 from mamba_jax.mixer import Mamba2Mixer, MambaCache
 
 
+def param_name(path) -> str:
+    """A parameter's dotted name ("layers.0.mixer.A_log") from a jax tree path into the
+    model's state or its pure dict (attribute steps such as a Variable's `.value` skipped)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+    return ".".join(parts)
+
+
 class Mamba2Block(nnx.Module):
     """norm -> Mamba2Mixer, added to the residual stream."""
 

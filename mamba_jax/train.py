@@ -29,7 +29,7 @@ from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import flat_params, save_pretrained
 from mamba_jax.data import (DEFAULT_CORPUS, eval_windows, load_tokenizer, random_windows,
                             split_tokens, tokenize_file)
-from mamba_jax.model import Mamba2LM
+from mamba_jax.model import Mamba2LM, param_name
 
 _NO_DECAY_NAMES = ("A_log", "D", "dt_bias", "norm")
 
@@ -44,10 +44,8 @@ def no_weight_decay(name: str) -> bool:
 
 def weight_decay_mask(params):
     """A pytree like params: True where weight decay applies."""
-    def decays(path, _):
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-        return not no_weight_decay(name)
-    return jax.tree_util.tree_map_with_path(decays, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not no_weight_decay(param_name(path)), params)
 
 
 def make_optimizer(params, lr, steps, warmup, weight_decay, clip):
@@ -170,7 +168,7 @@ def main(argv=None):
     def train_step(params, opt_state, inputs, targets):
         loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, inputs, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     def evaluate(params):
         losses = [eval_loss(params, x, y) for x, y in

@@ -1,0 +1,62 @@
+import dataclasses
+import math
+
+import jax
+import pytest
+from flax import nnx
+
+from mamba_jax import Mamba2Config, Mamba2LM
+from mamba_jax.config import PRESETS
+
+
+def test_config_is_frozen_and_hashable():
+    cfg = Mamba2Config.preset("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_model = 3
+    assert hash(cfg) == hash(Mamba2Config.preset("tiny"))
+
+
+@pytest.mark.parametrize("field,value", [("d_model", 0), ("n_layer", -1), ("d_state", 0),
+                                         ("headdim", 0), ("chunk_size", 0), ("ngroups", 0)])
+def test_non_positive_size_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"{field}={value}"):
+        Mamba2Config.preset("tiny", **{field: value})
+
+
+def test_headdim_not_dividing_d_inner_names_values_and_fix():
+    with pytest.raises(ValueError, match=r"128\*2 = 256 is not divisible by headdim=48.*"
+                                         r"choose headdim among \[32, 64\]"):
+        Mamba2Config.preset("tiny", headdim=48)
+
+
+def test_ngroups_not_dividing_nheads_names_values_and_fix():
+    # tiny: nheads = 256 / 32 = 8
+    with pytest.raises(ValueError, match=r"nheads = d_inner/headdim = 8 is not divisible by "
+                                         r"ngroups=3; choose ngroups among \[1, 2, 4, 8\]"):
+        Mamba2Config.preset("tiny", ngroups=3)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match="mamba2-130m"):
+        Mamba2Config.preset("mamba2-7b")
+
+
+def test_json_lists_become_tuples():
+    cfg = Mamba2Config.from_dict({**Mamba2Config.preset("tiny").to_dict(),
+                                  "dt_limit": [0.0, math.inf], "A_init_range": [1, 16]})
+    assert cfg == Mamba2Config.preset("tiny")
+
+
+def _n_params(cfg):
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize("name,published", [("mamba2-130m", 130e6), ("mamba2-370m", 370e6),
+                                            ("mamba2-780m", 780e6), ("mamba2-1.3b", 1.3e9),
+                                            ("mamba2-2.7b", 2.7e9)])
+def test_presets_have_the_published_sizes(name, published):
+    cfg = PRESETS[name]
+    assert cfg.padded_vocab_size == 50288 and cfg.d_state == 128 and cfg.headdim == 64
+    # The names round the parameter counts; within 10% of the name.
+    assert abs(_n_params(cfg) - published) / published < 0.1

@@ -1,0 +1,82 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mamba_jax
+from mamba_jax import Mamba2Config, Mamba2LM
+from mamba_jax.generate import _generate, sample_logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16, chunk_size=16,
+                              vocab_size=250)  # 6 padding rows in the vocabulary
+    return Mamba2LM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_greedy_equals_repeated_argmax_of_the_full_forward(model):
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, 250, (2, 7)))
+    out = mamba_jax.generate(model, prompt, max_new_tokens=9)
+    assert out.shape == (2, 16) and out.dtype == jnp.int32
+    seq = prompt
+    for _ in range(9):
+        nxt = jnp.argmax(model(seq)[:, -1, :250], axis=-1)
+        seq = jnp.concatenate([seq, nxt[:, None].astype(seq.dtype)], axis=1)
+    np.testing.assert_array_equal(out, seq)
+
+
+def test_decoding_compiles_once_for_any_prompt_content(model):
+    prompt = jnp.zeros((1, 5), jnp.int32)
+    mamba_jax.generate(model, prompt, max_new_tokens=6, temperature=0.7, seed=1)
+    before = _generate._cache_size()
+    for seed in range(3):
+        mamba_jax.generate(model, prompt + seed, max_new_tokens=6, temperature=0.7, seed=seed)
+    assert _generate._cache_size() == before
+
+
+def test_sampling_is_seeded_and_never_picks_padding_rows(model):
+    prompt = jnp.zeros((4, 3), jnp.int32)
+    a = mamba_jax.generate(model, prompt, max_new_tokens=20, temperature=5.0, seed=3)
+    b = mamba_jax.generate(model, prompt, max_new_tokens=20, temperature=5.0, seed=3)
+    c = mamba_jax.generate(model, prompt, max_new_tokens=20, temperature=5.0, seed=4)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert int(a.max()) < 250
+
+
+def test_eos_stops_each_row_and_pads_with_eos(model):
+    prompt = jnp.asarray(np.random.default_rng(1).integers(0, 250, (2, 4)))
+    free = np.asarray(mamba_jax.generate(model, prompt, max_new_tokens=8))
+    eos = int(free[0, 6])  # the third generated token of row 0
+    out = np.asarray(mamba_jax.generate(model, prompt, max_new_tokens=8, eos_token_id=eos))
+    stop = 4 + list(free[0, 4:]).index(eos)
+    np.testing.assert_array_equal(out[0, :stop + 1], free[0, :stop + 1])
+    assert np.all(out[0, stop:] == eos)
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 4.5]])
+    draws = {int(sample_logits(logits, jax.random.key(s), 1.0, top_k=2)[0]) for s in range(64)}
+    assert draws == {1, 4}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = jnp.asarray([[0.5, 0.3, 0.15, 0.05]])
+    logits = jnp.log(probs)
+    draws = {int(sample_logits(logits, jax.random.key(s), 1.0, top_p=0.75)[0])
+             for s in range(128)}
+    assert draws == {0, 1}  # 0.5 < 0.75, 0.5 + 0.3 >= 0.75
+    only_best = {int(sample_logits(logits, jax.random.key(s), 1.0, top_p=0.1)[0])
+                 for s in range(16)}
+    assert only_best == {0}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_k=0), "top_k=0"), (dict(top_p=1.5), "top_p=1.5")])
+def test_bad_arguments_are_named(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,
+                                                                      **kwargs})

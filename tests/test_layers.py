@@ -1,0 +1,64 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mamba_jax.layers import causal_conv1d, causal_conv1d_step, gated_rms_norm, rms_norm
+
+
+def test_causal_conv1d_matches_direct_convolution():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 9, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 5)).astype(np.float32)
+    bias = rng.standard_normal(5).astype(np.float32)
+    y = causal_conv1d(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias))
+    expected = np.zeros_like(x)
+    for t in range(9):
+        for j in range(4):
+            src = t - 3 + j
+            if src >= 0:
+                expected[:, t] += w[j] * x[:, src]
+    expected = jax.nn.silu(expected + bias)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_conv1d_restarts_at_document_starts():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1, 12, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+    doc = jnp.asarray([[0] * 7 + [1] * 5])
+    y = causal_conv1d(x, w, None, doc)
+    alone = jnp.concatenate([causal_conv1d(x[:, :7], w), causal_conv1d(x[:, 7:], w)], axis=1)
+    np.testing.assert_allclose(y, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_conv_step_equals_the_last_position_of_the_full_conv():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 6, 3, 2)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 3, 2)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)
+    np.testing.assert_allclose(causal_conv1d_step(x[:, -4:], w, bias),
+                               causal_conv1d(x, w, bias)[:, -1], rtol=1e-5, atol=1e-6)
+
+
+def test_gated_norm_normalises_each_group_separately():
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)  # h=4, p=3
+    z = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+    out = gated_rms_norm(y, z, w, 1e-5, ngroups=2)
+    gated = np.asarray(y * jax.nn.silu(z))
+    for grp in range(2):
+        heads = slice(2 * grp, 2 * grp + 2)
+        part = gated[:, heads].reshape(2, -1)
+        expected = part / np.sqrt((part ** 2).mean(-1, keepdims=True) + 1e-5)
+        np.testing.assert_allclose(out[:, heads], expected.reshape(2, 2, 3) * w[heads],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_norms_compute_in_float32_and_return_the_input_dtype():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 64)) * 300, jnp.bfloat16)
+    out = rms_norm(x, jnp.ones(64), 1e-5)
+    assert out.dtype == jnp.bfloat16
+    ref = np.asarray(x, np.float32)
+    ref = ref / np.sqrt((ref ** 2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=1e-2, atol=1e-2)

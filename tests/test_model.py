@@ -1,0 +1,91 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mamba_jax import Mamba2Config, Mamba2LM
+
+
+def tiny(**overrides):
+    return Mamba2Config.preset("tiny", n_layer=2, d_model=64, d_state=16, headdim=16,
+                               chunk_size=16, **overrides)
+
+
+def test_initialisation_follows_mamba_ssm():
+    cfg = Mamba2Config.preset("tiny", d_model=256, n_layer=4, headdim=8)  # 64 heads
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    mixer = model.layers[0].mixer
+    dt = jax.nn.softplus(mixer.dt_bias[...])
+    assert jnp.all(dt >= cfg.dt_min * 0.999) and jnp.all(dt <= cfg.dt_max * 1.001)
+    # log-uniform: the median sits near the geometric mean of the range
+    assert abs(math.log(float(jnp.median(dt))) - math.log(math.sqrt(cfg.dt_min * cfg.dt_max))) < 0.7
+    A = jnp.exp(mixer.A_log[...])
+    assert jnp.all(A >= 1.0) and jnp.all(A <= 16.0) and float(A.max() - A.min()) > 8
+    np.testing.assert_array_equal(mixer.D[...], 1.0)
+    # out_proj: U(+-1/sqrt(d_inner)) / sqrt(n_layer)
+    bound = 1 / math.sqrt(cfg.d_inner) / math.sqrt(cfg.n_layer)
+    assert float(jnp.abs(mixer.out_proj[...]).max()) <= bound
+    assert float(jnp.abs(mixer.out_proj[...]).max()) > 0.9 * bound
+    assert abs(float(jnp.std(model.embedding[...])) - 0.02) < 0.002
+    assert all(leaf.dtype == jnp.float32
+               for leaf in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_forward_shapes_and_tied_head(tie):
+    cfg = tiny(tie_embeddings=tie, vocab_size=250)  # padded to 256
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((2, 21), jnp.int32) + 7)
+    assert logits.shape == (2, 21, 256) and logits.dtype == jnp.float32
+    assert hasattr(model, "lm_head") != tie
+
+
+def test_bfloat16_compute_keeps_ssm_parameters_and_state_in_float32():
+    cfg = tiny(ngroups=2)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 40)))
+    f32 = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    bf16 = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    mixer = bf16.layers[0].mixer
+    assert mixer.A_log[...].dtype == mixer.D[...].dtype == mixer.dt_bias[...].dtype == jnp.float32
+    _, cache = bf16.prefill(ids)
+    assert cache[0].ssm_state.dtype == jnp.float32
+    ref = f32(ids)
+    out = bf16(ids)
+    assert np.all(np.isfinite(out))
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 3e-2
+
+
+@pytest.mark.parametrize("ngroups,prompt", [(1, 5), (2, 23)])
+def test_prefill_then_steps_equal_the_full_forward(ngroups, prompt):
+    cfg = tiny(ngroups=ngroups, tie_embeddings=False)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(1))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 40)))
+    full = model(ids)
+    logits, cache = model.prefill(ids[:, :prompt])
+    np.testing.assert_allclose(logits, full[:, :prompt], rtol=1e-5, atol=1e-5)
+    step = jax.jit(lambda g, s, t, c: nnx.merge(g, s).step(t, c))
+    graphdef, state = nnx.split(model)
+    for t in range(prompt, 40):
+        logits, cache = step(graphdef, state, ids[:, t], cache)
+        # float32; the step is the recurrence, the forward the chunked scan
+        np.testing.assert_allclose(logits, full[:, t], rtol=1e-4, atol=1e-4)
+
+
+def test_packed_documents_equal_separate_sequences():
+    cfg = tiny()
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(2))
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, 30)))
+    seq_idx = jnp.asarray([[0] * 12 + [1] * 18])
+    packed = model(ids, seq_idx=seq_idx)
+    separate = jnp.concatenate([model(ids[:, :12]), model(ids[:, 12:])], axis=1)
+    np.testing.assert_allclose(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_in_fp32_off_keeps_the_stream_in_compute_dtype():
+    model = Mamba2LM(tiny(residual_in_fp32=False), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert model.embed(jnp.zeros((1, 3), jnp.int32)).dtype == jnp.bfloat16
+    model = Mamba2LM(tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert model.embed(jnp.zeros((1, 3), jnp.int32)).dtype == jnp.float32
