@@ -80,3 +80,19 @@ def test_bad_arguments_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,
                                                                       **kwargs})
+
+
+def test_generate_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys):
+    from mamba_jax.data import byte_tokenizer
+    from mamba_jax.generate.__main__ import main
+
+    byte_model = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16),
+                          rngs=nnx.Rngs(0))
+    mamba_jax.save_pretrained(byte_model, tmp_path)
+    with pytest.raises(FileNotFoundError, match="--tokenizer bytes"):
+        main(["--checkpoint", str(tmp_path), "--prompt", "Hi"])
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    main(["--checkpoint", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "5"])
+    expected = mamba_jax.generate(byte_model, jnp.asarray([list(b"Hello")]), 5)
+    printed = capsys.readouterr().out
+    assert printed == byte_tokenizer().decode(expected[0].tolist()) + "\n"
