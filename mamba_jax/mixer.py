@@ -174,7 +174,12 @@ class Mamba2Mixer(nnx.Module):
         out = self._output(y, z)
         if not return_cache:
             return out
-        # The conv's window holds the last k inputs; zeros stand before the first token.
+        # The conv's window holds the last k inputs; zeros stand before the first token and
+        # in place of inputs of an earlier document (e.g. left padding), which the next
+        # token's conv must not read.
+        if seq_idx is not None:
+            doc = document_ids(seq_idx)
+            xBC_in = jnp.where((doc == doc[:, -1:])[..., None], xBC_in, 0)
         l = u.shape[1]
         window = jnp.pad(xBC_in, ((0, 0), (max(c.d_conv - l, 0), 0), (0, 0)))[:, -c.d_conv:]
         return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
@@ -200,8 +205,13 @@ class Mamba2Mixer(nnx.Module):
         r = c.nheads // c.ngroups
         B_h = jnp.repeat(B.astype(jnp.float32), r, axis=1)  # [b, h, n]
         C_h = jnp.repeat(C.astype(jnp.float32), r, axis=1)
-        x32 = x.astype(jnp.float32)
+        dtx = dt[:, :, None] * x.astype(jnp.float32)  # [b, h, p]
+        # y = C.h_new = decay * C.h_old + dtx * (C.B): both terms read the old state, so XLA
+        # fuses the state update and the readout into one pass over the state (read once,
+        # written once) instead of writing h_new and reading it back.
         ssm_state = (cache.ssm_state * decay[:, :, None, None]
-                     + (dt[:, :, None] * x32)[..., None] * B_h[:, :, None, :])
-        y = jnp.einsum("bhpn,bhn->bhp", ssm_state, C_h) + self.D[...][:, None] * x32
+                     + dtx[..., None] * B_h[:, :, None, :])
+        y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", cache.ssm_state, C_h)
+             + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None]
+             + self.D[...][:, None] * x.astype(jnp.float32))
         return self._output(y.astype(self.dtype), z), MambaCache(conv_state, ssm_state)

@@ -87,10 +87,14 @@ class Mamba2LM(nnx.Module):
         """input_ids [b, l] int -> residual stream [b, l, d]."""
         return jnp.take(self.embedding[...], input_ids, axis=0).astype(self.residual_dtype)
 
-    def logits(self, residual):
-        """residual [..., d] -> float32 logits [..., v] through norm_f and the LM head."""
+    def logits(self, residual, head=None):
+        """residual [..., d] -> float32 logits [..., v] through norm_f and the LM head.
+
+        head [v, d]: the LM head already in the compute dtype (decoding casts it once, not at
+        every token); None uses head_weight()."""
         hidden = self.norm_f(residual).astype(self.dtype)
-        return jnp.einsum("...d,vd->...v", hidden, self.head_weight().astype(self.dtype),
+        head = self.head_weight() if head is None else head
+        return jnp.einsum("...d,vd->...v", hidden, head.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids, seq_idx=None):
@@ -104,20 +108,25 @@ class Mamba2LM(nnx.Module):
         """An empty decoding cache: one MambaCache per layer."""
         return tuple(layer.mixer.init_cache(batch_size) for layer in self.layers)
 
-    def prefill(self, input_ids):
-        """input_ids [b, l] -> (logits [b, l, v], cache after the last token)."""
+    def prefill(self, input_ids, seq_idx=None):
+        """input_ids [b, l] -> (logits [b, l, v], cache after the last token).
+
+        seq_idx [b, l]: the cache holds only the last document of each row (so left padding
+        given its own seq_idx leaves no trace in the state)."""
         residual = self.embed(input_ids)
         cache = []
         for layer in self.layers:
-            residual, layer_cache = layer(residual, return_cache=True)
+            residual, layer_cache = layer(residual, seq_idx=seq_idx, return_cache=True)
             cache.append(layer_cache)
         return self.logits(residual), tuple(cache)
 
-    def step(self, token_ids, cache):
-        """One decoding step: token_ids [b] -> (logits [b, v], the updated cache)."""
+    def step(self, token_ids, cache, head=None):
+        """One decoding step: token_ids [b] -> (logits [b, v], the updated cache).
+
+        head: as in `logits`."""
         residual = self.embed(token_ids)
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache):
             residual, layer_cache = layer.step(residual, layer_cache)
             new_cache.append(layer_cache)
-        return self.logits(residual), tuple(new_cache)
+        return self.logits(residual, head), tuple(new_cache)

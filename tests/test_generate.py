@@ -6,7 +6,7 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.generate import _generate, sample_logits
+from mamba_jax.generate import _decode, _prefill, sample_logits
 
 
 @pytest.fixture(scope="module")
@@ -20,20 +20,20 @@ def test_greedy_equals_repeated_argmax_of_the_full_forward(model):
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 250, (2, 7)))
     out = mamba_jax.generate(model, prompt, max_new_tokens=9)
     assert out.shape == (2, 16) and out.dtype == jnp.int32
-    seq = prompt
-    for _ in range(9):
-        nxt = jnp.argmax(model(seq)[:, -1, :250], axis=-1)
-        seq = jnp.concatenate([seq, nxt[:, None].astype(seq.dtype)], axis=1)
-    np.testing.assert_array_equal(out, seq)
+    np.testing.assert_array_equal(out[:, :7], prompt)
+    # The forward is causal: one pass over the output gives every prefix's next token.
+    np.testing.assert_array_equal(jnp.argmax(model(out[:, :-1])[:, 6:, :250], axis=-1),
+                                  out[:, 7:])
 
 
 def test_decoding_compiles_once_for_any_prompt_content(model):
     prompt = jnp.zeros((1, 5), jnp.int32)
     mamba_jax.generate(model, prompt, max_new_tokens=6, temperature=0.7, seed=1)
-    before = _generate._cache_size()
+    before = _prefill._cache_size(), _decode._cache_size()
     for seed in range(3):
-        mamba_jax.generate(model, prompt + seed, max_new_tokens=6, temperature=0.7, seed=seed)
-    assert _generate._cache_size() == before
+        mamba_jax.generate(model, prompt + seed, max_new_tokens=6, temperature=0.7 + seed,
+                           seed=seed)
+    assert (_prefill._cache_size(), _decode._cache_size()) == before
 
 
 def test_sampling_is_seeded_and_never_picks_padding_rows(model):
@@ -73,9 +73,43 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert only_best == {0}
 
 
+def test_left_padded_batch_equals_each_row_generated_alone(model):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 250, n) for n in (9, 2, 5)]  # 2 < d_conv - 1 pads to read
+    padded = np.full((3, 9), 7, np.int32)  # a pad id that would change the state if read
+    for row, prompt in zip(padded, prompts):
+        row[9 - len(prompt):] = prompt
+    out = np.asarray(mamba_jax.generate(model, padded, max_new_tokens=8,
+                                        prompt_lengths=[len(p) for p in prompts]))
+    for row, prompt in zip(out, prompts):
+        alone = mamba_jax.generate(model, jnp.asarray(prompt)[None], max_new_tokens=8)
+        np.testing.assert_array_equal(row[9:], np.asarray(alone)[0, len(prompt):])
+
+
+def test_per_row_settings_and_limits_match_separate_calls(model):
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, 250, (2, 5)))
+    out = mamba_jax.generate(model, prompt, max_new_tokens=6, temperature=[0.0, 0.0],
+                             top_k=[3, 250], max_new_tokens_per_row=[6, 2])
+    greedy = mamba_jax.generate(model, prompt, max_new_tokens=6)
+    np.testing.assert_array_equal(out[0], greedy[0])
+    np.testing.assert_array_equal(out[1, :7], greedy[1, :7])
+    assert np.all(np.asarray(out[1, 7:]) == 0)  # past its limit: the pad id
+
+
+def test_streaming_delivers_every_step_in_order(model):
+    prompt = jnp.asarray(np.random.default_rng(4).integers(0, 250, (2, 4)))
+    seen = []
+    out = mamba_jax.generate(model, prompt, max_new_tokens=7, temperature=1.0, seed=5,
+                             on_token=lambda step, tokens: seen.append((step, tokens.tolist())))
+    assert [step for step, _ in seen] == list(range(7))
+    np.testing.assert_array_equal(np.asarray([t for _, t in seen]).T, out[:, 4:])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
-    (dict(top_k=0), "top_k=0"), (dict(top_p=1.5), "top_p=1.5")])
+    (dict(top_k=0), "top_k=0"), (dict(top_p=1.5), "top_p=1.5"),
+    (dict(prompt_lengths=[4]), "prompt_lengths=\\[4\\]"),
+    (dict(temperature=[1.0, 1.0]), "temperature has shape \\(2,\\)")])
 def test_bad_arguments_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,

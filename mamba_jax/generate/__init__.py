@@ -1,57 +1,144 @@
-"""Generation: prefill through the chunked scan, then one compiled decode loop.
+"""Generation: a jitted prefill through the chunked scan, then one compiled decode loop.
 
     tokens = generate(model, input_ids, max_new_tokens=64, temperature=0.0)
     python -m mamba_jax.generate --checkpoint DIR --prompt "Hello"   (the CLI: __main__.py)
+    python -m mamba_jax.serve --checkpoint DIR                        (the HTTP server)
 
-The whole decode (all layers, sampling, stopping) is one jitted `lax.while_loop`: no Python
-loop and no recompilation per token. The cache (mixer.MambaCache per layer) is carried in
-the loop; its buffers are updated in place by XLA.
+Legend: b batch, l prompt length (after left padding), t max_new_tokens, v vocabulary.
+
+Two programs per call. `_prefill` runs the prompt through the chunked SSD scan and samples
+the first token. `_decode` is the whole rest (every layer, sampling, per-row stopping) as one
+`lax.while_loop`: no Python loop, no host round trip and no recompilation per token. Its
+cache argument is donated, so XLA updates the conv windows and SSM states in place. Before
+the loop it casts the matmul weights to the compute dtype once: every token then reads them
+at 2 bytes a value instead of reading float32 and converting (the same values either way).
+
+Sampling settings are traced values, one per row, so requests with different temperatures
+share a batch and a compiled program; only which filters exist at all (greedy-only, top-k,
+top-p) is static.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
+
+from mamba_jax.model import param_name
+
+# Parameters the model casts to its compute dtype at every use (Mamba2Mixer.project and
+# out_proj_partial, Mamba2LM.logits): casting them once before the loop changes no value.
+_MATMUL_WEIGHTS = frozenset({"z_proj", "x_proj", "B_proj", "C_proj", "dt_proj", "out_proj",
+                             "lm_head"})
+
+
+class Sampling(NamedTuple):
+    """Which filters the compiled sampler contains (static); their values are traced."""
+
+    greedy: bool  # every row has temperature 0: argmax only
+    top_k: bool
+    top_p: bool
 
 
 def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
-    """logits [b, v] float32 -> token ids [b] int32. temperature 0 is greedy (argmax).
+    """logits [b, v] float32 -> token ids [b] int32.
 
-    top_k keeps the k most likely tokens; top_p keeps the smallest set whose probability
-    reaches p (nucleus sampling), always at least the most likely token.
+    Each setting is a number (all rows) or an array [b] (one per row). temperature 0 is
+    greedy (argmax). top_k keeps the k most likely tokens (None or 0: off); top_p then keeps
+    the smallest set whose probability reaches p (None or 1: off), always at least the most
+    likely token.
     """
-    if temperature == 0.0:
+    if isinstance(temperature, (int, float)) and temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # A token stays if the mass strictly before it is below top_p.
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        cutoff = jnp.min(jnp.where(mass_before < top_p, sorted_logits, jnp.inf), axis=-1,
-                         keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    b, v = logits.shape
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))[:, None]
+    scaled = logits / jnp.where(t > 0, t, 1.0)
+    if top_k is not None or top_p is not None:
+        ranked = -jnp.sort(-scaled, axis=-1)  # [b, v], most likely first
+        cutoff = jnp.full((b, 1), -jnp.inf)
+        if top_k is not None:
+            k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (b,))
+            k = jnp.where(k > 0, jnp.minimum(k, v), v)[:, None]
+            cutoff = jnp.take_along_axis(ranked, k - 1, axis=-1)
+            ranked = jnp.where(ranked < cutoff, -jnp.inf, ranked)
+        if top_p is not None:
+            p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))[:, None]
+            probs = jax.nn.softmax(ranked, axis=-1)
+            # A token stays if the mass strictly before it is below top_p.
+            mass_before = jnp.cumsum(probs, axis=-1) - probs
+            cutoff = jnp.maximum(cutoff, jnp.min(
+                jnp.where(mass_before < p, ranked, jnp.inf), axis=-1, keepdims=True))
+        scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    sampled = jax.random.categorical(key, scaled, axis=-1)
+    return jnp.where(t[:, 0] > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature",
-                                             "top_k", "top_p", "eos_token_id"))
-def _generate(graphdef, state, input_ids, key, *, max_new_tokens, temperature, top_k, top_p,
-              eos_token_id):
+def _sample(logits, key, settings, sampling: Sampling):
+    """sample_logits with the static Sampling deciding which traced settings it reads."""
+    if sampling.greedy:
+        return sample_logits(logits, key)
+    temperature, top_k, top_p = settings
+    return sample_logits(logits, key, temperature, top_k if sampling.top_k else None,
+                         top_p if sampling.top_p else None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+def _prefill(graphdef, state, input_ids, prompt_lengths, key, settings, *, sampling):
+    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], cache)."""
     model = nnx.merge(graphdef, state)
+    seq_idx = None
+    if prompt_lengths is not None:
+        # Left padding is its own document: the conv and the scan restart at the prompt.
+        l = input_ids.shape[1]
+        seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
+    logits, cache = model.prefill(input_ids, seq_idx=seq_idx)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
-    b, l = input_ids.shape
-    logits, cache = model.prefill(input_ids)
+    first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling)
+    return first, cache
+
+
+def _emit(stream_id, step, tokens):
+    """The host end of the streaming io_callback: hand tokens [b] to the stream's callable."""
+    _STREAMS[int(stream_id)](int(step), np.asarray(tokens))
+
+
+# Streams by id: jit keys on the callable it traces, so the loop calls one fixed function
+# (_emit) with the stream's id as data, and a new on_token never recompiles.
+_STREAMS: dict[int, Callable[[int, np.ndarray], None]] = {}
+_STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling",
+                                             "eos_token_id", "stream"),
+                   donate_argnames=("cache",))
+def _decode(graphdef, state, first, cache, key, settings, limits, stream_id, *, max_new_tokens,
+            sampling, eos_token_id, stream):
+    """first [b] (the prefill's token), limits [b] (tokens each row may generate, <= t) ->
+    (tokens [b, t] int32, final cache).
+
+    A row is done after its eos_token_id or its limit; later positions hold eos_token_id
+    (0 without one). With `stream`, each step's tokens [b] reach the host through an ordered
+    io_callback: one program still runs the whole decode (no per-segment dispatch, as a loop
+    run in compiled segments would need), and the non-streaming program has no host sync.
+    """
+    model = nnx.merge(graphdef, state)
+    weights = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree_util.tree_map_with_path(
+        lambda path, w: (w.astype(model.dtype)
+                         if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), weights))
+    head = model.head_weight().astype(model.dtype)
+    vocab = model.config.vocab_size
     stop = -1 if eos_token_id is None else eos_token_id
     pad = 0 if eos_token_id is None else eos_token_id
-    first = sample_logits(logits[:, -1, :vocab], jax.random.fold_in(key, 0), temperature,
-                          top_k, top_p)
+    b = first.shape[0]
+    if stream:
+        io_callback(_emit, None, stream_id, 0, first, ordered=True)
     out = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
 
     def cond(carry):
@@ -60,39 +147,103 @@ def _generate(graphdef, state, input_ids, key, *, max_new_tokens, temperature, t
 
     def body(carry):
         i, token, cache, done, out = carry
-        logits, cache = model.step(token, cache)
-        token = sample_logits(logits[:, :vocab], jax.random.fold_in(key, i), temperature,
-                              top_k, top_p)
+        logits, cache = model.step(token, cache, head)
+        token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling)
         token = jnp.where(done, pad, token)
-        return i + 1, token, cache, done | (token == stop), out.at[:, i].set(token)
+        if stream:
+            io_callback(_emit, None, stream_id, i, token, ordered=True)
+        done = done | (token == stop) | (i + 1 >= limits)
+        return i + 1, token, cache, done, out.at[:, i].set(token)
 
-    carry = (jnp.int32(1), first, cache, first == stop, out)
-    *_, out = jax.lax.while_loop(cond, body, carry)
-    return jnp.concatenate([input_ids.astype(jnp.int32), out], axis=1)
+    carry = (jnp.int32(1), first, cache, (first == stop) | (limits <= 1), out)
+    _, _, cache, _, out = jax.lax.while_loop(cond, body, carry)
+    return out, cache
 
 
-def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
-             seed=0, eos_token_id=None):
-    """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
+def _per_row(name, value, b, dtype, off):
+    """A setting given as None, a number or a sequence [b] -> (array [b], any row uses it)."""
+    if value is None:
+        return np.full((b,), off, dtype), False
+    arr = np.broadcast_to(np.asarray(value, dtype), (b,)) if np.ndim(value) == 0 else \
+        np.asarray(value, dtype)
+    if arr.shape != (b,):
+        raise ValueError(f"generate: {name} has shape {arr.shape}; give a number or one "
+                         f"value per row, shape ({b},)")
+    return arr, bool(np.any(arr != off))
 
-    Rows that emit eos_token_id continue with eos_token_id; the loop ends early once every
-    row has. Compiled once per (model structure, shapes, sampling settings).
-    """
-    input_ids = jnp.asarray(input_ids)
+
+def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
+           max_new_tokens_per_row):
+    """Validate generate's arguments; -> (settings, Sampling, prompt_lengths, limits)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
                          f"{input_ids.shape}")
+    b, l = input_ids.shape
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
+    t, sampled = _per_row("temperature", temperature, b, np.float32, 0.0)
+    if np.any(t < 0):
         raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 is greedy)")
-    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"generate: top_k={top_k} must be in [1, vocab_size="
-                         f"{model.config.vocab_size}] or None")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    vocab = model.config.vocab_size
+    k, use_k = _per_row("top_k", top_k, b, np.int32, 0)
+    if top_k is not None and not np.all((k >= 1) & (k <= vocab)):
+        raise ValueError(f"generate: top_k={top_k} must be in [1, vocab_size={vocab}] or None")
+    p, use_p = _per_row("top_p", top_p, b, np.float32, 1.0)
+    if top_p is not None and not np.all((p > 0.0) & (p <= 1.0)):
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1] or None")
+    if prompt_lengths is not None:
+        prompt_lengths, _ = _per_row("prompt_lengths", prompt_lengths, b, np.int32, 0)
+        if not np.all((prompt_lengths >= 1) & (prompt_lengths <= l)):
+            raise ValueError(f"generate: prompt_lengths={prompt_lengths.tolist()} must each "
+                             f"be in [1, seqlen={l}]")
+    limits, _ = _per_row("max_new_tokens_per_row", max_new_tokens_per_row, b, np.int32,
+                         max_new_tokens)
+    if not np.all((limits >= 1) & (limits <= max_new_tokens)):
+        raise ValueError(f"generate: max_new_tokens_per_row={limits.tolist()} must each be "
+                         f"in [1, max_new_tokens={max_new_tokens}]")
+    sampling = Sampling(greedy=not sampled, top_k=sampled and use_k, top_p=sampled and use_p)
+    return (t, k, p), sampling, prompt_lengths, limits
+
+
+def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
+             seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
+             on_token=None):
+    """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
+
+    temperature, top_k, top_p: a number for all rows, or one value per row (see
+    sample_logits). Rows that emit eos_token_id continue with eos_token_id (0 without one)
+    and so do rows past their max_new_tokens_per_row ([b], default max_new_tokens); the loop
+    ends early once every row is done.
+
+    prompt_lengths [b]: for left-padded input_ids, row r's prompt is
+    input_ids[r, l - prompt_lengths[r]:]. The padding is given its own document, so it
+    cannot affect the state: each row continues exactly as if generated alone.
+
+    on_token(step, tokens [b] numpy): called from a runtime thread as each step's tokens
+    are sampled (step 0 is the first new token), for streaming.
+
+    Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
+    used, eos_token_id, streaming or not); the settings' values and the prompts are data.
+    """
+    input_ids = jnp.asarray(input_ids)
+    settings, sampling, prompt_lengths, limits = _check(
+        model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
+        max_new_tokens_per_row)
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, input_ids, jax.random.key(seed),
-                     max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                     top_k=top_k, top_p=None if top_p is None else float(top_p),
-                     eos_token_id=eos_token_id)
+    key = jax.random.key(seed)
+    first, cache = _prefill(graphdef, state, input_ids, prompt_lengths, key, settings,
+                            sampling=sampling)
+    stream_id = -1
+    if on_token is not None:
+        stream_id = next(_STREAM_IDS)
+        _STREAMS[stream_id] = on_token
+    try:
+        out, _ = _decode(graphdef, state, first, cache, key, settings, limits,
+                         np.int32(stream_id), max_new_tokens=int(max_new_tokens),
+                         sampling=sampling, eos_token_id=eos_token_id,
+                         stream=on_token is not None)
+        if on_token is not None:
+            jax.effects_barrier()  # every callback has run before the stream is dropped
+    finally:
+        _STREAMS.pop(stream_id, None)
+    return jnp.concatenate([input_ids.astype(jnp.int32), out], axis=1)

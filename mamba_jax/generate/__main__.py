@@ -1,11 +1,15 @@
 """`python -m mamba_jax.generate --checkpoint DIR --prompt TEXT`: generate from a checkpoint.
 
-Uses the checkpoint's tokenizer.json (or --tokenizer PATH|bytes).
+Uses the checkpoint's tokenizer.json (or --tokenizer PATH|bytes). With `--server URL`
+instead of --checkpoint it is the client of `python -m mamba_jax.serve`: it streams the
+continuation from URL/v1/completions and prints it as it arrives.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -19,7 +23,9 @@ from mamba_jax.generate import generate
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.generate",
                                      description="Generate text from a Mamba2 checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (HF or mamba_ssm)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="checkpoint dir (HF or mamba_ssm)")
+    source.add_argument("--server", help="a mamba_jax.serve URL, e.g. http://127.0.0.1:6000")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json path or 'bytes' (default: the checkpoint's "
@@ -31,6 +37,14 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args(argv)
+    if args.server:
+        if args.top_k is not None:
+            parser.error("--top-k is not part of /v1/completions; leave it out with --server")
+        print(args.prompt, end="", flush=True)
+        asyncio.run(stream_from_server(args.server, args.prompt, args.max_new_tokens,
+                                       args.temperature, args.top_p))
+        print()
+        return
 
     tokenizer = load_tokenizer(args.tokenizer or Path(args.checkpoint) / "tokenizer.json")
     model = from_pretrained(args.checkpoint, dtype=jnp.dtype(args.dtype))
@@ -41,6 +55,23 @@ def main(argv=None):
     out = generate(model, jnp.asarray([ids]), args.max_new_tokens, args.temperature,
                    args.top_k, args.top_p, args.seed, eos)
     print(tokenizer.decode([int(t) for t in out[0]]))
+
+
+async def stream_from_server(url, prompt, max_tokens, temperature, top_p):
+    """Print the server's streamed completion of prompt as it arrives."""
+    import aiohttp
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, **({} if top_p is None else {"top_p": top_p})}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url.rstrip("/") + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                sys.exit(f"generate: {url} answered {response.status}: "
+                         f"{await response.text()}")
+            async for line in response.content:
+                data = line.decode().removeprefix("data: ").strip()
+                if data and data != "[DONE]":
+                    print(json.loads(data)["choices"][0]["text"], end="", flush=True)
 
 
 if __name__ == "__main__":

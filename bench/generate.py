@@ -1,0 +1,177 @@
+"""Decoding speed on a GPU: mamba_jax.generate against mamba_ssm's generate(..., cg=True).
+
+    python3 bench/generate.py [--baseline .baseline] [--presets mamba2-370m,mamba2-1.3b]
+                              [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
+
+Random weights, bf16 compute, greedy. For each preset and batch: our prefill time and our
+decode time (the jitted prefill and the jitted decode loop, each timed from the call until
+its result is on the device), ms per decode step (decode time / (new - 1) steps: the first
+token comes from the prefill) and decode tokens/s; mamba_ssm's the same, its decode time
+being generate(max_length=prompt+new) minus generate(max_length=prompt+1) (prefill and one
+token), both with CUDA graphs; the ratio ours/theirs per step; and the roofline: bytes one
+decode step must read (bf16 matmul weights, float32 conv weights and norms, the conv and SSM
+states read and written; mamba_ssm keeps its states in bf16, we keep the SSM state float32)
+over the measured copy bandwidth. Median of --reps after one warm-up.
+
+mamba_ssm is not a dependency: its Python is imported from --baseline (a git-ignored copy
+of mamba_ssm v2.3.2.post1's package) with its __init__ bypassed and the compiled
+`selective_scan_cuda` (Mamba1 only) stubbed; `causal_conv1d` is absent, so its decode step
+uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms and scan
+are its Triton kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
+from mamba_jax.generate import _check, _decode, _prefill  # noqa: E402
+
+
+def timed(fn, reps):
+    """Median seconds of fn() over reps calls after one warm-up; fn blocks until done."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def copy_bandwidth():
+    """Bytes/s of a jitted read-and-write of 4 GiB (the roofline's bandwidth)."""
+    big = jnp.ones((1 << 30,), jnp.float32)
+    scale = jax.jit(lambda v: v * 2)
+    return 2 * big.nbytes / timed(lambda: scale(big).block_until_ready(), 5)
+
+
+def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
+    """Bytes one decode step reads or writes at the least: every weight once (matmuls bf16,
+    the rest float32) and each row's conv window and SSM state read and written."""
+    d, h, p, g, n, k = (cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state,
+                        cfg.d_conv)
+    matmul = d * (2 * h * p + 2 * g * n + h) + h * p * d  # in projections, out_proj
+    small = k * cfg.conv_dim + cfg.conv_dim + 4 * h + h * p + d  # conv, A, D, dt, norms
+    per_layer = 2 * matmul + 4 * small + batch * 2 * (2 * cfg.conv_dim * k
+                                                      + state_bytes * h * p * n)
+    return cfg.n_layer * per_layer + 2 * cfg.padded_vocab_size * d + 4 * d
+
+
+def ours(cfg, batch, prompt, new, reps):
+    """(prefill s, decode s) of mamba_jax.generate's two programs."""
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt)))
+    settings, sampling, lengths, limits = _check(model, ids, new, 0.0, None, None, None,
+                                                     None)
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(0)
+
+    def prefill():
+        return jax.block_until_ready(_prefill(graphdef, state, ids, lengths, key, settings,
+                                                  sampling=sampling))
+
+    def decode(first, cache):
+        return jax.block_until_ready(_decode(
+            graphdef, state, first, cache, key, settings, limits, np.int32(-1),
+            max_new_tokens=new, sampling=sampling, eos_token_id=None, stream=False))
+
+    t_prefill = timed(prefill, reps)
+    caches = [prefill() for _ in range(reps + 1)]  # the decode donates (consumes) each one
+    return t_prefill, timed(lambda: decode(*caches.pop()), reps)
+
+
+def import_mamba_lm(baseline):
+    package = types.ModuleType("mamba_ssm")  # skip mamba_ssm/__init__ (compiled extensions)
+    package.__path__ = [os.path.join(baseline, "mamba_ssm")]
+    sys.modules["mamba_ssm"] = package
+    # Imported by the Mamba1 module that mixer_seq_simple also imports; never called here.
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    return MambaConfig, MambaLMHeadModel
+
+
+def theirs(cfg, batch, prompt, new, reps, baseline):
+    """(prefill s, decode s) of mamba_ssm's generate(..., cg=True)."""
+    import torch
+
+    MambaConfig, MambaLMHeadModel = import_mamba_lm(baseline)
+    config = MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
+                         ssm_cfg={"layer": "Mamba2", "d_state": cfg.d_state,
+                                  "headdim": cfg.headdim, "ngroups": cfg.ngroups,
+                                  "chunk_size": cfg.chunk_size},
+                         rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                         pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+                         tie_embeddings=True)
+    model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
+
+    def run(max_length):
+        with torch.inference_mode():
+            model.generate(ids, max_length=max_length, top_k=1, cg=True)
+        torch.cuda.synchronize()
+
+    # Each max_length captures its own graphs: all runs of one length, then the other.
+    t_full = timed(lambda: run(prompt + new), reps)
+    t_prefill = timed(lambda: run(prompt + 1), reps)
+    return t_prefill, t_full - t_prefill
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default=".baseline")
+    parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth()
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s; prompt {args.prompt}, {args.new} new tokens, bf16, "
+          "greedy")
+    header = ("preset", "batch", "prefill ours ms", "prefill theirs ms", "ms/step ours",
+              "ms/step theirs", "ours/theirs", "tok/s ours", "tok/s theirs", "ours/theirs tok/s",
+              "floor ms ours", "floor ms theirs", "ours/floor")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    steps = args.new - 1
+    for preset in args.presets.split(","):
+        cfg = Mamba2Config.preset(preset)
+        for batch in (int(b) for b in args.batches.split(",")):
+            p_ours, d_ours = ours(cfg, batch, args.prompt, args.new, args.reps)
+            try:
+                p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
+                                            args.baseline)
+            except Exception:  # still print our row; the table marks theirs as failed
+                traceback.print_exc()
+                p_theirs = d_theirs = float("nan")
+            ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
+            tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
+            floor_ours = 1e3 * step_bytes(cfg, batch, 4) / bandwidth
+            floor_theirs = 1e3 * step_bytes(cfg, batch, 2) / bandwidth
+            row = (preset, batch, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
+                   f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.2f}x",
+                   f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
+                   f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
+            print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

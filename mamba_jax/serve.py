@@ -1,0 +1,351 @@
+"""`python -m mamba_jax.serve --checkpoint DIR [--port 6000] [--host 127.0.0.1]`: a text
+generation server (aiohttp).
+
+Endpoints:
+  PUT  /api             Megatron-LM's text-generation request: {"prompts": [str],
+                        "tokens_to_generate", "temperature", "top_k", "top_p"} ->
+                        {"text": [prompt + continuation]}
+  POST /v1/completions  OpenAI-style: {"prompt": str | [str], "max_tokens", "temperature",
+                        "top_p", "stream", "model"} -> a text_completion, or with "stream":
+                        server-sent events, one chunk per token, then "data: [DONE]"
+  GET  /health          {"status": "ok", ...}
+
+Bad input (malformed JSON, unknown or mistyped fields, a prompt or max_tokens over the
+limits) is a 400 whose message names the field; the server keeps serving.
+
+Concurrent requests are batched: a request waits up to --batch-window-ms for others, then
+every waiting prompt (up to --max-batch) runs as one `generate` call, with per-row
+sampling settings and token limits (all traced values, so any requests are compatible).
+Generation runs on one executor thread, off the event loop, so the server answers (health,
+bad input, other streams) while a batch decodes. Shapes are bucketed to powers of two
+(batch rows, left-padded prompt length, max new tokens), which bounds the compiled
+programs to a few per bucket; streaming batches compile a variant that sends each step's
+tokens to the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from aiohttp import web
+
+from mamba_jax.generate import generate
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int = 2048
+    max_new_tokens: int = 1024
+    max_batch: int = 64
+    batch_window_s: float = 0.005
+
+
+class BadRequest(web.HTTPBadRequest):
+    """A 400 with a JSON body {"error": {"message", "field"}}."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(text=json.dumps({"error": {"message": message, "field": field}}),
+                         content_type="application/json")
+
+
+def _bucket(n: int, cap: int, least: int = 1) -> int:
+    """The power of two >= max(n, least), at most cap (cap >= n)."""
+    return min(max(least, 1 << (n - 1).bit_length()), cap)
+
+
+@dataclasses.dataclass
+class _Row:
+    """One prompt of a request: its tokens, settings and where its output goes."""
+
+    ids: list[int]
+    max_new: int
+    temperature: float
+    top_k: int
+    top_p: float
+    future: asyncio.Future  # -> (new token ids, finish_reason)
+    stream: asyncio.Queue | None = None  # new token ids one at a time, then None
+
+
+class Engine:
+    """Holds the model, batches waiting rows and runs each batch on the executor thread."""
+
+    def __init__(self, model, tokenizer, limits: Limits, eos_token_id=None):
+        self.model, self.tokenizer, self.limits = model, tokenizer, limits
+        self.eos = eos_token_id
+        self.pending: asyncio.Queue[_Row] = asyncio.Queue()
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, "mamba-generate")
+        self.seeds = itertools.count()
+        self.batches = 0
+
+    async def run(self):
+        """Forever: wait for a row, gather what arrives within the window, generate."""
+        loop = asyncio.get_running_loop()
+        while True:
+            rows = [await self.pending.get()]
+            deadline = loop.time() + self.limits.batch_window_s
+            while len(rows) < self.limits.max_batch:
+                try:
+                    rows.append(await asyncio.wait_for(self.pending.get(),
+                                                       deadline - loop.time()))
+                except TimeoutError:
+                    break
+            await self._generate(loop, rows)
+
+    async def _generate(self, loop, rows: list[_Row]):
+        lim = self.limits
+        b = _bucket(len(rows), lim.max_batch)
+        l = _bucket(max(len(r.ids) for r in rows), lim.max_prompt_tokens, least=16)
+        t = _bucket(max(r.max_new for r in rows), lim.max_new_tokens, least=16)
+        # Filler rows: a one-token prompt, greedy, stopped after one token.
+        fill = [_Row([0], 1, 0.0, 0, 1.0, None)] * (b - len(rows))
+        batch = rows + fill
+        ids = np.zeros((b, l), np.int32)
+        for row, r in zip(ids, batch):
+            row[l - len(r.ids):] = r.ids
+        streams = [r.stream for r in rows]
+
+        def deliver(step, tokens):  # on the event loop, in step order
+            for queue, r, token in zip(streams, rows, tokens):
+                if queue is not None and step < r.max_new and not r.future.done():
+                    queue.put_nowait(int(token))
+
+        def on_token(step, tokens):  # on a runtime thread
+            loop.call_soon_threadsafe(deliver, step, tokens)
+
+        # Off is top_k = vocab and top_p = 1 for a row; a filter no row uses is left out of
+        # the compiled sampler.
+        sampled = any(r.temperature > 0 for r in batch)
+        vocab = self.model.config.vocab_size
+        top_k = [min(r.top_k, vocab) or vocab for r in batch]
+        top_p = [r.top_p for r in batch]
+        try:
+            out = await loop.run_in_executor(self.executor, lambda: np.asarray(generate(
+                self.model, ids, t, [r.temperature for r in batch],
+                top_k if sampled and min(top_k) < vocab else None,
+                top_p if sampled and min(top_p) < 1 else None,
+                next(self.seeds), self.eos, prompt_lengths=[len(r.ids) for r in batch],
+                max_new_tokens_per_row=[r.max_new for r in batch],
+                on_token=on_token if any(streams) else None)))
+        except Exception as err:  # fail this batch's requests, keep serving
+            for r in rows:
+                if r.stream is not None:
+                    r.stream.put_nowait(None)
+                if not r.future.done():
+                    r.future.set_exception(err)
+            return
+        self.batches += 1
+        for r, new in zip(rows, out[:, l:]):
+            new = new[:r.max_new].tolist()
+            reason = "length"
+            if self.eos is not None and self.eos in new:
+                new, reason = new[:new.index(self.eos)], "stop"
+            if r.stream is not None:
+                r.stream.put_nowait(None)
+            if not r.future.done():
+                r.future.set_result((new, reason))
+
+    def tokenize(self, prompt: str, field: str) -> list[int]:
+        """A prompt's token ids; a 400 naming field if it is empty or too long."""
+        ids = self.tokenizer.encode(prompt).ids
+        if not 1 <= len(ids) <= self.limits.max_prompt_tokens:
+            raise BadRequest(field, f"{field}: the prompt is {len(ids)} tokens; it must be 1 "
+                             f"to {self.limits.max_prompt_tokens} (the server's limit)")
+        return ids
+
+    def submit(self, ids: list[int], max_new: int, temperature: float, top_k: int,
+               top_p: float, stream: bool) -> _Row:
+        """Queue one prompt for the next batch."""
+        row = _Row(ids, max_new, temperature, top_k, top_p,
+                   asyncio.get_running_loop().create_future(),
+                   asyncio.Queue() if stream else None)
+        self.pending.put_nowait(row)
+        return row
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+# Request schemas: field -> (accepted types, default, check or None, what it must be).
+_NUMBER = (int, float)
+MEGATRON = {
+    "prompts": (list, None, lambda v: v and all(isinstance(p, str) for p in v),
+                "a non-empty list of strings"),
+    "tokens_to_generate": (int, 64, None, "an integer"),
+    "temperature": (_NUMBER, 1.0, lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
+    "top_k": (int, 0, lambda v: v >= 0, "an integer >= 0 (0 is off)"),
+    "top_p": (_NUMBER, 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1] (0 is off)"),
+}
+COMPLETIONS = {
+    "prompt": ((str, list), None, lambda v: isinstance(v, str) or (
+        v and all(isinstance(p, str) for p in v)), "a string or a non-empty list of strings"),
+    "max_tokens": (int, 16, None, "an integer"),
+    "temperature": (_NUMBER, 1.0, lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
+    "top_p": (_NUMBER, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "stream": (bool, False, None, "true or false"),
+    "model": (str, "", None, "a string"),
+}
+
+
+async def _parse(request: web.Request, schema: dict, max_new_field: str, limits: Limits):
+    """The request's JSON object checked against schema, defaults filled in."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest("body", f"the request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "the request body must be a JSON object")
+    unknown = sorted(set(body) - set(schema))
+    if unknown:
+        raise BadRequest(unknown[0], f"unknown field {unknown[0]!r}; this endpoint takes "
+                         f"{sorted(schema)}")
+    values = {}
+    for name, (types, default, check, must) in schema.items():
+        if name not in body:
+            if default is None:
+                raise BadRequest(name, f"{name} is required: {must}")
+            values[name] = default
+            continue
+        value = body[name]
+        # JSON true/false are Python bools, which are also ints: only "stream" takes them.
+        if (isinstance(value, bool) and types is not bool) or not isinstance(value, types) \
+                or (check is not None and not check(value)):
+            raise BadRequest(name, f"{name}={json.dumps(value)} must be {must}")
+        values[name] = value
+    n = values[max_new_field]
+    if not 1 <= n <= limits.max_new_tokens:
+        raise BadRequest(max_new_field, f"{max_new_field}={n} must be in [1, "
+                         f"{limits.max_new_tokens}] (the server's limit)")
+    return values
+
+
+def _rows(engine: Engine, prompts, field, max_new, temperature, top_k, top_p, stream=False):
+    """Tokenize every prompt before queueing any, so a 400 leaves nothing running."""
+    names = [f"{field}[{i}]" if len(prompts) > 1 else field for i in range(len(prompts))]
+    ids = [engine.tokenize(p, name) for p, name in zip(prompts, names)]
+    return [engine.submit(i, max_new, float(temperature), top_k, float(top_p), stream)
+            for i in ids]
+
+
+async def megatron_api(request: web.Request):
+    engine: Engine = request.app[ENGINE]
+    v = await _parse(request, MEGATRON, "tokens_to_generate", engine.limits)
+    rows = _rows(engine, v["prompts"], "prompts", v["tokens_to_generate"], v["temperature"],
+                 v["top_k"], v["top_p"] or 1.0)
+    results = await asyncio.gather(*(r.future for r in rows))
+    return web.json_response({"text": [p + engine.text(new)
+                                       for p, (new, _) in zip(v["prompts"], results)]})
+
+
+async def completions(request: web.Request):
+    engine: Engine = request.app[ENGINE]
+    v = await _parse(request, COMPLETIONS, "max_tokens", engine.limits)
+    prompts = [v["prompt"]] if isinstance(v["prompt"], str) else v["prompt"]
+    rows = _rows(engine, prompts, "prompt", v["max_tokens"], v["temperature"], 0, v["top_p"],
+                 stream=v["stream"])
+    meta = {"id": f"cmpl-{id(rows[0]):x}", "object": "text_completion",
+            "created": int(time.time()), "model": v["model"] or request.app[MODEL_NAME]}
+    if not v["stream"]:
+        results = await asyncio.gather(*(r.future for r in rows))
+        return web.json_response({**meta, "choices": [
+            {"index": i, "text": engine.text(new), "finish_reason": reason}
+            for i, (new, reason) in enumerate(results)], "usage": {
+            "prompt_tokens": sum(len(r.ids) for r in rows),
+            "completion_tokens": sum(len(new) for new, _ in results)}})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(payload):
+        await response.write(f"data: {payload}\n\n".encode())
+
+    try:
+        for i, row in enumerate(rows):
+            tokens, sent = [], ""
+            while (token := await row.stream.get()) is not None:
+                if token == engine.eos:
+                    break
+                tokens.append(token)
+                text = engine.text(tokens)
+                if text.endswith("\ufffd"):  # a multi-byte character not yet complete
+                    continue
+                await send(json.dumps({**meta, "choices": [
+                    {"index": i, "text": text[len(sent):], "finish_reason": None}]}))
+                sent = text
+            _, reason = await row.future
+            await send(json.dumps({**meta, "choices": [
+                {"index": i, "text": engine.text(tokens)[len(sent):],
+                 "finish_reason": reason}]}))
+        await send("[DONE]")
+    except ConnectionResetError:
+        pass  # the client left; its rows finish in their batch and are dropped
+    return response
+
+
+async def health(request: web.Request):
+    engine: Engine = request.app[ENGINE]
+    return web.json_response({"status": "ok", "model": request.app[MODEL_NAME],
+                              "queued": engine.pending.qsize(), "batches": engine.batches})
+
+
+ENGINE = web.AppKey("engine", Engine)
+MODEL_NAME = web.AppKey("model_name", str)
+
+
+def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
+             model_name: str = "mamba2") -> web.Application:
+    """The aiohttp application; its batching task runs while the app does."""
+    app = web.Application()
+    app[MODEL_NAME] = model_name
+
+    async def engine_task(app):
+        app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id)
+        task = asyncio.create_task(app[ENGINE].run())
+        yield
+        task.cancel()
+        app[ENGINE].executor.shutdown(wait=False, cancel_futures=True)
+
+    app.cleanup_ctx.append(engine_task)
+    app.router.add_put("/api", megatron_api)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main(argv=None):
+    from mamba_jax.convert import from_pretrained
+    from mamba_jax.data import load_tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m mamba_jax.serve",
+                                     description="Serve a Mamba2 checkpoint over HTTP.")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (HF or mamba_ssm)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0 exposes the server to the network)")
+    parser.add_argument("--port", type=int, default=6000)
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer.json path or 'bytes' (default: the checkpoint's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=Limits.max_new_tokens)
+    parser.add_argument("--max-batch", type=int, default=Limits.max_batch)
+    parser.add_argument("--batch-window-ms", type=float, default=1e3 * Limits.batch_window_s)
+    args = parser.parse_args(argv)
+
+    tokenizer = load_tokenizer(args.tokenizer or Path(args.checkpoint) / "tokenizer.json")
+    model = from_pretrained(args.checkpoint, dtype=jnp.dtype(args.dtype))
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
+                    args.batch_window_ms / 1e3)
+    web.run_app(make_app(model, tokenizer, limits, tokenizer.token_to_id("<|endoftext|>"),
+                         Path(args.checkpoint).name), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The generation server, started for real on 127.0.0.1 and driven by aiohttp's client."""
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from flax import nnx
+
+import mamba_jax
+from mamba_jax import Mamba2Config, Mamba2LM
+from mamba_jax.data import byte_tokenizer
+from mamba_jax.serve import Limits, make_app
+
+LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16, max_batch=32, batch_window_s=0.02)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    model = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16,
+                                         chunk_size=16), rngs=nnx.Rngs(0))
+    mamba_jax.save_pretrained(model, path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return mamba_jax.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    """The server on a free loopback port, its event loop on a thread of its own."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(model, byte_tokenizer(), LIMITS))
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def expected(model, prompts, n):
+    """Greedy continuations of prompts (text), from one left-padded generate call."""
+    ids = [list(p.encode()) for p in prompts]
+    l = max(map(len, ids))
+    padded = np.asarray([[0] * (l - len(i)) + i for i in ids])
+    out = mamba_jax.generate(model, padded, n, prompt_lengths=[len(i) for i in ids])
+    return [byte_tokenizer().decode(row[l:].tolist()) for row in np.asarray(out)]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def complete(session, url, **body):
+    async with session.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json()
+
+
+def test_greedy_completion_and_megatron_api_equal_generate(url, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            status, body = await complete(s, url, prompt="Hello", max_tokens=8,
+                                          temperature=0)
+            async with s.put(url + "/api", json={"prompts": ["Hello"], "tokens_to_generate": 8,
+                                                 "temperature": 0}) as r:
+                megatron = r.status, await r.json()
+            async with s.get(url + "/health") as r:
+                health = r.status, await r.json()
+        return status, body, megatron, health
+
+    status, body, megatron, health = run(go())
+    want = expected(model, ["Hello"], 8)[0]
+    assert status == 200 and body["choices"][0]["text"] == want
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8}
+    assert megatron == (200, {"text": ["Hello" + want]})
+    assert health[0] == 200 and health[1]["status"] == "ok"
+
+
+def test_32_concurrent_clients_are_batched_and_all_answered_correctly(url, model):
+    prompts = [f"p{i} " + "ab" * (i % 7) for i in range(32)]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                before = (await r.json())["batches"]
+            answers = await asyncio.gather(*(complete(s, url, prompt=p, max_tokens=6,
+                                                      temperature=0) for p in prompts))
+            async with s.get(url + "/health") as r:
+                return answers, (await r.json())["batches"] - before
+
+    answers, batches = run(go())
+    assert [status for status, _ in answers] == [200] * 32
+    assert [body["choices"][0]["text"] for _, body in answers] == expected(model, prompts, 6)
+    assert batches < 32  # requests shared batches
+
+
+def test_streamed_tokens_join_to_the_greedy_text(url, model):
+    async def go():
+        chunks = []
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={
+                    "prompt": "Stream", "max_tokens": 10, "temperature": 0,
+                    "stream": True}) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                async for line in r.content:
+                    if line.strip():
+                        chunks.append(line.decode().removeprefix("data: ").strip())
+        return chunks
+
+    chunks = run(go())
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c)["choices"][0] for c in chunks[:-1]]
+    assert "".join(e["text"] for e in events) == expected(model, ["Stream"], 10)[0]
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_a_client_that_disconnects_mid_stream_does_not_stall_the_others(url, model):
+    async def leaver(s):
+        async with s.post(url + "/v1/completions", json={
+                "prompt": "Leaving", "max_tokens": 16, "temperature": 0, "stream": True}) as r:
+            await r.content.readline()  # the first event, then hang up
+        return "left"
+
+    async def go():
+        async with aiohttp.ClientSession() as leave_session, aiohttp.ClientSession() as s:
+            start = time.perf_counter()
+            results = await asyncio.gather(
+                leaver(leave_session),
+                *(complete(s, url, prompt=p, max_tokens=12, temperature=0)
+                  for p in ("stay one", "stay two")))
+            await leave_session.close()
+            after = await complete(s, url, prompt="stay one", max_tokens=12, temperature=0)
+        return results, after, time.perf_counter() - start
+
+    results, after, seconds = run(go())
+    want = expected(model, ["stay one", "stay two"], 12)
+    assert results[0] == "left"
+    assert [body["choices"][0]["text"] for _, body in results[1:]] == want
+    assert after == (200, results[1][1] | {"id": after[1]["id"],
+                                           "created": after[1]["created"]})
+    assert seconds < 30
+
+
+@pytest.mark.parametrize("method,path,body,field", [
+    ("post", "/v1/completions", b"{not json", "body"),
+    ("post", "/v1/completions", b"[1, 2]", "body"),
+    ("post", "/v1/completions", json.dumps({"prompt": "x" * 33}).encode(), "prompt"),
+    ("post", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 17}).encode(),
+     "max_tokens"),
+    ("post", "/v1/completions", json.dumps({"prompt": "hi", "best_of": 2}).encode(),
+     "best_of"),
+    ("post", "/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}).encode(),
+     "temperature"),
+    ("post", "/v1/completions", json.dumps({"prompt": "hi", "stream": 1}).encode(), "stream"),
+    ("put", "/api", json.dumps({"prompts": ["ok", "y" * 40], "tokens_to_generate": 4}).encode(), "prompts[1]"),
+    ("put", "/api", json.dumps({"tokens_to_generate": 4}).encode(), "prompts"),
+    ("put", "/api", json.dumps({"prompts": ["hi"], "top_k": -1}).encode(), "top_k"),
+])
+def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
+        url, method, path, body, field):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.request(method, url + path, data=body,
+                                 headers={"Content-Type": "application/json"}) as r:
+                bad = r.status, await r.json()
+            async with s.get(url + "/health") as r:
+                return bad, r.status
+
+    (status, error), health = run(go())
+    assert status == 400 and error["error"]["field"] == field
+    assert field.split("[")[0] in error["error"]["message"]
+    assert health == 200
+
+
+def test_bounded_load_reports_requests_per_second_and_latency(url):
+    count, concurrency, limit_s = 48, 8, 45.0
+    latencies = []
+
+    async def client(s, queue):
+        while not queue.empty():
+            i = queue.get_nowait()
+            start = time.perf_counter()
+            status, body = await complete(s, url, prompt=f"load {i}", max_tokens=8,
+                                          temperature=0.8, top_p=0.9)
+            assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+            latencies.append(time.perf_counter() - start)
+
+    async def go():
+        queue = asyncio.Queue()
+        for i in range(count):
+            queue.put_nowait(i)
+        async with aiohttp.ClientSession() as s:
+            start = time.perf_counter()
+            await asyncio.wait_for(asyncio.gather(*(client(s, queue)
+                                                    for _ in range(concurrency))), limit_s)
+            return time.perf_counter() - start
+
+    seconds = asyncio.run(go())
+    latencies.sort()
+    p50, p99 = statistics.median(latencies), latencies[int(0.99 * (count - 1))]
+    print(f"load: {count} requests, {concurrency} clients: {count / seconds:.1f} requests/s, "
+          f"p50 {1e3 * p50:.0f} ms, p99 {1e3 * p99:.0f} ms")
+    assert len(latencies) == count and p50 <= p99 < limit_s
+
+
+def test_generate_cli_streams_from_the_server(url, model, capsys):
+    from mamba_jax.generate.__main__ import main
+
+    main(["--server", url, "--prompt", "Hi", "--max-new-tokens", "7", "--temperature", "0"])
+    assert capsys.readouterr().out == "Hi" + expected(model, ["Hi"], 7)[0] + "\n"
