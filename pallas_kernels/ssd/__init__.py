@@ -9,20 +9,26 @@ h % g == 0, D [h] or [h, p], dt_bias [h], initial_state [b, h, p, n], seq_idx [b
 (the state restarts wherever it changes: packed documents). dt, A, D, dt_bias and states are
 used in float32. y has x's dtype; final_state is float32.
 
-`implementation`: "xla" (the chunked pure-JAX form, any platform) or "auto" (the fastest
-implementation that supports the current device).
+`implementation`: "xla" (the chunked pure-JAX form, any platform), "triton" (Pallas kernels
+lowered through Triton, triton.py; on a machine without a GPU they run in Pallas's
+interpreter) or "auto" (the fastest implementation that supports the current device: "triton"
+on Hopper GPUs, where it was measured faster (BENCHMARKS.md), for power-of-two headdim and
+d_state >= 16 and float32/bfloat16 inputs; "xla" elsewhere).
 """
 
 from __future__ import annotations
 
 import math
 
-from pallas_kernels.ssd import reference
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ssd import reference, triton, vjp
 from pallas_kernels.ssd.reference import document_ids, process_dt
 
 __all__ = ["ssd", "document_ids", "process_dt", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("auto", "xla")
+IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
@@ -33,10 +39,26 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"ssd: implementation={implementation!r} is not one of "
                          f"{IMPLEMENTATIONS}")
-    y, final_state = reference.ssd_chunked(
-        x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-        dt_limit=dt_limit, initial_state=initial_state, seq_idx=seq_idx)
+    options = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   initial_state=initial_state, seq_idx=seq_idx)
+    if implementation == "auto":
+        implementation = "triton" if _triton_is_faster(x, B) else "xla"
+    if implementation == "triton":
+        # The kernels use their own chunk (triton.Config): the result is the same scan.
+        y, final_state = vjp.ssd(x, dt, A, B, C, backend=triton, **options)
+    else:
+        y, final_state = reference.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **options)
     return (y, final_state) if return_final_state else y
+
+
+def _triton_is_faster(x, B):
+    # Measured on an H200 only (compute capability 9.0); ROCm devices report "gfx..." and
+    # keep the XLA path.
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", ""))
+    return (device.platform == "gpu" and capability.replace(".", "", 1).isdigit()
+            and float(capability) >= 9.0
+            and x.dtype in (jnp.float32, jnp.bfloat16) and triton.supports(x, B))
 
 
 def _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx):

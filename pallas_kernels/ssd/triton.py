@@ -74,8 +74,9 @@ def _dot(a, b, contract=(1, 0)):
 
 
 def _chunk_masks(doc_ref, bi, t0, t):
-    """Masks for one chunk: within [t, s] (causal and same document), and the document
-    of the chunk's last position, entered-chunk document (the one open before t0)."""
+    """One chunk's document view: the [t, s] mask (causal, same document), the documents of
+    its positions [t], of its last position, and of the position before it (the document
+    whose state enters the chunk). Without documents only the causal mask."""
     row = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
     causal = col <= row

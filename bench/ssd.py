@@ -1,0 +1,300 @@
+"""SSD scan on a GPU: our Pallas kernels and our XLA path against mamba_ssm's Triton kernels.
+
+    python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30] [--breakdown]
+
+(Device run: PYTHONUNBUFFERED=1 python3 bench/ssd.py 2>&1 | tee $OUT/log, carrying .baseline;
+a filter between python and tee must be line-buffered, or a timed-out run returns nothing.)
+
+Checks first, failing loudly: on fresh random inputs our kernels' values and every gradient
+against the naive recurrence in float64, and mamba_ssm's outputs against ours. Then one
+table: per shape, forward and forward+backward time of each implementation, ours/theirs,
+achieved TFLOP/s and the floor; then peak temporary memory of forward+backward.
+
+Timing: each implementation is one call (a jitted function for JAX; the autograd function
+for mamba_ssm), timed by the host clock from the call until its results are ready on the
+device (`block_until_ready`, `torch.cuda.synchronize`): what a training step pays,
+launches and host overhead included. Median of --reps calls after --warmup calls.
+
+mamba_ssm is not a dependency: its pure-Python Triton ops are imported from the folder
+--baseline (a git-ignored copy of mamba_ssm v2.3.2.post1's `mamba_ssm` package), with the
+package's __init__ bypassed so that none of its compiled extensions is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+import types
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from pallas_kernels.ssd import ssd  # noqa: E402
+from pallas_kernels.ssd import reference, triton as kernels, vjp  # noqa: E402
+
+SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
+H, P, N, CHUNK = 64, 64, 128, 256
+
+
+def import_mamba_chunk_scan(baseline):
+    package = types.ModuleType("mamba_ssm")  # skip mamba_ssm/__init__ (compiled extensions)
+    package.__path__ = [os.path.join(baseline, "mamba_ssm")]
+    sys.modules["mamba_ssm"] = package
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    return mamba_chunk_scan_combined
+
+
+def make_inputs(rng, b, l, g, dtype, docs=False, state=False):
+    arr = lambda *s, dt=jnp.float32: jnp.asarray(rng.standard_normal(s), dt)
+    inputs = dict(x=arr(b, l, H, P, dt=dtype), dt=arr(b, l, H) - 2.0,
+                  A=-jnp.asarray(rng.uniform(1, 16, H), jnp.float32),
+                  B=arr(b, l, g, N, dt=dtype), C=arr(b, l, g, N, dt=dtype))
+    options = dict(D=arr(H), dt_bias=0.5 * arr(H))
+    if state:
+        options["initial_state"] = arr(b, H, P, N)
+    if docs:
+        options["seq_idx"] = jnp.asarray(np.sort(rng.integers(0, 4, (b, l)), axis=1), jnp.int32)
+    return inputs, options
+
+
+def loss_and_grads(fn, inputs, options, wy, ws):
+    """Values and gradients of <y, wy> + <final_state, ws> w.r.t. every float input."""
+    names = ["x", "dt", "A", "B", "C", "D", "dt_bias"] + (
+        ["initial_state"] if "initial_state" in options else [])
+    args = {**inputs, **options}
+
+    def loss(diff):
+        y, s = fn(**{**args, **diff}, dt_softplus=True)
+        return jnp.vdot(y.astype(wy.dtype), wy) + jnp.vdot(s.astype(ws.dtype), ws), (y, s)
+
+    (_, (y, s)), grads = jax.value_and_grad(loss, has_aux=True)({k: args[k] for k in names})
+    return y, s, grads
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def check_against_naive(rng):
+    """Our kernels vs the float64 naive recurrence; raises on any miss."""
+    # float32: IEEE float32 dots, sums over up to 1000 steps; bf16: bf16 matmul operands.
+    tolerances = {jnp.float32: 3e-4, jnp.bfloat16: 3e-2}
+    cases = [(2, 1000, 1, False, True), (2, 777, 8, True, True), (1, 300, 2, True, False)]
+    for dtype, tol in tolerances.items():
+        for b, l, g, docs, state in cases:
+            inputs, options = make_inputs(rng, b, l, g, dtype, docs, state)
+            wy, ws = rng.standard_normal((b, l, H, P)), rng.standard_normal((b, H, P, N))
+            ours = jax.jit(lambda i, o: loss_and_grads(
+                lambda **a: vjp.ssd(backend=kernels, **a), i, o, jnp.asarray(wy, jnp.float32),
+                jnp.asarray(ws, jnp.float32)))(inputs, options)
+            with jax.enable_x64(True):
+                up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float64)
+                                            if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
+                naive = loss_and_grads(reference.ssd_naive, up(inputs), up(options),
+                                       jnp.asarray(wy), jnp.asarray(ws))
+            errors = {"y": rel_err(ours[0], naive[0]), "final_state": rel_err(ours[1], naive[1])}
+            errors.update({f"d{k}": rel_err(ours[2][k], naive[2][k]) for k in naive[2]})
+            worst = max(errors.values())
+            print(f"check {jnp.dtype(dtype).name} b={b} l={l} g={g} docs={docs} "
+                  f"state={state}: worst rel err {worst:.2e} (tol {tol:.0e})", flush=True)
+            if not worst < tol:  # NaN fails too
+                raise SystemExit(f"CHECK FAILED: {errors}")
+
+
+def to_torch(a):
+    import torch
+    dtype = torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32
+    return torch.from_numpy(np.array(a, np.float32)).to(device="cuda", dtype=dtype)
+
+
+def median_time(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def flops(b, l, g):
+    """Matmul FLOPs of the chunked algorithm at chunk 256, forward (C B^T per group; per
+    head scores x, states B^T x, read-out C state); backward counted as twice forward."""
+    c = -(-l // CHUNK)
+    return b * c * (g * 2 * CHUNK * CHUNK * N + H * (2 * CHUNK * CHUNK * P + 4 * CHUNK * P * N))
+
+
+def io_bytes(b, l, g, backward):
+    """Fewest bytes: read x, B, C, dt, write y; backward also reads dy, writes the grads."""
+    xb, bcb, dtb = b * l * H * P * 2, b * l * g * N * 2, b * l * H * 4
+    fwd = 2 * xb + 2 * bcb + dtb
+    return fwd + (3 * xb + 4 * bcb + 2 * dtb if backward else 0)
+
+
+def measure_ceilings():
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((8192, 8192)), jnp.bfloat16)
+    mm = jax.jit(lambda a: a @ a)
+    matmul = 2 * 8192 ** 3 / median_time(lambda: mm(a).block_until_ready(), 3, 10)
+    big = jnp.ones((1 << 30,), jnp.float32)
+    cp = jax.jit(lambda v: v * 2)
+    copy = 2 * big.nbytes / median_time(lambda: cp(big).block_until_ready(), 3, 10)
+    return matmul, copy
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--baseline", default=".baseline")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each kernel alone at (8, 8192)")
+    args = parser.parse_args()
+    import torch
+    rng = np.random.default_rng(int(time.time()))
+    start = time.perf_counter()
+    check_against_naive(rng)
+    print(f"checks took {time.perf_counter() - start:.0f} s", flush=True)
+    mamba_chunk_scan_combined = import_mamba_chunk_scan(args.baseline)
+    matmul_rate, copy_rate = measure_ceilings()
+    print(f"ceilings: bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s, copy "
+          f"{copy_rate / 1e12:.2f} TB/s", flush=True)
+
+    rows, memory = [], []
+    for g in (1, 8):
+        for b, l in SHAPES:
+            inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
+            dy = jnp.asarray(rng.standard_normal((b, l, H, P)), jnp.bfloat16)
+            t_in = {k: to_torch(v) for k, v in {**inputs, **options}.items()}
+            t_dy = to_torch(dy)
+
+            def theirs(grad):
+                leaves = {k: v.detach().requires_grad_(grad) for k, v in t_in.items()}
+                y = mamba_chunk_scan_combined(
+                    leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], CHUNK,
+                    D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True)
+                if grad:
+                    y.backward(t_dy)
+                return y, leaves
+
+            impls = {}
+            for name in ("triton", "xla"):
+                f = lambda i, o, name=name: ssd(**i, **o, chunk_size=CHUNK, dt_softplus=True,
+                                                implementation=name)
+                fwd = jax.jit(f)
+                fwdbwd = jax.jit(lambda i, o, f=f: jax.vjp(f, i, o)[1](dy))
+                impls[name] = (fwd, fwdbwd)
+            # Same function: our kernel against our XLA path and against mamba_ssm.
+            y_ours = impls["triton"][0](inputs, options)
+            y_xla = impls["xla"][0](inputs, options)
+            y_theirs, leaves = theirs(True)
+            torch.cuda.synchronize()
+            g_ours = impls["triton"][1](inputs, options)[0]
+            y_theirs_j = jnp.asarray(y_theirs.detach().float().cpu().numpy())
+            errs = {"y vs xla": rel_err(y_ours, y_xla),
+                    "y vs mamba_ssm": rel_err(y_ours, y_theirs_j)}
+            for k in ("x", "B", "C", "dt"):
+                errs[f"d{k} vs mamba_ssm"] = rel_err(
+                    g_ours[k], leaves[k].grad.float().cpu().numpy())
+            print(f"check g={g} b={b} l={l}: " + ", ".join(f"{k} {v:.1e}"
+                                                          for k, v in errs.items()), flush=True)
+            if not max(errs.values()) < 3e-2:
+                raise SystemExit(f"CHECK FAILED at g={g} b={b} l={l}: {errs}")
+            del y_theirs, leaves
+
+            times = {}
+            for name, (fwd, fwdbwd) in impls.items():
+                times[name] = (
+                    median_time(lambda: fwd(inputs, options).block_until_ready(),
+                                args.warmup, args.reps),
+                    median_time(lambda: jax.block_until_ready(fwdbwd(inputs, options)),
+                                args.warmup, args.reps))
+            with torch.no_grad():
+                t_fwd = median_time(lambda: (theirs(False), torch.cuda.synchronize()),
+                                    args.warmup, args.reps)
+            t_fb = median_time(lambda: (theirs(True), torch.cuda.synchronize()),
+                               args.warmup, args.reps)
+            times["mamba_ssm"] = (t_fwd, t_fb)
+            rows.append((g, b, l, times))
+            print_row(g, b, l, times, matmul_rate, copy_rate)
+            print(f"elapsed {time.perf_counter() - start:.0f} s", flush=True)
+
+            if (b, l) == (8, 8192):
+                ours_mem = {name: fwdbwd.lower(inputs, options).compile().memory_analysis()
+                            .temp_size_in_bytes for name, (_, fwdbwd) in impls.items()}
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                _, leaves = theirs(True)
+                torch.cuda.synchronize()
+                outputs = sum(v.grad.numel() * v.grad.element_size() for v in leaves.values())
+                outputs += b * l * H * P * 2  # y
+                theirs_mem = torch.cuda.max_memory_allocated() - base - outputs
+                memory.append((g, ours_mem, theirs_mem))
+                del leaves
+
+    print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"torch {torch.__version__}; heads {H}, headdim {P}, d_state {N}, chunk {CHUNK}, "
+          f"bf16 x/B/C, D, dt_bias, softplus; median of {args.reps} after {args.warmup}")
+    print(f"ceilings measured: bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s, "
+          f"copy {copy_rate / 1e12:.2f} TB/s")
+    for i, (g, b, l, times) in enumerate(rows):
+        print_row(g, b, l, times, matmul_rate, copy_rate, header=i == 0)
+    for g, ours_mem, theirs_mem in memory:
+        print(f"peak temporary memory, forward+backward, g={g}, (8, 8192): ours (triton) "
+              f"{ours_mem['triton'] / 2**30:.2f} GiB, ours (xla) {ours_mem['xla'] / 2**30:.2f} "
+              f"GiB, mamba_ssm {theirs_mem / 2**30:.2f} GiB")
+    if args.breakdown:
+        breakdown(rng)
+
+
+def print_row(g, b, l, times, matmul_rate, copy_rate, header=False):
+    if header:
+        print("| g | batch x seqlen | pass | ours triton ms | ours xla ms | mamba_ssm ms | "
+              "ours/theirs | ours TFLOP/s | floor ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    for i, pass_ in enumerate(("fwd", "fwd+bwd")):
+        f = flops(b, l, g) * (1 if i == 0 else 3)
+        floor = max(f / matmul_rate, io_bytes(b, l, g, i == 1) / copy_rate)
+        ours, xla, theirs = (times[k][i] for k in ("triton", "xla", "mamba_ssm"))
+        print(f"| {g} | {b} x {l} | {pass_} | {ours * 1e3:.3f} | {xla * 1e3:.3f} | "
+              f"{theirs * 1e3:.3f} | {ours / theirs:.2f} | {f / ours / 1e12:.0f} | "
+              f"{floor * 1e3:.3f} |", flush=True)
+
+
+def breakdown(rng, b=8, l=8192):
+    """Where the kernels' time goes at (8, 8192), g=1: each pallas_call timed alone (a jitted
+    function whose other outputs are dead, so XLA drops the other calls)."""
+    g = 1
+    inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
+    x, B, C = inputs["x"], inputs["B"], inputs["C"]
+    dt = jax.nn.softplus(inputs["dt"]).transpose(0, 2, 1)
+    cs = jnp.cumsum((dt * inputs["A"][:, None]).reshape(b, H, -1, 64), -1).reshape(b, H, l)
+    s0 = jnp.zeros((b, H, P, N), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((b, l, H, P)), jnp.bfloat16)
+    for config in (kernels.Config(), kernels.Config(backward_bc_warps=4)):
+        fwd = lambda save: jax.jit(lambda *a: kernels.forward(
+            *a, None, config=config, save_states=save)[-1])
+        states = fwd(True)(x, dt, cs, B, C, s0)
+        bwd = lambda i: jax.jit(lambda *a: kernels.backward(*a, config=config)[i])
+        args = (x, dt, cs, B, C, None, states, dy, s0)
+        parts = {"forward": (fwd(False), (x, dt, cs, B, C, s0)),
+                 "forward saving states": (fwd(True), (x, dt, cs, B, C, s0)),
+                 "backward state kernel": (bwd(0), args),
+                 "both backward kernels": (bwd(3), args)}
+        print(f"breakdown {config}: " + ", ".join(
+            f"{name} {median_time(lambda: jax.block_until_ready(f(*a)), 2, 10) * 1e3:.3f} ms"
+            for name, (f, a) in parts.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
