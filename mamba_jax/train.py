@@ -3,17 +3,21 @@
     python -m mamba_jax.train --preset tiny --steps 300 --metrics-file m.jsonl
     python -m mamba_jax.train --set ngroups=2 --set d_state=64
 
+    python -m mamba_jax.train --mesh dp=2,tp=4 --grad-accum 2
+
 optax AdamW with linear warmup and cosine decay, global-norm clipping, and no weight decay
-on A_log, D, dt_bias, norms and biases (as mamba_ssm's recipes). The training step is a
-pure function of (params, opt_state, batch), jitted with donated buffers, so it takes a
-mesh and shardings without change.
+on A_log, D, dt_bias, norms and biases (as mamba_ssm's recipes). Every run, one device or
+many, goes through the same sharded code (mamba_jax.parallel) over a mesh (`--mesh`,
+default: every device on dp). The training step is a pure jitted function of
+(params, opt_state, batch) with the shardings in the arrays, buffers donated.
+Several processes (multi-host): pass --coordinator-address, --num-processes and
+--process-id (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) to each.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import time
@@ -24,7 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mamba_jax import parallel
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import flat_params, save_pretrained
 from mamba_jax.data import (DEFAULT_CORPUS, eval_windows, load_tokenizer, random_windows,
@@ -59,11 +66,33 @@ def make_optimizer(params, lr, steps, warmup, weight_decay, clip):
     return tx, schedule
 
 
-def loss_fn(params, graphdef, inputs, targets):
-    """Mean next-token cross-entropy (nats) of inputs [b, l] against targets [b, l]."""
-    model = nnx.merge(graphdef, params)
-    logits = model(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+def make_train_step(loss_fn, tx):
+    """step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), jitted.
+
+    batch = (inputs, targets), each [micro-batches, b, l]: the gradient is the mean over the
+    micro-batches, accumulated in a scan (--grad-accum). Shardings ride on the arrays;
+    params and opt_state are donated.
+    """
+    def step(params, opt_state, batch):
+        n = batch[0].shape[0]
+        if n == 1:  # no loop: a scan costs a little even over one micro-batch
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch[0][0], batch[1][0])
+        else:
+            def accumulate(total, micro_batch):
+                loss, grads = jax.value_and_grad(loss_fn)(params, *micro_batch)
+                return jax.tree.map(jnp.add, total, (loss, grads)), None
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
+            loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def global_array(array: np.ndarray, sharding):
+    """A host array (the same on every process) -> a jax.Array placed as sharding; each
+    process supplies only its own devices' pieces."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -136,53 +165,88 @@ def build_parser():
     p.add_argument("--out", default="runs/{preset}",
                    help="where the final checkpoint goes (HF layout + tokenizer.json); "
                         "'none' to skip")
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="device mesh, e.g. 'tp=4' or 'dp=2,fsdp=2,tp=2' (axes dp, fsdp, tp; "
+                        "omitted axes are 1; default: every device on dp)")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="keep the residual stream whole on every tp rank (all-reduce after "
+                        "each mixer) instead of split on the sequence")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="split each batch into N micro-batches and average their gradients")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="multi-process runs: process 0's address (all processes)")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len"):
+    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    parallel.initialize_distributed(args.coordinator_address, args.num_processes,
+                                    args.process_id)
+    lead = jax.process_index() == 0  # the process that prints, logs and saves
     cfg = Mamba2Config.preset(args.preset, **parse_overrides(args.set))
     tokenizer = load_tokenizer(args.tokenizer)
     tokens = tokenize_file(args.data, tokenizer, cfg.vocab_size)
     train_tokens, eval_tokens = split_tokens(tokens, args.seq_len)
     dtype = jnp.dtype(args.dtype)
+    try:
+        mesh = parallel.make_mesh(args.mesh)
+        if args.batch_size % args.grad_accum:
+            raise ValueError(f"--batch-size {args.batch_size} is not divisible by "
+                             f"--grad-accum {args.grad_accum}")
+        parallel.check_layout(cfg, mesh, batch_size=args.batch_size // args.grad_accum,
+                              seq_len=args.seq_len, sequence_parallel=args.sequence_parallel)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
-    graphdef, params = nnx.split(model)
+    # Parameters are created in place, already sharded: no device holds the whole model
+    # first, and every process builds the same values from the seed.
+    make_params = lambda: nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype))[1]
+    graphdef, abstract_params = nnx.split(
+        nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)))
+    specs = parallel.param_specs(abstract_params, cfg, mesh)
+    params = jax.jit(make_params, out_shardings=parallel.shardings(mesh, specs))()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
-          f"{len(train_tokens)} training tokens, {jax.devices()[0].platform} x "
-          f"{jax.device_count()}, compute {args.dtype}", file=sys.stderr)
+    if lead:
+        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
+              f"{len(train_tokens)} training tokens, {jax.devices()[0].platform} x "
+              f"{jax.device_count()} ({jax.process_count()} processes), mesh "
+              f"{dict(mesh.shape)}, sequence parallel "
+              f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}",
+              file=sys.stderr)
     tx, schedule = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
                                   args.clip)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def eval_loss(params, inputs, targets):
-        return loss_fn(params, graphdef, inputs, targets)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+    opt_state = jax.jit(tx.init)(params)
+    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh,
+                                    sequence_parallel=args.sequence_parallel)
+    eval_loss = jax.jit(loss_fn)
+    train_step = make_train_step(loss_fn, tx)
+    rows = NamedSharding(mesh, P(parallel.BATCH_AXES, None))
+    micro_rows = NamedSharding(mesh, P(None, parallel.BATCH_AXES, None))
+    n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
 
     def evaluate(params):
-        losses = [eval_loss(params, x, y) for x, y in
-                  eval_windows(eval_tokens, args.batch_size, args.seq_len)]
+        losses = []
+        for x, y in eval_windows(eval_tokens, args.batch_size, args.seq_len):
+            keep = len(x) - len(x) % n_shards  # whole rows per batch shard
+            if keep:
+                losses.append(eval_loss(params, global_array(x[:keep], rows),
+                                        global_array(y[:keep], rows)))
         return float(np.mean(losses))
 
-    metrics = open(args.metrics_file, "a") if args.metrics_file else None
+    metrics = open(args.metrics_file, "a") if args.metrics_file and lead else None
     batches = random_windows(train_tokens, args.batch_size, args.seq_len, args.seed)
     progress = Progress(args.steps)
     start = time.perf_counter()
     try:
         for step in range(1, args.steps + 1):
-            inputs, targets = next(batches)
-            params, opt_state, loss, grad_norm = train_step(params, opt_state, inputs, targets)
+            batch = tuple(global_array(a.reshape(args.grad_accum, -1, args.seq_len), micro_rows)
+                          for a in next(batches))
+            params, opt_state, loss, grad_norm = train_step(params, opt_state, batch)
             record = {"step": step, "loss": float(loss), "lr": float(schedule(step - 1)),
                       "grad_norm": float(grad_norm)}
             if not np.isfinite(record["loss"]):
@@ -195,20 +259,25 @@ def main(argv=None):
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
-            progress.update(step, f"loss {record['loss']:.3f}"
-                            + (f" eval {record['eval_loss']:.3f}" if "eval_loss" in record
-                               else "") + f" {record['tokens_per_s']:.0f} tok/s")
+            if lead:
+                progress.update(step, f"loss {record['loss']:.3f}"
+                                + (f" eval {record['eval_loss']:.3f}" if "eval_loss" in record
+                                   else "") + f" {record['tokens_per_s']:.0f} tok/s")
     finally:
         if metrics:
             metrics.close()
 
     out = args.out.format(preset=args.preset)
     if out.lower() != "none":
-        nnx.update(model, params)
-        save_pretrained(model, out, format="hf")
-        tokenizer.save(str(Path(out) / "tokenizer.json"))
-        print(f"saved {out} ({len(flat_params(model))} tensors); try: python -m "
-              f"mamba_jax.generate --checkpoint {out} --prompt 'This License'", file=sys.stderr)
+        if jax.process_count() > 1:
+            params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
+        if lead:
+            model = nnx.merge(graphdef, params)
+            save_pretrained(model, out, format="hf")
+            tokenizer.save(str(Path(out) / "tokenizer.json"))
+            print(f"saved {out} ({len(flat_params(model))} tensors); try: python -m "
+                  f"mamba_jax.generate --checkpoint {out} --prompt 'This License'",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

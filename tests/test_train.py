@@ -33,7 +33,7 @@ def test_set_overrides_config_fields(tmp_path):
     assert parse_overrides(["ngroups=2", "dt_limit=0.001,0.2", "tie_embeddings=false",
                             "norm_eps=1e-6"]) == {"ngroups": 2, "dt_limit": (0.001, 0.2),
                                                   "tie_embeddings": False, "norm_eps": 1e-6}
-    main(["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--set", "ngroups=2",
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "ngroups=2",
           "--set", "tie_embeddings=false", "--out", str(tmp_path)])
     assert mamba_jax.from_pretrained(tmp_path).config.ngroups == 2
 

@@ -1,0 +1,305 @@
+"""The whole model over one named mesh, as explicit `jax.shard_map` code.
+
+    mesh = make_mesh("dp=2,tp=4")                 # axes dp, fsdp, tp; omitted axes are 1
+    specs = param_specs(params, cfg, mesh)        # PartitionSpecs shaped like params
+    params = jax.device_put(params, shardings(mesh, specs))
+    loss = make_loss_fn(graphdef, specs, mesh)    # loss(params, inputs, targets) -> scalar
+
+Legend: b batch, l sequence, d d_model, h nheads, p headdim, g ngroups, n d_state,
+v padded vocabulary; a trailing `_loc` (or "/tp") is one device's share.
+
+Layout (DESIGN.md, "Parallel layout"):
+- `dp`, `fsdp`: the batch rows. `fsdp` also shards every parameter (and so the optimizer
+  state) on its largest axis that tp leaves free; a layer's parameters are all-gathered
+  where the layer runs and re-gathered in the backward pass (ZeRO-3).
+- `tp`: heads (z, x, dt projections, x conv, dt_bias, A_log, D, the gated norm, out_proj's
+  input axis), groups (B, C) where ngroups % tp == 0 (else B and C are replicated and each
+  rank reads the groups of its heads), and the vocabulary (embedding, LM head).
+- sequence parallel: between blocks the residual stream is [b, l/tp, d]; each mixer
+  all-gathers the normed input on l and reduce-scatters its output on l.
+Every device runs the same per-device code below; the collectives are written out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mamba_jax.config import Mamba2Config
+from mamba_jax.layers import gated_rms_norm
+from mamba_jax.model import param_name
+
+AXES = ("dp", "fsdp", "tp")
+BATCH_AXES = ("dp", "fsdp")  # the batch rows are split over both
+
+# Parameter name (its last key) -> the axis tp splits: heads for the mixer, rows of the
+# vocabulary for the embedding and LM head. Block norms ("weight") stay replicated.
+_HEAD_AXIS = {"z_proj": 1, "x_proj": 1, "dt_proj": 1, "x_conv": 1, "z_bias": 0, "x_bias": 0,
+              "dt_proj_bias": 0, "x_conv_bias": 0, "dt_bias": 0, "A_log": 0, "D": 0,
+              "norm": 0, "out_proj": 0, "embedding": 0, "lm_head": 0}
+# B and C by group: split over tp only when ngroups % tp == 0.
+_GROUP_AXIS = {"B_proj": 1, "C_proj": 1, "B_conv": 1, "C_conv": 1, "B_bias": 0, "C_bias": 0,
+               "B_conv_bias": 0, "C_conv_bias": 0}
+_GATHERED = "fsdp_gathered"  # checkpoint name of gathered weights: recomputed, never saved
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """"dp=2,tp=4" -> {"dp": 2, "fsdp": 1, "tp": 4}."""
+    sizes = dict.fromkeys(AXES, 1)
+    for part in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in AXES or not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"mesh spec {spec!r}: {part!r} should be AXIS=SIZE with AXIS one "
+                             f"of {AXES} and SIZE a positive integer, e.g. 'dp=2,tp=4'")
+        sizes[name] = int(value)
+    return sizes
+
+
+def make_mesh(spec: str | None = None, devices=None) -> jax.sharding.Mesh:
+    """A mesh with axes (dp, fsdp, tp) from a spec string; None puts every device on dp.
+
+    tp is the innermost axis, so a tp group is neighbouring devices (one host, NVLink).
+    The axes are Explicit, jax.make_mesh's default: arrays carry their sharding.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = parse_mesh_spec(spec or f"dp={len(devices)}")
+    product = sizes["dp"] * sizes["fsdp"] * sizes["tp"]
+    if product != len(devices):
+        kinds = sorted({f"{d.platform}:{d.device_kind}" for d in devices})
+        raise ValueError(f"--mesh {spec!r}: dp*fsdp*tp = {sizes['dp']}*{sizes['fsdp']}*"
+                         f"{sizes['tp']} = {product}, but there are {len(devices)} devices "
+                         f"({', '.join(kinds)}); make the product {len(devices)}")
+    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
+                         axis_types=(jax.sharding.AxisType.Explicit,) * len(AXES),
+                         devices=devices)
+
+
+def check_layout(cfg: Mamba2Config, mesh, *, batch_size=None, seq_len=None,
+                 sequence_parallel=True):
+    """Raise a ValueError naming the value and the fix if cfg or the batch cannot be split."""
+    tp = mesh.shape["tp"]
+    if cfg.nheads % tp:
+        works = [t for t in range(1, cfg.nheads + 1) if cfg.nheads % t == 0]
+        raise ValueError(f"tp={tp} does not divide nheads={cfg.nheads} (d_model*expand/"
+                         f"headdim); tensor parallelism splits whole heads: use tp in {works}")
+    if cfg.padded_vocab_size % tp:
+        raise ValueError(f"tp={tp} does not divide the padded vocabulary "
+                         f"{cfg.padded_vocab_size}; set pad_vocab_size_multiple to a multiple "
+                         f"of {tp}")
+    shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+    if batch_size is not None and batch_size % shards:
+        raise ValueError(f"batch size {batch_size} is not divisible by dp*fsdp = {shards}; "
+                         f"use a multiple of {shards}")
+    if sequence_parallel and tp > 1 and seq_len is not None and seq_len % tp:
+        raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp}, which "
+                         "sequence parallelism splits it over; use a multiple of "
+                         f"{tp} or --no-sequence-parallel")
+
+
+def param_specs(params, cfg: Mamba2Config, mesh):
+    """A PartitionSpec per parameter (a pytree shaped like params; leaves may be abstract)."""
+    tp, fsdp = mesh.shape["tp"], mesh.shape["fsdp"]
+    tp_axes = dict(_HEAD_AXIS, **(_GROUP_AXIS if cfg.ngroups % tp == 0 else {}))
+
+    def spec(path, leaf):
+        axes = [None] * leaf.ndim
+        tp_axis = tp_axes.get(param_name(path).split(".")[-1])
+        if tp_axis is not None:
+            axes[tp_axis] = "tp"
+        # fsdp takes the largest axis that tp leaves free and it divides; none: replicated.
+        free = [i for i in range(leaf.ndim) if i != tp_axis and leaf.shape[i] % fsdp == 0]
+        if fsdp > 1 and free:
+            axes[max(free, key=lambda i: leaf.shape[i])] = "fsdp"
+        return P(*axes)
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def shardings(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def _gather_fsdp(tree, specs):
+    """All-gather each fsdp-sharded parameter of tree (inside shard_map)."""
+    def gather(x, spec):
+        if "fsdp" not in spec:
+            return x
+        return checkpoint_name(lax.all_gather(x, "fsdp", axis=spec.index("fsdp"), tiled=True),
+                               _GATHERED)
+    return jax.tree.map(gather, tree, specs)
+
+
+# ---- per-device code (runs inside shard_map) ----
+
+def _groups_of_local_heads(B, cfg: Mamba2Config, h_loc: int):
+    """B [b, l, g, n] (every group, replicated over tp) -> the groups this rank's heads read:
+    [b, l, 1, n] when they all read one group, else one group per head [b, l, h_loc, n]."""
+    heads_per_group = cfg.nheads // cfg.ngroups
+    first_head = lax.axis_index("tp") * h_loc
+    if heads_per_group % h_loc == 0:
+        return lax.dynamic_slice_in_dim(B, first_head // heads_per_group, 1, axis=2)
+    return jnp.take(B, (first_head + jnp.arange(h_loc)) // heads_per_group, axis=2)
+
+
+def _gated_norm_local(y, z, weight, cfg: Mamba2Config):
+    """The gated per-group RMSNorm on this rank's heads y, z [b, l, h_loc, p].
+
+    When tp splits a norm group (ngroups % tp != 0), each rank sums the squares of its part
+    of every group and one psum over tp completes them: [b, l, g] floats, not activations.
+    """
+    tp = lax.axis_size("tp")
+    if cfg.ngroups % tp == 0:
+        return gated_rms_norm(y, z, weight, cfg.norm_eps, cfg.ngroups // tp)
+    h_loc = y.shape[-2]
+    heads = lax.axis_index("tp") * h_loc + jnp.arange(h_loc)
+    member = (heads[:, None] // (cfg.nheads // cfg.ngroups)
+              == jnp.arange(cfg.ngroups)).astype(jnp.float32)  # [h_loc, g]
+    gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    sum_sq = lax.psum(jnp.einsum("blhp,hg->blg", gated * gated, member), "tp")
+    inv_rms = lax.rsqrt(sum_sq / (cfg.d_inner // cfg.ngroups) + cfg.norm_eps) @ member.T
+    return (gated * inv_rms[..., None] * weight.astype(jnp.float32)).astype(y.dtype)
+
+
+def _mixer_local(mixer, u, cfg: Mamba2Config):
+    """One rank's mixer: u [b, l, d] (every token) -> its share of out_proj [b, l, d] f32.
+
+    Column-parallel projections and conv on local heads (and local or all groups), the SSD
+    and gated norm on local heads with no communication, row-parallel out_proj (the caller
+    sums the shares)."""
+    z, x, B, C, dt = mixer.project(u)
+    x, B, C, _ = mixer.conv(x, B, C)
+    if cfg.ngroups % lax.axis_size("tp"):
+        B, C = (_groups_of_local_heads(t, cfg, x.shape[2]) for t in (B, C))
+    y, _ = mixer.scan(x, dt, B, C)
+    return mixer.out_proj_partial(_gated_norm_local(y, z, mixer.norm[...], cfg))
+
+
+def _block_local(block, residual, cfg: Mamba2Config, sp: bool):
+    """residual [b, l/tp, d] under sequence parallel (else [b, l, d]) -> the same shape."""
+    hidden = block.norm(residual).astype(block.mixer.dtype)
+    if sp:
+        hidden = lax.all_gather(hidden, "tp", axis=1, tiled=True)
+    # The shares are summed in the compute dtype, as mamba_ssm's RowParallelLinear does.
+    out = _mixer_local(block.mixer, hidden, cfg).astype(block.mixer.dtype)
+    if sp:
+        out = lax.psum_scatter(out, "tp", scatter_dimension=1, tiled=True)
+    else:
+        out = lax.psum(out, "tp")
+    if cfg.bias:
+        out = (out + block.mixer.out_bias[...]).astype(block.mixer.dtype)
+    return residual + out.astype(residual.dtype)
+
+
+def vocab_parallel_embed(table, ids, sp: bool):
+    """table [v/tp, d] (this rank's rows), ids [b, l] -> [b, l/tp, d] under SP, else
+    [b, l, d]: each rank looks up the ids in its rows, zeros elsewhere, and the sum over tp
+    completes every row."""
+    v_loc = table.shape[0]
+    local = ids - lax.axis_index("tp") * v_loc
+    mine = (local >= 0) & (local < v_loc)
+    rows = jnp.where(mine[..., None], jnp.take(table, jnp.where(mine, local, 0), axis=0), 0)
+    if sp:
+        return lax.psum_scatter(rows, "tp", scatter_dimension=1, tiled=True)
+    return lax.psum(rows, "tp")
+
+
+def vocab_parallel_cross_entropy(logits, targets):
+    """logits [..., v/tp] float32 (this rank's vocabulary slice), targets [...] ->
+    per-token -log softmax(logits)[target] [...], from three [...]-sized reductions over tp."""
+    v_loc = logits.shape[-1]
+    # The max only steadies exp; its gradient cancels, so it stays out of the graph.
+    top = lax.pmax(lax.stop_gradient(logits.max(-1)), "tp")
+    sum_exp = lax.psum(jnp.exp(logits - top[..., None]).sum(-1), "tp")
+    local = targets - lax.axis_index("tp") * v_loc
+    mine = (local >= 0) & (local < v_loc)
+    picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], -1)[..., 0]
+    target_logit = lax.psum(jnp.where(mine, picked, 0.0), "tp")
+    return jnp.log(sum_exp) + top - target_logit
+
+
+def _local_hidden(state, input_ids, graphdef, specs, sp: bool):
+    """Per device: input_ids [b, l] -> (final hidden [b, l, d] in the compute dtype for all
+    l, this rank's LM head rows [v/tp, d])."""
+    model = nnx.merge(graphdef, state)  # the structure; weights are fsdp shards until gathered
+    cfg = model.config
+    gathered = lambda name: _gather_fsdp(state[name], specs[name])
+    residual = vocab_parallel_embed(gathered("embedding")[...], input_ids, sp)
+    residual = residual.astype(model.residual_dtype)
+    block_graphdef = nnx.graphdef(model.layers[0])  # every layer has the same structure
+    for i in range(cfg.n_layer):
+        def block(layer_state, residual, layer_specs=specs["layers"][i]):
+            layer = nnx.merge(block_graphdef, _gather_fsdp(layer_state, layer_specs))
+            return _block_local(layer, residual, cfg, sp)
+        if lax.axis_size("fsdp") > 1:
+            # Save the activations but not the gathered weights: the backward pass gathers
+            # them again, so a device never holds more than one layer's full weights.
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies
+                                   .save_anything_except_these_names(_GATHERED))
+        residual = block(state["layers"][i], residual)
+    norm_f = nnx.merge(nnx.graphdef(model.norm_f), gathered("norm_f"))
+    hidden = norm_f(residual).astype(model.dtype)
+    if sp:
+        hidden = lax.all_gather(hidden, "tp", axis=1, tiled=True)
+    head = "embedding" if cfg.tie_embeddings else "lm_head"
+    return hidden, gathered(head)[...].astype(model.dtype)
+
+
+def _local_logits(hidden, head):
+    return jnp.einsum("bld,vd->blv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def _shard_map(body, mesh, specs, out_specs):
+    batch = P(BATCH_AXES, None)
+    # check_vma=False: the SSD's Pallas kernels and the reference's scans carry no
+    # varying-axis types. shard_map's transpose still sums the gradients of parameters
+    # replicated over an axis (the tests compare every gradient with one device's).
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch), out_specs=out_specs,
+                         check_vma=False)
+
+
+def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True):
+    """loss(params, inputs [b, l], targets [b, l]) -> mean next-token cross-entropy (nats).
+
+    params are placed as `specs`; the batch rows are split over dp and fsdp."""
+    sp = sequence_parallel and mesh.shape["tp"] > 1
+    n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+
+    def body(params, inputs, targets):
+        hidden, head = _local_hidden(params, inputs, graphdef, specs, sp)
+        token_loss = vocab_parallel_cross_entropy(_local_logits(hidden, head), targets)
+        return lax.psum(token_loss.sum(), BATCH_AXES) / (token_loss.size * n_shards)
+    return _shard_map(body, mesh, specs, P())
+
+
+def make_logits_fn(graphdef, specs, mesh, *, sequence_parallel=True):
+    """logits(params, input_ids [b, l]) -> float32 [b, l, v], sharded on v over tp (no
+    device holds the full vocabulary)."""
+    sp = sequence_parallel and mesh.shape["tp"] > 1
+
+    def body(params, input_ids, _):
+        return _local_logits(*_local_hidden(params, input_ids, graphdef, specs, sp))
+    fn = _shard_map(body, mesh, specs, P(BATCH_AXES, None, "tp"))
+    return lambda params, input_ids: fn(params, input_ids, input_ids)
+
+
+def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):
+    """jax.distributed.initialize() when launched as several processes.
+
+    Arguments left None come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID, else from jax's cluster detection (SLURM, Open MPI, ...). With no
+    address and no process count there is one process and nothing to do.
+    """
+    env = os.environ.get
+    coordinator_address = coordinator_address or env("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and env("JAX_NUM_PROCESSES"):
+        num_processes = int(env("JAX_NUM_PROCESSES"))
+    if process_id is None and env("JAX_PROCESS_ID"):
+        process_id = int(env("JAX_PROCESS_ID"))
+    if coordinator_address is not None or num_processes not in (None, 1):
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
