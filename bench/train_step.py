@@ -8,9 +8,9 @@ the GPU's float32 losses against the CPU's.
    (default and "highest" matmul precision) and on the host CPU, same seed and batches.
 2. mamba2-1.3b, bf16 compute, seqlen 4096, one-device mesh, through mamba_jax.parallel's
    loss and the trainer's jitted step: step time, tokens/s, MFU, peak memory.
-MFU counts 6 * (parameters) * tokens for the matmuls (the tied LM head counted once as a
-matmul) plus the SSD's chunked matmuls (forward x3), over the H200's dense bf16 peak
-(989 TFLOP/s, NVIDIA's datasheet).
+MFU: mamba_jax.metrics.train_flops_per_token (the trainer's count: every matmul, the SSD's
+chunked ones included, forward x3) over the H200's dense bf16 peak (989 TFLOP/s, NVIDIA's
+datasheet).
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ def tiny_losses(platform: str, precision: str | None) -> list[float]:
             return [json.loads(line)["loss"] for line in f]
 
 
-def ssd_flops(cfg, tokens: int) -> float:
-    """Forward FLOPs of the chunked SSD's matmuls (C B^T, M x, chunk states, state read-out)."""
-    q, h, p, g, n = cfg.chunk_size, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
-    return tokens * cfg.n_layer * (2 * q * g * n + 2 * q * h * p + 4 * h * p * n)
-
-
 def baseline(preset: str, batch: int, seq_len: int, steps: int):
     import jax
     import numpy as np
@@ -56,7 +50,9 @@ def baseline(preset: str, batch: int, seq_len: int, steps: int):
     from mamba_jax import parallel
     from mamba_jax.config import Mamba2Config
     from mamba_jax.model import Mamba2LM
-    from mamba_jax.train import global_array, make_optimizer, make_train_step
+    from mamba_jax.metrics import train_flops_per_token
+    from mamba_jax.optim import init_opt_state, make_optimizer, make_train_step
+    from mamba_jax.parallel import global_array
 
     cfg = Mamba2Config.preset(preset)
     dtype = jax.numpy.bfloat16
@@ -68,7 +64,8 @@ def baseline(preset: str, batch: int, seq_len: int, steps: int):
                      out_shardings=parallel.shardings(mesh, specs))()
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx, _ = make_optimizer(params, 3e-4, 1000, 10, 0.1, 1.0)
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = init_opt_state(tx, params, parallel.shardings(mesh, specs),
+                               NamedSharding(mesh, P()))
     step = make_train_step(parallel.make_loss_fn(graphdef, specs, mesh), tx)
     rows = NamedSharding(mesh, P(None, parallel.BATCH_AXES, None))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, batch, seq_len + 1),
@@ -86,7 +83,7 @@ def baseline(preset: str, batch: int, seq_len: int, steps: int):
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
     tokens = batch * seq_len
-    flops = 6 * n_params * tokens + 3 * ssd_flops(cfg, tokens)
+    flops = train_flops_per_token(cfg, seq_len) * tokens
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
     print(f"| {preset} | {batch}x{seq_len} | {n_params / 1e9:.3f}B | {first:.1f} | "
           f"{step_s * 1e3:.1f} | {tokens / step_s:,.0f} | "

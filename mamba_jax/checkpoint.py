@@ -43,23 +43,42 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore_latest(self, abstract_state, log=None):
-        """(step, state, meta) of the newest checkpoint that restores, or None if none does.
+    def restore_latest(self, abstract_state, check_meta=None, log=None):
+        """(step, state, meta) of the newest checkpoint that restores, or None if there is
+        no checkpoint.
 
-        A newest checkpoint that fails to read (corrupt or truncated files) is reported and
-        the previous one is tried.
+        check_meta(step, meta) runs on each candidate's meta before its arrays are read and
+        may raise (a checkpoint of another model is an error, not a reason to go back). A
+        checkpoint that fails to read (corrupt or truncated files) is reported and the one
+        before it is tried; when none restores, that is an error too: starting over would
+        write over them.
         """
-        for step in reversed(self.steps()):
+        steps = self.steps()
+        for step in reversed(steps):
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-            except Exception as error:  # noqa: BLE001 - any failure to read means "try older"
-                print(f"checkpoint {self.directory / str(step)} cannot be restored "
-                      f"({type(error).__name__}: {str(error)[:200]}); trying the one before",
-                      file=log or sys.stderr)
+                meta = self.manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore())).meta
+            except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
+                self._report(step, error, log)
                 continue
-            return step, restored.state, restored.meta
+            if check_meta is not None:
+                check_meta(step, meta)
+            try:
+                state = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state))).state
+            except Exception as error:  # noqa: BLE001
+                self._report(step, error, log)
+                continue
+            return step, state, meta
+        if steps:
+            raise RuntimeError(f"none of the checkpoints {steps} in {self.directory} could be "
+                               "restored (see above); move them away to start over")
         return None
+
+    def _report(self, step, error, log):
+        print(f"checkpoint {self.directory / str(step)} cannot be restored "
+              f"({type(error).__name__}: {str(error)[:200]}); trying the one before",
+              file=log or sys.stderr)
 
     def wait(self) -> None:
         """Block until every save in flight is committed."""

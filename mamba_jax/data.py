@@ -193,15 +193,16 @@ class TokenDataset:
         self.train_end = int(self.doc_starts[train_docs])
 
     @classmethod
-    def load(cls, path, vocab_size: int) -> "TokenDataset":
-        """A prepared directory, or a UTF-8 text file (tokenized in memory with bytes).
+    def load(cls, path, vocab_size: int, tokenizer=None) -> "TokenDataset":
+        """A prepared directory, or a UTF-8 text file (tokenized in memory with `tokenizer`,
+        by default byte-level).
 
         Checks, before any compute, that the data exists, is not empty, and that every
         token id is < vocab_size.
         """
         path = Path(path)
         if path.is_file():
-            from_text = cls.from_text_file(path)
+            from_text = cls.from_text_file(path, tokenizer or byte_tokenizer())
             from_text.check_vocab(int(from_text.tokens.max()), vocab_size)
             return from_text
         if not (path / "meta.json").is_file():
@@ -221,13 +222,13 @@ class TokenDataset:
         return dataset
 
     @classmethod
-    def from_text_file(cls, path, eval_fraction: float = 0.05) -> "TokenDataset":
-        """One UTF-8 text file as one byte-level document; its last eval_fraction is held out
-        (as a second document, so the split needs no document boundary)."""
-        text = Path(path).read_bytes()
+    def from_text_file(cls, path, tokenizer, eval_fraction: float = 0.05) -> "TokenDataset":
+        """One small UTF-8 text file as one document, tokenized in memory; its last
+        eval_fraction is held out (as a second document, so the split needs no boundary)."""
+        text = Path(path).read_text(encoding="utf-8")
         if not text:
             raise ValueError(f"--data {path} is empty")
-        tokens = np.frombuffer(text, np.uint8)
+        tokens = np.asarray(tokenizer.encode(text).ids, np.int32)
         split = len(tokens) - int(len(tokens) * eval_fraction)
         return cls(tokens, [0, split, len(tokens)], 1, str(path))
 
@@ -280,50 +281,6 @@ class TokenDataset:
         starts = self.train_end + np.arange(n) * seq_len
         for i in range(0, n, batch_size):
             yield self._batch(starts[i:i + batch_size], seq_len)
-
-
-# TEMPORARY (lead): kept until train.py moves to TokenDataset.
-def tokenize_file(path, tokenizer, vocab_size: int) -> np.ndarray:
-    """A UTF-8 text file -> int32 token ids [t]. Checks every id is < vocab_size."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file (give a UTF-8 text file)")
-    text = path.read_text(encoding="utf-8")
-    if not text:
-        raise ValueError(f"--data {path} is empty")
-    ids = np.asarray(tokenizer.encode(text).ids, np.int32)
-    if ids.max() >= vocab_size:
-        raise ValueError(f"--data {path}: token id {ids.max()} >= the model's vocab_size="
-                         f"{vocab_size}; use a tokenizer that matches the model")
-    return ids
-
-
-def split_tokens(tokens: np.ndarray, seq_len: int, eval_fraction: float = 0.05):
-    """(train, eval) token arrays: the last eval_fraction of the stream is held out."""
-    n_eval = max(int(len(tokens) * eval_fraction), seq_len + 1)
-    if len(tokens) - n_eval < seq_len + 1:
-        raise ValueError(f"the corpus has {len(tokens)} tokens: too few for --seq-len "
-                         f"{seq_len} plus a held-out split; use a larger corpus or shorter "
-                         "sequences")
-    return tokens[:-n_eval], tokens[-n_eval:]
-
-
-def random_windows(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
-    """Endless batches of (inputs, targets), each [batch_size, seq_len] int32, from windows
-    at random offsets; the order depends only on the seed."""
-    rng = np.random.default_rng(seed)
-    while True:
-        starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
-        windows = np.stack([tokens[s:s + seq_len + 1] for s in starts])
-        yield windows[:, :-1], windows[:, 1:]
-
-
-def eval_windows(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int = 4):
-    """Consecutive non-overlapping (inputs, targets) batches from the held-out split."""
-    n = min((len(tokens) - 1) // seq_len, batch_size * max_batches)
-    windows = np.stack([tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(n)])
-    for i in range(0, n, batch_size):
-        yield windows[i:i + batch_size, :-1], windows[i:i + batch_size, 1:]
 
 
 def main(argv=None):

@@ -36,6 +36,7 @@ from mamba_jax.layers import gated_rms_norm
 from mamba_jax.model import param_name
 
 AXES = ("dp", "fsdp", "tp")
+REMAT = ("none", "block", "full")
 BATCH_AXES = ("dp", "fsdp")  # the batch rows are split over both
 
 # Parameter name (its last key) -> the axis tp splits: heads for the mixer, rows of the
@@ -125,6 +126,12 @@ def shardings(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
+def global_array(array, sharding):
+    """A host array (the same on every process) -> a jax.Array placed as sharding; each
+    process supplies only its own devices' pieces."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
 def _gather_fsdp(tree, specs):
     """All-gather each fsdp-sharded parameter of tree (inside shard_map)."""
     def gather(x, spec):
@@ -166,27 +173,28 @@ def _gated_norm_local(y, z, weight, cfg: Mamba2Config):
     return (gated * inv_rms[..., None] * weight.astype(jnp.float32)).astype(y.dtype)
 
 
-def _mixer_local(mixer, u, cfg: Mamba2Config):
+def _mixer_local(mixer, u, cfg: Mamba2Config, seq_idx=None):
     """One rank's mixer: u [b, l, d] (every token) -> its share of out_proj [b, l, d] f32.
+    seq_idx [b, l] (every token) or None: packed documents.
 
     Column-parallel projections and conv on local heads (and local or all groups), the SSD
     and gated norm on local heads with no communication, row-parallel out_proj (the caller
     sums the shares)."""
     z, x, B, C, dt = mixer.project(u)
-    x, B, C, _ = mixer.conv(x, B, C)
+    x, B, C, _ = mixer.conv(x, B, C, seq_idx)
     if cfg.ngroups % lax.axis_size("tp"):
         B, C = (_groups_of_local_heads(t, cfg, x.shape[2]) for t in (B, C))
-    y, _ = mixer.scan(x, dt, B, C)
+    y, _ = mixer.scan(x, dt, B, C, seq_idx)
     return mixer.out_proj_partial(_gated_norm_local(y, z, mixer.norm[...], cfg))
 
 
-def _block_local(block, residual, cfg: Mamba2Config, sp: bool):
+def _block_local(block, residual, cfg: Mamba2Config, sp: bool, seq_idx=None):
     """residual [b, l/tp, d] under sequence parallel (else [b, l, d]) -> the same shape."""
     hidden = block.norm(residual).astype(block.mixer.dtype)
     if sp:
         hidden = lax.all_gather(hidden, "tp", axis=1, tiled=True)
     # The shares are summed in the compute dtype, as mamba_ssm's RowParallelLinear does.
-    out = _mixer_local(block.mixer, hidden, cfg).astype(block.mixer.dtype)
+    out = _mixer_local(block.mixer, hidden, cfg, seq_idx).astype(block.mixer.dtype)
     if sp:
         out = lax.psum_scatter(out, "tp", scatter_dimension=1, tiled=True)
     else:
@@ -223,24 +231,36 @@ def vocab_parallel_cross_entropy(logits, targets):
     return jnp.log(sum_exp) + top - target_logit
 
 
-def _local_hidden(state, input_ids, graphdef, specs, sp: bool):
-    """Per device: input_ids [b, l] -> (final hidden [b, l, d] in the compute dtype for all
-    l, this rank's LM head rows [v/tp, d])."""
+def _remat_policy(remat: str, fsdp: bool):
+    """The jax.checkpoint policy around each block, or None for no checkpoint.
+
+    "block" keeps the block's matmul outputs and recomputes the rest (norms, conv, scan)
+    in the backward pass; "full" keeps only the block's input. Gathered FSDP weights are
+    never kept: the backward pass gathers them again."""
+    if remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "block":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint_policies.save_anything_except_these_names(_GATHERED) if fsdp else None
+
+
+def _local_hidden(state, input_ids, seq_idx, graphdef, specs, sp: bool, remat: str):
+    """Per device: input_ids [b, l], seq_idx [b, l] or None -> (final hidden [b, l, d] in
+    the compute dtype for all l, this rank's LM head rows [v/tp, d])."""
     model = nnx.merge(graphdef, state)  # the structure; weights are fsdp shards until gathered
     cfg = model.config
     gathered = lambda name: _gather_fsdp(state[name], specs[name])
     residual = vocab_parallel_embed(gathered("embedding")[...], input_ids, sp)
     residual = residual.astype(model.residual_dtype)
     block_graphdef = nnx.graphdef(model.layers[0])  # every layer has the same structure
+    policy = _remat_policy(remat, fsdp=lax.axis_size("fsdp") > 1)
     for i in range(cfg.n_layer):
         def block(layer_state, residual, layer_specs=specs["layers"][i]):
             layer = nnx.merge(block_graphdef, _gather_fsdp(layer_state, layer_specs))
-            return _block_local(layer, residual, cfg, sp)
-        if lax.axis_size("fsdp") > 1:
-            # Save the activations but not the gathered weights: the backward pass gathers
-            # them again, so a device never holds more than one layer's full weights.
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies
-                                   .save_anything_except_these_names(_GATHERED))
+            return _block_local(layer, residual, cfg, sp, seq_idx)
+        if policy is not None:
+            # Under FSDP this keeps a device from holding more than one layer's full weights.
+            block = jax.checkpoint(block, policy=policy)
         residual = block(state["layers"][i], residual)
     norm_f = nnx.merge(nnx.graphdef(model.norm_f), gathered("norm_f"))
     hidden = norm_f(residual).astype(model.dtype)
@@ -254,27 +274,38 @@ def _local_logits(hidden, head):
     return jnp.einsum("bld,vd->blv", hidden, head, preferred_element_type=jnp.float32)
 
 
-def _shard_map(body, mesh, specs, out_specs):
+def _shard_map(body, mesh, specs, n_batch_args, out_specs):
     batch = P(BATCH_AXES, None)
     # check_vma=False: the SSD's Pallas kernels and the reference's scans carry no
     # varying-axis types. shard_map's transpose still sums the gradients of parameters
     # replicated over an axis (the tests compare every gradient with one device's).
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, batch, batch), out_specs=out_specs,
-                         check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + (batch,) * n_batch_args,
+                         out_specs=out_specs, check_vma=False)
 
 
-def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True):
-    """loss(params, inputs [b, l], targets [b, l]) -> mean next-token cross-entropy (nats).
+def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none"):
+    """loss(params, inputs [b, l], targets [b, l], seq_idx=None) -> mean next-token
+    cross-entropy (nats). seq_idx [b, l]: packed documents (no state crosses a boundary).
 
-    params are placed as `specs`; the batch rows are split over dp and fsdp."""
+    params are placed as `specs`; the batch rows are split over dp and fsdp. remat:
+    "none", "block" or "full" activation checkpointing of each block (_remat_policy)."""
+    if remat not in REMAT:
+        raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
     sp = sequence_parallel and mesh.shape["tp"] > 1
     n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
 
-    def body(params, inputs, targets):
-        hidden, head = _local_hidden(params, inputs, graphdef, specs, sp)
+    def body(params, inputs, targets, seq_idx=None):
+        hidden, head = _local_hidden(params, inputs, seq_idx, graphdef, specs, sp, remat)
         token_loss = vocab_parallel_cross_entropy(_local_logits(hidden, head), targets)
         return lax.psum(token_loss.sum(), BATCH_AXES) / (token_loss.size * n_shards)
-    return _shard_map(body, mesh, specs, P())
+    plain = _shard_map(body, mesh, specs, 2, P())
+    packed = _shard_map(body, mesh, specs, 3, P())
+
+    def loss(params, inputs, targets, seq_idx=None):
+        if seq_idx is None:
+            return plain(params, inputs, targets)
+        return packed(params, inputs, targets, seq_idx)
+    return loss
 
 
 def make_logits_fn(graphdef, specs, mesh, *, sequence_parallel=True):
@@ -282,10 +313,10 @@ def make_logits_fn(graphdef, specs, mesh, *, sequence_parallel=True):
     device holds the full vocabulary)."""
     sp = sequence_parallel and mesh.shape["tp"] > 1
 
-    def body(params, input_ids, _):
-        return _local_logits(*_local_hidden(params, input_ids, graphdef, specs, sp))
-    fn = _shard_map(body, mesh, specs, P(BATCH_AXES, None, "tp"))
-    return lambda params, input_ids: fn(params, input_ids, input_ids)
+    def body(params, input_ids):
+        return _local_logits(*_local_hidden(params, input_ids, None, graphdef, specs, sp,
+                                            "none"))
+    return _shard_map(body, mesh, specs, 1, P(BATCH_AXES, None, "tp"))
 
 
 def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):

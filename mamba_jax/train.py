@@ -1,15 +1,16 @@
 """The trainer: `python -m mamba_jax.train` (tiny preset on the bundled corpus by default).
 
     python -m mamba_jax.train --preset tiny --steps 300 --metrics-file m.jsonl
+    python -m mamba_jax.train --config train/mamba2-130m.toml --data data/corpus \
+        --mesh dp=2,tp=4 --checkpoint-dir runs/130m/ckpt --save-every 500 --resume
     python -m mamba_jax.train --set ngroups=2 --set d_state=64
 
-    python -m mamba_jax.train --mesh dp=2,tp=4 --grad-accum 2
-
-optax AdamW with linear warmup and cosine decay, global-norm clipping, and no weight decay
-on A_log, D, dt_bias, norms and biases (as mamba_ssm's recipes). Every run, one device or
-many, goes through the same sharded code (mamba_jax.parallel) over a mesh (`--mesh`,
-default: every device on dp). The training step is a pure jitted function of
-(params, opt_state, batch) with the shardings in the arrays, buffers donated.
+Every run, one device or many, goes through the same sharded code (mamba_jax.parallel) over
+a mesh (`--mesh`, default: every device on dp); the step is a pure jitted function of
+(params, opt_state, batch) with the shardings in the arrays (mamba_jax.optim). Batch `s` is
+a pure function of (s, seed) (mamba_jax.data), so a checkpoint needs only the step to
+restore the data position. Checkpoints (mamba_jax.checkpoint) restore onto any mesh.
+SIGTERM / SIGINT save a checkpoint at the current step and exit cleanly.
 Several processes (multi-host): pass --coordinator-address, --num-processes and
 --process-id (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) to each.
 """
@@ -17,82 +18,32 @@ Several processes (multi-host): pass --coordinator-address, --num-processes and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import math
+import signal
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import parallel
+from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.config import PRESETS, Mamba2Config
-from mamba_jax.convert import flat_params, save_pretrained
-from mamba_jax.data import (DEFAULT_CORPUS, eval_windows, load_tokenizer, random_windows,
-                            split_tokens, tokenize_file)
-from mamba_jax.model import Mamba2LM, param_name
-
-_NO_DECAY_NAMES = ("A_log", "D", "dt_bias", "norm")
-
-
-def no_weight_decay(name: str) -> bool:
-    """True for parameters mamba_ssm trains without weight decay: A_log, D, dt_bias, every
-    norm weight and every bias. `name` is a dotted parameter name ("layers.0.mixer.D")."""
-    parts = name.split(".")
-    return (parts[-1] in _NO_DECAY_NAMES or parts[-1].endswith("bias")
-            or any(p.startswith("norm") for p in parts))
-
-
-def weight_decay_mask(params):
-    """A pytree like params: True where weight decay applies."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not no_weight_decay(param_name(path)), params)
-
-
-def make_optimizer(params, lr, steps, warmup, weight_decay, clip):
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=min(warmup, max(steps - 1, 1)),
-        decay_steps=max(steps, 2), end_value=lr * 0.1)
-    tx = optax.chain(
-        optax.clip_by_global_norm(clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
-                    mask=weight_decay_mask(params)))
-    return tx, schedule
-
-
-def make_train_step(loss_fn, tx):
-    """step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), jitted.
-
-    batch = (inputs, targets), each [micro-batches, b, l]: the gradient is the mean over the
-    micro-batches, accumulated in a scan (--grad-accum). Shardings ride on the arrays;
-    params and opt_state are donated.
-    """
-    def step(params, opt_state, batch):
-        n = batch[0].shape[0]
-        if n == 1:  # no loop: a scan costs a little even over one micro-batch
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch[0][0], batch[1][0])
-        else:
-            def accumulate(total, micro_batch):
-                loss, grads = jax.value_and_grad(loss_fn)(params, *micro_batch)
-                return jax.tree.map(jnp.add, total, (loss, grads)), None
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
-            loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
-    return jax.jit(step, donate_argnums=(0, 1))
-
-
-def global_array(array: np.ndarray, sharding):
-    """A host array (the same on every process) -> a jax.Array placed as sharding; each
-    process supplies only its own devices' pieces."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+from mamba_jax.convert import save_pretrained
+from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, load_tokenizer
+from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
+                               train_flops_per_token)
+from mamba_jax.model import Mamba2LM
+from mamba_jax.optim import SCHEDULES, init_opt_state, make_optimizer, make_train_step
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -121,50 +72,52 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
-class Progress:
-    """One status line, redrawn in place on a terminal, printed every 10% otherwise."""
-
-    def __init__(self, total: int):
-        self.total, self.tty, self.last = total, sys.stderr.isatty(), -1
-
-    def update(self, step: int, text: str):
-        frac = step / self.total
-        if self.tty:
-            bar = "#" * int(30 * frac)
-            print(f"\r{step:>6}/{self.total} [{bar:<30}] {text}", end="", file=sys.stderr,
-                  flush=True)
-            if step == self.total:
-                print(file=sys.stderr)
-        elif int(10 * frac) > self.last or step == self.total:
-            self.last = int(10 * frac)
-            print(f"{step:>6}/{self.total} {text}", file=sys.stderr, flush=True)
-
-
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m mamba_jax.train",
                                 description="Train a Mamba2 language model.")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="a recipe (train/*.toml): flag values at the top level, Mamba2Config "
+                        "overrides under [model]; flags on the command line win")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a Mamba2Config field (repeatable), e.g. --set ngroups=2")
     p.add_argument("--data", default=str(DEFAULT_CORPUS),
-                   help="a UTF-8 text file (default: the bundled corpus)")
-    p.add_argument("--tokenizer", default="bytes", help="tokenizer.json path or 'bytes'")
+                   help="a dataset dir made by `python -m mamba_jax.data prepare`, or a UTF-8 "
+                        "text file (byte-level; default: the bundled corpus)")
+    p.add_argument("--no-cross-document-state", dest="cross_document_state",
+                   action="store_false",
+                   help="restart the conv and the SSM state at every document boundary of the "
+                        "packed sequences (passes seq_idx to the scan)")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="tokenizer.json path or 'bytes': saved with the exported model")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (parameters and optimizer state stay float32)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--schedule", choices=SCHEDULES, default="cosine")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remat", choices=parallel.REMAT, default="none",
+                   help="activation checkpointing per block: block keeps matmul outputs, "
+                        "full keeps only each block's input")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--metrics-file", default=None,
                    help="append one JSON line per step (step, loss, lr, grad_norm, ...)")
-    p.add_argument("--out", default="runs/{preset}",
-                   help="where the final checkpoint goes (HF layout + tokenizer.json); "
-                        "'none' to skip")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard event files there (needs tensorboardX)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="Orbax checkpoints of params, optimizer state and step go here")
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--out", "--export-hf", dest="out", default="runs/{preset}",
+                   help="where the final weights go (HF layout + tokenizer.json); 'none' to "
+                        "skip")
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="device mesh, e.g. 'tp=4' or 'dp=2,fsdp=2,tp=2' (axes dp, fsdp, tp; "
                         "omitted axes are 1; default: every device on dp)")
@@ -180,24 +133,80 @@ def build_parser():
     return p
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
+    """The command line over the --config recipe over the defaults -> (args, config)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model_overrides = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise SystemExit(f"--config {path}: no such file (recipes are in train/)")
+        recipe = tomllib.loads(path.read_text())
+        model_overrides = recipe.pop("model", {})
+        known = {a.dest for a in parser._actions} - {"help", "config", "set"}
+        unknown = sorted(set(recipe) - known)
+        if unknown:
+            raise SystemExit(f"--config {path}: unknown keys {unknown}; keys are flag names "
+                             f"with underscores: {sorted(known)}")
+        parser.set_defaults(**recipe)
+        args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "save_every", "eval_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    model_overrides = {**model_overrides, **parse_overrides(args.set)}
+    try:
+        cfg = Mamba2Config.preset(args.preset, **model_overrides)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(str(error)) from None
+    return args, cfg
+
+
+class _StopRequest:
+    """While active, records SIGTERM / SIGINT so the loop can checkpoint and leave between
+    steps; the previous handlers come back on exit."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self):
+        self.signal = None
+        self.previous = [signal.signal(sig, self._handle) for sig in self._SIGNALS]
+        return self
+
+    def __exit__(self, *_):
+        for sig, handler in zip(self._SIGNALS, self.previous):
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame):
+        self.signal = signal.Signals(signum).name
+
+
+def _batch_arrays(batch: dict, args, sharding) -> tuple:
+    """This process's rows [b_local, l] -> global arrays [grad_accum, b / grad_accum, l]."""
+    names = ("inputs", "targets") + (() if args.cross_document_state else ("seq_idx",))
+    global_shape = (args.grad_accum, args.batch_size // args.grad_accum, args.seq_len)
+    return tuple(jax.make_array_from_process_local_data(
+        sharding, batch[n].reshape(args.grad_accum, -1, args.seq_len), global_shape)
+        for n in names)
+
+
+def main(argv=None):
+    args, cfg = parse_args(argv)
     parallel.initialize_distributed(args.coordinator_address, args.num_processes,
                                     args.process_id)
-    lead = jax.process_index() == 0  # the process that prints, logs and saves
-    cfg = Mamba2Config.preset(args.preset, **parse_overrides(args.set))
+    lead = jax.process_index() == 0  # the process that prints, logs and exports
+    n_proc = jax.process_count()
+    if args.batch_size % (n_proc * args.grad_accum):
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by processes x "
+                         f"--grad-accum = {n_proc} x {args.grad_accum}")
+    if args.resume and not args.checkpoint_dir:
+        raise SystemExit("--resume needs --checkpoint-dir")
     tokenizer = load_tokenizer(args.tokenizer)
-    tokens = tokenize_file(args.data, tokenizer, cfg.vocab_size)
-    train_tokens, eval_tokens = split_tokens(tokens, args.seq_len)
+    # Refuses bad data before any compute.
+    dataset = TokenDataset.load(args.data, cfg.vocab_size, tokenizer)
     dtype = jnp.dtype(args.dtype)
     try:
         mesh = parallel.make_mesh(args.mesh)
-        if args.batch_size % args.grad_accum:
-            raise ValueError(f"--batch-size {args.batch_size} is not divisible by "
-                             f"--grad-accum {args.grad_accum}")
         parallel.check_layout(cfg, mesh, batch_size=args.batch_size // args.grad_accum,
                               seq_len=args.seq_len, sequence_parallel=args.sequence_parallel)
     except ValueError as e:
@@ -210,74 +219,121 @@ def main(argv=None):
         nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)))
     specs = parallel.param_specs(abstract_params, cfg, mesh)
     params = jax.jit(make_params, out_shardings=parallel.shardings(mesh, specs))()
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    if lead:
-        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
-              f"{len(train_tokens)} training tokens, {jax.devices()[0].platform} x "
-              f"{jax.device_count()} ({jax.process_count()} processes), mesh "
-              f"{dict(mesh.shape)}, sequence parallel "
-              f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}",
-              file=sys.stderr)
-    tx, schedule = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
-                                  args.clip)
-    opt_state = jax.jit(tx.init)(params)
-    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh,
+    tx, lr_at = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
+                               args.clip, args.schedule)
+    opt_state = init_opt_state(tx, params, parallel.shardings(mesh, specs),
+                               NamedSharding(mesh, P()))
+    effective = {"model": cfg.to_dict(), "train": {k: v for k, v in vars(args).items()
+                                                   if k not in ("set", "resume")}}
+
+    start, ckpt = 0, None
+    if args.checkpoint_dir:
+        ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep)
+        if ckpt.steps() and not args.resume:
+            raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints "
+                             f"(steps {ckpt.steps()}): pass --resume to continue, or choose "
+                             "another directory")
+
+        def same_model(step, meta):
+            if meta["config"]["model"] != json.loads(json.dumps(effective["model"])):
+                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
+                                 f"model ({meta['config']['model']}); use its --preset/--set "
+                                 "or another --checkpoint-dir")
+
+        try:
+            restored = ckpt.restore_latest(
+                abstract_like({"params": params, "opt_state": opt_state}), same_model)
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from None
+        if restored is not None:
+            start, state, _ = restored
+            params, opt_state = state["params"], state["opt_state"]
+        if lead:
+            Path(args.checkpoint_dir, "train_config.json").write_text(
+                json.dumps(effective, indent=2) + "\n")
+
+    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=args.remat,
                                     sequence_parallel=args.sequence_parallel)
     eval_loss = jax.jit(loss_fn)
     train_step = make_train_step(loss_fn, tx)
-    rows = NamedSharding(mesh, P(parallel.BATCH_AXES, None))
     micro_rows = NamedSharding(mesh, P(None, parallel.BATCH_AXES, None))
+    rows = NamedSharding(mesh, P(parallel.BATCH_AXES, None))
     n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
 
     def evaluate(params):
         losses = []
-        for x, y in eval_windows(eval_tokens, args.batch_size, args.seq_len):
-            keep = len(x) - len(x) % n_shards  # whole rows per batch shard
+        for batch in dataset.eval_batches(args.batch_size, args.seq_len):
+            keep = len(batch["inputs"]) - len(batch["inputs"]) % n_shards  # whole shards
             if keep:
-                losses.append(eval_loss(params, global_array(x[:keep], rows),
-                                        global_array(y[:keep], rows)))
+                arrays = [batch[n][:keep] for n in ("inputs", "targets", "seq_idx")]
+                if args.cross_document_state:
+                    arrays.pop()
+                losses.append(eval_loss(params, *(parallel.global_array(a, rows)
+                                                  for a in arrays)))
         return float(np.mean(losses))
 
-    metrics = open(args.metrics_file, "a") if args.metrics_file and lead else None
-    batches = random_windows(train_tokens, args.batch_size, args.seq_len, args.seed)
-    progress = Progress(args.steps)
-    start = time.perf_counter()
-    try:
-        for step in range(1, args.steps + 1):
-            batch = tuple(global_array(a.reshape(args.grad_accum, -1, args.seq_len), micro_rows)
-                          for a in next(batches))
-            params, opt_state, loss, grad_norm = train_step(params, opt_state, batch)
-            record = {"step": step, "loss": float(loss), "lr": float(schedule(step - 1)),
-                      "grad_norm": float(grad_norm)}
-            if not np.isfinite(record["loss"]):
-                raise SystemExit(f"step {step}: loss is {record['loss']}; lower --lr or use "
-                                 "--dtype float32")
+    if lead:
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
+              f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
+              f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
+              f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}, "
+              f"remat {args.remat}" + (f", resumed at step {start}" if start else ""),
+              file=sys.stderr)
+    flops = train_flops_per_token(cfg, args.seq_len)
+    peak = peak_flops(args.dtype)
+    metrics = MetricsWriter(args.metrics_file, args.tensorboard) if lead else MetricsWriter()
+    progress = Progress(args.steps, first=start)
+    step = start
+    with _StopRequest() as stop, contextlib.ExitStack() as cleanup:
+        cleanup.callback(metrics.close)
+        if ckpt:
+            cleanup.callback(ckpt.close)  # saves in flight are committed before we go on
+        while step < args.steps and stop.signal is None:
+            tic = time.perf_counter()
+            batch = dataset.train_batch(step, args.batch_size, args.seq_len, args.seed,
+                                        jax.process_index(), n_proc)
+            params, opt_state, loss, grad_norm = train_step(
+                params, opt_state, _batch_arrays(batch, args, micro_rows))
+            step += 1
+            loss = float(loss)  # waits for the step
+            if not math.isfinite(loss):
+                raise SystemExit(f"step {step}: the loss is {loss}; stopping without saving "
+                                 "(the last checkpoint is the last good state). Lower --lr, "
+                                 "raise --warmup or use --dtype float32")
+            elapsed = time.perf_counter() - tic
+            tokens_per_s = args.batch_size * args.seq_len / elapsed
+            record = {"step": step, "loss": loss, "lr": float(lr_at(step - 1)),
+                      "grad_norm": float(grad_norm), "step_time_s": elapsed,
+                      "tokens_per_s": tokens_per_s,
+                      "mfu": None if peak is None else flops * tokens_per_s / peak,
+                      "peak_memory_gib": peak_memory_gib()}
             if step % args.eval_every == 0 or step == args.steps:
                 record["eval_loss"] = evaluate(params)
-            record["tokens_per_s"] = step * args.batch_size * args.seq_len / (
-                time.perf_counter() - start)
-            if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
+            metrics.write(record)
             if lead:
-                progress.update(step, f"loss {record['loss']:.3f}"
-                                + (f" eval {record['eval_loss']:.3f}" if "eval_loss" in record
-                                   else "") + f" {record['tokens_per_s']:.0f} tok/s")
-    finally:
-        if metrics:
-            metrics.close()
+                progress.update(step, record)
+            if ckpt and (step % args.save_every == 0 or step == args.steps or stop.signal):
+                ckpt.save(step, {"params": params, "opt_state": opt_state},
+                          {"step": step, "config": effective})
+    if stop.signal:
+        if lead:
+            print(f"{stop.signal}: stopped after step {step}"
+                  + (f"; checkpoint saved in {args.checkpoint_dir}" if ckpt else ""),
+                  file=sys.stderr)
+        return
 
     out = args.out.format(preset=args.preset)
     if out.lower() != "none":
-        if jax.process_count() > 1:
+        if n_proc > 1:
             params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
         if lead:
-            model = nnx.merge(graphdef, params)
-            save_pretrained(model, out, format="hf")
+            save_pretrained(nnx.merge(graphdef, params), out, format="hf")
             tokenizer.save(str(Path(out) / "tokenizer.json"))
-            print(f"saved {out} ({len(flat_params(model))} tensors); try: python -m "
-                  f"mamba_jax.generate --checkpoint {out} --prompt 'This License'",
-                  file=sys.stderr)
+            Path(out, "train_config.json").write_text(json.dumps(effective, indent=2) + "\n")
+            print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint {out} "
+                  "--prompt 'This License'", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 import shutil
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -42,6 +43,15 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     assert step == 1
     assert_same(restored, state(1))
     assert "cannot be restored" in capsys.readouterr().err
+
+
+def test_when_no_checkpoint_restores_it_is_an_error_not_a_fresh_start(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, state(1), {})
+    ckpt.close()
+    shutil.rmtree(tmp_path / "1" / "state" / "d")
+    with pytest.raises(RuntimeError, match=r"none of the checkpoints \[1\].*could be restored"):
+        Checkpointer(tmp_path).restore_latest(abstract_like(state(0)))
 
 
 def test_an_unfinished_save_is_invisible(tmp_path):

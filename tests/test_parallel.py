@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import Mamba2Config, Mamba2LM, parallel
-from mamba_jax.train import global_array, make_optimizer, make_train_step
+from mamba_jax.optim import make_optimizer, make_train_step
+from mamba_jax.parallel import global_array
 
 # Opt level 0 halves XLA:CPU compile time (the budget here is compiles); every side of each
 # comparison is compiled the same way.

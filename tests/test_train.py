@@ -7,9 +7,10 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.data import byte_tokenizer, load_tokenizer
+from mamba_jax.data import load_tokenizer
 from mamba_jax.model import param_name
-from mamba_jax.train import main, parse_overrides, weight_decay_mask
+from mamba_jax.optim import make_schedule, weight_decay_mask
+from mamba_jax.train import main, parse_overrides
 
 
 def test_default_run_trains_tiny_with_a_falling_loss_and_saves_a_checkpoint(tmp_path):
@@ -47,8 +48,8 @@ def test_bad_overrides_are_named(arg, match):
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such file"):
-        main(["--data", str(tmp_path / "absent.txt"), "--steps", "1"])
+    with pytest.raises(FileNotFoundError, match="python -m mamba_jax.data prepare"):
+        main(["--data", str(tmp_path / "absent"), "--steps", "1"])
 
 
 def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
@@ -63,8 +64,35 @@ def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
                        "mixer.C_conv", "mixer.out_proj"}
 
 
-def test_byte_tokenizer_round_trips_any_text():
-    tok = byte_tokenizer()
-    text = "naïve — 数据\n\tend "
-    assert tok.encode(text).ids == list(text.encode("utf-8"))
-    assert tok.decode(tok.encode(text).ids) == text
+def test_wsd_schedule_warms_up_holds_then_decays():
+    lr = make_schedule(1.0, steps=100, warmup=10, schedule="wsd", decay_fraction=0.2)
+    assert float(lr(0)) == 0.0 and float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(50)) == pytest.approx(1.0) and float(lr(79)) == pytest.approx(1.0)
+    assert float(lr(90)) == pytest.approx(0.55) and float(lr(100)) == pytest.approx(0.1)
+
+
+def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('steps = 50\nbatch_size = 8\nseq_len = 32\nlr = 1e-3\n'
+                      '[model]\nd_model = 64\nheaddim = 16\nd_state = 16\n')
+    out = tmp_path / "out"
+    main(["--config", str(recipe), "--steps", "2", "--set", "n_layer=1", "--out", str(out)])
+    effective = json.loads((out / "train_config.json").read_text())
+    assert effective["train"]["steps"] == 2 and effective["train"]["lr"] == 1e-3
+    assert effective["model"]["d_model"] == 64 and effective["model"]["n_layer"] == 1
+    assert mamba_jax.from_pretrained(out).config.d_state == 16
+    recipe.write_text("stepz = 3\n")
+    with pytest.raises(SystemExit, match=r"unknown keys \['stepz'\]"):
+        main(["--config", str(recipe)])
+
+
+def test_every_recipe_in_train_dir_parses_to_its_preset():
+    from pathlib import Path
+
+    from mamba_jax.train import parse_args
+    recipes = sorted((Path(__file__).parents[1] / "train").glob("*.toml"))
+    assert {r.stem for r in recipes} == {"tiny", "mamba2-130m", "mamba2-370m", "mamba2-780m",
+                                         "mamba2-1.3b", "mamba2-2.7b"}
+    for recipe in recipes:
+        args, cfg = parse_args(["--config", str(recipe)])
+        assert args.preset == recipe.stem and cfg == Mamba2Config.preset(recipe.stem)

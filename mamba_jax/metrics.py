@@ -1,0 +1,108 @@
+"""What the trainer reports: a progress line, model FLOPs and MFU, JSON lines, TensorBoard.
+
+Model FLOPs per token of a training step (forward + backward = 3x forward), counting
+matmuls only (2 FLOPs a multiply-add), for seqlen l and chunk q:
+  per layer   2*d*(2*h*p + 2*g*n + h)    in_proj (z, x, B, C, dt)
+            + 2*h*p*d                     out_proj
+            + 2*q*(g*n + h*p)             SSD within each chunk: C B^T per group, then x
+            + 4*h*p*n                     SSD chunk states, and states read out through C
+  once        2*d*v                       LM head
+MFU = that x tokens/s / (the devices' peak dense matmul FLOP/s x device count).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+from mamba_jax.config import Mamba2Config
+
+# Dense bf16 matmul peaks (vendor datasheets, FLOP/s) by device kind; float32 runs use the
+# TF32 peak, half of it. Devices not listed (CPUs) report no MFU.
+_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
+              "L40S": 362e12, "B200": 2250e12}
+
+
+def train_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
+    d, h, p, g, n = cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+    q = min(cfg.chunk_size, seq_len)
+    layer = (2 * d * (2 * h * p + 2 * g * n + h) + 2 * h * p * d + 2 * q * (g * n + h * p)
+             + 4 * h * p * n)
+    return 3.0 * (cfg.n_layer * layer + 2 * d * cfg.padded_vocab_size)
+
+
+def peak_flops(dtype_name: str) -> float | None:
+    """The whole machine's peak matmul FLOP/s for the compute dtype, None if unknown."""
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in _PEAK_BF16.items() if k in kind), None)
+    if peak is None:
+        return None
+    return peak * jax.device_count() * (1.0 if dtype_name == "bfloat16" else 0.5)
+
+
+def peak_memory_gib() -> float | None:
+    """The largest device-memory use so far on the first local device, if it reports one."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+class Progress:
+    """One status line, redrawn in place on a terminal, printed every 10% otherwise."""
+
+    def __init__(self, total: int, first: int = 0):
+        self.total, self.tty, self.last = total, sys.stderr.isatty(), -1
+        self.first = first
+
+    def update(self, step: int, record: dict):
+        parts = [f"loss {record['loss']:.3f}"]
+        if "eval_loss" in record:
+            parts.append(f"eval {record['eval_loss']:.3f} (ppl {record['eval_ppl']:.1f})")
+        parts.append(f"{record['tokens_per_s']:.0f} tok/s {record['step_time_s'] * 1e3:.0f} ms")
+        if record.get("mfu") is not None:
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        if record.get("peak_memory_gib") is not None:
+            parts.append(f"{record['peak_memory_gib']:.1f} GiB")
+        text = " ".join(parts)
+        frac = (step - self.first) / max(self.total - self.first, 1)
+        if self.tty:
+            bar = "#" * int(30 * frac)
+            print(f"\r{step:>6}/{self.total} [{bar:<30}] {text}", end="", file=sys.stderr,
+                  flush=True)
+            if step == self.total:
+                print(file=sys.stderr)
+        elif int(10 * frac) > self.last or step == self.total:
+            self.last = int(10 * frac)
+            print(f"{step:>6}/{self.total} {text}", file=sys.stderr, flush=True)
+
+
+class MetricsWriter:
+    """Each step's record to a JSON-lines file and TensorBoard event files, as asked."""
+
+    def __init__(self, jsonl_path=None, tensorboard_dir=None):
+        self.jsonl = open(jsonl_path, "a") if jsonl_path else None
+        self.tensorboard = None
+        if tensorboard_dir:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                raise SystemExit("--tensorboard needs tensorboardX: pip install "
+                                 "'mamba-jax[tensorboard]'") from None
+            self.tensorboard = SummaryWriter(str(tensorboard_dir))
+
+    def write(self, record: dict):
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.tensorboard:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self):
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tensorboard:
+            self.tensorboard.close()

@@ -1,0 +1,88 @@
+"""The optimizer and the jitted training step.
+
+AdamW with linear warmup then cosine decay (or WSD: warmup, stable, linear decay), global-norm
+clipping, and no weight decay on A_log, D, dt_bias, norms and biases, as mamba_ssm's recipes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mamba_jax.model import param_name
+
+SCHEDULES = ("cosine", "wsd")
+_NO_DECAY_NAMES = ("A_log", "D", "dt_bias", "norm")
+
+
+def no_weight_decay(name: str) -> bool:
+    """True for parameters mamba_ssm trains without weight decay: A_log, D, dt_bias, every
+    norm weight and every bias. `name` is a dotted parameter name ("layers.0.mixer.D")."""
+    parts = name.split(".")
+    return (parts[-1] in _NO_DECAY_NAMES or parts[-1].endswith("bias")
+            or any(p.startswith("norm") for p in parts))
+
+
+def weight_decay_mask(params):
+    """A pytree like params: True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not no_weight_decay(param_name(path)), params)
+
+
+def make_schedule(lr, steps, warmup, schedule="cosine", decay_fraction=0.2):
+    """Learning rate by step: linear warmup to lr, then cosine to lr/10 ("cosine"), or hold
+    lr and decay linearly to lr/10 over the last decay_fraction of the steps ("wsd")."""
+    warmup = min(warmup, max(steps - 1, 1))
+    if schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, 2), lr * 0.1)
+    if schedule == "wsd":
+        decay = max(int(steps * decay_fraction), 1)
+        stable = max(steps - warmup - decay, 0)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
+             optax.linear_schedule(lr, lr * 0.1, decay)], [warmup, warmup + stable])
+    raise ValueError(f"--schedule {schedule!r}: use one of {SCHEDULES}")
+
+
+def make_optimizer(params, lr, steps, warmup, weight_decay, clip, schedule="cosine"):
+    """(optax transformation, learning-rate schedule) for params."""
+    lr_at = make_schedule(lr, steps, warmup, schedule)
+    tx = optax.chain(
+        optax.clip_by_global_norm(clip),
+        optax.adamw(lr_at, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
+                    mask=weight_decay_mask(params)))
+    return tx, lr_at
+
+
+def init_opt_state(tx, params, param_shardings, replicated):
+    """tx.init(params), each moment placed like the parameter it tracks and every other leaf
+    (Adam's step count) on `replicated`: where the step puts them, so the second step reuses
+    the first one's compilation, and under fsdp no device ever holds the whole state."""
+    shardings = optax.tree_map_params(tx, lambda _, sharding: sharding,
+                                      jax.eval_shape(tx.init, params), param_shardings,
+                                      transform_non_params=lambda _: replicated)
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def make_train_step(loss_fn, tx):
+    """step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), jitted.
+
+    batch = (inputs, targets) or (inputs, targets, seq_idx), each [micro-batches, b, l]: the
+    gradient is the mean over the micro-batches, accumulated in a scan (--grad-accum).
+    Shardings ride on the arrays; params and opt_state are donated.
+    """
+    def step(params, opt_state, batch):
+        n = batch[0].shape[0]
+        if n == 1:  # no loop: a scan costs a little even over one micro-batch
+            loss, grads = jax.value_and_grad(loss_fn)(params, *(a[0] for a in batch))
+        else:
+            def accumulate(total, micro_batch):
+                loss, grads = jax.value_and_grad(loss_fn)(params, *micro_batch)
+                return jax.tree.map(jnp.add, total, (loss, grads)), None
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
+            loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+    return jax.jit(step, donate_argnums=(0, 1))
