@@ -140,12 +140,16 @@ class Mamba2Mixer(nnx.Module):
         doc = None if seq_idx is None else document_ids(seq_idx)
         return *self._split_xBC(causal_conv1d(xBC_in, w, bias, doc)), xBC_in
 
-    def scan(self, x, dt, B, C, seq_idx=None):
+    def scan(self, x, dt, B, C, seq_idx=None, sequence_axis=None):
         """The SSD with D skip: x [b, l, h, p], dt [b, l, h] (before bias and softplus),
-        B, C [b, l, g, n] -> (y [b, l, h, p], final state [b, h, p, n] float32)."""
+        B, C [b, l, g, n] -> (y [b, l, h, p], final state [b, h, p, n] float32).
+
+        sequence_axis: inside shard_map, the mesh axis the sequence is split over (context
+        parallelism); the state is carried across its devices (pallas_kernels.ssd)."""
         return ssd(x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=self.cfg.chunk_size,
                    D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
-                   dt_limit=self.cfg.dt_limit, seq_idx=seq_idx, return_final_state=True)
+                   dt_limit=self.cfg.dt_limit, seq_idx=seq_idx, return_final_state=True,
+                   sequence_axis=sequence_axis)
 
     def out_proj_partial(self, y):
         """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the

@@ -1,6 +1,6 @@
 """The whole model over one named mesh, as explicit `jax.shard_map` code.
 
-    mesh = make_mesh("dp=2,tp=4")                 # axes dp, fsdp, tp; omitted axes are 1
+    mesh = make_mesh("dp=2,tp=4")                 # axes dp, fsdp, cp, tp; omitted axes are 1
     specs = param_specs(params, cfg, mesh)        # PartitionSpecs shaped like params
     params = jax.device_put(params, shardings(mesh, specs))
     loss = make_loss_fn(graphdef, specs, mesh)    # loss(params, inputs, targets) -> scalar
@@ -15,13 +15,18 @@ Layout (DESIGN.md, "Parallel layout"):
 - `tp`: heads (z, x, dt projections, x conv, dt_bias, A_log, D, the gated norm, out_proj's
   input axis), groups (B, C) where ngroups % tp == 0 (else B and C are replicated and each
   rank reads the groups of its heads), and the vocabulary (embedding, LM head).
-- sequence parallel: between blocks the residual stream is [b, l/tp, d]; each mixer
-  all-gathers the normed input on l and reduce-scatters its output on l.
+- `cp` (context parallel): the sequence, for the whole model. Device k of cp holds tokens
+  [k*l/cp, (k+1)*l/cp) of every row; the only traffic is each mixer's conv halo (the
+  previous part's last d_conv-1 inputs) and the scan's state exchange
+  (pallas_kernels/ssd/context_parallel.py): neither grows with the sequence.
+- sequence parallel: between blocks the residual stream is [b, l/(cp*tp), d]; each mixer
+  all-gathers the normed input on l over tp (to its cp part) and reduce-scatters its output.
 Every device runs the same per-device code below; the collectives are written out.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -35,9 +40,10 @@ from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import gated_rms_norm
 from mamba_jax.model import param_name
 
-AXES = ("dp", "fsdp", "tp")
+AXES = ("dp", "fsdp", "cp", "tp")
 REMAT = ("none", "block", "full")
 BATCH_AXES = ("dp", "fsdp")  # the batch rows are split over both
+TOKENS = P(BATCH_AXES, "cp")  # a [b, l] array of tokens: rows over dp, fsdp; sequence over cp
 
 # Parameter name (its last key) -> the axis tp splits: heads for the mixer, rows of the
 # vocabulary for the embedding and LM head. Block norms ("weight") stay replicated.
@@ -64,19 +70,20 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
 
 
 def make_mesh(spec: str | None = None, devices=None) -> jax.sharding.Mesh:
-    """A mesh with axes (dp, fsdp, tp) from a spec string; None puts every device on dp.
+    """A mesh with axes (dp, fsdp, cp, tp) from a spec string; None puts every device on dp.
 
     tp is the innermost axis, so a tp group is neighbouring devices (one host, NVLink).
     The axes are Explicit, jax.make_mesh's default: arrays carry their sharding.
     """
     devices = jax.devices() if devices is None else list(devices)
     sizes = parse_mesh_spec(spec or f"dp={len(devices)}")
-    product = sizes["dp"] * sizes["fsdp"] * sizes["tp"]
+    product = math.prod(sizes.values())
     if product != len(devices):
         kinds = sorted({f"{d.platform}:{d.device_kind}" for d in devices})
-        raise ValueError(f"--mesh {spec!r}: dp*fsdp*tp = {sizes['dp']}*{sizes['fsdp']}*"
-                         f"{sizes['tp']} = {product}, but there are {len(devices)} devices "
-                         f"({', '.join(kinds)}); make the product {len(devices)}")
+        raise ValueError(f"--mesh {spec!r}: {'*'.join(AXES)} = "
+                         f"{'*'.join(str(sizes[a]) for a in AXES)} = {product}, but there are "
+                         f"{len(devices)} devices ({', '.join(kinds)}); make the product "
+                         f"{len(devices)}")
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
                          axis_types=(jax.sharding.AxisType.Explicit,) * len(AXES),
                          devices=devices)
@@ -98,10 +105,21 @@ def check_layout(cfg: Mamba2Config, mesh, *, batch_size=None, seq_len=None,
     if batch_size is not None and batch_size % shards:
         raise ValueError(f"batch size {batch_size} is not divisible by dp*fsdp = {shards}; "
                          f"use a multiple of {shards}")
-    if sequence_parallel and tp > 1 and seq_len is not None and seq_len % tp:
-        raise ValueError(f"sequence length {seq_len} is not divisible by tp={tp}, which "
-                         "sequence parallelism splits it over; use a multiple of "
-                         f"{tp} or --no-sequence-parallel")
+    cp = mesh.shape["cp"]
+    if seq_len is None:
+        return
+    if seq_len % cp:
+        raise ValueError(f"sequence length {seq_len} is not divisible by cp={cp}, which "
+                         f"context parallelism splits it over; use a multiple of {cp}")
+    if cp > 1 and seq_len // cp < cfg.d_conv - 1:
+        raise ValueError(f"sequence length {seq_len} over cp={cp} leaves {seq_len // cp} "
+                         f"tokens per device, fewer than the conv's halo d_conv-1 = "
+                         f"{cfg.d_conv - 1}; use a sequence of at least "
+                         f"{cp * (cfg.d_conv - 1)} tokens or a smaller cp")
+    if sequence_parallel and tp > 1 and seq_len % (cp * tp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp = {cp}*{tp}, "
+                         f"which context and sequence parallelism split it over; use a "
+                         f"multiple of {cp * tp} or --no-sequence-parallel")
 
 
 def param_specs(params, cfg: Mamba2Config, mesh):
@@ -173,23 +191,43 @@ def _gated_norm_local(y, z, weight, cfg: Mamba2Config):
     return (gated * inv_rms[..., None] * weight.astype(jnp.float32)).astype(y.dtype)
 
 
+def _conv_with_halo(mixer, x, B, C, seq_idx):
+    """The mixer's causal conv on this device's part of the sequence (x [b, l, h, p],
+    B, C [b, l, g, n], seq_idx [b, l] or None, l the cp part) -> conv'd x, B, C.
+
+    The first d_conv-1 outputs read the previous part's last d_conv-1 inputs: one ppermute
+    over cp brings them (part 0 receives zeros, the conv's own padding), with their seq_idx
+    so that no tap reads across a document start, and their outputs are dropped."""
+    cp, k = lax.axis_size("cp"), mixer.cfg.d_conv - 1
+    if cp == 1 or k == 0:
+        return mixer.conv(x, B, C, seq_idx)[:3]
+    parts = (x, B, C) + (() if seq_idx is None else (seq_idx,))
+    halos = lax.ppermute(tuple(a[:, -k:] for a in parts), "cp",
+                         [(i, i + 1) for i in range(cp - 1)])
+    x, B, C, *seq_idx = (jnp.concatenate(pair, axis=1) for pair in zip(halos, parts))
+    return tuple(a[:, k:] for a in mixer.conv(x, B, C, *seq_idx)[:3])
+
+
 def _mixer_local(mixer, u, cfg: Mamba2Config, seq_idx=None):
-    """One rank's mixer: u [b, l, d] (every token) -> its share of out_proj [b, l, d] f32.
-    seq_idx [b, l] (every token) or None: packed documents.
+    """One rank's mixer: u [b, l, d] (every token of this device's cp part) -> its share of
+    out_proj [b, l, d] f32. seq_idx [b, l] (the same tokens) or None: packed documents.
 
     Column-parallel projections and conv on local heads (and local or all groups), the SSD
-    and gated norm on local heads with no communication, row-parallel out_proj (the caller
-    sums the shares)."""
+    and gated norm on local heads with no communication over tp, row-parallel out_proj (the
+    caller sums the shares). Over cp the conv takes a halo and the scan carries its state
+    from the previous parts."""
     z, x, B, C, dt = mixer.project(u)
-    x, B, C, _ = mixer.conv(x, B, C, seq_idx)
+    x, B, C = _conv_with_halo(mixer, x, B, C, seq_idx)
     if cfg.ngroups % lax.axis_size("tp"):
         B, C = (_groups_of_local_heads(t, cfg, x.shape[2]) for t in (B, C))
-    y, _ = mixer.scan(x, dt, B, C, seq_idx)
+    y, _ = mixer.scan(x, dt, B, C, seq_idx,
+                      sequence_axis="cp" if lax.axis_size("cp") > 1 else None)
     return mixer.out_proj_partial(_gated_norm_local(y, z, mixer.norm[...], cfg))
 
 
 def _block_local(block, residual, cfg: Mamba2Config, sp: bool, seq_idx=None):
-    """residual [b, l/tp, d] under sequence parallel (else [b, l, d]) -> the same shape."""
+    """residual [b, l/(cp*tp), d] under sequence parallel (else [b, l/cp, d]) -> the same
+    shape."""
     hidden = block.norm(residual).astype(block.mixer.dtype)
     if sp:
         hidden = lax.all_gather(hidden, "tp", axis=1, tiled=True)
@@ -245,8 +283,9 @@ def _remat_policy(remat: str, fsdp: bool):
 
 
 def _local_hidden(state, input_ids, seq_idx, graphdef, specs, sp: bool, remat: str):
-    """Per device: input_ids [b, l], seq_idx [b, l] or None -> (final hidden [b, l, d] in
-    the compute dtype for all l, this rank's LM head rows [v/tp, d])."""
+    """Per device: input_ids [b, l], seq_idx [b, l] or None (l: this device's cp part) ->
+    (final hidden [b, l, d] in the compute dtype for all l, this rank's LM head rows
+    [v/tp, d])."""
     model = nnx.merge(graphdef, state)  # the structure; weights are fsdp shards until gathered
     cfg = model.config
     gathered = lambda name: _gather_fsdp(state[name], specs[name])
@@ -275,7 +314,7 @@ def _local_logits(hidden, head):
 
 
 def _shard_map(body, mesh, specs, n_batch_args, out_specs):
-    batch = P(BATCH_AXES, None)
+    batch = TOKENS
     # check_vma=False: the SSD's Pallas kernels and the reference's scans carry no
     # varying-axis types. shard_map's transpose still sums the gradients of parameters
     # replicated over an axis (the tests compare every gradient with one device's).
@@ -287,17 +326,19 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none")
     """loss(params, inputs [b, l], targets [b, l], seq_idx=None) -> mean next-token
     cross-entropy (nats). seq_idx [b, l]: packed documents (no state crosses a boundary).
 
-    params are placed as `specs`; the batch rows are split over dp and fsdp. remat:
+    params are placed as `specs`; the token arrays as TOKENS (rows over dp and fsdp, the
+    sequence over cp). remat:
     "none", "block" or "full" activation checkpointing of each block (_remat_policy)."""
     if remat not in REMAT:
         raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
     sp = sequence_parallel and mesh.shape["tp"] > 1
-    n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+    token_axes = BATCH_AXES + ("cp",)
+    n_shards = math.prod(mesh.shape[a] for a in token_axes)
 
     def body(params, inputs, targets, seq_idx=None):
         hidden, head = _local_hidden(params, inputs, seq_idx, graphdef, specs, sp, remat)
         token_loss = vocab_parallel_cross_entropy(_local_logits(hidden, head), targets)
-        return lax.psum(token_loss.sum(), BATCH_AXES) / (token_loss.size * n_shards)
+        return lax.psum(token_loss.sum(), token_axes) / (token_loss.size * n_shards)
     plain = _shard_map(body, mesh, specs, 2, P())
     packed = _shard_map(body, mesh, specs, 3, P())
 
@@ -309,14 +350,14 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none")
 
 
 def make_logits_fn(graphdef, specs, mesh, *, sequence_parallel=True):
-    """logits(params, input_ids [b, l]) -> float32 [b, l, v], sharded on v over tp (no
-    device holds the full vocabulary)."""
+    """logits(params, input_ids [b, l]) -> float32 [b, l, v], sharded on l over cp and on
+    v over tp (no device holds the full vocabulary)."""
     sp = sequence_parallel and mesh.shape["tp"] > 1
 
     def body(params, input_ids):
         return _local_logits(*_local_hidden(params, input_ids, None, graphdef, specs, sp,
                                             "none"))
-    return _shard_map(body, mesh, specs, 1, P(BATCH_AXES, None, "tp"))
+    return _shard_map(body, mesh, specs, 1, P(BATCH_AXES, "cp", "tp"))
 
 
 def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):

@@ -119,8 +119,8 @@ def build_parser():
                    help="where the final weights go (HF layout + tokenizer.json); 'none' to "
                         "skip")
     p.add_argument("--mesh", default=None, metavar="SPEC",
-                   help="device mesh, e.g. 'tp=4' or 'dp=2,fsdp=2,tp=2' (axes dp, fsdp, tp; "
-                        "omitted axes are 1; default: every device on dp)")
+                   help="device mesh, e.g. 'tp=4', 'dp=2,fsdp=2,tp=2' or 'cp=2,tp=4' (axes dp, "
+                        "fsdp, cp, tp; omitted axes are 1; default: every device on dp)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="keep the residual stream whole on every tp rank (all-reduce after "
                         "each mixer) instead of split on the sequence")
@@ -256,8 +256,8 @@ def main(argv=None):
                                     sequence_parallel=args.sequence_parallel)
     eval_loss = jax.jit(loss_fn)
     train_step = make_train_step(loss_fn, tx)
-    micro_rows = NamedSharding(mesh, P(None, parallel.BATCH_AXES, None))
-    rows = NamedSharding(mesh, P(parallel.BATCH_AXES, None))
+    micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
+    rows = NamedSharding(mesh, parallel.TOKENS)
     n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
 
     def evaluate(params):

@@ -40,51 +40,64 @@ def tiny_config(**changes):
     return Mamba2Config(**{**base, **changes})
 
 
+def packed_seq_idx(seq_len):
+    """[BATCH, seq_len] document ids whose boundaries fall inside and exactly on the edges of
+    the halves, quarters and eighths of the sequence (the parts of cp = 2, 4, 8)."""
+    starts = np.random.default_rng(3).random((BATCH, seq_len)) < 0.06
+    starts[0, seq_len // 2] = starts[1, seq_len // 4] = starts[2, 3 * seq_len // 8] = True
+    starts[3] = False  # one document through every part: the state crosses them all
+    return np.cumsum(starts, axis=1).astype(np.int32)
+
+
 @functools.cache
-def model_and_batch(ngroups=1, nheads=8):
+def model_and_batch(ngroups=1, nheads=8, seq_len=SEQ, packed=False):
+    """(cfg, graphdef, params, batch): batch = (inputs, targets), plus seq_idx if packed."""
     cfg = tiny_config(ngroups=ngroups, d_model=8 * nheads)
     graphdef, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))
-    ids = np.random.default_rng(ngroups).integers(0, cfg.vocab_size, (BATCH, SEQ + 1))
-    return cfg, graphdef, params, ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32)
+    ids = np.random.default_rng(ngroups).integers(0, cfg.vocab_size, (BATCH, seq_len + 1))
+    batch = (ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32))
+    return cfg, graphdef, params, batch + ((packed_seq_idx(seq_len),) if packed else ())
 
 
 def reference_loss(graphdef):
-    def loss(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
+    def loss(params, inputs, targets, seq_idx=None):
+        logits = nnx.merge(graphdef, params)(inputs, seq_idx)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     return loss
 
 
 @functools.cache
-def single_device(ngroups=1, nheads=8):
-    cfg, graphdef, params, x, y = model_and_batch(ngroups, nheads)
+def single_device(ngroups=1, nheads=8, seq_len=SEQ, packed=False):
+    """((loss, gradients), logits) of one device; the logits without seq_idx."""
+    cfg, graphdef, params, batch = model_and_batch(ngroups, nheads, seq_len, packed)
     loss = reference_loss(graphdef)
 
-    def run(params, x, y):
-        return jax.value_and_grad(loss)(params, x, y), nnx.merge(graphdef, params)(x)
-    (value, grads), logits = jax.jit(run, compiler_options=FAST_COMPILE)(params, x, y)
+    def run(params, batch):
+        return jax.value_and_grad(loss)(params, *batch), nnx.merge(graphdef, params)(batch[0])
+    (value, grads), logits = jax.jit(run, compiler_options=FAST_COMPILE)(params, batch)
     assert np.isfinite(float(value)) and np.all(np.isfinite(logits))
     return (value, grads), logits
 
 
-def sharded(spec, sp, ngroups=1, nheads=8):
-    cfg, graphdef, params, x, y = model_and_batch(ngroups, nheads)
+def sharded(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False):
+    cfg, graphdef, params, batch = model_and_batch(ngroups, nheads, seq_len, packed)
     mesh = parallel.make_mesh(spec)
     specs = parallel.param_specs(params, cfg, mesh)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
-    rows = NamedSharding(mesh, P(parallel.BATCH_AXES, None))
-    x, y = jax.device_put(x, rows), jax.device_put(y, rows)
+    batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
     loss = parallel.make_loss_fn(graphdef, specs, mesh, sequence_parallel=sp)
     logits = parallel.make_logits_fn(graphdef, specs, mesh, sequence_parallel=sp)
 
-    def run(params, x, y):
-        return jax.value_and_grad(loss)(params, x, y), logits(params, x)
-    return jax.jit(run, compiler_options=FAST_COMPILE)(params, x, y), specs
+    def run(params, batch):
+        return jax.value_and_grad(loss)(params, *batch), logits(params, batch[0])
+    return jax.jit(run, compiler_options=FAST_COMPILE)(params, batch), specs
 
 
-def assert_matches_single_device(spec, sp, ngroups=1, nheads=8):
-    ((value, grads), logits), specs = sharded(spec, sp, ngroups, nheads)
-    (ref_value, ref_grads), ref_logits = single_device(ngroups, nheads)
+def assert_matches_single_device(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False):
+    """Logits, loss and every gradient of `spec` equal one device's (module tolerances);
+    packed: the loss and gradients over packed documents (seq_idx)."""
+    ((value, grads), logits), specs = sharded(spec, sp, ngroups, nheads, seq_len, packed)
+    (ref_value, ref_grads), ref_logits = single_device(ngroups, nheads, seq_len, packed)
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGIT_ATOL)
     np.testing.assert_allclose(value, ref_value, rtol=0, atol=LOGIT_ATOL)
     flat = jax.tree_util.tree_leaves_with_path(grads)
@@ -129,7 +142,7 @@ def test_groups_that_straddle_ranks_match_single_device():
 def train_losses(spec, sp, grad_accum):
     """Five steps of the trainer's jitted step on a mesh -> (losses, the compiled step,
     the final params and optimizer state)."""
-    cfg, graphdef, params, _, _ = model_and_batch()
+    cfg, graphdef, params, _ = model_and_batch()
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (5, 2 * BATCH, SEQ + 1))
     tx, _ = make_optimizer(params, 1e-2, 5, 1, 0.1, 1.0)
     mesh = parallel.make_mesh(spec)
@@ -139,7 +152,7 @@ def train_losses(spec, sp, grad_accum):
     opt_state = jax.jit(tx.init)(params)
     step = make_train_step(parallel.make_loss_fn(graphdef, specs, mesh, sequence_parallel=sp),
                            tx)
-    rows = NamedSharding(mesh, P(None, parallel.BATCH_AXES, None))
+    rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
     batches = [tuple(global_array(a.reshape(grad_accum, -1, SEQ).astype(np.int32), rows)
                      for a in (window[:, :-1], window[:, 1:])) for window in ids]
     step = step.lower(params, opt_state, batches[0]).compile(FAST_COMPILE)
@@ -152,7 +165,7 @@ def train_losses(spec, sp, grad_accum):
 
 @functools.cache
 def single_device_train_losses():
-    cfg, graphdef, params, _, _ = model_and_batch()
+    cfg, graphdef, params, _ = model_and_batch()
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (5, 2 * BATCH, SEQ + 1))
     tx, _ = make_optimizer(params, 1e-2, 5, 1, 0.1, 1.0)
     params = jax.tree.map(jnp.copy, params)  # the step donates them; the cached ones stay
@@ -207,12 +220,13 @@ def test_tp4_sp_step_hlo_has_sequence_collectives_and_no_full_vocab_logits():
 
 
 def test_mesh_spec_errors_name_the_sizes_and_the_devices():
-    assert dict(parallel.make_mesh("dp=2,tp=4").shape) == {"dp": 2, "fsdp": 1, "tp": 4}
-    assert dict(parallel.make_mesh(None).shape) == {"dp": 8, "fsdp": 1, "tp": 1}
+    assert dict(parallel.make_mesh("dp=2,tp=4").shape) == {"dp": 2, "fsdp": 1, "cp": 1,
+                                                           "tp": 4}
+    assert dict(parallel.make_mesh(None).shape) == {"dp": 8, "fsdp": 1, "cp": 1, "tp": 1}
     mesh = parallel.make_mesh("tp=8")
     assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    with pytest.raises(ValueError, match=r"dp\*fsdp\*tp = 1\*1\*4 = 4, but there are 8 "
-                                         r"devices \(cpu:cpu\)"):
+    with pytest.raises(ValueError, match=r"dp\*fsdp\*cp\*tp = 1\*1\*1\*4 = 4, but there "
+                                         r"are 8 devices \(cpu:cpu\)"):
         parallel.make_mesh("tp=4")
     with pytest.raises(ValueError, match="'pp=2' should be AXIS=SIZE"):
         parallel.make_mesh("pp=2,tp=4")
@@ -223,7 +237,8 @@ def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
     with pytest.raises(ValueError, match=r"tp=4 does not divide nheads=6 .* use tp in "
                                          r"\[1, 2, 3, 6\]"):
         parallel.check_layout(cfg, parallel.make_mesh("dp=2,tp=4"))
-    with pytest.raises(ValueError, match="sequence length 30 is not divisible by tp=4"):
+    with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by cp\*tp = "
+                                         r"1\*4"):
         parallel.check_layout(tiny_config(), parallel.make_mesh("dp=2,tp=4"), seq_len=30)
 
 

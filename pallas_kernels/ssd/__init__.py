@@ -14,16 +14,22 @@ lowered through Triton, triton.py; on a machine without a GPU they run in Pallas
 interpreter) or "auto" (the fastest implementation that supports the current device: "triton"
 on Hopper GPUs, where it was measured faster (BENCHMARKS.md), for power-of-two headdim and
 d_state >= 16 and float32/bfloat16 inputs; "xla" elsewhere).
+
+`sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
+(context parallelism), each device passes its part and the scan carries the state across
+devices (context_parallel.py): the result is the scan of the whole sequence.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ssd import reference, triton, vjp
+from pallas_kernels.ssd.context_parallel import ssd_context_parallel
 from pallas_kernels.ssd.reference import document_ids, process_dt
 
 __all__ = ["ssd", "document_ids", "process_dt", "IMPLEMENTATIONS"]
@@ -33,7 +39,7 @@ IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
-        return_final_state=False, implementation="auto"):
+        return_final_state=False, sequence_axis=None, implementation="auto"):
     """The chunked SSD scan; see the module docstring for shapes and dtypes."""
     _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx)
     if implementation not in IMPLEMENTATIONS:
@@ -43,12 +49,21 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
                    initial_state=initial_state, seq_idx=seq_idx)
     if implementation == "auto":
         implementation = "triton" if _triton_is_faster(x, B) else "xla"
+    scan = functools.partial(_scan, chunk_size=chunk_size, implementation=implementation)
+    if sequence_axis is None:
+        y, final_state = scan(x, dt, A, B, C, **options)
+    else:
+        y, final_state = ssd_context_parallel(scan, x, dt, A, B, C, axis_name=sequence_axis,
+                                              **options)
+    return (y, final_state) if return_final_state else y
+
+
+def _scan(x, dt, A, B, C, *, chunk_size, implementation, **options):
+    """One device's scan -> (y, final_state) with the chosen implementation."""
     if implementation == "triton":
         # The kernels use their own chunk (triton.Config): the result is the same scan.
-        y, final_state = vjp.ssd(x, dt, A, B, C, backend=triton, **options)
-    else:
-        y, final_state = reference.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **options)
-    return (y, final_state) if return_final_state else y
+        return vjp.ssd(x, dt, A, B, C, backend=triton, **options)
+    return reference.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **options)
 
 
 def _triton_is_faster(x, B):

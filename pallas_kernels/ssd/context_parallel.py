@@ -1,0 +1,81 @@
+"""The SSD scan over a sequence split across devices (context parallelism).
+
+Called inside `jax.shard_map` with the sequence axis of x, dt, B, C and seq_idx split over
+the mesh axis `axis_name`: device k holds part k of every row. Legend as in reference.py
+(b batch, l this device's part of the sequence, h heads, p headdim, g groups, r heads per
+group, n d_state), plus K devices on `axis_name`.
+
+The scan is linear in its state, so part k's outputs are its outputs from a zero state
+plus the contribution of the state S_k entering it (recurrentgemma's
+`multi_shard_correction` does the same for a diagonal RNN):
+
+1. each device scans its part from zero, giving y0 and its final state F_k, and the part's
+   total decay a_k = exp(sum_t dt_t A) (0 where the part holds a document start: the state
+   resets there and nothing before it survives the part);
+2. one all-gather over `axis_name` of (F, a, first and last seq_idx) [K, b, h, p, n] +
+   [K, b, h] + [K, b, 2]: a few MB, independent of the sequence length;
+3. every device folds the parts before its own, S_{k+1} = c_{k+1} (a_k S_k + F_k) with
+   S_0 = initial_state (or 0) and c_k = 0 where part k's first token starts a new document
+   (its seq_idx differs from part k-1's last), and keeps S_k;
+4. y_t += exp(cumsum(dt A)_t) C_t . S_k for the tokens before part k's first document
+   start (the others never see S_k).
+
+The correction (step 4) costs one readout of the state, O(l h p n), like the chunked
+scan's own inter-chunk term; rerunning the scan from S_k would cost a second full scan.
+Gradients flow through the all-gather (its transpose is a reduce-scatter) and the fold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.ssd.reference import document_ids, process_dt
+
+
+def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=None,
+                         dt_softplus=False, dt_limit=(0.0, math.inf), initial_state=None,
+                         seq_idx=None):
+    """This device's part of the SSD over a sequence split on `axis_name` (in shard_map).
+
+    scan(x, dt, A, B, C, **options) -> (y, final_state): the single-device scan (ssd's
+    chosen implementation), run on the local part from a zero state. Arguments and results
+    as `pallas_kernels.ssd.ssd` for x [b, l, h, p] etc., with l this device's part;
+    initial_state [b, h, p, n] enters the first part; final_state is the state after this
+    device's last token.
+    """
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    y0, final0 = scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                      dt_limit=dt_limit, seq_idx=seq_idx)
+    # The same dt processing as the scan, so the decays below are the scan's decays.
+    dA_cs = jnp.cumsum(process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32)
+                       * A.astype(jnp.float32), axis=1)  # [b, l, h]
+    if seq_idx is None:
+        first_doc = jnp.ones((b, l), bool)  # every token continues the entering state
+        ends = jnp.zeros((b, 2), jnp.int32)
+    else:
+        first_doc = document_ids(seq_idx) == 0  # [b, l]: before the part's first doc start
+        ends = jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
+    decay = jnp.exp(dA_cs[:, -1]) * first_doc[:, -1:]  # [b, h]
+
+    finals, decays, all_ends = lax.all_gather((final0, decay, ends), axis_name)
+    state = (jnp.zeros((b, h, p, n), jnp.float32) if initial_state is None
+             else initial_state.astype(jnp.float32))
+    entering = [state]
+    for k in range(1, finals.shape[0]):  # K is static and small; each step is [b, h, p, n]
+        carried = decays[k - 1][..., None, None] * state + finals[k - 1]
+        continues = all_ends[k, :, 0] == all_ends[k - 1, :, 1]  # [b]
+        state = jnp.where(continues[:, None, None, None], carried, 0.0)
+        entering.append(state)
+    mine = lax.axis_index(axis_name)
+    s_in = jnp.stack(entering)[mine]  # [b, h, p, n]
+
+    weight = jnp.exp(dA_cs) * first_doc[..., None]  # [b, l, h]
+    readout = jnp.einsum("blgn,bgrpn->blgrp", C.astype(jnp.float32),
+                         s_in.reshape(b, g, h // g, p, n)).reshape(b, l, h, p)
+    y = (y0.astype(jnp.float32) + weight[..., None] * readout).astype(y0.dtype)
+    final = decay[..., None, None] * s_in + final0
+    return y, final

@@ -1,0 +1,157 @@
+"""Context parallelism (the sequence split over `cp`) equals one device, on 8 fake CPU devices.
+
+The model-level cases reuse tests/test_parallel.py's comparison and tolerances (float32:
+logits and loss within 1e-5 absolute, gradients within 1e-5 + 1e-4 relative), on 64 tokens
+of packed documents whose boundaries fall inside parts and exactly on part edges. The
+scan-level case holds the split scan to the naive recurrence within 2e-5 (float32, O(1)
+values: the correction adds the entering state's readout in another order) and its
+gradients to the unsplit scan's within 1e-4 absolute + 1e-4 relative (each a sum over up to
+64 tokens of O(1) terms).
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mamba_jax import parallel
+from mamba_jax.train import main
+from pallas_kernels.ssd import ssd
+from pallas_kernels.ssd.reference import ssd_naive
+from test_parallel import (FAST_COMPILE, LOSS_RTOL, assert_matches_single_device,
+                           model_and_batch, packed_seq_idx, single_device_train_losses,
+                           tiny_config, train_losses)
+
+SEQ_CP = 64
+SCAN_ATOL, SCAN_GRAD_TOL = 2e-5, 1e-4
+
+
+def scan_inputs(seq_len=64, b=4, h=4, p=8, g=2, n=16):
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
+    return dict(x=normal(b, seq_len, h, p), dt=normal(b, seq_len, h), A=-jnp.exp(normal(h)),
+                B=normal(b, seq_len, g, n), C=normal(b, seq_len, g, n), D=normal(h),
+                dt_bias=normal(h), initial_state=normal(b, h, p, n),
+                seq_idx=jnp.asarray(packed_seq_idx(seq_len)))
+
+
+def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients():
+    args = scan_inputs()
+    options = dict(dt_softplus=True, dt_limit=(0.0, 0.5), chunk_size=8)
+    # Auto axes: jit moves the unplaced inputs where the in_specs want them.
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = {"x": P(None, "cp"), "dt": P(None, "cp"), "B": P(None, "cp"), "C": P(None, "cp"),
+             "seq_idx": P(None, "cp"), "A": P(), "D": P(), "dt_bias": P(),
+             "initial_state": P()}
+
+    def local(kw):
+        y, final = ssd(**kw, **options, return_final_state=True, sequence_axis="cp")
+        return y, final[None]
+    split_scan = jax.shard_map(local, mesh=mesh, in_specs=(split,),
+                               out_specs=(P(None, "cp"), P("cp")), check_vma=False)
+
+    def outputs(kw, sharded):
+        if sharded:
+            y, finals = split_scan(kw)
+            return y, finals[-1]  # the state after the last part's last token
+        return ssd(**kw, **options, return_final_state=True)
+
+    y, final = jax.jit(outputs, static_argnums=1)(args, True)
+    y_ref, final_ref = ssd_naive(**args, dt_softplus=True, dt_limit=(0.0, 0.5))
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
+    np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
+
+    # Gradients of every input, through the all-gather, the fold and the correction.
+    weights = jax.random.normal(jax.random.key(1), y.shape), jax.random.normal(
+        jax.random.key(2), final.shape)
+
+    def objective(floats, sharded):
+        y, final = outputs({**floats, "seq_idx": args["seq_idx"]}, sharded)
+        return jnp.sum(y * weights[0]) + jnp.sum(final * weights[1])
+    floats = {k: v for k, v in args.items() if k != "seq_idx"}
+    grad = jax.jit(jax.grad(objective), static_argnums=1)
+    got, want = grad(floats, True), grad(floats, False)
+    for name in floats:
+        np.testing.assert_allclose(got[name], want[name], rtol=SCAN_GRAD_TOL, atol=SCAN_GRAD_TOL,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("spec,sp", [
+    ("cp=2,dp=4", True),
+    ("cp=4,dp=2", True),
+    ("cp=8", True),
+    ("dp=2,cp=2,tp=2", True),        # context x tensor x data, sequence parallel inside cp
+    ("dp=2,cp=2,tp=2", False),
+])
+def test_cp_logits_loss_and_gradients_over_packed_documents_match_single_device(spec, sp):
+    assert_matches_single_device(spec, sp, seq_len=SEQ_CP, packed=True)
+
+
+def test_fsdp2_cp2_tp2_five_training_steps_with_grad_accum_give_the_single_device_losses():
+    losses, *_ = train_losses("fsdp=2,cp=2,tp=2", True, 2)
+    np.testing.assert_allclose(losses, single_device_train_losses(), rtol=LOSS_RTOL)
+
+
+def collective_bytes_over_cp(seq_len):
+    """Bytes of the collectives over cp in the compiled cp=2 loss+gradient step, by kind
+    (the all-gathers, all-reduces and reduce-scatters whose replica groups include cp, and
+    every collective-permute: on this mesh only the conv halo permutes)."""
+    cfg, graphdef, params, batch = model_and_batch(seq_len=seq_len, packed=True)
+    mesh = parallel.make_mesh("cp=2,dp=4")
+    specs = parallel.param_specs(params, cfg, mesh)
+    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
+    loss = parallel.make_loss_fn(graphdef, specs, mesh)
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(params, *batch).compile(
+        FAST_COMPILE).as_text()
+    totals = {}
+    for line in hlo.splitlines():
+        op = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute)"
+                       r"(?:-start)?\(", line)
+        if not op or (op[2] != "collective-permute"
+                      and not re.search(r"replica_groups=mesh\[.*?\] \{[^}]*'cp'", line)):
+            continue
+        for dtype, dims in re.findall(r"([a-z]+\d+)\[([\d,]*)\]", op[1]):
+            size = np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)
+            totals[op[2]] = totals.get(op[2], 0) + size * int(re.sub(r"\D", "", dtype)) // 8
+    return totals
+
+
+def test_cp_bytes_per_step_do_not_grow_with_the_sequence():
+    short, long = collective_bytes_over_cp(SEQ_CP), collective_bytes_over_cp(2 * SEQ_CP)
+    assert short == long
+    # The exchange is there: the scan's state all-gather (forward) and the conv halo.
+    assert short["collective-permute"] > 0 and short["all-gather"] > 0
+    # Per Mamba layer the all-gathered states are [cp, b/dp, h, p, n] floats: 16 KiB here.
+    cfg = tiny_config()
+    state = 2 * 1 * cfg.nheads * cfg.headdim * cfg.d_state * 4
+    assert short["all-gather"] >= cfg.n_layer * state
+
+
+def test_cp_layout_errors_name_the_lengths_and_the_fix():
+    cfg = tiny_config()
+    with pytest.raises(ValueError, match="sequence length 30 is not divisible by cp=4"):
+        parallel.check_layout(cfg, parallel.make_mesh("cp=4,dp=2"), seq_len=30)
+    with pytest.raises(ValueError, match=r"leaves 2 tokens per device, fewer than the "
+                                         r"conv's halo d_conv-1 = 3"):
+        parallel.check_layout(cfg, parallel.make_mesh("cp=8"), seq_len=16)
+    with pytest.raises(ValueError, match=r"not divisible by cp\*tp = 2\*2"):
+        parallel.check_layout(cfg, parallel.make_mesh("dp=2,cp=2,tp=2"), seq_len=34)
+
+
+def test_trainer_with_cp_and_packed_documents_gives_the_data_parallel_losses(tmp_path):
+    args = ["--steps", "2", "--batch-size", "8", "--seq-len", "64", "--eval-every", "2",
+            "--no-cross-document-state", "--out", "none", "--set", "d_model=64",
+            "--set", "d_state=16", "--set", "headdim=16", "--set", "chunk_size=16"]
+    losses = {}
+    for mesh in ("dp=8", "dp=2,cp=2,tp=2"):
+        metrics = tmp_path / f"{mesh}.jsonl"
+        main([*args, "--mesh", mesh, "--metrics-file", str(metrics)])
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        losses[mesh] = [r["loss"] for r in records] + [records[-1]["eval_loss"]]
+    assert np.all(np.isfinite(losses["dp=8"]))
+    np.testing.assert_allclose(losses["dp=2,cp=2,tp=2"], losses["dp=8"], rtol=LOSS_RTOL)
