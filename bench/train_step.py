@@ -67,7 +67,7 @@ def baseline(preset: str, batch: int, seq_len: int, steps: int):
     opt_state = init_opt_state(tx, params, parallel.shardings(mesh, specs),
                                NamedSharding(mesh, P()))
     step = make_train_step(parallel.make_loss_fn(graphdef, specs, mesh), tx)
-    rows = NamedSharding(mesh, P(None, parallel.BATCH_AXES, None))
+    rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, batch, seq_len + 1),
                                             dtype=np.int32)
     batch_arrays = (global_array(ids[..., :-1], rows), global_array(ids[..., 1:], rows))
