@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 import traceback
 import types
 
@@ -40,24 +38,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
 from mamba_jax.generate import _check, _decode, _prefill  # noqa: E402
-
-
-def timed(fn, reps):
-    """Median seconds of fn() over reps calls after one warm-up; fn blocks until done."""
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def copy_bandwidth():
-    """Bytes/s of a jitted read-and-write of 4 GiB (the roofline's bandwidth)."""
-    big = jnp.ones((1 << 30,), jnp.float32)
-    scale = jax.jit(lambda v: v * 2)
-    return 2 * big.nbytes / timed(lambda: scale(big).block_until_ready(), 5)
+from timing import copy_bandwidth, median_time  # noqa: E402
 
 
 def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
@@ -90,9 +71,9 @@ def ours(cfg, batch, prompt, new, reps):
             graphdef, state, first, cache, key, settings, limits, np.int32(-1),
             max_new_tokens=new, sampling=sampling, eos_token_id=None, stream=False))
 
-    t_prefill = timed(prefill, reps)
+    t_prefill = median_time(prefill, 1, reps)
     caches = [prefill() for _ in range(reps + 1)]  # the decode donates (consumes) each one
-    return t_prefill, timed(lambda: decode(*caches.pop()), reps)
+    return t_prefill, median_time(lambda: decode(*caches.pop()), 1, reps)
 
 
 def import_mamba_lm(baseline):
@@ -127,8 +108,8 @@ def theirs(cfg, batch, prompt, new, reps, baseline):
         torch.cuda.synchronize()
 
     # Each max_length captures its own graphs: all runs of one length, then the other.
-    t_full = timed(lambda: run(prompt + new), reps)
-    t_prefill = timed(lambda: run(prompt + 1), reps)
+    t_full = median_time(lambda: run(prompt + new), 1, reps)
+    t_prefill = median_time(lambda: run(prompt + 1), 1, reps)
     return t_prefill, t_full - t_prefill
 
 
@@ -142,7 +123,7 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
 
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(1, 5)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; prompt {args.prompt}, {args.new} new tokens, bf16, "
           "greedy")

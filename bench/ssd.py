@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 import types
@@ -39,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pallas_kernels.ssd import ssd  # noqa: E402
 from pallas_kernels.ssd import reference, triton as kernels, vjp  # noqa: E402
+from timing import copy_bandwidth, median_time  # noqa: E402
 
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 H, P, N, CHUNK = 64, 64, 128, 256
@@ -116,17 +116,6 @@ def to_torch(a):
     return torch.from_numpy(np.array(a, np.float32)).to(device="cuda", dtype=dtype)
 
 
-def median_time(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def flops(b, l, g):
     """Matmul FLOPs of the chunked algorithm at chunk 256, forward (C B^T per group; per
     head scores x, states B^T x, read-out C state); backward counted as twice forward."""
@@ -145,10 +134,7 @@ def measure_ceilings():
     a = jnp.asarray(np.random.default_rng(0).standard_normal((8192, 8192)), jnp.bfloat16)
     mm = jax.jit(lambda a: a @ a)
     matmul = 2 * 8192 ** 3 / median_time(lambda: mm(a).block_until_ready(), 3, 10)
-    big = jnp.ones((1 << 30,), jnp.float32)
-    cp = jax.jit(lambda v: v * 2)
-    copy = 2 * big.nbytes / median_time(lambda: cp(big).block_until_ready(), 3, 10)
-    return matmul, copy
+    return matmul, copy_bandwidth(3, 10)
 
 
 def main():

@@ -128,14 +128,17 @@ class Mamba2Mixer(nnx.Module):
         lead = xBC.shape[:-1]
         return x.reshape(*lead, h, p), B.reshape(*lead, g, n), C.reshape(*lead, g, n)
 
+    @staticmethod
+    def _fuse_xBC(x, B, C):
+        """x [..., h, p], B, C [..., g, n] -> the conv's channels [..., e] (x, B, C)."""
+        return jnp.concatenate([a.reshape(*a.shape[:-2], -1) for a in (x, B, C)], axis=-1)
+
     def conv(self, x, B, C, seq_idx=None):
         """The causal conv over [x, B, C] (x [b, l, h, p], B, C [b, l, g, n]).
 
         Returns (x, B, C) after the conv and SiLU, and its input xBC [b, l, e] (the cache's
         window)."""
-        b, l = x.shape[:2]
-        xBC_in = jnp.concatenate([x.reshape(b, l, -1), B.reshape(b, l, -1),
-                                  C.reshape(b, l, -1)], axis=-1)
+        xBC_in = self._fuse_xBC(x, B, C)
         w, bias = self._conv_params()
         doc = None if seq_idx is None else document_ids(seq_idx)
         return *self._split_xBC(causal_conv1d(xBC_in, w, bias, doc)), xBC_in
@@ -195,8 +198,7 @@ class Mamba2Mixer(nnx.Module):
         """One token: u [b, d] -> ([b, d], the updated MambaCache)."""
         c = self.cfg
         z, x, B, C, dt = self.project(u)
-        xBC_in = jnp.concatenate([x.reshape(u.shape[0], -1), B.reshape(u.shape[0], -1),
-                                  C.reshape(u.shape[0], -1)], axis=-1)
+        xBC_in = self._fuse_xBC(x, B, C)
         conv_state = jnp.concatenate(
             [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
             axis=-1)

@@ -314,11 +314,10 @@ def _local_logits(hidden, head):
 
 
 def _shard_map(body, mesh, specs, n_batch_args, out_specs):
-    batch = TOKENS
     # check_vma=False: the SSD's Pallas kernels and the reference's scans carry no
     # varying-axis types. shard_map's transpose still sums the gradients of parameters
     # replicated over an axis (the tests compare every gradient with one device's).
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + (batch,) * n_batch_args,
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,) + (TOKENS,) * n_batch_args,
                          out_specs=out_specs, check_vma=False)
 
 

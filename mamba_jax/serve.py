@@ -34,11 +34,10 @@ import json
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from aiohttp import web
 
-from mamba_jax.generate import generate
+from mamba_jax.generate import generate, load_for_generation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +320,6 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
 
 
 def main(argv=None):
-    from mamba_jax.convert import from_pretrained
-    from mamba_jax.data import load_tokenizer
-
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.serve",
                                      description="Serve a Mamba2 checkpoint over HTTP.")
     parser.add_argument("--checkpoint", required=True, help="checkpoint dir (HF or mamba_ssm)")
@@ -339,12 +335,11 @@ def main(argv=None):
     parser.add_argument("--batch-window-ms", type=float, default=1e3 * Limits.batch_window_s)
     args = parser.parse_args(argv)
 
-    tokenizer = load_tokenizer(args.tokenizer or Path(args.checkpoint) / "tokenizer.json")
-    model = from_pretrained(args.checkpoint, dtype=jnp.dtype(args.dtype))
+    model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
                     args.batch_window_ms / 1e3)
-    web.run_app(make_app(model, tokenizer, limits, tokenizer.token_to_id("<|endoftext|>"),
-                         Path(args.checkpoint).name), host=args.host, port=args.port)
+    web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).name),
+                host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

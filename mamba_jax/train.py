@@ -181,13 +181,17 @@ class _StopRequest:
         self.signal = signal.Signals(signum).name
 
 
+def _token_fields(args) -> tuple[str, ...]:
+    """The batch arrays the loss takes: seq_idx only when documents must not share state."""
+    return ("inputs", "targets") + (() if args.cross_document_state else ("seq_idx",))
+
+
 def _batch_arrays(batch: dict, args, sharding) -> tuple:
     """This process's rows [b_local, l] -> global arrays [grad_accum, b / grad_accum, l]."""
-    names = ("inputs", "targets") + (() if args.cross_document_state else ("seq_idx",))
     global_shape = (args.grad_accum, args.batch_size // args.grad_accum, args.seq_len)
     return tuple(jax.make_array_from_process_local_data(
         sharding, batch[n].reshape(args.grad_accum, -1, args.seq_len), global_shape)
-        for n in names)
+        for n in _token_fields(args))
 
 
 def main(argv=None):
@@ -214,15 +218,14 @@ def main(argv=None):
 
     # Parameters are created in place, already sharded: no device holds the whole model
     # first, and every process builds the same values from the seed.
-    make_params = lambda: nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype))[1]
-    graphdef, abstract_params = nnx.split(
-        nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)))
+    build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
     specs = parallel.param_specs(abstract_params, cfg, mesh)
-    params = jax.jit(make_params, out_shardings=parallel.shardings(mesh, specs))()
+    param_shardings = parallel.shardings(mesh, specs)
+    params = jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings)()
     tx, lr_at = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
                                args.clip, args.schedule)
-    opt_state = init_opt_state(tx, params, parallel.shardings(mesh, specs),
-                               NamedSharding(mesh, P()))
+    opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
     effective = {"model": cfg.to_dict(), "train": {k: v for k, v in vars(args).items()
                                                    if k not in ("set", "resume")}}
 
@@ -265,11 +268,8 @@ def main(argv=None):
         for batch in dataset.eval_batches(args.batch_size, args.seq_len):
             keep = len(batch["inputs"]) - len(batch["inputs"]) % n_shards  # whole shards
             if keep:
-                arrays = [batch[n][:keep] for n in ("inputs", "targets", "seq_idx")]
-                if args.cross_document_state:
-                    arrays.pop()
-                losses.append(eval_loss(params, *(parallel.global_array(a, rows)
-                                                  for a in arrays)))
+                losses.append(eval_loss(params, *(parallel.global_array(batch[n][:keep], rows)
+                                                  for n in _token_fields(args))))
         return float(np.mean(losses))
 
     if lead:

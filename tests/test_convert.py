@@ -83,28 +83,30 @@ def _copy_fixture(tmp_path, case="hf_ngroups1_untied"):
     return load_file(tmp_path / "model.safetensors")
 
 
-def test_missing_tensor_is_named(tmp_path):
+def _save_changed_fixture(tmp_path, change):
+    """The untied ngroups-1 fixture in tmp_path, its tensors passed through change(dict)."""
     tensors = _copy_fixture(tmp_path)
-    del tensors["backbone.layers.1.mixer.A_log"]
+    change(tensors)
     save_file(tensors, tmp_path / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    _save_changed_fixture(tmp_path, lambda t: t.pop("backbone.layers.1.mixer.A_log"))
     with pytest.raises(ValueError, match=r"missing 'backbone.layers.1.mixer.A_log' "
                                          r"\(expected shape \(4,\)\)"):
         mamba_jax.from_pretrained(tmp_path)
 
 
 def test_shape_mismatch_names_key_and_both_shapes(tmp_path):
-    tensors = _copy_fixture(tmp_path)
-    tensors["backbone.layers.0.mixer.conv1d.weight"] = np.zeros((96, 1, 3), np.float32)
-    save_file(tensors, tmp_path / "model.safetensors")
+    _save_changed_fixture(tmp_path, lambda t: t.update(
+        {"backbone.layers.0.mixer.conv1d.weight": np.zeros((96, 1, 3), np.float32)}))
     with pytest.raises(ValueError, match=r"'backbone.layers.0.mixer.conv1d.weight' has shape "
                                          r"\(96, 1, 3\), expected \(96, 1, 4\)"):
         mamba_jax.from_pretrained(tmp_path)
 
 
 def test_untied_config_without_lm_head_is_an_error(tmp_path):
-    tensors = _copy_fixture(tmp_path)
-    del tensors["lm_head.weight"]
-    save_file(tensors, tmp_path / "model.safetensors")
+    _save_changed_fixture(tmp_path, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(ValueError, match="missing 'lm_head.weight'"):
         mamba_jax.from_pretrained(tmp_path)
 

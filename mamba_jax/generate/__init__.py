@@ -205,6 +205,21 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     return (t, k, p), sampling, prompt_lengths, limits
 
 
+def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
+    """(model, tokenizer, eos_token_id) from a checkpoint dir: its tokenizer.json unless
+    `tokenizer` (a path or 'bytes') is given; eos is the tokenizer's <|endoftext|> or None."""
+    # Imported here: the package imports this module, and `python -m mamba_jax.convert`
+    # must not find convert already imported (runpy warns).
+    from pathlib import Path
+
+    from mamba_jax.convert import from_pretrained
+    from mamba_jax.data import load_tokenizer
+
+    tok = load_tokenizer(tokenizer or Path(checkpoint) / "tokenizer.json")
+    model = from_pretrained(checkpoint, dtype=jnp.dtype(dtype))
+    return model, tok, tok.token_to_id("<|endoftext|>")
+
+
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
              on_token=None):

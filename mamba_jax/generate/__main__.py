@@ -11,13 +11,10 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 
-from mamba_jax.convert import from_pretrained
-from mamba_jax.data import load_tokenizer
-from mamba_jax.generate import generate
+from mamba_jax.generate import generate, load_for_generation
 
 
 def main(argv=None):
@@ -46,12 +43,10 @@ def main(argv=None):
         print()
         return
 
-    tokenizer = load_tokenizer(args.tokenizer or Path(args.checkpoint) / "tokenizer.json")
-    model = from_pretrained(args.checkpoint, dtype=jnp.dtype(args.dtype))
+    model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
         sys.exit("generate: the prompt encodes to no tokens")
-    eos = tokenizer.token_to_id("<|endoftext|>")
     out = generate(model, jnp.asarray([ids]), args.max_new_tokens, args.temperature,
                    args.top_k, args.top_p, args.seed, eos)
     print(tokenizer.decode([int(t) for t in out[0]]))

@@ -79,11 +79,11 @@ def ssd_naive(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=False,
     state, y = jax.lax.scan(step, state, time_major)
     y = jnp.moveaxis(y, 0, 1)
     if D is not None:
-        y = y + _d_skip(D, x, acc)
+        y = y + d_skip(D, x, acc)
     return y.astype(x.dtype), state
 
 
-def _d_skip(D, x, acc):
+def d_skip(D, x, acc):
     """D [h] or [h, p] times x [b, l, h, p]."""
     D = D.astype(acc)
     return (D[:, None] if D.ndim == 1 else D) * x.astype(acc)
@@ -173,5 +173,5 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus
 
     y = y.reshape(b, c * q, h, p)[:, :l]
     if D is not None:
-        y = y + _d_skip(D, x.reshape(b, c * q, h, p)[:, :l], acc)
+        y = y + d_skip(D, x.reshape(b, c * q, h, p)[:, :l], acc)
     return y.astype(x.dtype), final_state.reshape(b, h, p, n)

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ssd.reference import _d_skip, document_ids, process_dt
+from pallas_kernels.ssd.reference import d_skip, document_ids, process_dt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -81,5 +81,5 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
                            state, doc)
     y = y[:, :l]
     if D is not None:
-        y = (y.astype(jnp.float32) + _d_skip(D, x, jnp.float32)).astype(x.dtype)
+        y = (y.astype(jnp.float32) + d_skip(D, x, jnp.float32)).astype(x.dtype)
     return y, final_state
