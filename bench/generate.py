@@ -13,11 +13,9 @@ decode step must read (bf16 matmul weights, float32 conv weights and norms, the 
 states read and written; mamba_ssm keeps its states in bf16, we keep the SSM state float32)
 over the measured copy bandwidth. Median of --reps after one warm-up.
 
-mamba_ssm is not a dependency: its Python is imported from --baseline (a git-ignored copy
-of mamba_ssm v2.3.2.post1's package) with its __init__ bypassed and the compiled
-`selective_scan_cuda` (Mamba1 only) stubbed; `causal_conv1d` is absent, so its decode step
-uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms and scan
-are its Triton kernels).
+mamba_ssm is imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
+decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
+and scan are its Triton kernels).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import argparse
 import os
 import sys
 import traceback
-import types
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
@@ -38,6 +35,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
 from mamba_jax.generate import _check, _decode, _prefill  # noqa: E402
+from baseline import import_mamba_lm, mamba_config  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 
 
@@ -76,29 +74,12 @@ def ours(cfg, batch, prompt, new, reps):
     return t_prefill, median_time(lambda: decode(*caches.pop()), 1, reps)
 
 
-def import_mamba_lm(baseline):
-    package = types.ModuleType("mamba_ssm")  # skip mamba_ssm/__init__ (compiled extensions)
-    package.__path__ = [os.path.join(baseline, "mamba_ssm")]
-    sys.modules["mamba_ssm"] = package
-    # Imported by the Mamba1 module that mixer_seq_simple also imports; never called here.
-    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
-    from mamba_ssm.models.config_mamba import MambaConfig
-    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-    return MambaConfig, MambaLMHeadModel
-
-
 def theirs(cfg, batch, prompt, new, reps, baseline):
     """(prefill s, decode s) of mamba_ssm's generate(..., cg=True)."""
     import torch
 
     MambaConfig, MambaLMHeadModel = import_mamba_lm(baseline)
-    config = MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                         ssm_cfg={"layer": "Mamba2", "d_state": cfg.d_state,
-                                  "headdim": cfg.headdim, "ngroups": cfg.ngroups,
-                                  "chunk_size": cfg.chunk_size},
-                         rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
-                         pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
-                         tie_embeddings=True)
+    config = mamba_config(cfg, MambaConfig)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
 

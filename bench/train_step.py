@@ -1,119 +1,444 @@
-"""The trainer's sharded step on one GPU: a baseline for the multi-GPU runs, and a check of
-the GPU's float32 losses against the CPU's.
+"""The trainer's sharded step on GPUs: float32 agreement between meshes, throughput per mesh,
+the longest sequence that trains, and mamba_ssm's training step beside ours.
 
-    python3 bench/train_step.py                   # both parts, prints two tables
-    python3 bench/train_step.py --skip-tiny       # only the throughput baseline
+    python3 bench/train_step.py tiny --meshes dp=1 tp=2 cp=2
+    python3 bench/train_step.py throughput --preset mamba2-1.3b --seq-len 4096 --batch 4 \\
+        --meshes dp=1 tp=2 dp=2
+    python3 bench/train_step.py longest --preset mamba2-1.3b --meshes dp=1 cp=2
+    python3 bench/train_step.py versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
+        --baseline .baseline
 
-1. tiny preset, float32: the first five losses of `python -m mamba_jax.train` on the GPU
-   (default and "highest" matmul precision) and on the host CPU, same seed and batches.
-2. mamba2-1.3b, bf16 compute, seqlen 4096, one-device mesh, through mamba_jax.parallel's
-   loss and the trainer's jitted step: step time, tokens/s, MFU, peak memory.
-MFU: mamba_jax.metrics.train_flops_per_token (the trainer's count: every matmul, the SSD's
-chunked ones included, forward x3) over the H200's dense bf16 peak (989 TFLOP/s, NVIDIA's
-datasheet).
+tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny preset, float32)
+  on the host CPU and under each mesh on the GPUs, at "highest" matmul precision, so that
+  the meshes can be compared within float32 rounding.
+throughput: one row per mesh, the same global batch: step time (median of --steps after two
+  warm-up steps, the host clock around each step until its loss is ready), tokens/s, MFU
+  and peak memory per device (the largest `peak_bytes_in_use` of the mesh's devices).
+longest: batch 1, --remat full, --loss-chunk: tokens/s at --seq-len (32K) and at the longest
+  sequence that fits. XLA's memory analysis of the compiled step (arguments + outputs -
+  donated + temporaries) at two lengths gives the bytes per token; the predicted longest
+  multiple of --granule is compiled, checked to fit and run, and the next multiple is
+  compiled to show that it does not fit.
+versus: per preset, the largest batch that fits (ours: found as above over the batch; theirs:
+  doubled until out of memory, then bisected), tokens/s and MFU of our step and of
+  mamba_ssm's MambaLMHeadModel + torch.optim.AdamW (bf16 autocast over float32 weights, the
+  same optimizer settings) in the same run, each on its own GPU (CUDA_VISIBLE_DEVICES).
+  mamba_ssm comes from --baseline (a git-ignored copy of its Python); without the
+  causal_conv1d extension it runs its use_mem_eff_path=False path (printed).
+
+Each mesh or framework runs in its own process, pinned to its GPUs, so that its peak memory
+is its own. MFU: mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones
+included, forward x3; recomputation not counted) over the dense bf16 peak of the devices used
+(989 TFLOP/s per H200, NVIDIA's datasheet).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 PEAK_BF16_FLOPS = 989e12
+GIB = 2**30
 
 
-def tiny_losses(platform: str, precision: str | None) -> list[float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, JAX_PLATFORMS=platform)
-        if precision:
-            env["JAX_DEFAULT_MATMUL_PRECISION"] = precision
-        run = subprocess.run([sys.executable, "-m", "mamba_jax.train", "--steps", "5",
-                              "--out", "none", "--metrics-file", f"{tmp}/m.jsonl"], env=env,
-                             capture_output=True, text=True)
-        if run.returncode:
-            print(run.stderr[-3000:])
-            return [float("nan")] * 5
-        with open(f"{tmp}/m.jsonl") as f:
-            return [json.loads(line)["loss"] for line in f]
+# ---- one process: our step on the devices it sees ----
+
+class Steps:
+    """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len)."""
+
+    def __init__(self, preset, mesh_spec, remat, loss_chunk):
+        import jax
+        from flax import nnx
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from mamba_jax import parallel
+        from mamba_jax.config import Mamba2Config
+        from mamba_jax.model import Mamba2LM
+        from mamba_jax.optim import make_optimizer, make_train_step, opt_state_shardings
+
+        self.cfg = cfg = Mamba2Config.preset(preset)
+        self.mesh_spec, self.loss_chunk = mesh_spec, loss_chunk
+        n = math.prod(parallel.parse_mesh_spec(mesh_spec).values())
+        self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
+        self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)
+        graphdef, abstract = nnx.split(nnx.eval_shape(self.build))
+        specs = parallel.param_specs(abstract, cfg, mesh)
+        self.param_shardings = parallel.shardings(mesh, specs)
+        self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
+        self.step = make_train_step(parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
+                                                          loss_chunk=loss_chunk), self.tx)
+        self.rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
+        self.replicated = NamedSharding(mesh, P())
+        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract, self.param_shardings)
+        opt_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(self.tx.init, params),
+            opt_state_shardings(self.tx, params, self.param_shardings, self.replicated))
+        self.abstract_state = (params, opt_state)
+        self.compiled = {}
+
+    def compile(self, batch, seq_len):
+        """(compiled step, seconds to compile, device bytes XLA plans for it: arguments +
+        outputs - donated + temporaries, per device)."""
+        import jax
+
+        from mamba_jax import parallel
+
+        if (batch, seq_len) not in self.compiled:
+            parallel.check_layout(self.cfg, self.mesh, batch_size=batch, seq_len=seq_len,
+                                  loss_chunk=self.loss_chunk)
+            tokens = jax.ShapeDtypeStruct((1, batch, seq_len), jax.numpy.int32,
+                                          sharding=self.rows)
+            start = time.perf_counter()
+            exe = self.step.lower(*self.abstract_state, (tokens, tokens)).compile()
+            m = exe.memory_analysis()
+            self.compiled[batch, seq_len] = (
+                exe, time.perf_counter() - start,
+                m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                + m.temp_size_in_bytes)
+        return self.compiled[batch, seq_len]
+
+    def planned(self, batch, seq_len):
+        return self.compile(batch, seq_len)[2]
+
+    def measure(self, batch, seq_len, steps):
+        """Run the step: compile seconds, median step seconds, tokens/s, MFU, peak memory
+        per device (GiB), planned memory (GiB), loss."""
+        import jax
+        from flax import nnx
+
+        from mamba_jax import parallel
+        from mamba_jax.metrics import train_flops_per_token
+        from mamba_jax.optim import init_opt_state
+
+        exe, compile_s, planned = self.compile(batch, seq_len)
+        params = jax.jit(lambda: nnx.split(self.build())[1],
+                         out_shardings=self.param_shardings)()
+        opt_state = init_opt_state(self.tx, params, self.param_shardings, self.replicated)
+        ids = np.random.default_rng(0).integers(0, self.cfg.vocab_size,
+                                                (1, batch, seq_len + 1), dtype=np.int32)
+        tokens = (parallel.global_array(ids[..., :-1], self.rows),
+                  parallel.global_array(ids[..., 1:], self.rows))
+        times = []
+        for _ in range(steps + 2):
+            start = time.perf_counter()
+            params, opt_state, loss, _ = exe(params, opt_state, tokens)
+            loss.block_until_ready()
+            times.append(time.perf_counter() - start)
+        step_s = float(np.median(times[2:]))
+        devices = list(self.mesh.devices.flat)
+        flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
+        peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devices)
+        loss = float(loss)
+        del params, opt_state, tokens
+        return {"mesh": self.mesh_spec, "batch": batch, "seq_len": seq_len,
+                "compile_s": compile_s, "step_s": step_s, "tokens_s": batch * seq_len / step_s,
+                "mfu": flops / step_s / (PEAK_BF16_FLOPS * len(devices)),
+                "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
+                "finite": math.isfinite(loss), "devices": len(devices),
+                "device_kind": devices[0].device_kind}
 
 
-def baseline(preset: str, batch: int, seq_len: int, steps: int):
+def largest(plan, start, granule, limit, log):
+    """The largest multiple of granule whose plan(value) bytes fit in limit, from plans at
+    start and 2*start (memory is linear in the batch and in the length): (value, the next
+    multiple's bytes)."""
+    lo, hi = plan(start), plan(2 * start)
+    per = (hi - lo) / start
+    guess = max(granule, int((limit - (lo - per * start)) / per) // granule * granule)
+    log(f"  planned {lo / GIB:.1f} GiB at {start}, {hi / GIB:.1f} GiB at {2 * start}: "
+        f"{per / 2**20:.2f} MiB per unit; limit {limit / GIB:.1f} GiB -> try {guess}")
+    while plan(guess) > limit and guess > granule:
+        guess -= granule
+    return guess, plan(guess + granule)
+
+
+def child(args):
+    """One process's work; prints `RESULT {json}` lines."""
     import jax
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from mamba_jax import parallel
+    log = lambda s: print(s, file=sys.stderr, flush=True)
+    out = lambda r: print("RESULT " + json.dumps(r), flush=True)
+    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
+    if args.child == "measure":
+        out(steps.measure(args.batch, args.seq_len, args.steps))
+        return
+    limit = (args.limit_gib * GIB if args.limit_gib
+             else jax.devices()[0].memory_stats()["bytes_limit"])
+    if args.child == "longest":
+        out(steps.measure(1, args.seq_len, args.steps))
+        value, next_need = largest(lambda L: steps.planned(1, L), args.seq_len, args.granule,
+                                   limit, log)
+        result = steps.measure(1, value, args.steps)
+    else:  # the largest batch
+        value, next_need = largest(lambda b: steps.planned(b, args.seq_len), args.batch,
+                                   args.granule, limit, log)
+        result = steps.measure(value, args.seq_len, args.steps)
+    out(dict(result, next_planned_gib=next_need / GIB, limit_gib=limit / GIB))
+
+
+def in_process(gpus: str, argv: list[str], timeout: float, module=None) -> list[dict]:
+    """Run this script's child (or `python -m module`) pinned to gpus; its RESULT lines."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable] + (["-m", module] if module else [__file__]) + argv
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{"error": f"timed out after {timeout:.0f} s"}]
+    sys.stderr.write("".join(l + "\n" for l in run.stderr.splitlines()
+                             if l.startswith("  planned") or l.startswith("mamba_ssm")))
+    results = [json.loads(l[7:]) for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+    if run.returncode or not results:
+        tail = run.stderr.strip().splitlines()[-3:]
+        results.append({"error": f"exit {run.returncode}: " + " | ".join(tail)[-600:]})
+    return results
+
+
+def gpus_for(mesh_spec: str) -> str:
+    from mamba_jax.parallel import parse_mesh_spec
+    return ",".join(str(i) for i in range(math.prod(parse_mesh_spec(mesh_spec).values())))
+
+
+# ---- mamba_ssm's step (torch), in its own process ----
+
+def theirs(args):
+    """Largest batch (doubling, then bisecting) and tokens/s of mamba_ssm's training step."""
+    import torch
+    import torch.nn.functional as F
+
+    from baseline import import_mamba_lm, mamba_config
+
     from mamba_jax.config import Mamba2Config
-    from mamba_jax.model import Mamba2LM
     from mamba_jax.metrics import train_flops_per_token
-    from mamba_jax.optim import init_opt_state, make_optimizer, make_train_step
-    from mamba_jax.parallel import global_array
 
-    cfg = Mamba2Config.preset(preset)
-    dtype = jax.numpy.bfloat16
-    mesh = parallel.make_mesh("dp=1")
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0),
-                                                                    dtype=dtype)))
-    specs = parallel.param_specs(abstract, cfg, mesh)
-    params = jax.jit(lambda: nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=dtype))[1],
-                     out_shardings=parallel.shardings(mesh, specs))()
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    tx, _ = make_optimizer(params, 3e-4, 1000, 10, 0.1, 1.0)
-    opt_state = init_opt_state(tx, params, parallel.shardings(mesh, specs),
-                               NamedSharding(mesh, P()))
-    step = make_train_step(parallel.make_loss_fn(graphdef, specs, mesh), tx)
-    rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, batch, seq_len + 1),
-                                            dtype=np.int32)
-    batch_arrays = (global_array(ids[..., :-1], rows), global_array(ids[..., 1:], rows))
-    start = time.perf_counter()
-    params, opt_state, loss, _ = step(params, opt_state, batch_arrays)
-    loss.block_until_ready()
-    first = time.perf_counter() - start
+    cfg = Mamba2Config.preset(args.preset)
+    MambaConfig, MambaLMHeadModel = import_mamba_lm(args.baseline)
+    import mamba_ssm.modules.mamba2 as mamba2
+    mem_eff = mamba2.causal_conv1d_fn is not None
+    print(f"mamba_ssm {args.preset}: use_mem_eff_path={mem_eff} "
+          f"(causal_conv1d {'found' if mem_eff else 'absent'})", file=sys.stderr, flush=True)
+    config = mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
+    model = MambaLMHeadModel(config, device="cuda", dtype=torch.float32)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2
+                                                           and "embedding" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    def step(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def fits(batch):
+        try:
+            ids = torch.randint(0, cfg.vocab_size, (batch, args.seq_len + 1), device="cuda")
+            step(ids).item()
+            step(ids).item()
+            return True
+        except torch.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            return False
+
+    ok, batch = 0, args.batch
+    while fits(batch):
+        ok, batch = batch, 2 * batch
+    bad = batch
+    while bad - ok > args.granule:
+        mid = (ok + bad) // 2 // args.granule * args.granule
+        ok, bad = (mid, bad) if fits(mid) else (ok, mid)
+    ids = torch.randint(0, cfg.vocab_size, (ok, args.seq_len + 1), device="cuda")
+    for _ in range(2):
+        step(ids).item()
+    torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(steps):
+    for _ in range(args.steps):
         start = time.perf_counter()
-        params, opt_state, loss, _ = step(params, opt_state, batch_arrays)
-        loss.block_until_ready()
+        loss = step(ids).item()
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
-    tokens = batch * seq_len
-    flops = train_flops_per_token(cfg, seq_len) * tokens
-    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
-    print(f"| {preset} | {batch}x{seq_len} | {n_params / 1e9:.3f}B | {first:.1f} | "
-          f"{step_s * 1e3:.1f} | {tokens / step_s:,.0f} | "
-          f"{100 * flops / step_s / PEAK_BF16_FLOPS:.1f}% | {peak:.1f} | {float(loss):.3f} |")
+    flops = train_flops_per_token(cfg, args.seq_len) * ok * args.seq_len
+    print("RESULT " + json.dumps({
+        "batch": ok, "seq_len": args.seq_len, "step_s": step_s,
+        "tokens_s": ok * args.seq_len / step_s, "mfu": flops / step_s / PEAK_BF16_FLOPS,
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB, "loss": loss,
+        "finite": math.isfinite(loss), "first_oom_batch": bad,
+        "use_mem_eff_path": mem_eff}), flush=True)
+
+
+# ---- the tables ----
+
+def tiny(args):
+    def losses(platform, mesh):
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = ["--steps", "5", "--out", "none", "--metrics-file", f"{tmp}/m.jsonl",
+                    "--mesh", mesh]
+            env = dict(os.environ, JAX_PLATFORMS=platform,
+                       JAX_DEFAULT_MATMUL_PRECISION="highest",
+                       CUDA_VISIBLE_DEVICES=gpus_for(mesh))
+            run = subprocess.run([sys.executable, "-m", "mamba_jax.train", *argv], env=env,
+                                 capture_output=True, text=True, cwd=ROOT)
+            if run.returncode:
+                print(run.stderr[-2000:])
+                return [float("nan")] * 5
+            with open(f"{tmp}/m.jsonl") as f:
+                return [json.loads(line)["loss"] for line in f]
+    cpu = losses("cpu", "dp=1")
+    gpu = {mesh: losses("cuda", mesh) for mesh in args.meshes}
+    print("| step | CPU, one device | " + " | ".join(f"GPU {m}" for m in gpu)
+          + " | max rel. diff between GPU meshes | max rel. diff GPU vs CPU |")
+    print("|---|---|" + "---|" * len(gpu) + "---|---|")
+    for i, c in enumerate(cpu):
+        row = [g[i] for g in gpu.values()]
+        between = (max(row) - min(row)) / abs(row[0])
+        vs_cpu = max(abs(r - c) for r in row) / abs(c)
+        print(f"| {i + 1} | {c:.6f} | " + " | ".join(f"{r:.6f}" for r in row)
+              + f" | {between:.1e} | {vs_cpu:.1e} |", flush=True)
+
+
+def row_head(*extra):
+    cols = ("mesh", "GPUs", "batch x seqlen", "compile s", "step ms", "tokens/s",
+            "tokens/s per GPU", "MFU", "peak GiB per GPU", "loss") + extra
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def row(r, label=None):
+    if "error" in r:
+        return f"| {label or '?'} | | | | | | | | | {r['error']} |"
+    return (f"| {label or r['mesh']} | {r['devices']} | {r['batch']}x{r['seq_len']} | "
+            f"{r['compile_s']:.1f} | {r['step_s'] * 1e3:.1f} | {r['tokens_s']:,.0f} | "
+            f"{r['tokens_s'] / r['devices']:,.0f} | {100 * r['mfu']:.1f}% | "
+            f"{r['peak_gib']:.1f} | {r['loss']:.3f}" + ("" if r["finite"] else " NOT FINITE")
+            + " |")
+
+
+def child_argv(args, kind, mesh, **changes):
+    values = dict(preset=args.preset, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
+                  steps=args.steps, granule=args.granule, **changes)
+    if args.limit_gib:
+        values["limit_gib"] = args.limit_gib
+    argv = ["_child", kind, "--mesh", mesh] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
+    return argv + ([f"--loss-chunk={args.loss_chunk}"] if args.loss_chunk else [])
+
+
+def throughput(args):
+    print(f"{args.preset}, bf16 compute, remat {args.remat}; median of {args.steps} steps")
+    print(row_head(), flush=True)
+    base = None
+    for mesh in args.meshes:
+        r = in_process(gpus_for(mesh), child_argv(args, "measure", mesh), args.timeout)[0]
+        print(row(r), flush=True)
+        if "error" not in r:
+            base = base or r
+            print(f"|   vs first row | | | | {r['step_s'] / base['step_s']:.2f}x step time | | "
+                  f"| | {r['peak_gib'] / max(base['peak_gib'], 1e-9):.2f}x peak | |", flush=True)
+
+
+def longest(args):
+    print(f"{args.preset}, batch 1, bf16 compute, remat {args.remat}, loss chunk "
+          f"{args.loss_chunk}; median of {args.steps} steps")
+    print(row_head("planned GiB (next length's)"), flush=True)
+    for mesh in args.meshes:
+        for r in in_process(gpus_for(mesh), child_argv(args, "longest", mesh), args.timeout):
+            extra = (f" {r['planned_gib']:.1f} ({r['next_planned_gib']:.1f} > limit "
+                     f"{r['limit_gib']:.1f}) |" if "next_planned_gib" in r else
+                     f" {r.get('planned_gib', 0):.1f} |")
+            print(row(r) + extra, flush=True)
+
+
+def versus(args):
+    print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
+          f"that fits; median of {args.steps} steps; ours on GPU 0, mamba_ssm on GPU 1, at "
+          "the same time")
+    print("| model | ours batch | ours tokens/s | ours MFU | ours peak GiB | theirs batch | "
+          "theirs tokens/s | theirs MFU | theirs peak GiB | ours/theirs tokens/s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    import concurrent.futures as cf
+    for preset in args.presets:
+        args.preset = preset
+        with cf.ThreadPoolExecutor(2) as pool:
+            mine = pool.submit(in_process, "0", child_argv(args, "batch", "dp=1"),
+                               args.timeout)
+            their = pool.submit(in_process, "1", ["_theirs", f"--preset={preset}",
+                                                  f"--batch={args.batch}",
+                                                  f"--seq-len={args.seq_len}",
+                                                  f"--steps={args.steps}",
+                                                  f"--granule={args.granule}",
+                                                  f"--baseline={args.baseline}"],
+                                args.timeout)
+            m, t = mine.result()[-1], their.result()[-1]
+        if "error" in m or "error" in t:
+            print(f"| {preset} | {m.get('error', '')} | | | | {t.get('error', '')} | | | | |")
+            continue
+        print(f"| {preset} | {m['batch']} | {m['tokens_s']:,.0f} | {100 * m['mfu']:.1f}% | "
+              f"{m['peak_gib']:.1f} | {t['batch']} | {t['tokens_s']:,.0f} | "
+              f"{100 * t['mfu']:.1f}% | {t['peak_gib']:.1f} | "
+              f"{m['tokens_s'] / t['tokens_s']:.2f}x |", flush=True)
+        print(f"  ours: next batch planned {m['next_planned_gib']:.1f} GiB > "
+              f"{m['limit_gib']:.1f}; theirs: out of memory at batch {t['first_oom_batch']}, "
+              f"use_mem_eff_path={t['use_mem_eff_path']}", flush=True)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--skip-tiny", action="store_true")
+    p.add_argument("mode", choices=("tiny", "throughput", "longest", "versus", "_child",
+                                    "_theirs"))
+    p.add_argument("child", nargs="?", choices=("measure", "longest", "batch"))
+    p.add_argument("--meshes", nargs="+", default=["dp=1"])
+    p.add_argument("--mesh", default="dp=1")
     p.add_argument("--preset", default="mamba2-1.3b")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--remat", default=None)
+    p.add_argument("--loss-chunk", type=int, default=None)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--granule", type=int, default=None,
+                   help="step of the largest-batch / longest-sequence search")
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--baseline", default=".baseline")
+    p.add_argument("--limit-gib", type=float, default=None,
+                   help="device memory to fit in (default: the device's bytes_limit)")
     args = p.parse_args()
-    import jax
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
-    if not args.skip_tiny:
-        gpu = tiny_losses("cuda", None)
-        gpu_highest = tiny_losses("cuda", "highest")
-        cpu = tiny_losses("cpu", None)
-        print("| step | CPU | GPU (default precision) | GPU (highest) | max rel. diff, highest |")
-        print("|---|---|---|---|---|")
-        for i, (c, g, h) in enumerate(zip(cpu, gpu, gpu_highest), 1):
-            print(f"| {i} | {c:.6f} | {g:.6f} | {h:.6f} | {abs(h - c) / abs(c):.1e} |",
-                  flush=True)
-    print("| model | batch x seqlen | params | first step (s, with compile) | step (ms) | "
-          "tokens/s | MFU | peak memory (GiB) | loss |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    baseline(args.preset, args.batch, args.seq_len, args.steps)
+    defaults = {"throughput": (4, 4096, "none", None, 4),
+                "longest": (1, 32768, "full", 4096, 16384),
+                "versus": (8, 2048, "none", None, 4)}.get(args.mode)
+    if defaults:
+        for name, value in zip(("batch", "seq_len", "remat", "loss_chunk", "granule"),
+                               defaults):
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.mode in ("tiny", "throughput", "longest", "versus"):
+        import jax  # no backend here: the GPUs are left to the child processes
+        gpus = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.strip().replace("\n", ", ")
+                if shutil.which("nvidia-smi") else "none")
+        print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, GPU: {gpus}", flush=True)
+    {"tiny": tiny, "throughput": throughput, "longest": longest, "versus": versus,
+     "_child": child, "_theirs": theirs}[args.mode](args)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
     main()

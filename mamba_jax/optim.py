@@ -55,13 +55,18 @@ def make_optimizer(params, lr, steps, warmup, weight_decay, clip, schedule="cosi
     return tx, lr_at
 
 
+def opt_state_shardings(tx, params, param_shardings, replicated):
+    """Where the step puts tx's state: each moment placed like the parameter it tracks and
+    every other leaf (Adam's step count) on `replicated`. params may be abstract."""
+    return optax.tree_map_params(tx, lambda _, sharding: sharding,
+                                 jax.eval_shape(tx.init, params), param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
 def init_opt_state(tx, params, param_shardings, replicated):
-    """tx.init(params), each moment placed like the parameter it tracks and every other leaf
-    (Adam's step count) on `replicated`: where the step puts them, so the second step reuses
-    the first one's compilation, and under fsdp no device ever holds the whole state."""
-    shardings = optax.tree_map_params(tx, lambda _, sharding: sharding,
-                                      jax.eval_shape(tx.init, params), param_shardings,
-                                      transform_non_params=lambda _: replicated)
+    """tx.init(params) placed by opt_state_shardings: so the second step reuses the first
+    one's compilation, and under fsdp no device ever holds the whole state."""
+    shardings = opt_state_shardings(tx, params, param_shardings, replicated)
     return jax.jit(tx.init, out_shardings=shardings)(params)
 
 

@@ -90,7 +90,7 @@ def make_mesh(spec: str | None = None, devices=None) -> jax.sharding.Mesh:
 
 
 def check_layout(cfg: Mamba2Config, mesh, *, batch_size=None, seq_len=None,
-                 sequence_parallel=True):
+                 sequence_parallel=True, loss_chunk=None):
     """Raise a ValueError naming the value and the fix if cfg or the batch cannot be split."""
     tp = mesh.shape["tp"]
     if cfg.nheads % tp:
@@ -120,6 +120,10 @@ def check_layout(cfg: Mamba2Config, mesh, *, batch_size=None, seq_len=None,
         raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp = {cp}*{tp}, "
                          f"which context and sequence parallelism split it over; use a "
                          f"multiple of {cp * tp} or --no-sequence-parallel")
+    if loss_chunk is not None and (seq_len // cp) % loss_chunk:
+        raise ValueError(f"--loss-chunk {loss_chunk} does not divide the {seq_len // cp} "
+                         f"positions each device holds (sequence length {seq_len} over "
+                         f"cp={cp}); use a divisor of {seq_len // cp}")
 
 
 def param_specs(params, cfg: Mamba2Config, mesh):
@@ -293,14 +297,19 @@ def _local_hidden(state, input_ids, seq_idx, graphdef, specs, sp: bool, remat: s
     residual = residual.astype(model.residual_dtype)
     block_graphdef = nnx.graphdef(model.layers[0])  # every layer has the same structure
     policy = _remat_policy(remat, fsdp=lax.axis_size("fsdp") > 1)
-    for i in range(cfg.n_layer):
-        def block(layer_state, residual, layer_specs=specs["layers"][i]):
-            layer = nnx.merge(block_graphdef, _gather_fsdp(layer_state, layer_specs))
-            return _block_local(layer, residual, cfg, sp, seq_idx)
-        if policy is not None:
-            # Under FSDP this keeps a device from holding more than one layer's full weights.
-            block = jax.checkpoint(block, policy=policy)
-        residual = block(state["layers"][i], residual)
+
+    def block(residual, layer_state):
+        layer = nnx.merge(block_graphdef, _gather_fsdp(layer_state, specs["layers"][0]))
+        return _block_local(layer, residual, cfg, sp, seq_idx), None
+    if policy is not None:
+        # Under FSDP this keeps a device from holding more than one layer's full weights.
+        block = jax.checkpoint(block, policy=policy)
+    # One scan over the layers, not n_layer copies of the block: compile time and program
+    # size stay those of one layer (48 unrolled 1.3b layers took minutes to compile). The
+    # layers' weights are stacked here, a copy of this device's shards.
+    stacked = jax.tree.map(lambda *ws: jnp.stack(ws),
+                           *(state["layers"][i] for i in range(cfg.n_layer)))
+    residual, _ = lax.scan(block, residual, stacked)
     norm_f = nnx.merge(nnx.graphdef(model.norm_f), gathered("norm_f"))
     hidden = norm_f(residual).astype(model.dtype)
     if sp:
@@ -313,6 +322,24 @@ def _local_logits(hidden, head):
     return jnp.einsum("bld,vd->blv", hidden, head, preferred_element_type=jnp.float32)
 
 
+def _token_losses(hidden, head, targets, loss_chunk):
+    """hidden [b, l, d], head [v/tp, d], targets [b, l] -> per-token cross-entropy [b, l].
+
+    loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
+    backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l, v/tp]
+    (at 64K tokens and a 50K vocabulary that is 13 GB of float32 per row)."""
+    b, l, d = hidden.shape
+    if loss_chunk is None or loss_chunk >= l:
+        return vocab_parallel_cross_entropy(_local_logits(hidden, head), targets)
+
+    @jax.checkpoint
+    def piece(_, xs):
+        return None, vocab_parallel_cross_entropy(_local_logits(xs[0], head), xs[1])
+    pieces = lambda a: a.reshape(b, l // loss_chunk, loss_chunk, *a.shape[2:]).swapaxes(0, 1)
+    _, losses = lax.scan(piece, None, (pieces(hidden), pieces(targets)))
+    return losses.swapaxes(0, 1).reshape(b, l)
+
+
 def _shard_map(body, mesh, specs, n_batch_args, out_specs):
     # check_vma=False: the SSD's Pallas kernels and the reference's scans carry no
     # varying-axis types. shard_map's transpose still sums the gradients of parameters
@@ -321,13 +348,16 @@ def _shard_map(body, mesh, specs, n_batch_args, out_specs):
                          out_specs=out_specs, check_vma=False)
 
 
-def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none"):
+def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
+                 loss_chunk=None):
     """loss(params, inputs [b, l], targets [b, l], seq_idx=None) -> mean next-token
     cross-entropy (nats). seq_idx [b, l]: packed documents (no state crosses a boundary).
 
     params are placed as `specs`; the token arrays as TOKENS (rows over dp and fsdp, the
     sequence over cp). remat:
-    "none", "block" or "full" activation checkpointing of each block (_remat_policy)."""
+    "none", "block" or "full" activation checkpointing of each block (_remat_policy).
+    loss_chunk: compute the logits and cross-entropy that many positions at a time
+    (_token_losses); None: all at once."""
     if remat not in REMAT:
         raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
     sp = sequence_parallel and mesh.shape["tp"] > 1
@@ -336,7 +366,7 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none")
 
     def body(params, inputs, targets, seq_idx=None):
         hidden, head = _local_hidden(params, inputs, seq_idx, graphdef, specs, sp, remat)
-        token_loss = vocab_parallel_cross_entropy(_local_logits(hidden, head), targets)
+        token_loss = _token_losses(hidden, head, targets, loss_chunk)
         return lax.psum(token_loss.sum(), token_axes) / (token_loss.size * n_shards)
     plain = _shard_map(body, mesh, specs, 2, P())
     packed = _shard_map(body, mesh, specs, 3, P())

@@ -104,6 +104,10 @@ def build_parser():
     p.add_argument("--remat", choices=parallel.REMAT, default="none",
                    help="activation checkpointing per block: block keeps matmul outputs, "
                         "full keeps only each block's input")
+    p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
+                   help="compute the logits and the loss TOKENS positions at a time, "
+                        "recomputed in the backward pass (long sequences: the full logits "
+                        "are seq-len x vocab floats per row)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--metrics-file", default=None,
                    help="append one JSON line per step (step, loss, lr, grad_norm, ...)")
@@ -212,7 +216,8 @@ def main(argv=None):
     try:
         mesh = parallel.make_mesh(args.mesh)
         parallel.check_layout(cfg, mesh, batch_size=args.batch_size // args.grad_accum,
-                              seq_len=args.seq_len, sequence_parallel=args.sequence_parallel)
+                              seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
+                              loss_chunk=args.loss_chunk)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -256,7 +261,8 @@ def main(argv=None):
                 json.dumps(effective, indent=2) + "\n")
 
     loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=args.remat,
-                                    sequence_parallel=args.sequence_parallel)
+                                    sequence_parallel=args.sequence_parallel,
+                                    loss_chunk=args.loss_chunk)
     eval_loss = jax.jit(loss_fn)
     train_step = make_train_step(loss_fn, tx)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))

@@ -79,13 +79,14 @@ def single_device(ngroups=1, nheads=8, seq_len=SEQ, packed=False):
     return (value, grads), logits
 
 
-def sharded(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False):
+def sharded(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False, loss_chunk=None):
     cfg, graphdef, params, batch = model_and_batch(ngroups, nheads, seq_len, packed)
     mesh = parallel.make_mesh(spec)
     specs = parallel.param_specs(params, cfg, mesh)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
     batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
-    loss = parallel.make_loss_fn(graphdef, specs, mesh, sequence_parallel=sp)
+    loss = parallel.make_loss_fn(graphdef, specs, mesh, sequence_parallel=sp,
+                                 loss_chunk=loss_chunk)
     logits = parallel.make_logits_fn(graphdef, specs, mesh, sequence_parallel=sp)
 
     def run(params, batch):
@@ -93,10 +94,13 @@ def sharded(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False):
     return jax.jit(run, compiler_options=FAST_COMPILE)(params, batch), specs
 
 
-def assert_matches_single_device(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False):
+def assert_matches_single_device(spec, sp, ngroups=1, nheads=8, seq_len=SEQ, packed=False,
+                                 loss_chunk=None):
     """Logits, loss and every gradient of `spec` equal one device's (module tolerances);
-    packed: the loss and gradients over packed documents (seq_idx)."""
-    ((value, grads), logits), specs = sharded(spec, sp, ngroups, nheads, seq_len, packed)
+    packed: the loss and gradients over packed documents (seq_idx); loss_chunk: the loss
+    computed that many positions at a time."""
+    ((value, grads), logits), specs = sharded(spec, sp, ngroups, nheads, seq_len, packed,
+                                              loss_chunk)
     (ref_value, ref_grads), ref_logits = single_device(ngroups, nheads, seq_len, packed)
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=LOGIT_ATOL)
     np.testing.assert_allclose(value, ref_value, rtol=0, atol=LOGIT_ATOL)
@@ -131,6 +135,11 @@ def test_ngroups1_logits_loss_and_gradients_match_single_device(spec, sp):
 ])
 def test_ngroups2_and_8_logits_loss_and_gradients_match_single_device(spec, sp, ngroups):
     assert_matches_single_device(spec, sp, ngroups=ngroups)
+
+
+def test_loss_in_sequence_chunks_matches_single_device():
+    # 32 positions in pieces of 8 (the logits recomputed per piece in the backward pass).
+    assert_matches_single_device("tp=2,dp=4", True, loss_chunk=8)
 
 
 def test_groups_that_straddle_ranks_match_single_device():
