@@ -35,6 +35,7 @@ included, forward x3; recomputation not counted) over the dense bf16 peak of the
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -160,9 +161,13 @@ def largest(plan, start, granule, limit, log):
     guess = max(granule, int((limit - (lo - per * start)) / per) // granule * granule)
     log(f"  planned {lo / GIB:.1f} GiB at {start}, {hi / GIB:.1f} GiB at {2 * start}: "
         f"{per / 2**20:.2f} MiB per unit; limit {limit / GIB:.1f} GiB -> try {guess}")
-    while plan(guess) > limit and guess > granule:
-        guess -= granule
-    return guess, plan(guess + granule)
+    # The guess and the next multiple compile side by side (XLA compiles outside the GIL).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        need, next_need = pool.map(plan, (guess, guess + granule))
+    while need > limit and guess > granule:
+        guess, next_need = guess - granule, need
+        need = plan(guess)
+    return guess, next_need
 
 
 def child(args):
@@ -374,10 +379,9 @@ def versus(args):
     print("| model | ours batch | ours tokens/s | ours MFU | ours peak GiB | theirs batch | "
           "theirs tokens/s | theirs MFU | theirs peak GiB | ours/theirs tokens/s |\n"
           "|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    import concurrent.futures as cf
     for preset in args.presets:
         args.preset = preset
-        with cf.ThreadPoolExecutor(2) as pool:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
             mine = pool.submit(in_process, "0", child_argv(args, "batch", "dp=1"),
                                args.timeout)
             their = pool.submit(in_process, "1", ["_theirs", f"--preset={preset}",

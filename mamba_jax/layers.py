@@ -2,6 +2,9 @@
 
 Legend: b batch, l sequence, d model width, k conv width, "..." channel axes (e.g. h p).
 Norms compute in float32 and return the input's dtype, as mamba_ssm's Triton norms do.
+The norms and the conv are rematerialised (jax.checkpoint): the backward pass recomputes
+their cheap elementwise float32 intermediates from the inputs instead of keeping them, as
+mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b layer).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from flax import nnx
 
 def rms_norm(x, weight, eps):
     """x [..., d], weight [d] -> x / rms(x) * weight, in float32, cast back to x.dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    @jax.checkpoint
+    def norm(x, weight):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    return norm(x, weight)
 
 
 def gated_rms_norm(y, z, weight, eps, ngroups):
@@ -23,13 +29,18 @@ def gated_rms_norm(y, z, weight, eps, ngroups):
 
     y, z [..., h, p], weight [h, p]: normalise y * silu(z) over each group of h/ngroups heads.
     """
-    *lead, h, p = y.shape
-    gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    grouped = gated.reshape(*lead, ngroups, (h // ngroups) * p)
-    normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + eps)
-    return (normed.reshape(*lead, h, p) * weight.astype(jnp.float32)).astype(y.dtype)
+    @jax.checkpoint
+    def norm(y, z, weight):
+        *lead, h, p = y.shape
+        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        grouped = gated.reshape(*lead, ngroups, (h // ngroups) * p)
+        normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True)
+                                         + eps)
+        return (normed.reshape(*lead, h, p) * weight.astype(jnp.float32)).astype(y.dtype)
+    return norm(y, z, weight)
 
 
+@jax.checkpoint
 def causal_conv1d(x, weight, bias=None, doc=None):
     """Depthwise causal conv along l followed by SiLU, as mamba_ssm's causal_conv1d.
 

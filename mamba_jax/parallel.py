@@ -189,10 +189,14 @@ def _gated_norm_local(y, z, weight, cfg: Mamba2Config):
     heads = lax.axis_index("tp") * h_loc + jnp.arange(h_loc)
     member = (heads[:, None] // (cfg.nheads // cfg.ngroups)
               == jnp.arange(cfg.ngroups)).astype(jnp.float32)  # [h_loc, g]
-    gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    sum_sq = lax.psum(jnp.einsum("blhp,hg->blg", gated * gated, member), "tp")
-    inv_rms = lax.rsqrt(sum_sq / (cfg.d_inner // cfg.ngroups) + cfg.norm_eps) @ member.T
-    return (gated * inv_rms[..., None] * weight.astype(jnp.float32)).astype(y.dtype)
+
+    @jax.checkpoint  # as layers.gated_rms_norm: recompute the float32 intermediates
+    def norm(y, z, weight):
+        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        sum_sq = lax.psum(jnp.einsum("blhp,hg->blg", gated * gated, member), "tp")
+        inv_rms = lax.rsqrt(sum_sq / (cfg.d_inner // cfg.ngroups) + cfg.norm_eps) @ member.T
+        return (gated * inv_rms[..., None] * weight.astype(jnp.float32)).astype(y.dtype)
+    return norm(y, z, weight)
 
 
 def _conv_with_halo(mixer, x, B, C, seq_idx):
