@@ -103,8 +103,13 @@ class Steps:
             tokens = jax.ShapeDtypeStruct((1, batch, seq_len), jax.numpy.int32,
                                           sharding=self.rows)
             start = time.perf_counter()
-            exe = self.step.lower(*self.abstract_state, (tokens, tokens)).compile()
+            lowered = self.step.lower(*self.abstract_state, (tokens, tokens))
+            log(f"  {self.mesh_spec} {batch}x{seq_len}: lowered in "
+                f"{time.perf_counter() - start:.1f} s")
+            exe = lowered.compile()
             m = exe.memory_analysis()
+            log(f"  {self.mesh_spec} {batch}x{seq_len}: compiled in "
+                f"{time.perf_counter() - start:.1f} s")
             self.compiled[batch, seq_len] = (
                 exe, time.perf_counter() - start,
                 m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -138,6 +143,8 @@ class Steps:
             params, opt_state, loss, _ = exe(params, opt_state, tokens)
             loss.block_until_ready()
             times.append(time.perf_counter() - start)
+            log(f"  {self.mesh_spec} {batch}x{seq_len}: step {len(times)} {times[-1]:.3f} s, "
+                f"loss {float(loss):.3f}")
         step_s = float(np.median(times[2:]))
         devices = list(self.mesh.devices.flat)
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
@@ -150,6 +157,11 @@ class Steps:
                 "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
                 "device_kind": devices[0].device_kind}
+
+
+def log(line):
+    """Progress, on stderr (the parent passes lines that start with two spaces on)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def largest(plan, start, granule, limit, log):
@@ -174,7 +186,6 @@ def child(args):
     """One process's work; prints `RESULT {json}` lines."""
     import jax
 
-    log = lambda s: print(s, file=sys.stderr, flush=True)
     out = lambda r: print("RESULT " + json.dumps(r), flush=True)
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
     if args.child == "measure":
@@ -201,10 +212,12 @@ def in_process(gpus: str, argv: list[str], timeout: float, module=None) -> list[
     cmd = [sys.executable] + (["-m", module] if module else [__file__]) + argv
     try:
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as expired:
+        err = expired.stderr or b""
+        sys.stderr.write(err.decode() if isinstance(err, bytes) else err)
         return [{"error": f"timed out after {timeout:.0f} s"}]
     sys.stderr.write("".join(l + "\n" for l in run.stderr.splitlines()
-                             if l.startswith("  planned") or l.startswith("mamba_ssm")))
+                             if l.startswith("  ") or l.startswith("mamba_ssm")))
     results = [json.loads(l[7:]) for l in run.stdout.splitlines() if l.startswith("RESULT ")]
     if run.returncode or not results:
         tail = run.stderr.strip().splitlines()[-3:]
