@@ -107,3 +107,30 @@ def test_attention_heads_not_divisible_by_tp_names_both_and_the_sizes_that_work(
     with pytest.raises(ValueError, match=r"tp=4 does not divide the MLP width "
                                          r"d_intermediate=30"):
         parallel.check_layout(cfg, parallel.make_mesh("dp=2,tp=4"))
+
+
+@pytest.mark.parametrize("recipe,mesh", [("megatron-hybrid-8b", "dp=2,tp=4"),
+                                         ("megatron-hybrid-800m", "tp=8")])
+def test_megatron_hybrid_recipes_load_and_fit_their_meshes(recipe, mesh):
+    from mamba_jax.train import parse_args
+    args, cfg = parse_args(["--config", f"train/{recipe}.toml"])
+    layers = cfg.layers
+    assert (layers.count("M"), layers.count("*"), layers.count("-")) == (
+        {"megatron-hybrid-8b": (24, 4, 28), "megatron-hybrid-800m": (20, 4, 24)}[recipe])
+    parallel.check_layout(cfg, parallel.make_mesh(mesh), batch_size=args.batch_size,
+                          seq_len=args.seq_len)
+
+
+def test_trainer_trains_a_hybrid_on_a_mesh_and_exports_nemotron_h(tmp_path):
+    from mamba_jax.convert import load_config
+    from mamba_jax.train import main
+    hybrid = ["--set", "layer_pattern=M*-", "--set", "n_layer=3", "--set", "d_intermediate=64",
+              "--set", "attn_num_heads=4", "--set", "attn_num_heads_kv=2",
+              "--set", "attn_head_dim=16", "--set", "mlp_activation=relu2"]
+    args = ["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--mesh", "dp=4,tp=2",
+            "--set", "d_model=64", "--set", "d_state=16", "--set", "headdim=16", *hybrid]
+    with pytest.raises(SystemExit, match=r"cannot express .*dt_limit=\(0.0, inf\)"):
+        main([*args, "--out", str(tmp_path)])  # refused before training, with the fix
+    main([*args, "--set", "dt_limit=0.001,inf", "--out", str(tmp_path)])
+    cfg, fmt = load_config(tmp_path)
+    assert fmt == "nemotron_h" and cfg.layers == "M*-"
