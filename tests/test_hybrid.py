@@ -5,7 +5,6 @@ MambaLMHeadModel with attention and MLP blocks)."""
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,8 +106,9 @@ def test_step_by_step_logits_equal_the_full_forward(model):
     full = model(ids)
     logits, cache = model.prefill(ids[:, :5], cache_len=14)
     steps = [logits[:, -1]]
+    step = nnx.jit(lambda model, token, cache: model.step(token, cache))  # one compile
     for t in range(5, 13):
-        logits, cache = model.step(ids[:, t], cache)
+        logits, cache = step(model, ids[:, t], cache)
         steps.append(logits)
     np.testing.assert_allclose(np.stack(steps, 1), full[:, 4:13], rtol=0, atol=1e-5)
     assert int(cache[1].length) == 13  # the attention layer's KV cache holds every token
