@@ -1,6 +1,8 @@
-"""Mamba2Config: every field mamba_ssm's Mamba2 / MambaLMHeadModel uses for published models.
+"""Mamba2Config: every field mamba_ssm's Mamba2 / MambaLMHeadModel uses for published models,
+and the layer pattern and attention / MLP widths of hybrid models.
 
-Field names follow mamba_ssm (`ssm_cfg` entries flattened into the top level).
+Field names follow mamba_ssm (`ssm_cfg` entries flattened into the top level; `attn_cfg`
+entries as `attn_*`).
 """
 
 from __future__ import annotations
@@ -38,11 +40,33 @@ class Mamba2Config:
     norm_eps: float = 1e-5
     residual_in_fp32: bool = True
     tie_embeddings: bool = True
+    # Hybrid models. The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
+    # --hybrid-layer-pattern spells it: M Mamba2, * attention, - MLP, each its own pre-norm
+    # residual layer. Empty: mamba_ssm's form, n_layer blocks of a mixer (attention where
+    # the block index is in attn_layer_idx, else Mamba2) each followed by an MLP layer when
+    # d_intermediate > 0 (mamba_ssm's Block adds the mixer to the residual, then runs
+    # norm2 + MLP: exactly two pre-norm layers).
+    layer_pattern: str = ""
+    attn_layer_idx: tuple[int, ...] = ()
+    d_intermediate: int = 0  # the MLP's hidden width
+    mlp_activation: str = "swiglu"  # "swiglu" (mamba_ssm GatedMLP) or "relu2" (NemotronH)
+    attn_num_heads: int = 8
+    attn_num_heads_kv: int = 8  # grouped KV heads; must divide attn_num_heads
+    attn_head_dim: int = 64
+    attn_rotary_emb_dim: int = 0  # rotary on the first dims of each head; 0: none
+    attn_rotary_emb_base: float = 10000.0
+    attn_rotary_interleaved: bool = False  # pairs (2i, 2i+1) instead of halves (GPT-NeoX)
+    attn_qkv_bias: bool = False
+    attn_out_bias: bool = False
 
     def __post_init__(self):
         # Lists from JSON become tuples, so configs stay hashable and compare equal.
         object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
         object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
+        if any(float(i) != int(i) for i in self.attn_layer_idx):
+            raise ValueError(f"Mamba2Config.attn_layer_idx={self.attn_layer_idx} must be block "
+                             "indices (integers)")
+        object.__setattr__(self, "attn_layer_idx", tuple(int(i) for i in self.attn_layer_idx))
         positive = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state",
                     "d_conv", "expand", "headdim", "ngroups", "chunk_size")
         for name in positive:
@@ -75,6 +99,50 @@ class Mamba2Config:
             raise ValueError(
                 f"Mamba2Config: nheads = d_inner/headdim = {self.nheads} is not divisible by "
                 f"ngroups={self.ngroups}; choose ngroups among {divisors}")
+        self._check_layers()
+
+    def _check_layers(self):
+        pattern = self.layer_pattern
+        for i, symbol in enumerate(pattern):
+            if symbol not in LAYER_KINDS:
+                raise ValueError(
+                    f"Mamba2Config.layer_pattern={pattern!r}: unknown symbol {symbol!r} at "
+                    f"position {i}\n    {pattern}\n    {' ' * i}^\nuse M (Mamba2), * "
+                    "(attention) or - (MLP), one per layer")
+        if pattern and len(pattern) != self.n_layer:
+            raise ValueError(f"Mamba2Config: layer_pattern {pattern!r} has {len(pattern)} "
+                             f"layers but n_layer={self.n_layer}; set n_layer={len(pattern)} "
+                             "(one layer per symbol, as Megatron's --num-layers)")
+        if pattern and self.attn_layer_idx:
+            raise ValueError(f"Mamba2Config: give layer_pattern={pattern!r} or attn_layer_idx="
+                             f"{list(self.attn_layer_idx)} (mamba_ssm's form), not both")
+        bad = [i for i in self.attn_layer_idx if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"Mamba2Config.attn_layer_idx has {bad}, outside the "
+                             f"n_layer={self.n_layer} blocks 0..{self.n_layer - 1}")
+        kinds = self.layers
+        if "-" in kinds and self.d_intermediate <= 0:
+            raise ValueError(f"Mamba2Config: the layers {kinds!r} have MLP layers (-) but "
+                             f"d_intermediate={self.d_intermediate}; set the MLP width "
+                             "d_intermediate > 0")
+        if self.d_intermediate < 0:
+            raise ValueError(f"Mamba2Config.d_intermediate={self.d_intermediate} must be >= 0")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"Mamba2Config.mlp_activation={self.mlp_activation!r}; use one of "
+                             f"{MLP_ACTIVATIONS}")
+        if "*" in kinds:
+            for name in ("attn_num_heads", "attn_num_heads_kv", "attn_head_dim"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise ValueError(f"Mamba2Config.{name}={value!r} must be a positive integer")
+            if self.attn_num_heads % self.attn_num_heads_kv:
+                raise ValueError(f"Mamba2Config: attn_num_heads_kv={self.attn_num_heads_kv} "
+                                 f"does not divide attn_num_heads={self.attn_num_heads}; each "
+                                 "KV head serves an equal group of query heads")
+            r = self.attn_rotary_emb_dim
+            if r < 0 or r % 2 or r > self.attn_head_dim:
+                raise ValueError(f"Mamba2Config.attn_rotary_emb_dim={r} must be even and in "
+                                 f"[0, attn_head_dim={self.attn_head_dim}] (0: no rotary)")
 
     @property
     def d_inner(self) -> int:
@@ -88,6 +156,15 @@ class Mamba2Config:
     def conv_dim(self) -> int:
         """Channels of the causal conv: x, then B, then C (mamba_ssm's xBC order)."""
         return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def layers(self) -> str:
+        """One symbol per layer (M, *, -): layer_pattern, or mamba_ssm's blocks spelt out."""
+        if self.layer_pattern:
+            return self.layer_pattern
+        mlp = "-" if self.d_intermediate > 0 else ""
+        return "".join(("*" if i in self.attn_layer_idx else "M") + mlp
+                       for i in range(self.n_layer))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -116,6 +193,10 @@ class Mamba2Config:
         return cls(**d)
 
 
+LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+MLP_ACTIVATIONS = ("swiglu", "relu2")
+
+
 # The published state-spaces/mamba2-* checkpoints: mamba_ssm's Mamba2 defaults (d_state 128,
 # d_conv 4, expand 2, headdim 64, ngroups 1, chunk 256), GPT-NeoX vocabulary padded to 16,
 # tied embeddings.
@@ -125,6 +206,26 @@ PRESETS: dict[str, Mamba2Config] = {
     "mamba2-780m": Mamba2Config(d_model=1536, n_layer=48),
     "mamba2-1.3b": Mamba2Config(d_model=2048, n_layer=48),
     "mamba2-2.7b": Mamba2Config(d_model=2560, n_layer=64),
+    # Megatron-LM's hybrid Mamba layouts (examples/mamba/train.sh and its hybrid layer
+    # allocation with --hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5; the 8B pattern
+    # is the one examples/mamba/README.md publishes): Megatron's Mamba defaults (d_state 128,
+    # headdim 64, 8 groups, chunk 128), GQA with 8 KV heads, no position embedding, no biases,
+    # untied embeddings, MLP width 4*d_model (Megatron's default ffn_hidden_size) with
+    # squared ReLU (Nemotron-H's; the example's default GeLU is not offered). dt clamped
+    # below at dt_min, as HF NemotronH runs it, so the model exports as NemotronHForCausalLM.
+    # Vocabulary: the report's 256K SentencePiece; set vocab_size to your tokenizer's.
+    "megatron-hybrid-800m": Mamba2Config(
+        d_model=1024, n_layer=48,
+        layer_pattern="M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-",
+        vocab_size=256000, pad_vocab_size_multiple=128, ngroups=8, chunk_size=128,
+        dt_limit=(0.001, math.inf), tie_embeddings=False, d_intermediate=4096,
+        mlp_activation="relu2", attn_num_heads=16, attn_num_heads_kv=8, attn_head_dim=64),
+    "megatron-hybrid-8b": Mamba2Config(
+        d_model=4096, n_layer=56,
+        layer_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
+        vocab_size=256000, pad_vocab_size_multiple=128, ngroups=8, chunk_size=128,
+        dt_limit=(0.001, math.inf), tie_embeddings=False, d_intermediate=16384,
+        mlp_activation="relu2", attn_num_heads=32, attn_num_heads_kv=8, attn_head_dim=128),
     # Byte-level, small enough to train on a laptop CPU in minutes.
     "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, d_state=32, headdim=32,
                          chunk_size=64),

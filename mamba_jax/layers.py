@@ -1,6 +1,7 @@
-"""Small building blocks: RMSNorm, gated per-group RMSNorm, causal depthwise conv1d.
+"""Small building blocks: RMSNorm, gated per-group RMSNorm, causal depthwise conv1d, the MLP.
 
-Legend: b batch, l sequence, d model width, k conv width, "..." channel axes (e.g. h p).
+Legend: b batch, l sequence, d model width, k conv width, f MLP width, "..." channel axes
+(e.g. h p).
 Norms compute in float32 and return the input's dtype, as mamba_ssm's Triton norms do.
 The norms and the conv are rematerialised (jax.checkpoint): the backward pass recomputes
 their cheap elementwise float32 intermediates from the inputs instead of keeping them, as
@@ -8,6 +9,8 @@ mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b la
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -86,3 +89,44 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """The MLP layer: SwiGLU, `down(up(u) * silu(gate(u)))` (mamba_ssm's GatedMLP, whose fc1
+    is [up | gate]), or squared ReLU, `down(relu(up(u))**2)` (NemotronH, Megatron's
+    squared-relu). No biases (neither source uses them). up_proj, gate_proj [d, f] and
+    down_proj [f, d] are float32 parameters; `dtype` is the matmuls' compute dtype."""
+
+    def __init__(self, d: int, f: int, activation: str, *, rngs: nnx.Rngs, n_residuals: int,
+                 dtype=jnp.float32):
+        self.activation = activation
+        self.dtype = dtype
+        uniform = lambda shape, bound: jax.random.uniform(rngs.params(), shape, jnp.float32,
+                                                          -bound, bound)
+        # nn.Linear's default init; the output projection rescaled by 1/sqrt(residual
+        # layers) as mamba_ssm's _init_weights does for fc2.
+        self.up_proj = nnx.Param(uniform((d, f), 1.0 / math.sqrt(d)))
+        if activation == "swiglu":
+            self.gate_proj = nnx.Param(uniform((d, f), 1.0 / math.sqrt(d)))
+        self.down_proj = nnx.Param(uniform((f, d), 1.0 / math.sqrt(f))
+                                   / math.sqrt(n_residuals))
+
+    def hidden(self, u):
+        """u [..., d] -> the activation [..., f] in the compute dtype (over a tensor-parallel
+        shard of f, this rank's columns)."""
+        u = u.astype(self.dtype)
+        up = jnp.dot(u, self.up_proj[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        if self.activation == "swiglu":
+            gate = jnp.dot(u, self.gate_proj[...].astype(self.dtype),
+                           preferred_element_type=jnp.float32)
+            return (up * jax.nn.silu(gate)).astype(self.dtype)
+        return jnp.square(jax.nn.relu(up)).astype(self.dtype)
+
+    def out_proj_partial(self, a):
+        """a [..., f] -> [..., d] float32: over a shard of f, one rank's share of the sum."""
+        return jnp.dot(a, self.down_proj[...].astype(self.dtype),
+                       preferred_element_type=jnp.float32)
+
+    def __call__(self, u):
+        """u [..., d] -> [..., d] in the compute dtype."""
+        return self.out_proj_partial(self.hidden(u)).astype(self.dtype)

@@ -78,10 +78,10 @@ class Mamba2Mixer(nnx.Module):
             rngs.params(), (h,), jnp.float32, *cfg.A_init_range)))
         self.D = nnx.Param(jnp.ones((h,), jnp.float32))
         self.norm = nnx.Param(jnp.ones((h, p), jnp.float32))
-        # Rescaled by 1/sqrt(n_layer) (mamba_ssm's rescale_prenorm_residual, one residual
-        # per layer).
+        # Rescaled by 1/sqrt(residual layers) (mamba_ssm's rescale_prenorm_residual: n_layer
+        # without MLPs, 2*n_layer with them).
         self.out_proj = nnx.Param(_uniform(rngs, (h, p, d), 1.0 / math.sqrt(cfg.d_inner))
-                                  / math.sqrt(cfg.n_layer))
+                                  / math.sqrt(len(cfg.layers)))
 
     def _bias(self, name):
         return getattr(self, name)[...] if self.cfg.bias else None

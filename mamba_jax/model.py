@@ -1,10 +1,13 @@
-"""Mamba2LM: embedding, pre-norm residual Mamba2 blocks, final norm, LM head.
+"""Mamba2LM: embedding, pre-norm residual layers, final norm, LM head.
 
 Legend: b batch, l sequence, d d_model, v padded vocabulary.
 
 The residual stream follows mamba_ssm's Block(fused_add_norm, prenorm): r = embedding;
 r = r + mixer(norm(r)) per layer; logits = lm_head(norm_f(r)); r is float32 when
-`residual_in_fp32`, else the compute dtype.
+`residual_in_fp32`, else the compute dtype. A layer's mixer is a Mamba2Mixer, an Attention
+or an MLP, by its symbol in `cfg.layers` (M, *, -); every layer keeps the names
+`layers.{i}.norm` and `layers.{i}.mixer`, as Megatron and NemotronH name them. mamba_ssm's
+Block of mixer + MLP (r += mixer(norm(r)); r += mlp(norm2(r))) is two such layers.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import RMSNorm
-from mamba_jax.mixer import Mamba2Mixer, MambaCache
+from mamba_jax.attention import Attention
+from mamba_jax.config import LAYER_KINDS, Mamba2Config
+from mamba_jax.layers import MLP, RMSNorm
+from mamba_jax.mixer import Mamba2Mixer
 
 
 def param_name(path) -> str:
@@ -32,25 +36,51 @@ def param_name(path) -> str:
     return ".".join(parts)
 
 
-class Mamba2Block(nnx.Module):
-    """norm -> Mamba2Mixer, added to the residual stream."""
+def make_mixer(kind: str, cfg: Mamba2Config, *, rngs: nnx.Rngs, dtype):
+    """The mixer of one layer: kind "mamba", "attention" or "mlp" (LAYER_KINDS' values)."""
+    if kind == "mamba":
+        return Mamba2Mixer(cfg, rngs=rngs, dtype=dtype)
+    if kind == "attention":
+        return Attention(cfg, rngs=rngs, dtype=dtype)
+    return MLP(cfg.d_model, cfg.d_intermediate, cfg.mlp_activation, rngs=rngs,
+               n_residuals=len(cfg.layers), dtype=dtype)
 
-    def __init__(self, cfg: Mamba2Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+
+class Block(nnx.Module):
+    """norm -> mixer (Mamba2, attention or MLP), added to the residual stream.
+
+    The decoding cache of a layer is a MambaCache, an AttentionCache, or None (MLP)."""
+
+    def __init__(self, cfg: Mamba2Config, kind: str = "mamba", *, rngs: nnx.Rngs,
+                 dtype=jnp.float32):
+        self.kind = kind
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = Mamba2Mixer(cfg, rngs=rngs, dtype=dtype)
+        self.mixer = make_mixer(kind, cfg, rngs=rngs, dtype=dtype)
 
-    def __call__(self, residual, seq_idx=None, return_cache=False):
-        """residual [b, l, d] -> residual [b, l, d] (and the layer's MambaCache)."""
+    def __call__(self, residual, seq_idx=None, return_cache=False, cache_len=None):
+        """residual [b, l, d] -> residual [b, l, d] (and the layer's cache; an attention
+        layer's has cache_len slots)."""
         hidden = self.norm(residual).astype(self.mixer.dtype)
-        out = self.mixer(hidden, seq_idx=seq_idx, return_cache=return_cache)
-        if return_cache:
+        cache = None
+        if self.kind == "mlp":
+            out = self.mixer(hidden)
+        elif self.kind == "attention":
+            out = self.mixer(hidden, seq_idx=seq_idx, return_cache=return_cache,
+                             cache_len=cache_len)
+        else:
+            out = self.mixer(hidden, seq_idx=seq_idx, return_cache=return_cache)
+        if return_cache and self.kind != "mlp":
             out, cache = out
-            return residual + out.astype(residual.dtype), cache
-        return residual + out.astype(residual.dtype)
+        residual = residual + out.astype(residual.dtype)
+        return (residual, cache) if return_cache else residual
 
-    def step(self, residual, cache: MambaCache):
-        """residual [b, d] -> (residual [b, d], MambaCache)."""
-        out, cache = self.mixer.step(self.norm(residual).astype(self.mixer.dtype), cache)
+    def step(self, residual, cache):
+        """residual [b, d] -> (residual [b, d], the layer's updated cache)."""
+        hidden = self.norm(residual).astype(self.mixer.dtype)
+        if self.kind == "mlp":
+            out = self.mixer(hidden)
+        else:
+            out, cache = self.mixer.step(hidden, cache)
         return residual + out.astype(residual.dtype), cache
 
 
@@ -66,8 +96,8 @@ class Mamba2LM(nnx.Module):
         self.dtype = dtype
         v, d = cfg.padded_vocab_size, cfg.d_model
         self.embedding = nnx.Param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32))
-        self.layers = nnx.List([Mamba2Block(cfg, rngs=rngs, dtype=dtype)
-                                for _ in range(cfg.n_layer)])
+        self.layers = nnx.List([Block(cfg, LAYER_KINDS[symbol], rngs=rngs, dtype=dtype)
+                                for symbol in cfg.layers])
         self.norm_f = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             # Stored [v, d] like the embedding (torch's nn.Linear layout).
@@ -104,19 +134,32 @@ class Mamba2LM(nnx.Module):
             residual = layer(residual, seq_idx=seq_idx)
         return self.logits(residual)
 
-    def init_cache(self, batch_size: int) -> tuple[MambaCache, ...]:
-        """An empty decoding cache: one MambaCache per layer."""
-        return tuple(layer.mixer.init_cache(batch_size) for layer in self.layers)
+    @property
+    def has_attention(self) -> bool:
+        return "*" in self.config.layers
 
-    def prefill(self, input_ids, seq_idx=None):
+    def init_cache(self, batch_size: int, cache_len: int = 0) -> tuple:
+        """An empty decoding cache: per layer a MambaCache, an AttentionCache of cache_len
+        slots, or None (MLP)."""
+        def empty(layer):
+            if layer.kind == "mamba":
+                return layer.mixer.init_cache(batch_size)
+            if layer.kind == "attention":
+                return layer.mixer.init_cache(batch_size, cache_len)
+            return None
+        return tuple(empty(layer) for layer in self.layers)
+
+    def prefill(self, input_ids, seq_idx=None, cache_len=None):
         """input_ids [b, l] -> (logits [b, l, v], cache after the last token).
 
         seq_idx [b, l]: the cache holds only the last document of each row (so left padding
-        given its own seq_idx leaves no trace in the state)."""
+        given its own seq_idx leaves no trace in the state). cache_len: the attention
+        layers' KV slots (the prompt and every token to come; default l)."""
         residual = self.embed(input_ids)
         cache = []
         for layer in self.layers:
-            residual, layer_cache = layer(residual, seq_idx=seq_idx, return_cache=True)
+            residual, layer_cache = layer(residual, seq_idx=seq_idx, return_cache=True,
+                                          cache_len=cache_len)
             cache.append(layer_cache)
         return self.logits(residual), tuple(cache)
 

@@ -6,7 +6,8 @@
     loss = make_loss_fn(graphdef, specs, mesh)    # loss(params, inputs, targets) -> scalar
 
 Legend: b batch, l sequence, d d_model, h nheads, p headdim, g ngroups, n d_state,
-v padded vocabulary; a trailing `_loc` (or "/tp") is one device's share.
+v padded vocabulary, f MLP width, e attention head dim; a trailing `_loc` (or "/tp") is one
+device's share.
 
 Layout (DESIGN.md, "Parallel layout"):
 - `dp`, `fsdp`: the batch rows. `fsdp` also shards every parameter (and so the optimizer
@@ -14,13 +15,19 @@ Layout (DESIGN.md, "Parallel layout"):
   where the layer runs and re-gathered in the backward pass (ZeRO-3).
 - `tp`: heads (z, x, dt projections, x conv, dt_bias, A_log, D, the gated norm, out_proj's
   input axis), groups (B, C) where ngroups % tp == 0 (else B and C are replicated and each
-  rank reads the groups of its heads), and the vocabulary (embedding, LM head).
+  rank reads the groups of its heads), and the vocabulary (embedding, LM head). Attention
+  layers: query heads (q_proj, o_proj's input axis), KV heads where attn_num_heads_kv % tp
+  == 0 (else replicated, and each rank reads its query heads' KV heads). MLP layers:
+  up/gate column-parallel, down row-parallel (f split).
 - `cp` (context parallel): the sequence, for the whole model. Device k of cp holds tokens
   [k*l/cp, (k+1)*l/cp) of every row; the only traffic is each mixer's conv halo (the
   previous part's last d_conv-1 inputs) and the scan's state exchange
-  (pallas_kernels/ssd/context_parallel.py): neither grows with the sequence.
-- sequence parallel: between blocks the residual stream is [b, l/(cp*tp), d]; each mixer
-  all-gathers the normed input on l over tp (to its cp part) and reduce-scatters its output.
+  (pallas_kernels/ssd/context_parallel.py): neither grows with the sequence. Attention
+  layers all-gather their keys and values over cp (each device's queries attend to every
+  earlier key): [b, l, k_loc, e] per layer, which does grow with the sequence.
+- sequence parallel: between layers the residual stream is [b, l/(cp*tp), d]; each mixer
+  (Mamba2, attention or MLP) all-gathers the normed input on l over tp (to its cp part) and
+  reduce-scatters its output.
 Every device runs the same per-device code below; the collectives are written out.
 """
 
@@ -36,6 +43,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mamba_jax.attention import attend, attention_mask, document_starts
 from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import gated_rms_norm
 from mamba_jax.model import param_name
@@ -45,14 +53,18 @@ REMAT = ("none", "block", "full")
 BATCH_AXES = ("dp", "fsdp")  # the batch rows are split over both
 TOKENS = P(BATCH_AXES, "cp")  # a [b, l] array of tokens: rows over dp, fsdp; sequence over cp
 
-# Parameter name (its last key) -> the axis tp splits: heads for the mixer, rows of the
-# vocabulary for the embedding and LM head. Block norms ("weight") stay replicated.
+# Parameter name (its last key) -> the axis tp splits: heads for the Mamba mixer and the
+# attention queries, the hidden width of the MLP, rows of the vocabulary for the embedding
+# and LM head. Layer norms ("weight") and output biases stay replicated.
 _HEAD_AXIS = {"z_proj": 1, "x_proj": 1, "dt_proj": 1, "x_conv": 1, "z_bias": 0, "x_bias": 0,
               "dt_proj_bias": 0, "x_conv_bias": 0, "dt_bias": 0, "A_log": 0, "D": 0,
-              "norm": 0, "out_proj": 0, "embedding": 0, "lm_head": 0}
+              "norm": 0, "out_proj": 0, "q_proj": 1, "q_bias": 0, "o_proj": 0,
+              "up_proj": 1, "gate_proj": 1, "down_proj": 0, "embedding": 0, "lm_head": 0}
 # B and C by group: split over tp only when ngroups % tp == 0.
 _GROUP_AXIS = {"B_proj": 1, "C_proj": 1, "B_conv": 1, "C_conv": 1, "B_bias": 0, "C_bias": 0,
                "B_conv_bias": 0, "C_conv_bias": 0}
+# Attention keys and values by KV head: split only when attn_num_heads_kv % tp == 0.
+_KV_AXIS = {"k_proj": 1, "v_proj": 1, "k_bias": 0, "v_bias": 0}
 _GATHERED = "fsdp_gathered"  # checkpoint name of gathered weights: recomputed, never saved
 
 
@@ -93,10 +105,19 @@ def check_layout(cfg: Mamba2Config, mesh, *, batch_size=None, seq_len=None,
                  sequence_parallel=True, loss_chunk=None):
     """Raise a ValueError naming the value and the fix if cfg or the batch cannot be split."""
     tp = mesh.shape["tp"]
-    if cfg.nheads % tp:
+    kinds = cfg.layers
+    if "M" in kinds and cfg.nheads % tp:
         works = [t for t in range(1, cfg.nheads + 1) if cfg.nheads % t == 0]
         raise ValueError(f"tp={tp} does not divide nheads={cfg.nheads} (d_model*expand/"
                          f"headdim); tensor parallelism splits whole heads: use tp in {works}")
+    if "*" in kinds and cfg.attn_num_heads % tp:
+        h = cfg.attn_num_heads
+        works = [t for t in range(1, h + 1) if h % t == 0]
+        raise ValueError(f"tp={tp} does not divide attn_num_heads={h}; tensor parallelism "
+                         f"splits whole attention heads: use tp in {works}")
+    if "-" in kinds and cfg.d_intermediate % tp:
+        raise ValueError(f"tp={tp} does not divide the MLP width d_intermediate="
+                         f"{cfg.d_intermediate}; use a multiple of {tp}")
     if cfg.padded_vocab_size % tp:
         raise ValueError(f"tp={tp} does not divide the padded vocabulary "
                          f"{cfg.padded_vocab_size}; set pad_vocab_size_multiple to a multiple "
@@ -129,7 +150,8 @@ def check_layout(cfg: Mamba2Config, mesh, *, batch_size=None, seq_len=None,
 def param_specs(params, cfg: Mamba2Config, mesh):
     """A PartitionSpec per parameter (a pytree shaped like params; leaves may be abstract)."""
     tp, fsdp = mesh.shape["tp"], mesh.shape["fsdp"]
-    tp_axes = dict(_HEAD_AXIS, **(_GROUP_AXIS if cfg.ngroups % tp == 0 else {}))
+    tp_axes = dict(_HEAD_AXIS, **(_GROUP_AXIS if cfg.ngroups % tp == 0 else {}),
+                   **(_KV_AXIS if cfg.attn_num_heads_kv % tp == 0 else {}))
 
     def spec(path, leaf):
         axes = [None] * leaf.ndim
@@ -166,10 +188,11 @@ def _gather_fsdp(tree, specs):
 
 # ---- per-device code (runs inside shard_map) ----
 
-def _groups_of_local_heads(B, cfg: Mamba2Config, h_loc: int):
+def _groups_of_local_heads(B, nheads: int, ngroups: int, h_loc: int):
     """B [b, l, g, n] (every group, replicated over tp) -> the groups this rank's heads read:
-    [b, l, 1, n] when they all read one group, else one group per head [b, l, h_loc, n]."""
-    heads_per_group = cfg.nheads // cfg.ngroups
+    [b, l, 1, n] when they all read one group, else one group per head [b, l, h_loc, n].
+    (Mamba's B and C by group, or attention's keys and values by KV head.)"""
+    heads_per_group = nheads // ngroups
     first_head = lax.axis_index("tp") * h_loc
     if heads_per_group % h_loc == 0:
         return lax.dynamic_slice_in_dim(B, first_head // heads_per_group, 1, axis=2)
@@ -227,26 +250,67 @@ def _mixer_local(mixer, u, cfg: Mamba2Config, seq_idx=None):
     z, x, B, C, dt = mixer.project(u)
     x, B, C = _conv_with_halo(mixer, x, B, C, seq_idx)
     if cfg.ngroups % lax.axis_size("tp"):
-        B, C = (_groups_of_local_heads(t, cfg, x.shape[2]) for t in (B, C))
+        B, C = (_groups_of_local_heads(t, cfg.nheads, cfg.ngroups, x.shape[2]) for t in (B, C))
     y, _ = mixer.scan(x, dt, B, C, seq_idx,
                       sequence_axis="cp" if lax.axis_size("cp") > 1 else None)
     return mixer.out_proj_partial(_gated_norm_local(y, z, mixer.norm[...], cfg))
 
 
+def _attention_local(attn, u, cfg: Mamba2Config, seq_idx=None):
+    """One rank's attention: u [b, l, d] (every token of this device's cp part) -> its share
+    of o_proj [b, l, d] f32. seq_idx [b, l] or None: packed documents.
+
+    Column-parallel q, k, v on local query heads (and local or all KV heads), attention with
+    no communication over tp, row-parallel o_proj (the caller sums the shares). Over cp each
+    device rotates its keys at their global positions, then all-gathers the keys and values
+    of the whole sequence: its queries attend to every earlier key (causal and within a
+    document, by global index)."""
+    q, k, v = attn.project(u)
+    if cfg.attn_num_heads_kv % lax.axis_size("tp"):
+        k, v = (_groups_of_local_heads(t, cfg.attn_num_heads, cfg.attn_num_heads_kv,
+                                       q.shape[2]) for t in (k, v))
+    cp, l = lax.axis_size("cp"), u.shape[1]
+    index = lax.axis_index("cp") * l + jnp.arange(l, dtype=jnp.int32)  # global positions
+    if cp > 1 and seq_idx is not None:
+        seq_idx = lax.all_gather(seq_idx, "cp", axis=1, tiled=True)
+    k_starts = document_starts(seq_idx, cp * l)  # [b, cp*l] (or [1, cp*l])
+    starts = lax.dynamic_slice_in_dim(k_starts, index[0], l, axis=1)
+    q, k = attn.rotate(q, k, index - starts)
+    mask = None
+    if cp > 1:
+        k, v = (lax.all_gather(t, "cp", axis=1, tiled=True) for t in (k, v))
+        mask = (attention_mask(index, jnp.arange(cp * l), starts, k_starts)
+                if seq_idx is not None else attention_mask(index, jnp.arange(cp * l)))
+    elif seq_idx is not None:
+        mask = attention_mask(index, index, starts, starts)
+    return attn.out_proj_partial(attend(q, k, v, attn.scale, mask))
+
+
+def _mlp_local(mlp, u, cfg: Mamba2Config, seq_idx=None):
+    """One rank's MLP: u [b, l, d] -> its share of down_proj [b, l, d] f32 (column-parallel
+    up and gate on f/tp columns, row-parallel down; the caller sums the shares)."""
+    return mlp.out_proj_partial(mlp.hidden(u))
+
+
+_LOCAL = {"mamba": _mixer_local, "attention": _attention_local, "mlp": _mlp_local}
+
+
 def _block_local(block, residual, cfg: Mamba2Config, sp: bool, seq_idx=None):
-    """residual [b, l/(cp*tp), d] under sequence parallel (else [b, l/cp, d]) -> the same
-    shape."""
-    hidden = block.norm(residual).astype(block.mixer.dtype)
+    """One layer (Mamba2, attention or MLP): residual [b, l/(cp*tp), d] under sequence
+    parallel (else [b, l/cp, d]) -> the same shape."""
+    dtype = block.mixer.dtype
+    hidden = block.norm(residual).astype(dtype)
     if sp:
         hidden = lax.all_gather(hidden, "tp", axis=1, tiled=True)
     # The shares are summed in the compute dtype, as mamba_ssm's RowParallelLinear does.
-    out = _mixer_local(block.mixer, hidden, cfg, seq_idx).astype(block.mixer.dtype)
+    out = _LOCAL[block.kind](block.mixer, hidden, cfg, seq_idx).astype(dtype)
     if sp:
         out = lax.psum_scatter(out, "tp", scatter_dimension=1, tiled=True)
     else:
         out = lax.psum(out, "tp")
-    if cfg.bias:
-        out = (out + block.mixer.out_bias[...]).astype(block.mixer.dtype)
+    bias = getattr(block.mixer, "out_bias", None)  # replicated: added once, after the sum
+    if bias is not None:
+        out = (out + bias[...]).astype(dtype)
     return residual + out.astype(residual.dtype)
 
 
@@ -299,21 +363,30 @@ def _local_hidden(state, input_ids, seq_idx, graphdef, specs, sp: bool, remat: s
     gathered = lambda name: _gather_fsdp(state[name], specs[name])
     residual = vocab_parallel_embed(gathered("embedding")[...], input_ids, sp)
     residual = residual.astype(model.residual_dtype)
-    block_graphdef = nnx.graphdef(model.layers[0])  # every layer has the same structure
     policy = _remat_policy(remat, fsdp=lax.axis_size("fsdp") > 1)
+    # One scan per run of consecutive layers of one kind, not a copy of the block per layer:
+    # compile time and program size stay those of one layer per run (48 unrolled 1.3b
+    # layers took minutes to compile). An all-Mamba model is one run, one scan; a hybrid
+    # pattern such as Megatron's "M-M-M*-..." alternates kinds, so most of its runs are a
+    # single layer, called directly (its program grows with the number of runs). The layers'
+    # weights are stacked here, a copy of this device's shards.
+    kinds = [layer.kind for layer in model.layers]
+    runs = [i for i in range(len(kinds)) if i == 0 or kinds[i] != kinds[i - 1]]
+    for first, end in zip(runs, runs[1:] + [len(kinds)]):
+        block_graphdef = nnx.graphdef(model.layers[first])  # the same in the whole run
 
-    def block(residual, layer_state):
-        layer = nnx.merge(block_graphdef, _gather_fsdp(layer_state, specs["layers"][0]))
-        return _block_local(layer, residual, cfg, sp, seq_idx), None
-    if policy is not None:
-        # Under FSDP this keeps a device from holding more than one layer's full weights.
-        block = jax.checkpoint(block, policy=policy)
-    # One scan over the layers, not n_layer copies of the block: compile time and program
-    # size stay those of one layer (48 unrolled 1.3b layers took minutes to compile). The
-    # layers' weights are stacked here, a copy of this device's shards.
-    stacked = jax.tree.map(lambda *ws: jnp.stack(ws),
-                           *(state["layers"][i] for i in range(cfg.n_layer)))
-    residual, _ = lax.scan(block, residual, stacked)
+        def block(residual, layer_state, block_graphdef=block_graphdef, first=first):
+            layer = nnx.merge(block_graphdef, _gather_fsdp(layer_state, specs["layers"][first]))
+            return _block_local(layer, residual, cfg, sp, seq_idx), None
+        if policy is not None:
+            # Under FSDP this keeps a device from holding more than one layer's full weights.
+            block = jax.checkpoint(block, policy=policy)
+        if end - first == 1:
+            residual, _ = block(residual, state["layers"][first])
+        else:
+            stacked = jax.tree.map(lambda *ws: jnp.stack(ws),
+                                   *(state["layers"][i] for i in range(first, end)))
+            residual, _ = lax.scan(block, residual, stacked)
     norm_f = nnx.merge(nnx.graphdef(model.norm_f), gathered("norm_f"))
     hidden = norm_f(residual).astype(model.dtype)
     if sp:

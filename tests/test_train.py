@@ -92,7 +92,8 @@ def test_every_recipe_in_train_dir_parses_to_its_preset():
     from mamba_jax.train import parse_args
     recipes = sorted((Path(__file__).parents[1] / "train").glob("*.toml"))
     assert {r.stem for r in recipes} == {"tiny", "mamba2-130m", "mamba2-370m", "mamba2-780m",
-                                         "mamba2-1.3b", "mamba2-2.7b"}
+                                         "mamba2-1.3b", "mamba2-2.7b", "megatron-hybrid-800m",
+                                         "megatron-hybrid-8b"}
     for recipe in recipes:
         args, cfg = parse_args(["--config", str(recipe)])
         assert args.preset == recipe.stem and cfg == Mamba2Config.preset(recipe.stem)

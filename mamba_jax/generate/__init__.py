@@ -6,8 +6,9 @@
 
 Legend: b batch, l prompt length (after left padding), t max_new_tokens, v vocabulary.
 
-Two programs per call. `_prefill` runs the prompt through the chunked SSD scan and samples
-the first token. `_decode` is the whole rest (every layer, sampling, per-row stopping) as one
+Two programs per call. `_prefill` runs the prompt through the chunked SSD scan (and, in a
+hybrid model, attention, whose KV cache it sizes for the prompt and every new token) and
+samples the first token. `_decode` is the whole rest (every layer, sampling, per-row stopping) as one
 `lax.while_loop`: no Python loop, no host round trip and no recompilation per token. Its
 cache argument is donated, so XLA updates the conv windows and SSM states in place. Before
 the loop it casts the matmul weights to the compute dtype once: every token then reads them
@@ -32,10 +33,12 @@ from jax.experimental import io_callback
 
 from mamba_jax.model import param_name
 
-# Parameters the model casts to its compute dtype at every use (Mamba2Mixer.project and
-# out_proj_partial, Mamba2LM.logits): casting them once before the loop changes no value.
+# Parameters the model casts to its compute dtype at every use (the projections of
+# Mamba2Mixer, Attention and MLP, Mamba2LM.logits): casting them once before the loop changes
+# no value.
 _MATMUL_WEIGHTS = frozenset({"z_proj", "x_proj", "B_proj", "C_proj", "dt_proj", "out_proj",
-                             "lm_head"})
+                             "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
+                             "down_proj", "lm_head"})
 
 
 class Sampling(NamedTuple):
@@ -88,16 +91,20 @@ def _sample(logits, key, settings, sampling: Sampling):
                          top_p if sampling.top_p else None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
-def _prefill(graphdef, state, input_ids, prompt_lengths, key, settings, *, sampling):
-    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], cache)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len"))
+def _prefill(graphdef, state, input_ids, prompt_lengths, key, settings, *, sampling,
+             cache_len=None):
+    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], cache).
+
+    cache_len: the attention layers' KV slots (None for a model without attention, so its
+    prefill compiles once for any max_new_tokens)."""
     model = nnx.merge(graphdef, state)
     seq_idx = None
     if prompt_lengths is not None:
         # Left padding is its own document: the conv and the scan restart at the prompt.
         l = input_ids.shape[1]
         seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
-    logits, cache = model.prefill(input_ids, seq_idx=seq_idx)
+    logits, cache = model.prefill(input_ids, seq_idx=seq_idx, cache_len=cache_len)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
     first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling)
     return first, cache
@@ -246,8 +253,9 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
         max_new_tokens_per_row)
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
+    cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None
     first, cache = _prefill(graphdef, state, input_ids, prompt_lengths, key, settings,
-                            sampling=sampling)
+                            sampling=sampling, cache_len=cache_len)
     stream_id = -1
     if on_token is not None:
         stream_id = next(_STREAM_IDS)

@@ -1,0 +1,277 @@
+"""config.json of each checkpoint layout <-> Mamba2Config.
+
+Layouts: Hugging Face `Mamba2ForCausalLM` ("hf"), mamba_ssm `MambaLMHeadModel`
+("mamba_ssm", Mamba2 with optional attention blocks and MLPs), Hugging Face
+`NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers). Every field a layout has
+and we cannot represent is refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from mamba_jax.config import Mamba2Config
+
+# mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this (multiple_of=128).
+GATED_MLP_MULTIPLE = 128
+# NemotronH's layer type names (and older spellings) -> our symbols.
+_NEMOTRON_TYPES = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
+                   "attention": "*", "mlp": "-"}
+_NEMOTRON_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+
+
+def _decode_float(value):
+    """HF writes inf as bare `Infinity` (json reads it) or as {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def _require(condition, path, message):
+    if not condition:
+        raise ValueError(f"{path}: {message}")
+
+
+def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
+    """A transformers Mamba2Config dict -> Mamba2Config. HF does not pad the vocabulary."""
+    d_model, expand, headdim = d["hidden_size"], d.get("expand", 2), d.get("head_dim", 64)
+    nheads = d.get("num_heads", d_model * expand // headdim)
+    _require(nheads * headdim == d_model * expand, path,
+             f"num_heads={nheads} * head_dim={headdim} != hidden_size*expand = "
+             f"{d_model * expand}; only d_ssm = d_inner checkpoints are supported")
+    _require(not d.get("norm_before_gate", False), path,
+             "norm_before_gate=True is not supported (Mamba2 checkpoints use False)")
+    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
+    limit = d.get("time_step_limit", (0.0, math.inf))
+    return Mamba2Config(
+        d_model=d_model, n_layer=d["num_hidden_layers"], vocab_size=d["vocab_size"],
+        pad_vocab_size_multiple=1, d_state=d.get("state_size", 128),
+        d_conv=d.get("conv_kernel", 4), expand=expand, headdim=headdim,
+        ngroups=d.get("n_groups", 1), chunk_size=d.get("chunk_size", 256),
+        dt_min=d.get("time_step_min", 0.001), dt_max=d.get("time_step_max", 0.1),
+        dt_init_floor=d.get("time_step_floor", 1e-4),
+        dt_limit=tuple(_decode_float(v) for v in limit),
+        conv_bias=d.get("use_conv_bias", True), bias=d.get("use_bias", False),
+        norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        residual_in_fp32=d.get("residual_in_fp32", True),
+        tie_embeddings=d.get("tie_word_embeddings", True))
+
+
+def _attn_from_mamba_ssm(d: dict, path) -> dict:
+    """mamba_ssm's attn_cfg (MHA keyword arguments) -> our attn_* fields."""
+    attn = dict(d.get("attn_cfg", {}))
+    _require("num_heads" in attn, path, "attn_cfg.num_heads is required with attn_layer_idx")
+    heads = attn.pop("num_heads")
+    out = dict(attn_num_heads=heads, attn_num_heads_kv=attn.pop("num_heads_kv", None) or heads,
+               attn_head_dim=attn.pop("head_dim", None) or d["d_model"] // heads,
+               attn_rotary_emb_dim=attn.pop("rotary_emb_dim", 0),
+               attn_rotary_emb_base=float(attn.pop("rotary_emb_base", 10000.0)),
+               attn_rotary_interleaved=attn.pop("rotary_emb_interleaved", False),
+               # MHA's defaults: both projections have biases.
+               attn_qkv_bias=attn.pop("qkv_proj_bias", True),
+               attn_out_bias=attn.pop("out_proj_bias", True))
+    _require(attn.pop("causal", False), path, "attn_cfg.causal must be true (a language "
+             "model's attention is causal; MHA's default is false)")
+    for key in ("softmax_scale", "d_conv", "mlp_dim"):
+        _require(not attn.pop(key, None), path, f"attn_cfg.{key} is not supported (leave it "
+                 "unset)")
+    _require(not attn, path, f"attn_cfg has fields we do not support: {sorted(attn)}")
+    return out
+
+
+def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
+    """A mamba_ssm MambaConfig dict (ssm_cfg, attn_cfg nested) -> Mamba2Config in mamba_ssm's
+    form (attn_layer_idx, d_intermediate rounded up as GatedMLP does)."""
+    ssm = dict(d.get("ssm_cfg", {}))
+    _require(ssm.pop("layer", "Mamba1") == "Mamba2", path,
+             "ssm_cfg.layer must be 'Mamba2' (Mamba1 checkpoints are not supported)")
+    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
+    hybrid = {}
+    if d.get("attn_layer_idx"):
+        hybrid.update(attn_layer_idx=tuple(d["attn_layer_idx"]), **_attn_from_mamba_ssm(d, path))
+    if d.get("d_intermediate", 0):
+        m = GATED_MLP_MULTIPLE
+        hybrid["d_intermediate"] = -(-d["d_intermediate"] // m) * m
+    for flag, ok in (("D_has_hdim", False), ("norm_before_gate", False), ("rmsnorm", True)):
+        _require(ssm.pop(flag, ok) == ok, path, f"ssm_cfg.{flag} must be {ok}")
+    _require(ssm.pop("d_ssm", None) is None, path, "ssm_cfg.d_ssm is not supported")
+    if "dt_limit" in ssm:
+        ssm["dt_limit"] = tuple(_decode_float(v) for v in ssm["dt_limit"])
+    return Mamba2Config(
+        d_model=d["d_model"], n_layer=d["n_layer"], vocab_size=d["vocab_size"],
+        pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
+        residual_in_fp32=d.get("residual_in_fp32", True),
+        tie_embeddings=d.get("tie_embeddings", True), **ssm, **hybrid)
+
+
+def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
+    """A transformers NemotronHConfig dict -> Mamba2Config with a layer_pattern. HF's
+    NemotronH clamps dt below at time_step_min (ignoring time_step_limit), has no rotary
+    embeddings and no attention biases, and its MLP is up -> relu^2 -> down."""
+    get = lambda key, legacy, default: d.get(key, d.get(legacy, default))
+    if d.get("layers_block_type"):
+        types = d["layers_block_type"]
+        unknown = sorted({t for t in types if t not in _NEMOTRON_TYPES})
+        _require(not unknown, path, f"layers_block_type has {unknown}; supported: "
+                 f"{sorted(_NEMOTRON_TYPES)} (MoE layers are not)")
+        pattern = "".join(_NEMOTRON_TYPES[t] for t in types)
+    else:
+        pattern = d["hybrid_override_pattern"]
+    _require("E" not in pattern, path, f"layer pattern {pattern!r} has MoE layers (E), which "
+             "are not supported")
+    d_model, expand = d["hidden_size"], get("expand", "mamba_expand", 2)
+    heads, headdim = d.get("mamba_num_heads", 128), d.get("mamba_head_dim", 64)
+    _require(heads * headdim == d_model * expand, path,
+             f"mamba_num_heads={heads} * mamba_head_dim={headdim} != hidden_size*expand = "
+             f"{d_model * expand}; only d_ssm = d_inner checkpoints are supported")
+    _require(d.get("mamba_hidden_act", "silu") == "silu", path, "mamba_hidden_act must be silu")
+    _require(d.get("mlp_hidden_act", "relu2") == "relu2", path, "mlp_hidden_act must be relu2")
+    _require(not d.get("mlp_bias", False), path, "mlp_bias=true is not supported")
+    _require(not d.get("num_nextn_predict_layers", 0), path,
+             "multi-token prediction layers (num_nextn_predict_layers) are not supported")
+    dt_min = get("time_step_min", "mamba_dt_min", 0.001)
+    attn_heads = d.get("num_attention_heads", 32)
+    return Mamba2Config(
+        d_model=d_model, n_layer=len(pattern), layer_pattern=pattern,
+        vocab_size=d["vocab_size"], pad_vocab_size_multiple=1,
+        d_state=d.get("ssm_state_size", 128), d_conv=get("conv_kernel", "mamba_d_conv", 4),
+        expand=expand, headdim=headdim, ngroups=get("n_groups", "mamba_n_groups", 8),
+        chunk_size=get("chunk_size", "mamba_chunk_size", 128), dt_min=dt_min,
+        dt_max=get("time_step_max", "mamba_dt_max", 0.1),
+        dt_init_floor=get("time_step_floor", "mamba_dt_init_floor", 1e-4),
+        dt_limit=(dt_min, math.inf), conv_bias=get("use_conv_bias", "mamba_conv_bias", True),
+        bias=d.get("use_bias", False), norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        residual_in_fp32=d.get("residual_in_fp32", False),
+        tie_embeddings=d.get("tie_word_embeddings", False),
+        d_intermediate=d.get("intermediate_size", 0) if "-" in pattern else 0,
+        mlp_activation="relu2", attn_num_heads=attn_heads,
+        attn_num_heads_kv=d.get("num_key_value_heads") or attn_heads,
+        attn_head_dim=d.get("head_dim") or d_model // attn_heads)
+
+
+def detect_format(d: dict) -> str:
+    if "ssm_cfg" in d or "d_model" in d:
+        return "mamba_ssm"
+    if d.get("model_type") == "nemotron_h":
+        return "nemotron_h"
+    if d.get("model_type") == "mamba2" or "hidden_size" in d:
+        return "hf"
+    raise ValueError("config.json is neither a Hugging Face Mamba2 or NemotronH config "
+                     "(model_type 'mamba2', 'nemotron_h') nor a mamba_ssm config (d_model, "
+                     "ssm_cfg)")
+
+
+def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
+    parse = {"hf": config_from_hf, "mamba_ssm": config_from_mamba_ssm,
+             "nemotron_h": config_from_nemotron_h}[fmt]
+    return parse(d, path)
+
+
+def hf_config_dict(cfg: Mamba2Config) -> dict:
+    if cfg.layers != "M" * len(cfg.layers):
+        raise ValueError(f"save_pretrained(format='hf'): layers {cfg.layers!r} are a hybrid; "
+                         "Mamba2ForCausalLM is Mamba-only: use format='nemotron_h'")
+    v = cfg.padded_vocab_size
+    return {
+        "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "vocab_size": v,
+        "state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "expand": cfg.expand,
+        "head_dim": cfg.headdim, "num_heads": cfg.nheads, "n_groups": cfg.ngroups,
+        "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min,
+        "time_step_max": cfg.dt_max, "time_step_floor": cfg.dt_init_floor,
+        "time_step_limit": [cfg.dt_limit[0], _encode_float(cfg.dt_limit[1])],
+        "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias,
+        "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "rescale_prenorm_residual": False, "dtype": "float32",
+    }
+
+
+def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
+    """cfg's layers as mamba_ssm Blocks: (each block's mixer symbol, M or *; whether every
+    block has an MLP). A pattern of other shape is a ValueError saying what fits."""
+    layers = cfg.layers
+    if re.fullmatch(r"[M*]*", layers):
+        return layers, False
+    if re.fullmatch(r"([M*]-)+", layers):
+        return layers[0::2], True
+    raise ValueError(f"format='mamba_ssm': layers {layers!r} are not mamba_ssm Blocks (each a "
+                     "Mamba2 or attention mixer, every one followed by one MLP or none); use "
+                     "format='nemotron_h'")
+
+
+def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
+    ssm = {"layer": "Mamba2", "d_state": cfg.d_state, "d_conv": cfg.d_conv,
+           "expand": cfg.expand, "headdim": cfg.headdim, "ngroups": cfg.ngroups,
+           "chunk_size": cfg.chunk_size, "dt_min": cfg.dt_min, "dt_max": cfg.dt_max,
+           "dt_init_floor": cfg.dt_init_floor,
+           "dt_limit": [cfg.dt_limit[0], _encode_float(cfg.dt_limit[1])],
+           "A_init_range": list(cfg.A_init_range), "conv_bias": cfg.conv_bias,
+           "bias": cfg.bias}
+    mixers, mlp = mamba_ssm_blocks(cfg)
+    if mlp and (cfg.mlp_activation != "swiglu" or cfg.d_intermediate % GATED_MLP_MULTIPLE):
+        raise ValueError(f"format='mamba_ssm': GatedMLP is SwiGLU with a width that is a "
+                         f"multiple of {GATED_MLP_MULTIPLE}; this model has mlp_activation="
+                         f"{cfg.mlp_activation!r}, d_intermediate={cfg.d_intermediate}")
+    attn_layer_idx = [i for i, symbol in enumerate(mixers) if symbol == "*"]
+    attn = {} if not attn_layer_idx else {
+        "num_heads": cfg.attn_num_heads, "num_heads_kv": cfg.attn_num_heads_kv,
+        "head_dim": cfg.attn_head_dim, "rotary_emb_dim": cfg.attn_rotary_emb_dim,
+        "rotary_emb_base": cfg.attn_rotary_emb_base,
+        "rotary_emb_interleaved": cfg.attn_rotary_interleaved,
+        "qkv_proj_bias": cfg.attn_qkv_bias, "out_proj_bias": cfg.attn_out_bias,
+        "causal": True}
+    return {"d_model": cfg.d_model, "d_intermediate": cfg.d_intermediate if mlp else 0,
+            "n_layer": len(mixers), "vocab_size": cfg.vocab_size, "ssm_cfg": ssm,
+            "attn_layer_idx": attn_layer_idx, "attn_cfg": attn, "rms_norm": True,
+            "residual_in_fp32": cfg.residual_in_fp32,
+            "fused_add_norm": True, "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple,
+            "tie_embeddings": cfg.tie_embeddings}
+
+
+def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
+    layers = cfg.layers
+    problems = [text for bad, text in (
+        ("-" in layers and cfg.mlp_activation != "relu2",
+         f"mlp_activation={cfg.mlp_activation!r} (NemotronH's MLP is relu2)"),
+        ("*" in layers and cfg.attn_rotary_emb_dim > 0,
+         f"attn_rotary_emb_dim={cfg.attn_rotary_emb_dim} (NemotronH has no rotary)"),
+        ("*" in layers and (cfg.attn_qkv_bias or cfg.attn_out_bias),
+         "attention biases (NemotronH has none)"),
+        (cfg.dt_limit != (cfg.dt_min, math.inf),
+         f"dt_limit={cfg.dt_limit} (NemotronH clamps dt at time_step_min: set dt_limit="
+         f"({cfg.dt_min}, inf))")) if bad]
+    if problems:
+        raise ValueError("format='nemotron_h' cannot express " + "; ".join(problems)
+                         + "; use format='mamba_ssm' where it fits")
+    return {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "hidden_size": cfg.d_model, "vocab_size": cfg.padded_vocab_size,
+        "layers_block_type": [_NEMOTRON_NAMES[s] for s in layers],
+        "hybrid_override_pattern": layers, "num_hidden_layers": len(layers),
+        "ssm_state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "expand": cfg.expand,
+        "mamba_num_heads": cfg.nheads, "mamba_head_dim": cfg.headdim, "n_groups": cfg.ngroups,
+        "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min, "time_step_max": cfg.dt_max,
+        "time_step_floor": cfg.dt_init_floor,
+        "time_step_limit": [cfg.dt_limit[0], _encode_float(cfg.dt_limit[1])],
+        "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias, "mamba_proj_bias": cfg.bias,
+        "mamba_hidden_act": "silu", "num_attention_heads": cfg.attn_num_heads,
+        "num_key_value_heads": cfg.attn_num_heads_kv, "head_dim": cfg.attn_head_dim,
+        "attention_bias": False, "intermediate_size": cfg.d_intermediate,
+        "mlp_hidden_act": "relu2", "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
+        "residual_in_fp32": cfg.residual_in_fp32,
+        "tie_word_embeddings": cfg.tie_embeddings, "rescale_prenorm_residual": False,
+        "num_nextn_predict_layers": 0, "dtype": "float32",
+    }
+
+
+def config_dict(cfg: Mamba2Config, fmt: str) -> dict:
+    write = {"hf": hf_config_dict, "mamba_ssm": mamba_ssm_config_dict,
+             "nemotron_h": nemotron_h_config_dict}[fmt]
+    return write(cfg)
+
+
+def _encode_float(value):
+    # json.dumps would write bare `Infinity`, which strict JSON readers reject.
+    return {"__float__": "Infinity"} if math.isinf(value) else value

@@ -1,0 +1,191 @@
+"""Hybrid models: the layer pattern, the attention layer (rotary, cache), generation, and
+checkpoints of the PyTorch implementations (tests/fixtures, made by
+tests/fixtures/make_hybrid_fixtures.py: transformers' NemotronHForCausalLM and mamba_ssm's
+MambaLMHeadModel with attention and MLP blocks)."""
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+import mamba_jax
+from mamba_jax import Mamba2Config, Mamba2LM
+from mamba_jax.attention import rotary
+from mamba_jax.convert import flat_params, load_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def hybrid_config(**changes):
+    base = dict(layer_pattern="M*-M-*", d_model=32, vocab_size=100, d_state=8, headdim=16,
+                chunk_size=8, d_intermediate=48, attn_num_heads=4, attn_num_heads_kv=2,
+                attn_head_dim=8, attn_rotary_emb_dim=4)
+    merged = {**base, **changes}
+    return Mamba2Config(n_layer=len(merged["layer_pattern"]), **merged)
+
+
+# ------------------------------------------------------------------ the layer pattern
+
+
+def test_layer_pattern_gives_one_layer_per_symbol_named_as_megatron():
+    model = Mamba2LM(hybrid_config(layer_pattern="M*-M-"), rngs=nnx.Rngs(0))
+    assert [layer.kind for layer in model.layers] == ["mamba", "attention", "mlp", "mamba",
+                                                      "mlp"]
+    names = set(flat_params(model))
+    assert {"layers.0.mixer.A_log", "layers.1.mixer.q_proj", "layers.2.mixer.gate_proj",
+            "layers.4.norm.weight"} <= names
+    assert Mamba2Config(n_layer=3).layers == "MMM"  # the default: all Mamba
+
+
+def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
+    cfg = Mamba2Config(n_layer=3, attn_layer_idx=[1], d_intermediate=64)
+    assert cfg.layers == "M-*-M-"
+    assert Mamba2Config(n_layer=3, attn_layer_idx=(0, 2)).layers == "*M*"
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(layer_pattern="M-E*"), r"unknown symbol 'E' at position 2\n    M-E\*\n      \^"),
+    (dict(layer_pattern="M*", n_layer=3), r"'M\*' has 2 layers but n_layer=3; set n_layer=2"),
+    (dict(layer_pattern="M-", n_layer=2, d_intermediate=0), r"MLP layers .* d_intermediate=0"),
+    (dict(layer_pattern="M*", n_layer=2, attn_layer_idx=[1]), "not both"),
+    (dict(layer_pattern="*", n_layer=1, attn_num_heads_kv=3), r"attn_num_heads_kv=3 does not "
+                                                              r"divide attn_num_heads=4"),
+    (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=5), "attn_rotary_emb_dim=5"),
+    (dict(layer_pattern="-", n_layer=1, mlp_activation="gelu"), "mlp_activation='gelu'"),
+])
+def test_bad_layer_settings_name_the_value_and_the_fix(changes, match):
+    with pytest.raises(ValueError, match=match):
+        Mamba2Config(**{**dict(d_model=32, headdim=16, d_intermediate=48, attn_num_heads=4,
+                               attn_num_heads_kv=2, attn_head_dim=8), **changes})
+
+
+# ------------------------------------------------------------------ attention
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_matches_a_float64_numpy_reference(interleaved):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 7, 3, 8)).astype(np.float32)
+    positions = rng.integers(0, 50, (2, 7))
+    dim, base = 6, 500.0
+    got = np.asarray(rotary(jnp.asarray(x), jnp.asarray(positions), dim, base, interleaved))
+    want = x.astype(np.float64).copy()
+    for i in range(dim // 2):  # pair i rotates by position * base**(-2i/dim)
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + dim // 2)
+        angle = positions[..., None] * base ** (-2.0 * i / dim)
+        xa, xb = x[..., a].astype(np.float64), x[..., b].astype(np.float64)
+        want[..., a] = xa * np.cos(angle) - xb * np.sin(angle)
+        want[..., b] = xb * np.cos(angle) + xa * np.sin(angle)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(got[..., dim:], x[..., dim:])  # the rest is untouched
+
+
+def test_packed_documents_attend_and_rotate_as_if_alone():
+    cfg = hybrid_config(layer_pattern="*-*")
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(1))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 100, (1, 12)))
+    seq_idx = jnp.asarray([[0] * 5 + [1] * 7])
+    packed = model(ids, seq_idx)
+    np.testing.assert_allclose(packed[:, :5], model(ids[:, :5]), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 5:], model(ids[:, 5:]), atol=1e-5)
+
+
+# ------------------------------------------------------------------ generation
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Mamba2LM(hybrid_config(attn_qkv_bias=True, attn_out_bias=True), rngs=nnx.Rngs(2))
+
+
+def test_step_by_step_logits_equal_the_full_forward(model):
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 100, (2, 14)))
+    full = model(ids)
+    logits, cache = model.prefill(ids[:, :5], cache_len=14)
+    steps = [logits[:, -1]]
+    step = nnx.jit(lambda model, token, cache: model.step(token, cache))  # one compile
+    for t in range(5, 13):
+        logits, cache = step(model, ids[:, t], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.stack(steps, 1), full[:, 4:13], rtol=0, atol=1e-5)
+    assert int(cache[1].length) == 13  # the attention layer's KV cache holds every token
+
+
+def test_hybrid_greedy_generation_equals_repeated_argmax_and_left_padding(model):
+    prompt = jnp.asarray(np.random.default_rng(4).integers(0, 100, (2, 6)))
+    out = mamba_jax.generate(model, prompt, max_new_tokens=7)
+    np.testing.assert_array_equal(jnp.argmax(model(out[:, :-1])[:, 5:, :100], axis=-1),
+                                  out[:, 6:])
+    # A left-padded row generates exactly what it generates alone.
+    padded = jnp.concatenate([jnp.full((1, 3), 7, jnp.int32), prompt[1:, 2:]], axis=1)
+    row = mamba_jax.generate(model, padded, max_new_tokens=7, prompt_lengths=[4])
+    alone = mamba_jax.generate(model, prompt[1:, 2:], max_new_tokens=7)
+    np.testing.assert_array_equal(row[:, 7:], alone[:, 4:])
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("case,layers", [("nemotron_h_hybrid", "M-*-M*"),
+                                         ("mamba_ssm_hybrid", "M-*-M-")])
+def test_hybrid_logits_match_pytorch_within_1e4_relative(case, layers):
+    model = mamba_jax.from_pretrained(FIXTURES / case)
+    assert model.config.layers == layers
+    ids = np.load(FIXTURES / case / "input_ids.npy")  # [2, 37]
+    expected = np.load(FIXTURES / case / "logits.npy")
+    logits = np.asarray(model(jnp.asarray(ids)))[..., :expected.shape[-1]]
+    assert np.linalg.norm(logits - expected) / np.linalg.norm(expected) < 1e-4
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-4
+
+
+def test_nemotron_h_greedy_generation_gives_the_transformers_tokens():
+    model = mamba_jax.from_pretrained(FIXTURES / "nemotron_h_hybrid")
+    expected = np.load(FIXTURES / "nemotron_h_hybrid" / "greedy.npy")  # 10 prompt + 12 new
+    out = mamba_jax.generate(model, jnp.asarray(expected[:, :10]), max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("case,fmt", [("nemotron_h_hybrid", "nemotron_h"),
+                                      ("nemotron_h_hybrid", "hf"),
+                                      ("mamba_ssm_hybrid", "mamba_ssm")])
+def test_hybrid_checkpoints_round_trip_their_tensors_and_config(tmp_path, case, fmt):
+    model = mamba_jax.from_pretrained(FIXTURES / case)
+    mamba_jax.save_pretrained(model, tmp_path, format=fmt)
+    cfg, detected = load_config(tmp_path)
+    assert detected == ("nemotron_h" if fmt == "hf" else fmt)
+    assert cfg == model.config
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(
+        FIXTURES / case / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+def test_megatron_pattern_round_trips_through_mamba_ssm_blocks(tmp_path):
+    cfg = hybrid_config(layer_pattern="M-*-", d_intermediate=128,
+                        attn_qkv_bias=True)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(5))
+    mamba_jax.save_pretrained(model, tmp_path, format="mamba_ssm")
+    loaded = mamba_jax.from_pretrained(tmp_path)
+    assert loaded.config.layers == "M-*-" and loaded.config.attn_layer_idx == (1,)
+    a, b = flat_params(model), flat_params(loaded)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("fmt,changes,match", [
+    ("mamba_ssm", dict(layer_pattern="M--*"), "not mamba_ssm Blocks"),
+    ("mamba_ssm", dict(layer_pattern="M-"), r"multiple of 128;.* d_intermediate=48"),
+    ("nemotron_h", dict(layer_pattern="M*"), r"attn_rotary_emb_dim=4"),
+    ("hf", dict(layer_pattern="M-"), r"mlp_activation='swiglu' .* dt_limit="),
+])
+def test_a_layout_that_cannot_express_the_model_says_what_does_not_fit(tmp_path, fmt, changes,
+                                                                        match):
+    model = nnx.eval_shape(lambda: Mamba2LM(hybrid_config(**changes), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=match):
+        mamba_jax.save_pretrained(model, tmp_path, format=fmt)
+    assert not (tmp_path / "config.json").exists()
