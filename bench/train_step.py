@@ -27,7 +27,9 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
   causal_conv1d extension it runs its use_mem_eff_path=False path (printed).
 
 Each mesh or framework runs in its own process, pinned to its GPUs, so that its peak memory
-is its own. MFU: mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones
+is its own; ours with `--xla_gpu_enable_triton_gemm=false` added to XLA_FLAGS unless they set
+it (see in_process). Progress (compile, build and step times) goes to stderr. Budget about
+90 s per process for start-up and building the parameters beside the compiles. MFU: mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones
 included, forward x3; recomputation not counted) over the dense bf16 peak of the devices used
 (989 TFLOP/s per H200, NVIDIA's datasheet).
 """
@@ -89,6 +91,7 @@ class Steps:
             opt_state_shardings(self.tx, params, self.param_shardings, self.replicated))
         self.abstract_state = (params, opt_state)
         self.compiled = {}
+        self.state = None  # (params, opt_state) on the devices, once measure() built them
 
     def compile(self, batch, seq_len):
         """(compiled step, seconds to compile, device bytes XLA plans for it: arguments +
@@ -130,9 +133,17 @@ class Steps:
         from mamba_jax.optim import init_opt_state
 
         exe, compile_s, planned = self.compile(batch, seq_len)
-        params = jax.jit(lambda: nnx.split(self.build())[1],
-                         out_shardings=self.param_shardings)()
-        opt_state = init_opt_state(self.tx, params, self.param_shardings, self.replicated)
+        if self.state is None:  # built once per process; each step donates and returns it
+            start = time.perf_counter()
+            params = jax.jit(lambda: nnx.split(self.build())[1],
+                             out_shardings=self.param_shardings)()
+            self.state = (params, init_opt_state(self.tx, params, self.param_shardings,
+                                                 self.replicated))
+            jax.block_until_ready(self.state)
+            log(f"  {self.mesh_spec}: parameters and optimizer state built in "
+                f"{time.perf_counter() - start:.1f} s")
+        params, opt_state = self.state
+        self.state = None
         ids = np.random.default_rng(0).integers(0, self.cfg.vocab_size,
                                                 (1, batch, seq_len + 1), dtype=np.int32)
         tokens = (parallel.global_array(ids[..., :-1], self.rows),
@@ -150,7 +161,7 @@ class Steps:
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
         peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devices)
         loss = float(loss)
-        del params, opt_state, tokens
+        self.state = (params, opt_state)
         return {"mesh": self.mesh_spec, "batch": batch, "seq_len": seq_len,
                 "compile_s": compile_s, "step_s": step_s, "tokens_s": batch * seq_len / step_s,
                 "mfu": flops / step_s / (PEAK_BF16_FLOPS * len(devices)),
@@ -207,7 +218,13 @@ def child(args):
 
 def in_process(gpus: str, argv: list[str], timeout: float, module=None) -> list[dict]:
     """Run this script's child (or `python -m module`) pinned to gpus; its RESULT lines."""
+    # XLA's Triton GEMM autotuning made the 1.3b step's compile exceed 150 s on an H200;
+    # without it the compile took 32 s (BENCHMARKS.md).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_triton_gemm" not in flags:
+        flags += " --xla_gpu_enable_triton_gemm=false"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95",
+               XLA_FLAGS=flags.strip(),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable] + (["-m", module] if module else [__file__]) + argv
     try:

@@ -197,6 +197,18 @@ LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 MLP_ACTIVATIONS = ("swiglu", "relu2")
 
 
+# Megatron-LM's hybrid Mamba layouts (examples/mamba/train.sh and its hybrid layer
+# allocation with --hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5; the 8B pattern
+# is the one examples/mamba/README.md publishes): Megatron's Mamba defaults (d_state 128,
+# headdim 64, 8 groups, chunk 128), GQA with 8 KV heads, no position embedding, no biases,
+# untied embeddings, MLP width 4*d_model (Megatron's default ffn_hidden_size) with
+# squared ReLU (Nemotron-H's; the example's default GeLU is not offered). dt clamped
+# below at dt_min, as HF NemotronH runs it, so the model exports as NemotronHForCausalLM.
+# Vocabulary: the report's 256K SentencePiece; set vocab_size to your tokenizer's.
+_MEGATRON_HYBRID = dict(vocab_size=256000, pad_vocab_size_multiple=128, ngroups=8,
+                        chunk_size=128, dt_limit=(0.001, math.inf), tie_embeddings=False,
+                        mlp_activation="relu2", attn_num_heads_kv=8)
+
 # The published state-spaces/mamba2-* checkpoints: mamba_ssm's Mamba2 defaults (d_state 128,
 # d_conv 4, expand 2, headdim 64, ngroups 1, chunk 256), GPT-NeoX vocabulary padded to 16,
 # tied embeddings.
@@ -206,26 +218,14 @@ PRESETS: dict[str, Mamba2Config] = {
     "mamba2-780m": Mamba2Config(d_model=1536, n_layer=48),
     "mamba2-1.3b": Mamba2Config(d_model=2048, n_layer=48),
     "mamba2-2.7b": Mamba2Config(d_model=2560, n_layer=64),
-    # Megatron-LM's hybrid Mamba layouts (examples/mamba/train.sh and its hybrid layer
-    # allocation with --hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5; the 8B pattern
-    # is the one examples/mamba/README.md publishes): Megatron's Mamba defaults (d_state 128,
-    # headdim 64, 8 groups, chunk 128), GQA with 8 KV heads, no position embedding, no biases,
-    # untied embeddings, MLP width 4*d_model (Megatron's default ffn_hidden_size) with
-    # squared ReLU (Nemotron-H's; the example's default GeLU is not offered). dt clamped
-    # below at dt_min, as HF NemotronH runs it, so the model exports as NemotronHForCausalLM.
-    # Vocabulary: the report's 256K SentencePiece; set vocab_size to your tokenizer's.
     "megatron-hybrid-800m": Mamba2Config(
-        d_model=1024, n_layer=48,
+        **_MEGATRON_HYBRID, d_model=1024, n_layer=48,
         layer_pattern="M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-",
-        vocab_size=256000, pad_vocab_size_multiple=128, ngroups=8, chunk_size=128,
-        dt_limit=(0.001, math.inf), tie_embeddings=False, d_intermediate=4096,
-        mlp_activation="relu2", attn_num_heads=16, attn_num_heads_kv=8, attn_head_dim=64),
+        d_intermediate=4096, attn_num_heads=16, attn_head_dim=64),
     "megatron-hybrid-8b": Mamba2Config(
-        d_model=4096, n_layer=56,
+        **_MEGATRON_HYBRID, d_model=4096, n_layer=56,
         layer_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
-        vocab_size=256000, pad_vocab_size_multiple=128, ngroups=8, chunk_size=128,
-        dt_limit=(0.001, math.inf), tie_embeddings=False, d_intermediate=16384,
-        mlp_activation="relu2", attn_num_heads=32, attn_num_heads_kv=8, attn_head_dim=128),
+        d_intermediate=16384, attn_num_heads=32, attn_head_dim=128),
     # Byte-level, small enough to train on a laptop CPU in minutes.
     "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, d_state=32, headdim=32,
                          chunk_size=64),

@@ -2,10 +2,17 @@
 
 Model FLOPs per token of a training step (forward + backward = 3x forward), counting
 matmuls only (2 FLOPs a multiply-add), for seqlen l and chunk q:
-  per layer   2*d*(2*h*p + 2*g*n + h)    in_proj (z, x, B, C, dt)
+  Mamba2 layer (M)
+              2*d*(2*h*p + 2*g*n + h)    in_proj (z, x, B, C, dt)
             + 2*h*p*d                     out_proj
             + 2*q*(g*n + h*p)             SSD within each chunk: C B^T per group, then x
             + 4*h*p*n                     SSD chunk states, and states read out through C
+  attention layer (*), a query heads, k KV heads, head dim e
+              2*d*(a + 2*k)*e + 2*a*e*d   q, k, v and out projections
+            + 2*a*e*l                     Q K^T and P V under the causal mask (l/2 keys on
+                                          average, 2 matmuls)
+  MLP layer (-), width f
+              2*d*f*(3 if SwiGLU else 2)  fc1 (gate and up for SwiGLU), fc2
   once        2*d*v                       LM head
 MFU = that x tokens/s / (the devices' peak dense matmul FLOP/s x device count).
 """
@@ -28,9 +35,15 @@ _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
 def train_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
     d, h, p, g, n = cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
     q = min(cfg.chunk_size, seq_len)
-    layer = (2 * d * (2 * h * p + 2 * g * n + h) + 2 * h * p * d + 2 * q * (g * n + h * p)
-             + 4 * h * p * n)
-    return 3.0 * (cfg.n_layer * layer + 2 * d * cfg.padded_vocab_size)
+    a, k, e = cfg.attn_num_heads, cfg.attn_num_heads_kv, cfg.attn_head_dim
+    per_kind = {
+        "M": (2 * d * (2 * h * p + 2 * g * n + h) + 2 * h * p * d + 2 * q * (g * n + h * p)
+              + 4 * h * p * n),
+        "*": 2 * d * (a + 2 * k) * e + 2 * a * e * d + 2 * a * e * seq_len,
+        "-": 2 * d * cfg.d_intermediate * (3 if cfg.mlp_activation == "swiglu" else 2),
+    }
+    layers = sum(per_kind[kind] for kind in cfg.layers)
+    return 3.0 * (layers + 2 * d * cfg.padded_vocab_size)
 
 
 def peak_flops(dtype_name: str) -> float | None:

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import jax
@@ -97,3 +98,24 @@ def test_every_recipe_in_train_dir_parses_to_its_preset():
     for recipe in recipes:
         args, cfg = parse_args(["--config", str(recipe)])
         assert args.preset == recipe.stem and cfg == Mamba2Config.preset(recipe.stem)
+
+
+def test_model_flops_count_each_layer_kind_by_its_own_weights():
+    # A layer's forward matmul FLOPs per token are 2 x its matmul weights (plus, for
+    # attention, the score and value products over l/2 keys on average); training is 3x.
+    from mamba_jax.metrics import train_flops_per_token
+    base = dict(d_model=64, n_layer=3, vocab_size=100, d_state=16, headdim=16, chunk_size=16,
+                attn_num_heads=4, attn_num_heads_kv=2, attn_head_dim=16, d_intermediate=96)
+    seq_len = 64
+    hybrid = Mamba2Config(**base, layer_pattern="M*-")
+    mamba = Mamba2Config(**base, layer_pattern="MMM")
+    state = nnx.state(Mamba2LM(hybrid, rngs=nnx.Rngs(0)))
+    weights = lambda layer, names: sum(state["layers"][layer]["mixer"][name][...].size
+                                       for name in names)
+    attention = 2 * weights(1, ("q_proj", "k_proj", "v_proj", "o_proj")) + 2 * 4 * 16 * seq_len
+    mlp = 2 * weights(2, ("up_proj", "gate_proj", "down_proj"))
+    mamba_layer = (train_flops_per_token(mamba, seq_len)
+                   - train_flops_per_token(dataclasses.replace(mamba, n_layer=2, layer_pattern="MM"),
+                                           seq_len)) / 3
+    expected = train_flops_per_token(mamba, seq_len) + 3 * (attention + mlp - 2 * mamba_layer)
+    np.testing.assert_allclose(train_flops_per_token(hybrid, seq_len), expected, rtol=1e-12)
