@@ -1,6 +1,7 @@
 """SSD scan on a GPU: our Pallas kernels and our XLA path against mamba_ssm's Triton kernels.
 
     python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30] [--breakdown]
+                         [--states-in-input-dtype]
 
 (Device run: PYTHONUNBUFFERED=1 python3 bench/ssd.py 2>&1 | tee $OUT/log, carrying .baseline;
 a filter between python and tee must be line-buffered, or a timed-out run returns nothing.)
@@ -42,6 +43,9 @@ from timing import copy_bandwidth, median_time  # noqa: E402
 
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 H, P, N, CHUNK = 64, 64, 128, 256
+
+
+BF16_STATES = "triton, states in x dtype"  # the --states-in-input-dtype column
 
 
 def import_mamba_chunk_scan(baseline):
@@ -144,6 +148,9 @@ def main():
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each kernel alone at (8, 8192)")
+    parser.add_argument("--states-in-input-dtype", action="store_true",
+                        help="also time the kernels with the saved states in x's dtype "
+                             "(triton.Config.states_in_input_dtype), as a column of its own")
     args = parser.parse_args()
     import torch
     rng = np.random.default_rng(int(time.time()))
@@ -173,9 +180,14 @@ def main():
                 return y, leaves
 
             impls = {}
-            for name in ("triton", "xla"):
-                f = lambda i, o, name=name: ssd(**i, **o, chunk_size=CHUNK, dt_softplus=True,
-                                                implementation=name)
+            for name in ("triton", "xla") + ((BF16_STATES,) if args.states_in_input_dtype
+                                             else ()):
+                if name == BF16_STATES:
+                    f = lambda i, o: vjp.ssd(**i, **o, dt_softplus=True, backend=kernels,
+                                             config=kernels.Config(states_in_input_dtype=True))[0]
+                else:
+                    f = lambda i, o, name=name: ssd(**i, **o, chunk_size=CHUNK,
+                                                    dt_softplus=True, implementation=name)
                 fwd = jax.jit(f)
                 fwdbwd = jax.jit(lambda i, o, f=f: jax.vjp(f, i, o)[1](dy))
                 impls[name] = (fwd, fwdbwd)
@@ -188,6 +200,11 @@ def main():
             y_theirs_j = jnp.asarray(y_theirs.detach().float().cpu().numpy())
             errs = {"y vs xla": rel_err(y_ours, y_xla),
                     "y vs mamba_ssm": rel_err(y_ours, y_theirs_j)}
+            if BF16_STATES in impls:
+                g_variant = impls[BF16_STATES][1](inputs, options)[0]
+                for k in ("x", "B", "C", "dt"):
+                    errs[f"d{k} ({BF16_STATES}) vs mamba_ssm"] = rel_err(
+                        g_variant[k], leaves[k].grad.float().cpu().numpy())
             for k in ("x", "B", "C", "dt"):
                 errs[f"d{k} vs mamba_ssm"] = rel_err(
                     g_ours[k], leaves[k].grad.float().cpu().numpy())
@@ -236,25 +253,29 @@ def main():
     for i, (g, b, l, times) in enumerate(rows):
         print_row(g, b, l, times, matmul_rate, copy_rate, header=i == 0)
     for g, ours_mem, theirs_mem in memory:
-        print(f"peak temporary memory, forward+backward, g={g}, (8, 8192): ours (triton) "
-              f"{ours_mem['triton'] / 2**30:.2f} GiB, ours (xla) {ours_mem['xla'] / 2**30:.2f} "
-              f"GiB, mamba_ssm {theirs_mem / 2**30:.2f} GiB")
+        print(f"peak temporary memory, forward+backward, g={g}, (8, 8192): "
+              + ", ".join(f"ours ({name}) {v / 2**30:.2f} GiB" for name, v in ours_mem.items())
+              + f", mamba_ssm {theirs_mem / 2**30:.2f} GiB")
     if args.breakdown:
         breakdown(rng)
 
 
 def print_row(g, b, l, times, matmul_rate, copy_rate, header=False):
+    variant = BF16_STATES in times
     if header:
+        extra = f" ours {BF16_STATES} ms | its ratio to theirs |" if variant else ""
         print("| g | batch x seqlen | pass | ours triton ms | ours xla ms | mamba_ssm ms | "
-              "ours/theirs | ours TFLOP/s | floor ms |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "ours/theirs | ours TFLOP/s | floor ms |" + extra)
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if variant else ""))
     for i, pass_ in enumerate(("fwd", "fwd+bwd")):
         f = flops(b, l, g) * (1 if i == 0 else 3)
         floor = max(f / matmul_rate, io_bytes(b, l, g, i == 1) / copy_rate)
         ours, xla, theirs = (times[k][i] for k in ("triton", "xla", "mamba_ssm"))
+        extra = (f" {times[BF16_STATES][i] * 1e3:.3f} | {times[BF16_STATES][i] / theirs:.2f} |"
+                 if variant else "")
         print(f"| {g} | {b} x {l} | {pass_} | {ours * 1e3:.3f} | {xla * 1e3:.3f} | "
               f"{theirs * 1e3:.3f} | {ours / theirs:.2f} | {f / ours / 1e12:.0f} | "
-              f"{floor * 1e3:.3f} |", flush=True)
+              f"{floor * 1e3:.3f} |" + extra, flush=True)
 
 
 def breakdown(rng, b=8, l=8192):

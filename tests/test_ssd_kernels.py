@@ -95,6 +95,13 @@ class TestTriton(BackendCases):
     config = triton.Config(chunk=16, block_p=8)
 
 
+class TestTritonStatesInInputDtype(BackendCases):
+    # The saved states and their gradients stored in x's dtype: the same tolerances (bf16
+    # rounding of the states is within the bf16 bound; float32 inputs are unchanged).
+    backend = triton
+    config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=True)
+
+
 def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
     rng = np.random.default_rng()
     args = make_inputs(rng, 2, 150, 4, 16, 2, 16, jnp.float32, True, True)

@@ -51,6 +51,11 @@ class Config:
     backward_state_warps: int = 4
     backward_bc_warps: int = 8
     num_stages: int = 2
+    # The per-chunk states saved for the backward pass and their gradients, stored in x's
+    # dtype instead of float32 (they are carried and summed in float32 either way): half
+    # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads.
+    # Off until measured faster (bench/ssd.py --states-in-input-dtype).
+    states_in_input_dtype: bool = False
 
 
 def supports(x, B):
@@ -118,7 +123,7 @@ def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, 
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         if states_ref:
-            states_ref[0][bi, k, hi, ps, :] = state
+            states_ref[0][bi, k, hi, ps, :] = state.astype(states_ref[0].dtype)
         scores = _dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]  # [t, s]
         y = _dot(scores.astype(dtype), x)
         y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
@@ -142,7 +147,7 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         k = nchunks - 1 - i
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
-        dstates_ref[bi, k, hi, ps, :] = dstate
+        dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
         x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
         Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
@@ -183,7 +188,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
         hi = gi * r + j
         x, dy = x_ref[bi, ts, hi, :], dy_ref[bi, ts, hi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
-        state, dstate = states_ref[bi, k, hi], dstates_ref[bi, k, hi]  # entering; leaving
+        state = states_ref[bi, k, hi].astype(jnp.float32)  # entering the chunk
+        dstate = dstates_ref[bi, k, hi].astype(jnp.float32)  # gradient of the leaving one
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         # dscores_ts = d y / d CB_ts, already weighted by decay and dt.
@@ -219,11 +225,16 @@ def _call(kernel, grid, out_shape, warps, config, interpret, name):
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages))
 
 
+def _states_dtype(config, x):
+    return x.dtype if config.states_in_input_dtype else jnp.float32
+
+
 def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None) ->
     (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32, and when save_states the
-    state entering every chunk [b, c, h, p, n] float32)."""
+    state entering every chunk [b, c, h, p, n], float32 or, with
+    config.states_in_input_dtype, x.dtype)."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
@@ -231,7 +242,7 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, interpr
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
     if save_states:
-        out_shape.append(jax.ShapeDtypeStruct((b, l // t, h, p, n), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x)))
     kernel = functools.partial(_forward_kernel, t=t, r=h // g, bp=bp, has_doc=doc is not None,
                                save_states=save_states)
     args = (x, dt, cs, B, C, initial_state) + (() if doc is None else (doc,))
@@ -255,7 +266,8 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, interpret=Fals
     dx, ddt, dcs_end, dstates, dinit = _call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
-         f32((p // bp, b, h, l)), f32(states.shape), f32((b, h, p, n))],
+         f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
+         f32((b, h, p, n))],
         config.backward_state_warps, config, interpret, "ssd_backward_state",
     )(x, dt, cs, B, C, dy, dfinal, *doc_args)
     kernel = functools.partial(_backward_bc_kernel, t=t, r=r, has_doc=doc is not None)
