@@ -14,6 +14,9 @@ tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny prese
 throughput: one row per mesh, the same global batch: step time (median of --steps after two
   warm-up steps, the host clock around each step until its loss is ready), tokens/s, MFU
   and peak memory per device (the largest `peak_bytes_in_use` of the mesh's devices).
+  --breakdown adds the jitted loss alone and the loss with its gradient, timed the same
+  way: a coarse split of the step (the gradient alone writes every gradient out, which the
+  step fuses into the update, so "the rest" is approximate).
 longest: batch 1, --remat full, --loss-chunk: tokens/s at --seq-len (32K) and at the longest
   sequence that fits. XLA's memory analysis of the compiled step (arguments + outputs -
   donated + temporaries) at two lengths gives the bytes per token; the predicted longest
@@ -79,8 +82,9 @@ class Steps:
         specs = parallel.param_specs(abstract, cfg, mesh)
         self.param_shardings = parallel.shardings(mesh, specs)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
-        self.step = make_train_step(parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
-                                                          loss_chunk=loss_chunk), self.tx)
+        self.loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
+                                             loss_chunk=loss_chunk)
+        self.step = make_train_step(self.loss_fn, self.tx)
         self.rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
         self.replicated = NamedSharding(mesh, P())
         params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -122,9 +126,11 @@ class Steps:
     def planned(self, batch, seq_len):
         return self.compile(batch, seq_len)[2]
 
-    def measure(self, batch, seq_len, steps):
+    def measure(self, batch, seq_len, steps, breakdown=False):
         """Run the step: compile seconds, median step seconds, tokens/s, MFU, peak memory
-        per device (GiB), planned memory (GiB), loss."""
+        per device (GiB), planned memory (GiB), loss; with breakdown also the median seconds
+        of the loss alone (forward) and of the loss and its gradient (forward + backward),
+        the rest of the step being the optimizer update."""
         import jax
         from flax import nnx
 
@@ -157,6 +163,15 @@ class Steps:
             log(f"  {self.mesh_spec} {batch}x{seq_len}: step {len(times)} {times[-1]:.3f} s, "
                 f"loss {float(loss):.3f}")
         step_s = float(np.median(times[2:]))
+        parts = {}
+        if breakdown:
+            micro = tuple(a[0] for a in tokens)
+            for name, fn in (("forward_s", jax.jit(self.loss_fn)),
+                             ("forward_backward_s", jax.jit(jax.value_and_grad(self.loss_fn)))):
+                fn(params, *micro)  # compile
+                parts[name] = float(np.median([_seconds(fn, params, *micro)
+                                               for _ in range(steps)]))
+                log(f"  {self.mesh_spec} {batch}x{seq_len}: {name} {parts[name]:.3f} s")
         devices = list(self.mesh.devices.flat)
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
         peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devices)
@@ -167,7 +182,14 @@ class Steps:
                 "mfu": flops / step_s / (PEAK_BF16_FLOPS * len(devices)),
                 "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
-                "device_kind": devices[0].device_kind}
+                "device_kind": devices[0].device_kind, **parts}
+
+
+def _seconds(fn, *args):
+    import jax
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
 
 
 def log(line):
@@ -200,7 +222,7 @@ def child(args):
     out = lambda r: print("RESULT " + json.dumps(r), flush=True)
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
     if args.child == "measure":
-        out(steps.measure(args.batch, args.seq_len, args.steps))
+        out(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
         return
     limit = (args.limit_gib * GIB if args.limit_gib
              else jax.devices()[0].memory_stats()["bytes_limit"])
@@ -372,9 +394,10 @@ def child_argv(args, kind, mesh, **changes):
                   steps=args.steps, granule=args.granule, **changes)
     if args.limit_gib:
         values["limit_gib"] = args.limit_gib
+    flags = ["--breakdown"] if args.breakdown else []
     argv = ["_child", kind, "--mesh", mesh] + [
         f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
-    return argv + ([f"--loss-chunk={args.loss_chunk}"] if args.loss_chunk else [])
+    return argv + flags + ([f"--loss-chunk={args.loss_chunk}"] if args.loss_chunk else [])
 
 
 def throughput(args):
@@ -384,6 +407,11 @@ def throughput(args):
     for mesh in args.meshes:
         r = in_process(gpus_for(mesh), child_argv(args, "measure", mesh), args.timeout)[0]
         print(row(r), flush=True)
+        if "forward_s" in r:
+            print(f"|   breakdown | | | | forward {r['forward_s'] * 1e3:.1f} ms, forward+backward "
+                  f"{r['forward_backward_s'] * 1e3:.1f} ms, optimizer and the rest "
+                  f"{(r['step_s'] - r['forward_backward_s']) * 1e3:.1f} ms | | | | | |",
+                  flush=True)
         if "error" not in r:
             base = base or r
             print(f"|   vs first row | | | | {r['step_s'] / base['step_s']:.2f}x step time | | "
@@ -452,6 +480,8 @@ def main():
                    help="step of the largest-batch / longest-sequence search")
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--baseline", default=".baseline")
+    p.add_argument("--breakdown", action="store_true",
+                   help="throughput: also time the loss alone and the loss with its gradient")
     p.add_argument("--limit-gib", type=float, default=None,
                    help="device memory to fit in (default: the device's bytes_limit)")
     args = p.parse_args()
