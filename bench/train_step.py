@@ -51,6 +51,7 @@ import tempfile
 import time
 
 import numpy as np
+from timing import median_time  # bench/timing.py: this script's folder is on sys.path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -168,9 +169,9 @@ class Steps:
             micro = tuple(a[0] for a in tokens)
             for name, fn in (("forward_s", jax.jit(self.loss_fn)),
                              ("forward_backward_s", jax.jit(jax.value_and_grad(self.loss_fn)))):
-                fn(params, *micro)  # compile
-                parts[name] = float(np.median([_seconds(fn, params, *micro)
-                                               for _ in range(steps)]))
+                # One warm-up call compiles it.
+                parts[name] = median_time(
+                    lambda fn=fn: jax.block_until_ready(fn(params, *micro)), 1, steps)
                 log(f"  {self.mesh_spec} {batch}x{seq_len}: {name} {parts[name]:.3f} s")
         devices = list(self.mesh.devices.flat)
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
@@ -183,13 +184,6 @@ class Steps:
                 "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
                 "device_kind": devices[0].device_kind, **parts}
-
-
-def _seconds(fn, *args):
-    import jax
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
 
 
 def log(line):
@@ -325,15 +319,10 @@ def theirs(args):
         mid = (ok + bad) // 2 // args.granule * args.granule
         ok, bad = (mid, bad) if fits(mid) else (ok, mid)
     ids = torch.randint(0, cfg.vocab_size, (ok, args.seq_len + 1), device="cuda")
-    for _ in range(2):
-        step(ids).item()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        loss = step(ids).item()
-        times.append(time.perf_counter() - start)
-    step_s = float(np.median(times))
+    losses = []  # .item() waits for the step
+    step_s = median_time(lambda: losses.append(step(ids).item()), 2, args.steps)
+    loss = losses[-1]
     flops = train_flops_per_token(cfg, args.seq_len) * ok * args.seq_len
     print("RESULT " + json.dumps({
         "batch": ok, "seq_len": args.seq_len, "step_s": step_s,

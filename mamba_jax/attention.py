@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
+from mamba_jax.layers import dense
 from pallas_kernels.ssd import document_ids
 
 
@@ -126,15 +127,9 @@ class Attention(nnx.Module):
     def project(self, u):
         """u [..., d] -> q [..., h, e], k, v [..., k, e] in the compute dtype (over a
         tensor-parallel shard, this rank's heads)."""
-        u = u.astype(self.dtype)
-
         def proj(w, bias_name):
-            w = w[...]
-            y = jnp.dot(u, w.reshape(w.shape[0], -1).astype(self.dtype),
-                        preferred_element_type=jnp.float32).reshape(*u.shape[:-1], *w.shape[1:])
-            if self.cfg.attn_qkv_bias:
-                y = y + getattr(self, bias_name)[...]
-            return y.astype(self.dtype)
+            bias = getattr(self, bias_name)[...] if self.cfg.attn_qkv_bias else None
+            return dense(u, w[...], self.dtype, bias).astype(self.dtype)
         return proj(self.q_proj, "q_bias"), proj(self.k_proj, "k_bias"), proj(self.v_proj,
                                                                               "v_bias")
 

@@ -31,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from mamba_jax.config import LAYER_KINDS, Mamba2Config
-from mamba_jax.formats import config_dict, config_from, detect_format, mamba_ssm_blocks
+from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
+                               mamba_ssm_blocks)
 from mamba_jax.model import Mamba2LM, param_name
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")
@@ -239,12 +240,12 @@ def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.
     v = cfg.padded_vocab_size
     out = {"embedding": take(_EMBEDDING_KEY[fmt], (v, d)),
            "norm_f.weight": take("backbone.norm_f.weight", (d,))}
-    head = tensors.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:
-        if head is None:
-            raise ValueError("checkpoint is missing 'lm_head.weight' and the config says the "
-                             "embeddings are not tied")
-        tensors["lm_head.weight"] = head
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # mamba_ssm's state_dict lists the tied head too
+    elif "lm_head.weight" not in tensors:
+        raise ValueError("checkpoint is missing 'lm_head.weight' and the config says the "
+                         "embeddings are not tied")
+    else:
         out["lm_head"] = take("lm_head.weight", (v, d))
     for i, (symbol, (norm_key, src)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
         out[f"layers.{i}.norm.weight"] = take(norm_key, (d,))
@@ -342,8 +343,7 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     if format not in FORMATS:
         raise ValueError(f"save_pretrained: format={format!r}; use one of {FORMATS}")
     cfg = model.config
-    if format == "hf" and "M" * len(cfg.layers) != cfg.layers:
-        format = "nemotron_h"
+    format = export_format(cfg, format)
     config = config_dict(cfg, format)  # first: it refuses what the layout cannot express
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -21,11 +21,11 @@ _NEMOTRON_TYPES = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
 _NEMOTRON_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
 
 
-def _decode_float(value):
-    """HF writes inf as bare `Infinity` (json reads it) or as {"__float__": "Infinity"}."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    return float(value)
+def _decode_limit(limit):
+    """A JSON dt_limit -> (low, high) floats. HF writes inf as bare `Infinity` (json reads
+    it) or as {"__float__": "Infinity"}."""
+    return tuple(float(v["__float__"]) if isinstance(v, dict) and "__float__" in v
+                 else float(v) for v in limit)
 
 
 def _require(condition, path, message):
@@ -51,7 +51,7 @@ def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
         ngroups=d.get("n_groups", 1), chunk_size=d.get("chunk_size", 256),
         dt_min=d.get("time_step_min", 0.001), dt_max=d.get("time_step_max", 0.1),
         dt_init_floor=d.get("time_step_floor", 1e-4),
-        dt_limit=tuple(_decode_float(v) for v in limit),
+        dt_limit=_decode_limit(limit),
         conv_bias=d.get("use_conv_bias", True), bias=d.get("use_bias", False),
         norm_eps=d.get("layer_norm_epsilon", 1e-5),
         residual_in_fp32=d.get("residual_in_fp32", True),
@@ -97,7 +97,7 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
         _require(ssm.pop(flag, ok) == ok, path, f"ssm_cfg.{flag} must be {ok}")
     _require(ssm.pop("d_ssm", None) is None, path, "ssm_cfg.d_ssm is not supported")
     if "dt_limit" in ssm:
-        ssm["dt_limit"] = tuple(_decode_float(v) for v in ssm["dt_limit"])
+        ssm["dt_limit"] = _decode_limit(ssm["dt_limit"])
     return Mamba2Config(
         d_model=d["d_model"], n_layer=d["n_layer"], vocab_size=d["vocab_size"],
         pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
@@ -168,10 +168,13 @@ def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
     return parse(d, path)
 
 
+def export_format(cfg: Mamba2Config, fmt: str) -> str:
+    """The layout written for `fmt`: "hf" is Mamba2ForCausalLM for a Mamba-only model and
+    NemotronHForCausalLM ("nemotron_h") for a hybrid; other layouts are themselves."""
+    return "nemotron_h" if fmt == "hf" and set(cfg.layers) != {"M"} else fmt
+
+
 def hf_config_dict(cfg: Mamba2Config) -> dict:
-    if cfg.layers != "M" * len(cfg.layers):
-        raise ValueError(f"save_pretrained(format='hf'): layers {cfg.layers!r} are a hybrid; "
-                         "Mamba2ForCausalLM is Mamba-only: use format='nemotron_h'")
     v = cfg.padded_vocab_size
     return {
         "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
@@ -180,7 +183,7 @@ def hf_config_dict(cfg: Mamba2Config) -> dict:
         "head_dim": cfg.headdim, "num_heads": cfg.nheads, "n_groups": cfg.ngroups,
         "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min,
         "time_step_max": cfg.dt_max, "time_step_floor": cfg.dt_init_floor,
-        "time_step_limit": [cfg.dt_limit[0], _encode_float(cfg.dt_limit[1])],
+        "time_step_limit": _encode_limit(cfg.dt_limit),
         "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias,
         "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
@@ -206,7 +209,7 @@ def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
            "expand": cfg.expand, "headdim": cfg.headdim, "ngroups": cfg.ngroups,
            "chunk_size": cfg.chunk_size, "dt_min": cfg.dt_min, "dt_max": cfg.dt_max,
            "dt_init_floor": cfg.dt_init_floor,
-           "dt_limit": [cfg.dt_limit[0], _encode_float(cfg.dt_limit[1])],
+           "dt_limit": _encode_limit(cfg.dt_limit),
            "A_init_range": list(cfg.A_init_range), "conv_bias": cfg.conv_bias,
            "bias": cfg.bias}
     mixers, mlp = mamba_ssm_blocks(cfg)
@@ -254,7 +257,7 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
         "mamba_num_heads": cfg.nheads, "mamba_head_dim": cfg.headdim, "n_groups": cfg.ngroups,
         "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min, "time_step_max": cfg.dt_max,
         "time_step_floor": cfg.dt_init_floor,
-        "time_step_limit": [cfg.dt_limit[0], _encode_float(cfg.dt_limit[1])],
+        "time_step_limit": _encode_limit(cfg.dt_limit),
         "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias, "mamba_proj_bias": cfg.bias,
         "mamba_hidden_act": "silu", "num_attention_heads": cfg.attn_num_heads,
         "num_key_value_heads": cfg.attn_num_heads_kv, "head_dim": cfg.attn_head_dim,
@@ -272,6 +275,8 @@ def config_dict(cfg: Mamba2Config, fmt: str) -> dict:
     return write(cfg)
 
 
-def _encode_float(value):
-    # json.dumps would write bare `Infinity`, which strict JSON readers reject.
-    return {"__float__": "Infinity"} if math.isinf(value) else value
+def _encode_limit(limit):
+    """dt_limit (low, high) -> JSON: json.dumps would write an infinite high as bare
+    `Infinity`, which strict JSON readers reject."""
+    low, high = limit
+    return [low, {"__float__": "Infinity"} if math.isinf(high) else high]

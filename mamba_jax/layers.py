@@ -17,6 +17,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def dense(u, w, dtype, bias=None):
+    """u [..., d] times w [d, ...] -> [..., ...] float32 (plus bias [...]): the projections'
+    matmul, operands cast to the compute dtype, float32 accumulation. Over a
+    tensor-parallel shard of w's output axes, this rank's outputs; over a shard of d (a
+    row-parallel input), this rank's share of the sum."""
+    y = jnp.dot(u.astype(dtype), w.reshape(w.shape[0], -1).astype(dtype),
+                preferred_element_type=jnp.float32).reshape(*u.shape[:-1], *w.shape[1:])
+    return y if bias is None else y + bias
+
+
 def rms_norm(x, weight, eps):
     """x [..., d], weight [d] -> x / rms(x) * weight, in float32, cast back to x.dtype."""
     @jax.checkpoint
@@ -114,18 +124,15 @@ class MLP(nnx.Module):
     def hidden(self, u):
         """u [..., d] -> the activation [..., f] in the compute dtype (over a tensor-parallel
         shard of f, this rank's columns)."""
-        u = u.astype(self.dtype)
-        up = jnp.dot(u, self.up_proj[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        up = dense(u, self.up_proj[...], self.dtype)
         if self.activation == "swiglu":
-            gate = jnp.dot(u, self.gate_proj[...].astype(self.dtype),
-                           preferred_element_type=jnp.float32)
+            gate = dense(u, self.gate_proj[...], self.dtype)
             return (up * jax.nn.silu(gate)).astype(self.dtype)
         return jnp.square(jax.nn.relu(up)).astype(self.dtype)
 
     def out_proj_partial(self, a):
         """a [..., f] -> [..., d] float32: over a shard of f, one rank's share of the sum."""
-        return jnp.dot(a, self.down_proj[...].astype(self.dtype),
-                       preferred_element_type=jnp.float32)
+        return dense(a, self.down_proj[...], self.dtype)
 
     def __call__(self, u):
         """u [..., d] -> [..., d] in the compute dtype."""

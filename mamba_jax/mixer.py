@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import causal_conv1d, causal_conv1d_step, gated_rms_norm
+from mamba_jax.layers import causal_conv1d, causal_conv1d_step, dense, gated_rms_norm
 from pallas_kernels.ssd import document_ids, process_dt, ssd
 
 
@@ -89,14 +89,8 @@ class Mamba2Mixer(nnx.Module):
     def project(self, u):
         """u [..., d] -> z, x [..., h, p], B, C [..., g, n] in the compute dtype; dt [..., h]
         float32 (before dt_bias and softplus)."""
-        u = u.astype(self.dtype)
-
         def proj(w, bias_name, out_dtype=self.dtype):
-            w = w[...]
-            y = jnp.dot(u, w.reshape(w.shape[0], -1).astype(self.dtype),
-                        preferred_element_type=jnp.float32).reshape(*u.shape[:-1], *w.shape[1:])
-            bias = self._bias(bias_name)
-            return (y if bias is None else y + bias).astype(out_dtype)
+            return dense(u, w[...], self.dtype, self._bias(bias_name)).astype(out_dtype)
 
         # Written out rather than looped, so each einsum's output axes are plain to read.
         z = proj(self.z_proj, "z_bias")

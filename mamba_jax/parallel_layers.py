@@ -108,13 +108,11 @@ def _attention_local(attn, u, cfg: Mamba2Config, seq_idx=None):
     k_starts = document_starts(seq_idx, cp * l)  # [b, cp*l] (or [1, cp*l])
     starts = lax.dynamic_slice_in_dim(k_starts, index[0], l, axis=1)
     q, k = attn.rotate(q, k, index - starts)
-    mask = None
     if cp > 1:
         k, v = (lax.all_gather(t, "cp", axis=1, tiled=True) for t in (k, v))
-        mask = (attention_mask(index, jnp.arange(cp * l), starts, k_starts)
-                if seq_idx is not None else attention_mask(index, jnp.arange(cp * l)))
-    elif seq_idx is not None:
-        mask = attention_mask(index, index, starts, starts)
+    mask = None  # one device, one document per row: attend's own causal mask
+    if cp > 1 or seq_idx is not None:
+        mask = attention_mask(index, jnp.arange(cp * l), starts, k_starts)
     return attn.out_proj_partial(attend(q, k, v, attn.scale, mask))
 
 

@@ -39,7 +39,7 @@ from mamba_jax import parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import save_pretrained
-from mamba_jax.formats import config_dict
+from mamba_jax.formats import config_dict, export_format
 from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, load_tokenizer
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
@@ -212,7 +212,7 @@ def main(argv=None):
         raise SystemExit("--resume needs --checkpoint-dir")
     if args.out.lower() != "none":
         try:  # the export's layout must fit the model: say so now, not after training
-            config_dict(cfg, "hf" if cfg.layers == "M" * len(cfg.layers) else "nemotron_h")
+            config_dict(cfg, export_format(cfg, "hf"))
         except ValueError as error:
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     tokenizer = load_tokenizer(args.tokenizer)
