@@ -29,12 +29,14 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
   mamba_ssm comes from --baseline (a git-ignored copy of its Python); without the
   causal_conv1d extension it runs its use_mem_eff_path=False path (printed).
 
-Each mesh or framework runs in its own process, pinned to its GPUs, so that its peak memory
-is its own; ours with `--xla_gpu_enable_triton_gemm=false` added to XLA_FLAGS unless they set
-it (see in_process). Progress (compile, build and step times) goes to stderr. Budget about
-90 s per process for start-up and building the parameters beside the compiles. MFU: mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones
-included, forward x3; recomputation not counted) over the dense bf16 peak of the devices used
-(989 TFLOP/s per H200, NVIDIA's datasheet).
+Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
+script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
+its own; ours with `--xla_gpu_enable_triton_gemm=false` added to XLA_FLAGS unless they set
+it (see in_process). Progress (compile, build and step times) goes to stderr. The
+parameters are one layer's init repeated (Steps.init_params), which builds in seconds. MFU:
+mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones included,
+forward x3; recomputation not counted) over the dense bf16 peak of the devices used (989
+TFLOP/s per H200, NVIDIA's datasheet).
 """
 
 from __future__ import annotations
@@ -98,6 +100,31 @@ class Steps:
         self.compiled = {}
         self.state = None  # (params, opt_state) on the devices, once measure() built them
 
+    def init_params(self):
+        """The parameters on the mesh: a one-layer model's, its layer repeated n_layer times.
+        Each tensor has Mamba2LM's init distribution (only the layers are equal), and the
+        init compiles in seconds: the whole model's jitted init took 129 s to compile for
+        the 1.3b preset on a CPU, per process and mesh."""
+        import jax
+        from flax import nnx
+
+        from mamba_jax.model import Mamba2LM
+
+        cfg = self.cfg
+        if len(set(cfg.layers)) != 1:
+            raise ValueError(f"bench/train_step.py builds presets of one layer kind; "
+                             f"{cfg.layers!r} mixes kinds")
+        one = cfg.replace(n_layer=1, layer_pattern=cfg.layer_pattern[:1])
+        _, abstract = nnx.split(nnx.eval_shape(self.build))
+
+        def build():
+            pure = nnx.to_pure_dict(nnx.split(Mamba2LM(one, rngs=nnx.Rngs(0)))[1])
+            pure["layers"] = {i: pure["layers"][0] for i in range(cfg.n_layer)}
+            nnx.replace_by_pure_dict(abstract, pure)
+            return abstract
+
+        return jax.jit(build, out_shardings=self.param_shardings)()
+
     def compile(self, batch, seq_len):
         """(compiled step, seconds to compile, device bytes XLA plans for it: arguments +
         outputs - donated + temporaries, per device)."""
@@ -127,23 +154,30 @@ class Steps:
     def planned(self, batch, seq_len):
         return self.compile(batch, seq_len)[2]
 
+    def tokens(self, batch, seq_len):
+        """(inputs, targets): one micro-batch of random tokens [1, batch, seq_len] on the
+        mesh."""
+        from mamba_jax import parallel
+
+        ids = np.random.default_rng(0).integers(0, self.cfg.vocab_size,
+                                                (1, batch, seq_len + 1), dtype=np.int32)
+        return (parallel.global_array(ids[..., :-1], self.rows),
+                parallel.global_array(ids[..., 1:], self.rows))
+
     def measure(self, batch, seq_len, steps, breakdown=False):
         """Run the step: compile seconds, median step seconds, tokens/s, MFU, peak memory
         per device (GiB), planned memory (GiB), loss; with breakdown also the median seconds
         of the loss alone (forward) and of the loss and its gradient (forward + backward),
         the rest of the step being the optimizer update."""
         import jax
-        from flax import nnx
 
-        from mamba_jax import parallel
         from mamba_jax.metrics import train_flops_per_token
         from mamba_jax.optim import init_opt_state
 
         exe, compile_s, planned = self.compile(batch, seq_len)
         if self.state is None:  # built once per process; each step donates and returns it
             start = time.perf_counter()
-            params = jax.jit(lambda: nnx.split(self.build())[1],
-                             out_shardings=self.param_shardings)()
+            params = self.init_params()
             self.state = (params, init_opt_state(self.tx, params, self.param_shardings,
                                                  self.replicated))
             jax.block_until_ready(self.state)
@@ -151,10 +185,7 @@ class Steps:
                 f"{time.perf_counter() - start:.1f} s")
         params, opt_state = self.state
         self.state = None
-        ids = np.random.default_rng(0).integers(0, self.cfg.vocab_size,
-                                                (1, batch, seq_len + 1), dtype=np.int32)
-        tokens = (parallel.global_array(ids[..., :-1], self.rows),
-                  parallel.global_array(ids[..., 1:], self.rows))
+        tokens = self.tokens(batch, seq_len)
         times = []
         for _ in range(steps + 2):
             start = time.perf_counter()
@@ -192,9 +223,10 @@ def log(line):
 
 
 def largest(plan, start, granule, limit, log):
-    """The largest multiple of granule whose plan(value) bytes fit in limit, from plans at
-    start and 2*start (memory is linear in the batch and in the length): (value, the next
-    multiple's bytes)."""
+    """The largest multiple of granule whose plan(value) bytes fit in limit: a guess from
+    the line through the plans at start and 2*start (memory is about linear in the batch and
+    in the length), then stepped down or up to where the next multiple no longer fits:
+    (value, the next multiple's bytes)."""
     lo, hi = plan(start), plan(2 * start)
     per = (hi - lo) / start
     guess = max(granule, int((limit - (lo - per * start)) / per) // granule * granule)
@@ -206,6 +238,9 @@ def largest(plan, start, granule, limit, log):
     while need > limit and guess > granule:
         guess, next_need = guess - granule, need
         need = plan(guess)
+    while next_need <= limit:  # the line under-predicted (a cp=2 run did): step up
+        guess, need = guess + granule, next_need
+        next_need = plan(guess + granule)
     return guess, next_need
 
 
@@ -258,9 +293,20 @@ def in_process(gpus: str, argv: list[str], timeout: float, module=None) -> list[
     return results
 
 
+def gpus(count: int, skip: int = 0) -> str:
+    """CUDA_VISIBLE_DEVICES for a child: GPUs skip..skip+count-1 of those this script sees
+    (its own CUDA_VISIBLE_DEVICES, if set), so that two runs of it can share a host."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    seen = seen.split(",") if seen else [str(i) for i in range(skip + count)]
+    if len(seen) < skip + count:
+        raise SystemExit(f"needs {skip + count} GPUs; CUDA_VISIBLE_DEVICES={seen} has "
+                         f"{len(seen)}")
+    return ",".join(seen[skip:skip + count])
+
+
 def gpus_for(mesh_spec: str) -> str:
     from mamba_jax.parallel import parse_mesh_spec
-    return ",".join(str(i) for i in range(math.prod(parse_mesh_spec(mesh_spec).values())))
+    return gpus(math.prod(parse_mesh_spec(mesh_spec).values()))
 
 
 # ---- mamba_ssm's step (torch), in its own process ----
@@ -421,7 +467,7 @@ def longest(args):
 
 def versus(args):
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
-          f"that fits; median of {args.steps} steps; ours on GPU 0, mamba_ssm on GPU 1, at "
+          f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next, at "
           "the same time")
     print("| model | ours batch | ours tokens/s | ours MFU | ours peak GiB | theirs batch | "
           "theirs tokens/s | theirs MFU | theirs peak GiB | ours/theirs tokens/s |\n"
@@ -429,9 +475,9 @@ def versus(args):
     for preset in args.presets:
         args.preset = preset
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            mine = pool.submit(in_process, "0", child_argv(args, "batch", "dp=1"),
+            mine = pool.submit(in_process, gpus(1), child_argv(args, "batch", "dp=1"),
                                args.timeout)
-            their = pool.submit(in_process, "1", ["_theirs", f"--preset={preset}",
+            their = pool.submit(in_process, gpus(1, skip=1), ["_theirs", f"--preset={preset}",
                                                   f"--batch={args.batch}",
                                                   f"--seq-len={args.seq_len}",
                                                   f"--steps={args.steps}",
