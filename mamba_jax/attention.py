@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import dense
+from mamba_jax.layers import dense, matmul
 from pallas_kernels.ssd import document_ids
 
 
@@ -129,7 +129,7 @@ class Attention(nnx.Module):
         tensor-parallel shard, this rank's heads)."""
         def proj(w, bias_name):
             bias = getattr(self, bias_name)[...] if self.cfg.attn_qkv_bias else None
-            return dense(u, w[...], self.dtype, bias).astype(self.dtype)
+            return dense(u, w[...], self.dtype, bias, out_dtype=self.dtype)
         return proj(self.q_proj, "q_bias"), proj(self.k_proj, "k_bias"), proj(self.v_proj,
                                                                               "v_bias")
 
@@ -146,8 +146,7 @@ class Attention(nnx.Module):
     def out_proj_partial(self, o):
         """o [..., h, e] -> [..., d] float32, without the bias: over a shard of the heads, one
         tensor-parallel rank's share of the sum."""
-        return jnp.einsum("...he,hed->...d", o, self.o_proj[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return matmul("...he,hed->...d", o, self.o_proj[...], self.dtype)
 
     def _output(self, o):
         out = self.out_proj_partial(o)

@@ -10,6 +10,7 @@ mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b la
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -17,14 +18,47 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def dense(u, w, dtype, bias=None):
-    """u [..., d] times w [d, ...] -> [..., ...] float32 (plus bias [...]): the projections'
-    matmul, operands cast to the compute dtype, float32 accumulation. Over a
-    tensor-parallel shard of w's output axes, this rank's outputs; over a shard of d (a
-    row-parallel input), this rank's share of the sum."""
-    y = jnp.dot(u.astype(dtype), w.reshape(w.shape[0], -1).astype(dtype),
-                preferred_element_type=jnp.float32).reshape(*u.shape[:-1], *w.shape[1:])
-    return y if bias is None else y + bias
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
+    """jnp.einsum(spec, a, b) with both operands cast to the compute dtype, float32
+    accumulation and an out_dtype result, for every weight matmul of the model. A result
+    that is cast to the compute dtype anyway is asked for in it (out_dtype=dtype): the
+    matmul writes half the bytes, as torch's autocast Linear does.
+
+    The gradient casts the float32 cotangent to dtype before its two matmuls, as torch's
+    autocast backward does: differentiated as is, each backward matmul would mix a float32
+    cotangent with a bf16 operand, which XLA runs as a float32 (TF32) matmul, about 2x
+    slower (a third of the 1.3b train step's time, bench/profile_step.py). The gradients
+    come out float32-accumulated, in a's and b's dtypes. spec: two operands, every index of
+    one operand in the other or in the output (no index summed within one operand)."""
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
+
+
+def _matmul_fwd(spec, a, b, dtype, out_dtype):
+    return matmul(spec, a, b, dtype, out_dtype), (a, b)
+
+
+def _matmul_bwd(spec, dtype, out_dtype, residuals, g):
+    a, b = residuals
+    a_spec, b_spec, out_spec = spec.replace("->", ",").split(",")
+    g = g.astype(dtype)
+    da = jnp.einsum(f"{out_spec},{b_spec}->{a_spec}", g, b.astype(dtype),
+                    preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{a_spec},{out_spec}->{b_spec}", a.astype(dtype), g,
+                    preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def dense(u, w, dtype, bias=None, out_dtype=jnp.float32):
+    """u [..., d] times w [d, ...] -> [..., ...] out_dtype (plus bias [...]): the
+    projections' matmul (see matmul). Over a tensor-parallel shard of w's output axes, this
+    rank's outputs; over a shard of d (a row-parallel input), this rank's share of the sum."""
+    y = matmul("...d,df->...f", u, w.reshape(w.shape[0], -1), dtype, out_dtype)
+    y = y.reshape(*u.shape[:-1], *w.shape[1:])
+    return y if bias is None else y + bias.astype(out_dtype)
 
 
 def rms_norm(x, weight, eps):

@@ -5,7 +5,8 @@ k d_conv, e conv_dim = h*p + 2*g*n (x, B, C channels in mamba_ssm's order).
 
 mamba_ssm fuses the projections into one `in_proj` [z, x, B, C, dt]; we keep one parameter
 per role, shaped by head or group, so a tensor-parallel shard is a slice of one axis and
-conversion is a fixed split/concatenate (mamba_jax.convert).
+conversion is a fixed split/concatenate (mamba_jax.convert), and concatenate this rank's
+weights into one matmul when projecting.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import causal_conv1d, causal_conv1d_step, dense, gated_rms_norm
+from mamba_jax.layers import (causal_conv1d, causal_conv1d_step, dense, gated_rms_norm,
+                              matmul)
 from pallas_kernels.ssd import document_ids, process_dt, ssd
 
 
@@ -87,18 +89,22 @@ class Mamba2Mixer(nnx.Module):
         return getattr(self, name)[...] if self.cfg.bias else None
 
     def project(self, u):
-        """u [..., d] -> z, x [..., h, p], B, C [..., g, n] in the compute dtype; dt [..., h]
-        float32 (before dt_bias and softplus)."""
-        def proj(w, bias_name, out_dtype=self.dtype):
-            return dense(u, w[...], self.dtype, self._bias(bias_name)).astype(out_dtype)
+        """u [..., d] -> z [..., h, p] and xBC [..., e] (the conv's channels x, B, C) in the
+        compute dtype, dt [..., h] float32 (before dt_bias and softplus).
 
-        # Written out rather than looped, so each einsum's output axes are plain to read.
-        z = proj(self.z_proj, "z_bias")
-        x = proj(self.x_proj, "x_bias")
-        B = proj(self.B_proj, "B_bias")
-        C = proj(self.C_proj, "C_bias")
-        dt = proj(self.dt_proj, "dt_proj_bias", jnp.float32)
-        return z, x, B, C, dt
+        One matmul over the five weights side by side, in mamba_ssm's in_proj order: u is
+        read once and the backward pass runs one matmul for du instead of five and their
+        sum. dt leaves it in the compute dtype, as from mamba_ssm's in_proj."""
+        roles = (self.z_proj, self.x_proj, self.B_proj, self.C_proj, self.dt_proj)
+        w = jnp.concatenate([r[...].reshape(r.shape[0], -1) for r in roles], axis=1)
+        bias = None
+        if self.cfg.bias:
+            bias = jnp.concatenate([self._bias(name).reshape(-1) for name in
+                                    ("z_bias", "x_bias", "B_bias", "C_bias", "dt_proj_bias")])
+        zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
+        z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
+        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
 
     def _conv_params(self):
         """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
@@ -122,20 +128,11 @@ class Mamba2Mixer(nnx.Module):
         lead = xBC.shape[:-1]
         return x.reshape(*lead, h, p), B.reshape(*lead, g, n), C.reshape(*lead, g, n)
 
-    @staticmethod
-    def _fuse_xBC(x, B, C):
-        """x [..., h, p], B, C [..., g, n] -> the conv's channels [..., e] (x, B, C)."""
-        return jnp.concatenate([a.reshape(*a.shape[:-2], -1) for a in (x, B, C)], axis=-1)
-
-    def conv(self, x, B, C, seq_idx=None):
-        """The causal conv over [x, B, C] (x [b, l, h, p], B, C [b, l, g, n]).
-
-        Returns (x, B, C) after the conv and SiLU, and its input xBC [b, l, e] (the cache's
-        window)."""
-        xBC_in = self._fuse_xBC(x, B, C)
+    def conv(self, xBC, seq_idx=None):
+        """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]."""
         w, bias = self._conv_params()
         doc = None if seq_idx is None else document_ids(seq_idx)
-        return *self._split_xBC(causal_conv1d(xBC_in, w, bias, doc)), xBC_in
+        return self._split_xBC(causal_conv1d(xBC, w, bias, doc))
 
     def scan(self, x, dt, B, C, seq_idx=None, sequence_axis=None):
         """The SSD with D skip: x [b, l, h, p], dt [b, l, h] (before bias and softplus),
@@ -151,8 +148,7 @@ class Mamba2Mixer(nnx.Module):
     def out_proj_partial(self, y):
         """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the
         heads this is one tensor-parallel rank's share of the sum."""
-        return jnp.einsum("...hp,hpd->...d", y, self.out_proj[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype)
 
     def _output(self, y, z):
         """y, z [..., h, p] -> gated per-group norm -> out_proj -> [..., d] compute dtype."""
@@ -167,8 +163,8 @@ class Mamba2Mixer(nnx.Module):
         seq_idx [b, l]: packed documents; the conv and the SSM state restart where it changes.
         """
         c = self.cfg
-        z, x, B, C, dt = self.project(u)
-        x, B, C, xBC_in = self.conv(x, B, C, seq_idx)
+        z, xBC_in, dt = self.project(u)
+        x, B, C = self.conv(xBC_in, seq_idx)
         y, ssm_state = self.scan(x, dt, B, C, seq_idx)
         out = self._output(y, z)
         if not return_cache:
@@ -191,8 +187,7 @@ class Mamba2Mixer(nnx.Module):
     def step(self, u, cache: MambaCache):
         """One token: u [b, d] -> ([b, d], the updated MambaCache)."""
         c = self.cfg
-        z, x, B, C, dt = self.project(u)
-        xBC_in = self._fuse_xBC(x, B, C)
+        z, xBC_in, dt = self.project(u)
         conv_state = jnp.concatenate(
             [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
             axis=-1)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from mamba_jax.attention import Attention
 from mamba_jax.config import LAYER_KINDS, Mamba2Config
-from mamba_jax.layers import MLP, RMSNorm
+from mamba_jax.layers import MLP, RMSNorm, matmul
 from mamba_jax.mixer import Mamba2Mixer
 
 
@@ -124,8 +124,7 @@ class Mamba2LM(nnx.Module):
         every token); None uses head_weight()."""
         hidden = self.norm_f(residual).astype(self.dtype)
         head = self.head_weight() if head is None else head
-        return jnp.einsum("...d,vd->...v", hidden, head.astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return matmul("...d,vd->...v", hidden, head, self.dtype)
 
     def __call__(self, input_ids, seq_idx=None):
         """input_ids [b, l] -> logits [b, l, v] float32. seq_idx [b, l]: packed documents."""

@@ -45,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax.config import Mamba2Config
+from mamba_jax.layers import matmul
 from mamba_jax.model import param_name
 from mamba_jax.parallel_layers import (block_local, vocab_parallel_cross_entropy,
                                        vocab_parallel_embed)
@@ -242,7 +243,7 @@ def _local_hidden(state, input_ids, seq_idx, graphdef, specs, sp: bool, remat: s
 
 
 def _local_logits(hidden, head):
-    return jnp.einsum("bld,vd->blv", hidden, head, preferred_element_type=jnp.float32)
+    return matmul("bld,vd->blv", hidden, head, hidden.dtype)
 
 
 def _token_losses(hidden, head, targets, loss_chunk):

@@ -54,21 +54,21 @@ def _gated_norm_local(y, z, weight, cfg: Mamba2Config):
     return norm(y, z, weight)
 
 
-def _conv_with_halo(mixer, x, B, C, seq_idx):
-    """The mixer's causal conv on this device's part of the sequence (x [b, l, h, p],
-    B, C [b, l, g, n], seq_idx [b, l] or None, l the cp part) -> conv'd x, B, C.
+def _conv_with_halo(mixer, xBC, seq_idx):
+    """The mixer's causal conv on this device's part of the sequence (xBC [b, l, e],
+    seq_idx [b, l] or None, l the cp part) -> conv'd x, B, C.
 
     The first d_conv-1 outputs read the previous part's last d_conv-1 inputs: one ppermute
     over cp brings them (part 0 receives zeros, the conv's own padding), with their seq_idx
     so that no tap reads across a document start, and their outputs are dropped."""
     cp, k = lax.axis_size("cp"), mixer.cfg.d_conv - 1
     if cp == 1 or k == 0:
-        return mixer.conv(x, B, C, seq_idx)[:3]
-    parts = (x, B, C) + (() if seq_idx is None else (seq_idx,))
+        return mixer.conv(xBC, seq_idx)
+    parts = (xBC,) + (() if seq_idx is None else (seq_idx,))
     halos = lax.ppermute(tuple(a[:, -k:] for a in parts), "cp",
                          [(i, i + 1) for i in range(cp - 1)])
-    x, B, C, *seq_idx = (jnp.concatenate(pair, axis=1) for pair in zip(halos, parts))
-    return tuple(a[:, k:] for a in mixer.conv(x, B, C, *seq_idx)[:3])
+    xBC, *seq_idx = (jnp.concatenate(pair, axis=1) for pair in zip(halos, parts))
+    return tuple(a[:, k:] for a in mixer.conv(xBC, *seq_idx))
 
 
 def _mixer_local(mixer, u, cfg: Mamba2Config, seq_idx=None):
@@ -79,8 +79,8 @@ def _mixer_local(mixer, u, cfg: Mamba2Config, seq_idx=None):
     and gated norm on local heads with no communication over tp, row-parallel out_proj (the
     caller sums the shares). Over cp the conv takes a halo and the scan carries its state
     from the previous parts."""
-    z, x, B, C, dt = mixer.project(u)
-    x, B, C = _conv_with_halo(mixer, x, B, C, seq_idx)
+    z, xBC, dt = mixer.project(u)
+    x, B, C = _conv_with_halo(mixer, xBC, seq_idx)
     if cfg.ngroups % lax.axis_size("tp"):
         B, C = (_groups_of_local_heads(t, cfg.nheads, cfg.ngroups, x.shape[2]) for t in (B, C))
     y, _ = mixer.scan(x, dt, B, C, seq_idx,

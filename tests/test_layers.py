@@ -1,7 +1,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from mamba_jax import layers
 from mamba_jax.layers import causal_conv1d, causal_conv1d_step, gated_rms_norm, rms_norm
 
 
@@ -62,3 +64,42 @@ def test_norms_compute_in_float32_and_return_the_input_dtype():
     ref = np.asarray(x, np.float32)
     ref = ref / np.sqrt((ref ** 2).mean(-1, keepdims=True) + 1e-5)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("spec, a_shape, b_shape", [
+    ("...d,df->...f", (2, 5, 8), (8, 12)),          # the projections (dense)
+    ("...hp,hpd->...d", (2, 5, 3, 4), (3, 4, 8)),   # out_proj over heads
+    ("bld,vd->blv", (2, 5, 8), (11, 8)),            # the LM head
+])
+def test_matmul_gradient_runs_in_the_compute_dtype(spec, a_shape, b_shape):
+    ka, kb, kg = jax.random.split(jax.random.key(0), 3)
+    a = jax.random.normal(ka, a_shape, jnp.bfloat16)
+    b = jax.random.normal(kb, b_shape, jnp.float32)
+    out_shape = jax.eval_shape(lambda: jnp.einsum(spec, a, b)).shape
+    g = jax.random.normal(kg, out_shape, jnp.float32)
+    loss = lambda a, b, dtype: (layers.matmul(spec, a, b, dtype) * g).sum()
+
+    # float32 compute: exactly einsum's gradient.
+    a32 = a.astype(jnp.float32)
+    want = jax.grad(lambda a, b: (jnp.einsum(spec, a, b, precision="highest") * g).sum(),
+                    argnums=(0, 1))(a32, b)
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(loss, argnums=(0, 1))(a32, b, jnp.float32)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+    # bf16 compute: gradients in a's and b's dtypes, within bf16 rounding of the float32 ones
+    # (the cotangent and b are rounded to bf16: relative error about 2**-8 per element).
+    da, db = jax.grad(loss, argnums=(0, 1))(a, b, jnp.bfloat16)
+    assert da.dtype == jnp.bfloat16 and db.dtype == jnp.float32
+    for x, y in zip((da, db), want):
+        x = np.asarray(x, np.float32)
+        assert np.isfinite(x).all()
+        assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max()
+
+    # Every matmul of the backward pass takes two bf16 operands (none mixes in float32).
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a, b, jnp.bfloat16)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2
+    for e in dots:
+        assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]

@@ -53,9 +53,11 @@ class Config:
     num_stages: int = 2
     # The per-chunk states saved for the backward pass and their gradients, stored in x's
     # dtype instead of float32 (they are carried and summed in float32 either way): half
-    # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads.
-    # Off until measured faster (bench/ssd.py --states-in-input-dtype).
-    states_in_input_dtype: bool = False
+    # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads,
+    # as mamba_ssm's chunk scan reads its states in C's dtype. Measured on an H200
+    # (BENCHMARKS.md): forward+backward 0.70x the float32 states' time at 8 x 2048, 0.73x at
+    # 8 x 8192, with the same error against mamba_ssm. float32 inputs keep float32 states.
+    states_in_input_dtype: bool = True
 
 
 def supports(x, B):
