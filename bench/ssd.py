@@ -1,7 +1,7 @@
 """SSD scan on a GPU: our Pallas kernels and our XLA path against mamba_ssm's Triton kernels.
 
     python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30] [--breakdown]
-                         [--states-in-input-dtype]
+                         [--float32-states] [--segments N [N ...]]
 
 (Device run: PYTHONUNBUFFERED=1 python3 bench/ssd.py 2>&1 | tee $OUT/log, carrying .baseline;
 a filter between python and tee must be line-buffered, or a timed-out run returns nothing.)
@@ -9,7 +9,11 @@ a filter between python and tee must be line-buffered, or a timed-out run return
 Checks first, failing loudly: on fresh random inputs our kernels' values and every gradient
 against the naive recurrence in float64, and mamba_ssm's outputs against ours. Then one
 table: per shape, forward and forward+backward time of each implementation, ours/theirs,
-achieved TFLOP/s and the floor; then peak temporary memory of forward+backward.
+achieved TFLOP/s and the floor; then peak temporary memory of forward+backward. Variants of
+our kernels get a column each (time and its ratio to theirs), checked against mamba_ssm like
+the default: --float32-states (the saved states in float32, the default before
+BENCHMARKS.md's measurement) and --segments N (each row scanned in N parts at once,
+`ssd(segments=N)`).
 
 Timing: each implementation is one call (a jitted function for JAX; the autograd function
 for mamba_ssm), timed by the host clock from the call until its results are ready on the
@@ -44,8 +48,6 @@ from timing import copy_bandwidth, median_time  # noqa: E402
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 H, P, N, CHUNK = 64, 64, 128, 256
 
-
-BF16_STATES = "triton, states in x dtype"  # the --states-in-input-dtype column
 
 
 def import_mamba_chunk_scan(baseline):
@@ -148,9 +150,10 @@ def main():
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each kernel alone at (8, 8192)")
-    parser.add_argument("--states-in-input-dtype", action="store_true",
-                        help="also time the kernels with the saved states in x's dtype "
-                             "(triton.Config.states_in_input_dtype), as a column of its own")
+    parser.add_argument("--float32-states", action="store_true",
+                        help="a column for the kernels with float32 saved states")
+    parser.add_argument("--segments", type=int, nargs="*", default=[],
+                        help="a column for each N: rows scanned in N segments at once")
     args = parser.parse_args()
     import torch
     rng = np.random.default_rng(int(time.time()))
@@ -180,14 +183,7 @@ def main():
                 return y, leaves
 
             impls = {}
-            for name in ("triton", "xla") + ((BF16_STATES,) if args.states_in_input_dtype
-                                             else ()):
-                if name == BF16_STATES:
-                    f = lambda i, o: vjp.ssd(**i, **o, dt_softplus=True, backend=kernels,
-                                             config=kernels.Config(states_in_input_dtype=True))[0]
-                else:
-                    f = lambda i, o, name=name: ssd(**i, **o, chunk_size=CHUNK,
-                                                    dt_softplus=True, implementation=name)
+            for name, f in implementations(args):
                 fwd = jax.jit(f)
                 fwdbwd = jax.jit(lambda i, o, f=f: jax.vjp(f, i, o)[1](dy))
                 impls[name] = (fwd, fwdbwd)
@@ -200,10 +196,12 @@ def main():
             y_theirs_j = jnp.asarray(y_theirs.detach().float().cpu().numpy())
             errs = {"y vs xla": rel_err(y_ours, y_xla),
                     "y vs mamba_ssm": rel_err(y_ours, y_theirs_j)}
-            if BF16_STATES in impls:
-                g_variant = impls[BF16_STATES][1](inputs, options)[0]
+            for name in list(impls)[2:]:  # the variants
+                g_variant = impls[name][1](inputs, options)[0]
+                errs[f"y ({name}) vs mamba_ssm"] = rel_err(impls[name][0](inputs, options),
+                                                           y_theirs_j)
                 for k in ("x", "B", "C", "dt"):
-                    errs[f"d{k} ({BF16_STATES}) vs mamba_ssm"] = rel_err(
+                    errs[f"d{k} ({name}) vs mamba_ssm"] = rel_err(
                         g_variant[k], leaves[k].grad.float().cpu().numpy())
             for k in ("x", "B", "C", "dt"):
                 errs[f"d{k} vs mamba_ssm"] = rel_err(
@@ -260,19 +258,33 @@ def main():
         breakdown(rng)
 
 
+def implementations(args):
+    """(name, f(inputs, options) -> y): ours ("triton", "xla"), then the asked variants."""
+    def ours(name, **kw):
+        return name, lambda i, o: ssd(**i, **o, chunk_size=CHUNK, dt_softplus=True, **kw)
+    yield ours("triton", implementation="triton")
+    yield ours("xla", implementation="xla")
+    if args.float32_states:
+        yield ("triton, float32 states",
+               lambda i, o: vjp.ssd(**i, **o, dt_softplus=True, backend=kernels,
+                                    config=kernels.Config(states_in_input_dtype=False))[0])
+    for n in args.segments:
+        yield ours(f"triton, {n} segments", implementation="triton", segments=n)
+
+
 def print_row(g, b, l, times, matmul_rate, copy_rate, header=False):
-    variant = BF16_STATES in times
+    variants = [k for k in times if k not in ("triton", "xla", "mamba_ssm")]
     if header:
-        extra = f" ours {BF16_STATES} ms | its ratio to theirs |" if variant else ""
         print("| g | batch x seqlen | pass | ours triton ms | ours xla ms | mamba_ssm ms | "
-              "ours/theirs | ours TFLOP/s | floor ms |" + extra)
-        print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if variant else ""))
+              "ours/theirs | ours TFLOP/s | floor ms |"
+              + "".join(f" ours {k} ms | its ratio to theirs |" for k in variants))
+        print("|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(variants))
     for i, pass_ in enumerate(("fwd", "fwd+bwd")):
         f = flops(b, l, g) * (1 if i == 0 else 3)
         floor = max(f / matmul_rate, io_bytes(b, l, g, i == 1) / copy_rate)
         ours, xla, theirs = (times[k][i] for k in ("triton", "xla", "mamba_ssm"))
-        extra = (f" {times[BF16_STATES][i] * 1e3:.3f} | {times[BF16_STATES][i] / theirs:.2f} |"
-                 if variant else "")
+        extra = "".join(f" {times[k][i] * 1e3:.3f} | {times[k][i] / theirs:.2f} |"
+                        for k in variants)
         print(f"| {g} | {b} x {l} | {pass_} | {ours * 1e3:.3f} | {xla * 1e3:.3f} | "
               f"{theirs * 1e3:.3f} | {ours / theirs:.2f} | {f / ours / 1e12:.0f} | "
               f"{floor * 1e3:.3f} |" + extra, flush=True)

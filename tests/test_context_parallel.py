@@ -80,6 +80,39 @@ def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients()
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementation):
+    # 4 rows of 64 packed tokens in 4 segments of 16 (document starts inside segments and
+    # on their edges, an initial state); the kernels run in Pallas's interpreter on the CPU.
+    args = scan_inputs()
+    options = dict(dt_softplus=True, dt_limit=(0.0, 0.5), chunk_size=8,
+                   implementation=implementation, return_final_state=True)
+
+    def objective(floats, segments, weights):
+        y, final = ssd(**floats, seq_idx=args["seq_idx"], segments=segments, **options)
+        return jnp.sum(y * weights[0]) + jnp.sum(final * weights[1]), (y, final)
+    floats = {k: v for k, v in args.items() if k != "seq_idx"}
+    weights = (jax.random.normal(jax.random.key(1), args["x"].shape),
+               jax.random.normal(jax.random.key(2), args["initial_state"].shape))
+    grad = jax.jit(jax.grad(objective, has_aux=True), static_argnums=1)
+    got, (y, final) = grad(floats, 4, weights)
+    want, _ = grad(floats, 1, weights)
+    y_ref, final_ref = ssd_naive(**args, dt_softplus=True, dt_limit=(0.0, 0.5))
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
+    np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
+    for name in floats:
+        np.testing.assert_allclose(got[name], want[name], rtol=SCAN_GRAD_TOL, atol=SCAN_GRAD_TOL,
+                                   err_msg=name)
+    # One document per row (no seq_idx): the state crosses every segment edge.
+    whole = {k: v for k, v in args.items() if k != "seq_idx"}
+    y, final = ssd(**whole, segments=4, **options)
+    y_ref, final_ref = ssd_naive(**whole, dt_softplus=True, dt_limit=(0.0, 0.5))
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
+    np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
+    with pytest.raises(ValueError, match="segments=3 must divide the sequence length 64"):
+        ssd(**args, segments=3, **options)
+
+
 @pytest.mark.parametrize("spec,sp", [
     ("cp=2,dp=4", True),
     ("cp=4,dp=2", True),

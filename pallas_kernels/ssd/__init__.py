@@ -18,6 +18,12 @@ d_state >= 16 and float32/bfloat16 inputs; "xla" elsewhere).
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
 (context parallelism), each device passes its part and the scan carries the state across
 devices (context_parallel.py): the result is the scan of the whole sequence.
+
+`segments`: split each row (each device's part, under `sequence_axis`) into this many equal
+parts, scanned as rows of their own and joined by the same state passing: the result is
+the same scan. For the kernels, which walk a row's chunks in order, it multiplies the
+programs when batch x heads is too few for the GPU (one long sequence); it adds a readout
+of the entering state per token. 1 (the default) scans each row whole.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ssd import reference, triton, vjp
-from pallas_kernels.ssd.context_parallel import ssd_context_parallel
+from pallas_kernels.ssd.context_parallel import ssd_context_parallel, ssd_segmented
 from pallas_kernels.ssd.reference import document_ids, process_dt
 
 __all__ = ["ssd", "document_ids", "process_dt", "IMPLEMENTATIONS"]
@@ -39,7 +45,7 @@ IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
-        return_final_state=False, sequence_axis=None, implementation="auto"):
+        return_final_state=False, sequence_axis=None, segments=1, implementation="auto"):
     """The chunked SSD scan; see the module docstring for shapes and dtypes."""
     _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx)
     if implementation not in IMPLEMENTATIONS:
@@ -50,6 +56,10 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
     if implementation == "auto":
         implementation = "triton" if _triton_is_faster(x, B) else "xla"
     scan = functools.partial(_scan, chunk_size=chunk_size, implementation=implementation)
+    if segments != 1:
+        if not isinstance(segments, int) or segments < 1:
+            raise ValueError(f"ssd: segments={segments!r} must be a positive int")
+        scan = functools.partial(ssd_segmented, scan, segments=segments)
     if sequence_axis is None:
         y, final_state = scan(x, dt, A, B, C, **options)
     else:
