@@ -1,7 +1,9 @@
 """Where the GPU time of our train step goes: a jax.profiler trace of a few steps, its
-device kernels summed by name and by kind.
+device kernels summed by name and by kind. With --decode NEW, the same for generation.
 
     python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 2048 --batch 8 --out DIR
+    python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 128 --batch 1 --decode 256 \
+        --out DIR
 
 Builds and compiles the step as bench/train_step.py does (Steps: same mesh, remat and
 parameters), runs two warm-up steps, traces --steps steps, and prints the step time, GPU
@@ -10,6 +12,10 @@ the --top kernels by GPU time per step. DIR keeps the trace (perfetto_trace.json
 ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt), where a fusion's name leads to
 the operations it holds. Kernel times are the trace's device events (CUPTI); kernels on
 different streams may overlap, so their sum can exceed the step time.
+
+--decode NEW: `mamba_jax.generate` of NEW tokens after a --seq-len prompt for --batch rows
+(random bf16 weights, greedy), compiled by one call and traced in a second; the kernels of
+the decode loop's program (not the prefill's) per decode step (NEW - 1 of them).
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ def kind_of(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, lower)), "other")
 
 
-def device_events(trace: dict) -> list[dict]:
+def device_events(trace: dict, module: str = "") -> list[dict]:
     """The complete events ('X') of the trace's GPU streams: the processes named after a GPU
-    device, threads named after a stream (not the XLA op/module summary tracks)."""
+    device, threads named after a stream (not the XLA op/module summary tracks); with
+    module, only the kernels of XLA programs whose name contains it."""
     names = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
@@ -54,10 +61,11 @@ def device_events(trace: dict) -> list[dict]:
                 if kind == "process_name" and "GPU" in n}
     stream = lambda e: "stream" in names.get(("thread_name", e["pid"], e.get("tid")), "").lower()
     return [e for e in trace["traceEvents"]
-            if e.get("ph") == "X" and e["pid"] in gpu_pids and stream(e)]
+            if e.get("ph") == "X" and e["pid"] in gpu_pids and stream(e)
+            and module in e.get("args", {}).get("hlo_module", "")]
 
 
-def summarize(events: list[dict], steps: int, step_s: float, top: int):
+def summarize(events: list[dict], steps: int, step_s: float, top: int, what="step"):
     by_name, calls, by_kind = (collections.Counter(), collections.Counter(),
                                collections.Counter())
     for e in events:
@@ -65,16 +73,60 @@ def summarize(events: list[dict], steps: int, step_s: float, top: int):
         calls[e["name"]] += 1 / steps
         by_kind[kind_of(e["name"])] += e["dur"] / 1e3 / steps
     total = sum(by_kind.values())
-    print(f"step {step_s * 1e3:.1f} ms (host clock, median of the traced steps); GPU "
-          f"kernels {total:.1f} ms per step summed over {len(events) // max(steps, 1)} "
-          "events per step")
-    print("| kind | ms per step | share of kernel time |\n|---|---|---|")
+    print(f"{what} {step_s * 1e3:.3f} ms (host clock); GPU kernels {total:.3f} ms per {what} "
+          f"summed over {len(events) // max(steps, 1)} events per {what}")
+    print(f"| kind | ms per {what} | share of kernel time |\n|---|---|---|")
     for k, ms in by_kind.most_common():
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
-    print("\n| kernel | kind | calls per step | ms per step | share |\n|---|---|---|---|---|")
+    print(f"\n| kernel | kind | calls per {what} | ms per {what} | share |\n"
+          "|---|---|---|---|---|")
     for name, ms in by_name.most_common(top):
-        print(f"| {name[:90]} | {kind_of(name)} | {calls[name]:.0f} | {ms:.2f} | "
+        print(f"| {name[:90]} | {kind_of(name)} | {calls[name]:.0f} | {ms:.3f} | "
               f"{100 * ms / total:.1f}% |")
+
+
+def traced(fn, out, steps):
+    """Run fn steps times under jax.profiler; (host seconds of each run, the trace as a dict).
+    The trace is kept as out/perfetto_trace.json.gz."""
+    import jax
+
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(steps):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+        found = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not found:
+            raise SystemExit("jax.profiler wrote no perfetto_trace.json.gz")
+        os.replace(found[0], os.path.join(out, "perfetto_trace.json.gz"))
+    with gzip.open(os.path.join(out, "perfetto_trace.json.gz"), "rt") as f:
+        return times, json.load(f)
+
+
+def profile_decode(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mamba_jax import Mamba2Config, Mamba2LM
+    from mamba_jax.generate import generate
+
+    cfg = Mamba2Config.preset(args.preset)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
+                                                        (args.batch, args.seq_len)))
+    run = lambda: jax.block_until_ready(generate(model, ids, max_new_tokens=args.decode))
+    run()  # compiles the prefill and the decode loop
+    times, trace = traced(run, args.out, 1)
+    steps = args.decode - 1
+    print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
+          f"{args.preset} generate: batch {args.batch}, prompt {args.seq_len}, "
+          f"{args.decode} new tokens; the whole call {times[0] * 1e3:.1f} ms")
+    summarize(device_events(trace, module="decode"), steps, times[0] / args.decode, args.top,
+              what="decode step")
 
 
 def main():
@@ -88,7 +140,11 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", required=True, help="folder for the trace and the HLO")
+    p.add_argument("--decode", type=int, default=0, metavar="NEW",
+                   help="profile generate() of NEW tokens after a --seq-len prompt instead")
     args = p.parse_args()
+    if args.decode:
+        return profile_decode(args)
 
     import jax
 
@@ -99,23 +155,14 @@ def main():
     exe = steps.compiled[args.batch, args.seq_len][0]
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
         f.write(exe.as_text())
-    params, opt_state = steps.state
+    state = list(steps.state)
     tokens = steps.tokens(args.batch, args.seq_len)
-    times = []
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                params, opt_state, loss, _ = exe(params, opt_state, tokens)
-                loss.block_until_ready()
-                times.append(time.perf_counter() - start)
-        found = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
-        if not found:
-            raise SystemExit("jax.profiler wrote no perfetto_trace.json.gz")
-        os.replace(found[0], os.path.join(args.out, "perfetto_trace.json.gz"))
-    with gzip.open(os.path.join(args.out, "perfetto_trace.json.gz"), "rt") as f:
-        events = device_events(json.load(f))
-    summarize(events, args.steps, sorted(times)[len(times) // 2], args.top)
+
+    def step():  # each step donates the state and returns the next
+        state[0], state[1], loss, _ = exe(*state, tokens)
+        loss.block_until_ready()
+    times, trace = traced(step, args.out, args.steps)
+    summarize(device_events(trace), args.steps, sorted(times)[len(times) // 2], args.top)
 
 
 if __name__ == "__main__":

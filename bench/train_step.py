@@ -14,6 +14,9 @@ tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny prese
 throughput: one row per mesh, the same global batch: step time (median of --steps after two
   warm-up steps, the host clock around each step until its loss is ready), tokens/s, MFU
   and peak memory per device (the largest `peak_bytes_in_use` of the mesh's devices).
+  --xla-variants runs each mesh once per entry, an entry being XLA flags without their
+  leading dashes ('' for none), to compare them in one run:
+  --xla-variants '' 'xla_gpu_enable_latency_hiding_scheduler=true'.
   --breakdown adds the jitted loss alone and the loss with its gradient, timed the same
   way: a coarse split of the step (the gradient alone writes every gradient out, which the
   step fuses into the update, so "the rest" is approximate).
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import json
 import math
 import os
@@ -267,11 +271,13 @@ def child(args):
     out(dict(result, next_planned_gib=next_need / GIB, limit_gib=limit / GIB))
 
 
-def in_process(gpus: str, argv: list[str], timeout: float, module=None) -> list[dict]:
-    """Run this script's child (or `python -m module`) pinned to gpus; its RESULT lines."""
+def in_process(gpus: str, argv: list[str], timeout: float, module=None,
+               xla_flags: str = "") -> list[dict]:
+    """Run this script's child (or `python -m module`) pinned to gpus, with xla_flags added
+    to XLA_FLAGS; its RESULT lines."""
     # XLA's Triton GEMM autotuning made the 1.3b step's compile exceed 150 s on an H200;
     # without it the compile took 32 s (BENCHMARKS.md).
-    flags = os.environ.get("XLA_FLAGS", "")
+    flags = os.environ.get("XLA_FLAGS", "") + " " + xla_flags
     if "xla_gpu_enable_triton_gemm" not in flags:
         flags += " --xla_gpu_enable_triton_gemm=false"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95",
@@ -439,9 +445,11 @@ def throughput(args):
     print(f"{args.preset}, bf16 compute, remat {args.remat}; median of {args.steps} steps")
     print(row_head(), flush=True)
     base = None
-    for mesh in args.meshes:
-        r = in_process(gpus_for(mesh), child_argv(args, "measure", mesh), args.timeout)[0]
-        print(row(r), flush=True)
+    for mesh, variant in itertools.product(args.meshes, args.xla_variants):
+        flags = " ".join("--" + flag for flag in variant.split())
+        r = in_process(gpus_for(mesh), child_argv(args, "measure", mesh), args.timeout,
+                       xla_flags=flags)[0]
+        print(row(r, f"{mesh} {flags}".strip()), flush=True)
         if "forward_s" in r:
             print(f"|   breakdown | | | | forward {r['forward_s'] * 1e3:.1f} ms, forward+backward "
                   f"{r['forward_backward_s'] * 1e3:.1f} ms, optimizer and the rest "
@@ -515,6 +523,9 @@ def main():
                    help="step of the largest-batch / longest-sequence search")
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--baseline", default=".baseline")
+    p.add_argument("--xla-variants", nargs="+", default=[""], metavar="FLAGS",
+                   help="throughput: run each mesh once per entry, XLA flags without their "
+                        "leading dashes ('' for none)")
     p.add_argument("--breakdown", action="store_true",
                    help="throughput: also time the loss alone and the loss with its gradient")
     p.add_argument("--limit-gib", type=float, default=None,
