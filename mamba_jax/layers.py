@@ -16,9 +16,12 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+MATMUL_OUTPUT = "weight_matmul"  # checkpoint name of every matmul's result
+
+
 def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
     """jnp.einsum(spec, a, b) with both operands cast to the compute dtype, float32
     accumulation and an out_dtype result, for every weight matmul of the model. A result
@@ -30,12 +33,20 @@ def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
     cotangent with a bf16 operand, which XLA runs as a float32 (TF32) matmul, about 2x
     slower (a third of the 1.3b train step's time, bench/profile_step.py). The gradients
     come out float32-accumulated, in a's and b's dtypes. spec: two operands, every index of
-    one operand in the other or in the output (no index summed within one operand)."""
+    one operand in the other or in the output (no index summed within one operand).
+
+    The result is named MATMUL_OUTPUT for jax.checkpoint policies: a policy that saves dot
+    outputs does not see the dot inside this custom_vjp."""
+    return checkpoint_name(_matmul(spec, a, b, dtype, out_dtype), MATMUL_OUTPUT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _matmul(spec, a, b, dtype, out_dtype):
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
 
 
 def _matmul_fwd(spec, a, b, dtype, out_dtype):
-    return matmul(spec, a, b, dtype, out_dtype), (a, b)
+    return _matmul(spec, a, b, dtype, out_dtype), (a, b)
 
 
 def _matmul_bwd(spec, dtype, out_dtype, residuals, g):
@@ -49,7 +60,7 @@ def _matmul_bwd(spec, dtype, out_dtype, residuals, g):
     return da.astype(a.dtype), db.astype(b.dtype)
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def dense(u, w, dtype, bias=None, out_dtype=jnp.float32):

@@ -1,7 +1,11 @@
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from mamba_jax import layers
 from mamba_jax.layers import causal_conv1d, causal_conv1d_step, gated_rms_norm, rms_norm
@@ -103,3 +107,24 @@ def test_matmul_gradient_runs_in_the_compute_dtype(spec, a_shape, b_shape):
     assert len(dots) == 2
     for e in dots:
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]
+
+
+def test_block_remat_keeps_the_matmul_results_and_recomputes_the_rest():
+    # remat "block" must save what the matmuls return, although their dots are hidden inside
+    # matmul's custom_vjp: the backward pass then recomputes the elementwise sin, not a matmul.
+    from mamba_jax.parallel import _remat_policy
+
+    def f(x, w1, w2):
+        h = jnp.sin(layers.matmul("bd,df->bf", x, w1, jnp.bfloat16, jnp.bfloat16))
+        return layers.matmul("bd,df->bf", h, w2, jnp.bfloat16).sum()
+
+    def saved(remat):  # print_saved_residuals' lines: "bf16[8,16] named '...' from ..."
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(jax.checkpoint(f, policy=_remat_policy(remat, fsdp=False)),
+                                  jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 16)),
+                                  jnp.ones((16, 16)))
+        return [line.split()[0] for line in out.getvalue().splitlines()
+                if f"named '{layers.MATMUL_OUTPUT}'" in line]
+    assert saved("block") == ["bf16[8,16]"]
+    assert saved("full") == []
