@@ -16,51 +16,35 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 
-MATMUL_OUTPUT = "weight_matmul"  # checkpoint name of every matmul's result
-
-
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
 def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
     """jnp.einsum(spec, a, b) with both operands cast to the compute dtype, float32
-    accumulation and an out_dtype result, for every weight matmul of the model. A result
-    that is cast to the compute dtype anyway is asked for in it (out_dtype=dtype): the
-    matmul writes half the bytes, as torch's autocast Linear does.
+    accumulation and an out_dtype result, for every weight matmul of the model (b the
+    weight). A result that is cast to the compute dtype anyway is asked for in it
+    (out_dtype=dtype): the matmul writes half the bytes, as torch's autocast Linear does.
 
-    The gradient casts the float32 cotangent to dtype before its two matmuls, as torch's
-    autocast backward does: differentiated as is, each backward matmul would mix a float32
+    Its derivative runs in the compute dtype, as torch's autocast backward does: the custom
+    JVP takes the tangent matmuls in dtype, so the transposed (backward) matmuls take the
+    cotangent in dtype. Differentiated as is, each backward matmul would mix a float32
     cotangent with a bf16 operand, which XLA runs as a float32 (TF32) matmul, about 2x
-    slower (a third of the 1.3b train step's time, bench/profile_step.py). The gradients
-    come out float32-accumulated, in a's and b's dtypes. spec: two operands, every index of
-    one operand in the other or in the output (no index summed within one operand).
-
-    The result is named MATMUL_OUTPUT for jax.checkpoint policies: a policy that saves dot
-    outputs does not see the dot inside this custom_vjp."""
-    return checkpoint_name(_matmul(spec, a, b, dtype, out_dtype), MATMUL_OUTPUT)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def _matmul(spec, a, b, dtype, out_dtype):
+    slower (a third of the 1.3b train step's time, bench/profile_step.py). The weight's
+    gradient is rounded to dtype before it is widened to b's dtype, as before the cast.
+    A JVP rather than a VJP keeps the matmuls visible to jax.checkpoint policies (a
+    custom_vjp's residuals are saved whatever the policy). spec: two operands, e.g.
+    "...d,df->...f"."""
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
 
 
-def _matmul_fwd(spec, a, b, dtype, out_dtype):
-    return _matmul(spec, a, b, dtype, out_dtype), (a, b)
-
-
-def _matmul_bwd(spec, dtype, out_dtype, residuals, g):
-    a, b = residuals
-    a_spec, b_spec, out_spec = spec.replace("->", ",").split(",")
-    g = g.astype(dtype)
-    da = jnp.einsum(f"{out_spec},{b_spec}->{a_spec}", g, b.astype(dtype),
-                    preferred_element_type=jnp.float32)
-    db = jnp.einsum(f"{a_spec},{out_spec}->{b_spec}", a.astype(dtype), g,
-                    preferred_element_type=jnp.float32)
-    return da.astype(a.dtype), db.astype(b.dtype)
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+@matmul.defjvp
+def _matmul_jvp(spec, dtype, out_dtype, primals, tangents):
+    (a, b), (ta, tb) = primals, tangents
+    a_c, b_c = a.astype(dtype), b.astype(dtype)
+    y = jnp.einsum(spec, a_c, b_c, preferred_element_type=out_dtype)
+    t = (jnp.einsum(spec, ta.astype(dtype), b_c, preferred_element_type=dtype)
+         + jnp.einsum(spec, a_c, tb.astype(dtype), preferred_element_type=dtype))
+    return y, t.astype(out_dtype)
 
 
 def dense(u, w, dtype, bias=None, out_dtype=jnp.float32):

@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import MATMUL_OUTPUT, matmul
+from mamba_jax.layers import matmul
 from mamba_jax.model import param_name
 from mamba_jax.parallel_layers import (block_local, vocab_parallel_cross_entropy,
                                        vocab_parallel_embed)
@@ -196,10 +196,8 @@ def _remat_policy(remat: str, fsdp: bool):
     never kept: the backward pass gathers them again."""
     if remat == "full":
         return jax.checkpoint_policies.nothing_saveable
-    if remat == "block":  # the weight matmuls' results (and any other plain dot)
-        return jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT))
+    if remat == "block":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return jax.checkpoint_policies.save_anything_except_these_names(_GATHERED) if fsdp else None
 
 
