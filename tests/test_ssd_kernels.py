@@ -5,7 +5,11 @@ reference). Each case draws fresh random inputs, runs the backend and the float6
 recurrence on the same (dtype-rounded) inputs, and compares y, final_state and the
 gradients of <y, wy> + <final_state, ws> with respect to x, dt, A, B, C, D, dt_bias and
 initial_state by relative Frobenius error:
-- float32 inputs: below 1e-4 (float32 arithmetic with IEEE float32 dots; seen ~2e-6);
+- float32 inputs: below 1e-4 (float32 arithmetic with IEEE float32 dots; seen ~2e-6),
+  except dA below 1e-3: each of its h entries sums b*l*p*n products of both signs, and the
+  cancellation amplifies float32 rounding (over 12 seeds of packed_documents_with_state its
+  error ranged 7.5e-7 to 2.7e-5 for the kernels and 7.6e-7 to 1.4e-5 for the XLA path; once
+  in CI it reached 1.3e-4);
 - bfloat16 inputs: below 3e-2 (bf16 matmul operands, float32 accumulation, as the XLA path).
 NaN fails every comparison.
 
@@ -21,6 +25,7 @@ from pallas_kernels.ssd import ssd, triton, vjp
 from pallas_kernels.ssd.reference import ssd_naive
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+DA_TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 3e-2}  # see the module docstring
 
 CASES = {  # name: (b, l, h, p, g, n, with_state, docs)
     "seqlen_not_a_chunk_multiple_g1": (2, 45, 4, 16, 1, 16, False, False),
@@ -86,6 +91,8 @@ class BackendCases:
                 lambda **a: ssd_naive(**a, dt_softplus=True), up, jnp.asarray(wy),
                 jnp.asarray(ws))
         errors = relative_errors(ours, reference)
+        dA = errors.pop("dA")
+        assert dA < DA_TOLERANCE[dtype], (dA, errors)
         assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
