@@ -11,11 +11,23 @@ import sys
 import types
 
 
-def import_mamba_lm(baseline):
-    """(MambaConfig, MambaLMHeadModel) from the copy at `baseline`."""
+def _bypass_init(baseline):
+    """Make `mamba_ssm` the package folder at `baseline`, its __init__ not run."""
     package = types.ModuleType("mamba_ssm")
     package.__path__ = [os.path.join(baseline, "mamba_ssm")]
     sys.modules["mamba_ssm"] = package
+
+
+def import_mamba_chunk_scan(baseline):
+    """mamba_ssm's mamba_chunk_scan_combined (its SSD Triton kernels) from the copy."""
+    _bypass_init(baseline)
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    return mamba_chunk_scan_combined
+
+
+def import_mamba_lm(baseline):
+    """(MambaConfig, MambaLMHeadModel) from the copy at `baseline`."""
+    _bypass_init(baseline)
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel

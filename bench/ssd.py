@@ -21,8 +21,8 @@ device (`block_until_ready`, `torch.cuda.synchronize`): what a training step pay
 launches and host overhead included. Median of --reps calls after --warmup calls.
 
 mamba_ssm is not a dependency: its pure-Python Triton ops are imported from the folder
---baseline (a git-ignored copy of mamba_ssm v2.3.2.post1's `mamba_ssm` package), with the
-package's __init__ bypassed so that none of its compiled extensions is needed.
+--baseline (bench/baseline.py), with the package's __init__ bypassed so that none of its
+compiled extensions is needed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import datetime
 import os
 import sys
 import time
-import types
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
@@ -43,19 +42,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pallas_kernels.ssd import ssd  # noqa: E402
 from pallas_kernels.ssd import reference, triton as kernels, vjp  # noqa: E402
+from baseline import import_mamba_chunk_scan  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 H, P, N, CHUNK = 64, 64, 128, 256
-
-
-
-def import_mamba_chunk_scan(baseline):
-    package = types.ModuleType("mamba_ssm")  # skip mamba_ssm/__init__ (compiled extensions)
-    package.__path__ = [os.path.join(baseline, "mamba_ssm")]
-    sys.modules["mamba_ssm"] = package
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    return mamba_chunk_scan_combined
 
 
 def make_inputs(rng, b, l, g, dtype, docs=False, state=False):

@@ -38,8 +38,8 @@ its own; ours with `--xla_gpu_enable_triton_gemm=false` added to XLA_FLAGS unles
 it (see in_process). Progress (compile, build and step times) goes to stderr. The
 parameters are one layer's init repeated (Steps.init_params), which builds in seconds. MFU:
 mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones included,
-forward x3; recomputation not counted) over the dense bf16 peak of the devices used (989
-TFLOP/s per H200, NVIDIA's datasheet).
+forward x3; recomputation not counted) over the dense bf16 peak of the devices used
+(mamba_jax.metrics.device_peak_flops: 989 TFLOP/s per H200, NVIDIA's datasheet).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ from timing import median_time  # bench/timing.py: this script's folder is on sy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PEAK_BF16_FLOPS = 989e12
 GIB = 2**30
 
 
@@ -86,6 +85,7 @@ class Steps:
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
         self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)
         graphdef, abstract = nnx.split(nnx.eval_shape(self.build))
+        self.abstract = abstract  # the parameters' shapes, filled by init_params
         specs = parallel.param_specs(abstract, cfg, mesh)
         self.param_shardings = parallel.shardings(mesh, specs)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
@@ -119,13 +119,13 @@ class Steps:
             raise ValueError(f"bench/train_step.py builds presets of one layer kind; "
                              f"{cfg.layers!r} mixes kinds")
         one = cfg.replace(n_layer=1, layer_pattern=cfg.layer_pattern[:1])
-        _, abstract = nnx.split(nnx.eval_shape(self.build))
 
         def build():
             pure = nnx.to_pure_dict(nnx.split(Mamba2LM(one, rngs=nnx.Rngs(0)))[1])
             pure["layers"] = {i: pure["layers"][0] for i in range(cfg.n_layer)}
-            nnx.replace_by_pure_dict(abstract, pure)
-            return abstract
+            state = jax.tree.map(lambda a: a, self.abstract)  # filled in place: a copy
+            nnx.replace_by_pure_dict(state, pure)
+            return state
 
         return jax.jit(build, out_shardings=self.param_shardings)()
 
@@ -215,10 +215,17 @@ class Steps:
         self.state = (params, opt_state)
         return {"mesh": self.mesh_spec, "batch": batch, "seq_len": seq_len,
                 "compile_s": compile_s, "step_s": step_s, "tokens_s": batch * seq_len / step_s,
-                "mfu": flops / step_s / (PEAK_BF16_FLOPS * len(devices)),
+                "mfu": flops / step_s / (peak_flops(devices[0].device_kind) * len(devices)),
                 "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
                 "device_kind": devices[0].device_kind, **parts}
+
+
+def peak_flops(device_kind):
+    """One device's dense bf16 peak FLOP/s (mamba_jax.metrics); NaN for a device it does not
+    list (a CPU), so MFU prints as nan."""
+    from mamba_jax.metrics import device_peak_flops
+    return device_peak_flops(device_kind) or math.nan
 
 
 def log(line):
@@ -378,7 +385,8 @@ def theirs(args):
     flops = train_flops_per_token(cfg, args.seq_len) * ok * args.seq_len
     print("RESULT " + json.dumps({
         "batch": ok, "seq_len": args.seq_len, "step_s": step_s,
-        "tokens_s": ok * args.seq_len / step_s, "mfu": flops / step_s / PEAK_BF16_FLOPS,
+        "tokens_s": ok * args.seq_len / step_s,
+        "mfu": flops / step_s / peak_flops(torch.cuda.get_device_name()),
         "peak_gib": torch.cuda.max_memory_allocated() / GIB, "loss": loss,
         "finite": math.isfinite(loss), "first_oom_batch": bad,
         "use_mem_eff_path": mem_eff}), flush=True)

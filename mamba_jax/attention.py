@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import dense, matmul
+from mamba_jax.layers import dense, matmul, uniform
 from pallas_kernels.ssd import document_ids
 
 
@@ -93,10 +93,6 @@ def attend(q, k, v, scale, mask=None):
     return jax.nn.dot_product_attention(q, k, v, **options)
 
 
-def _uniform(rngs, shape, bound):
-    return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
-
-
 class Attention(nnx.Module):
     """The attention mixer. q_proj [d, h, e], k_proj, v_proj [d, k, e], o_proj [h, e, d]
     (and q_bias [h, e], k_bias, v_bias [k, e], out_bias [d] when configured) are float32;
@@ -107,15 +103,15 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         bound = 1.0 / math.sqrt(d)  # nn.Linear's default init; biases zero
-        self.q_proj = nnx.Param(_uniform(rngs, (d, h, e), bound))
-        self.k_proj = nnx.Param(_uniform(rngs, (d, k, e), bound))
-        self.v_proj = nnx.Param(_uniform(rngs, (d, k, e), bound))
+        self.q_proj = nnx.Param(uniform(rngs, (d, h, e), bound))
+        self.k_proj = nnx.Param(uniform(rngs, (d, k, e), bound))
+        self.v_proj = nnx.Param(uniform(rngs, (d, k, e), bound))
         if cfg.attn_qkv_bias:
             self.q_bias = nnx.Param(jnp.zeros((h, e), jnp.float32))
             self.k_bias = nnx.Param(jnp.zeros((k, e), jnp.float32))
             self.v_bias = nnx.Param(jnp.zeros((k, e), jnp.float32))
         # Rescaled by 1/sqrt(residual layers), as mamba_ssm's _init_weights does out_proj.
-        self.o_proj = nnx.Param(_uniform(rngs, (h, e, d), 1.0 / math.sqrt(h * e))
+        self.o_proj = nnx.Param(uniform(rngs, (h, e, d), 1.0 / math.sqrt(h * e))
                                 / math.sqrt(len(cfg.layers)))
         if cfg.attn_out_bias:
             self.out_bias = nnx.Param(jnp.zeros((d,), jnp.float32))

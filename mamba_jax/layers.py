@@ -56,6 +56,12 @@ def dense(u, w, dtype, bias=None, out_dtype=jnp.float32):
     return y if bias is None else y + bias.astype(out_dtype)
 
 
+def uniform(rngs: nnx.Rngs, shape, bound):
+    """A float32 parameter drawn from U(-bound, bound): torch nn.Linear's and nn.Conv1d's
+    default init with bound 1/sqrt(fan_in)."""
+    return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
+
+
 def rms_norm(x, weight, eps):
     """x [..., d], weight [d] -> x / rms(x) * weight, in float32, cast back to x.dtype."""
     @jax.checkpoint
@@ -140,14 +146,12 @@ class MLP(nnx.Module):
                  dtype=jnp.float32):
         self.activation = activation
         self.dtype = dtype
-        uniform = lambda shape, bound: jax.random.uniform(rngs.params(), shape, jnp.float32,
-                                                          -bound, bound)
         # nn.Linear's default init; the output projection rescaled by 1/sqrt(residual
         # layers) as mamba_ssm's _init_weights does for fc2.
-        self.up_proj = nnx.Param(uniform((d, f), 1.0 / math.sqrt(d)))
+        self.up_proj = nnx.Param(uniform(rngs, (d, f), 1.0 / math.sqrt(d)))
         if activation == "swiglu":
-            self.gate_proj = nnx.Param(uniform((d, f), 1.0 / math.sqrt(d)))
-        self.down_proj = nnx.Param(uniform((f, d), 1.0 / math.sqrt(f))
+            self.gate_proj = nnx.Param(uniform(rngs, (d, f), 1.0 / math.sqrt(d)))
+        self.down_proj = nnx.Param(uniform(rngs, (f, d), 1.0 / math.sqrt(f))
                                    / math.sqrt(n_residuals))
 
     def hidden(self, u):

@@ -46,13 +46,17 @@ def train_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
     return 3.0 * (layers + 2 * d * cfg.padded_vocab_size)
 
 
+def device_peak_flops(device_kind: str, dtype_name: str = "bfloat16") -> float | None:
+    """One device's peak dense matmul FLOP/s for the compute dtype, by its kind ("NVIDIA
+    H200", as jax and torch name it); None if unknown."""
+    peak = next((v for k, v in _PEAK_BF16.items() if k in device_kind), None)
+    return None if peak is None else peak * (1.0 if dtype_name == "bfloat16" else 0.5)
+
+
 def peak_flops(dtype_name: str) -> float | None:
     """The whole machine's peak matmul FLOP/s for the compute dtype, None if unknown."""
-    kind = jax.devices()[0].device_kind
-    peak = next((v for k, v in _PEAK_BF16.items() if k in kind), None)
-    if peak is None:
-        return None
-    return peak * jax.device_count() * (1.0 if dtype_name == "bfloat16" else 0.5)
+    peak = device_peak_flops(jax.devices()[0].device_kind, dtype_name)
+    return None if peak is None else peak * jax.device_count()
 
 
 def peak_memory_gib() -> float | None:

@@ -20,7 +20,7 @@ from flax import nnx
 
 from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import (causal_conv1d, causal_conv1d_step, dense, gated_rms_norm,
-                              matmul)
+                              matmul, uniform)
 from pallas_kernels.ssd import document_ids, process_dt, ssd
 
 
@@ -35,10 +35,6 @@ class MambaCache(NamedTuple):
     ssm_state: jax.Array
 
 
-def _uniform(rngs, shape, bound):
-    return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
-
-
 class Mamba2Mixer(nnx.Module):
     """The Mamba2 mixer. Parameters are float32; `dtype` is the compute dtype of the matmuls,
     the conv and the SSD operands; dt, A, D and the SSM state stay float32."""
@@ -50,11 +46,11 @@ class Mamba2Mixer(nnx.Module):
         self.dtype = dtype
         # nn.Linear's default init, U(+-1/sqrt(fan_in)); biases zero (mamba_ssm _init_weights).
         in_bound = 1.0 / math.sqrt(d)
-        self.z_proj = nnx.Param(_uniform(rngs, (d, h, p), in_bound))
-        self.x_proj = nnx.Param(_uniform(rngs, (d, h, p), in_bound))
-        self.B_proj = nnx.Param(_uniform(rngs, (d, g, n), in_bound))
-        self.C_proj = nnx.Param(_uniform(rngs, (d, g, n), in_bound))
-        self.dt_proj = nnx.Param(_uniform(rngs, (d, h), in_bound))
+        self.z_proj = nnx.Param(uniform(rngs, (d, h, p), in_bound))
+        self.x_proj = nnx.Param(uniform(rngs, (d, h, p), in_bound))
+        self.B_proj = nnx.Param(uniform(rngs, (d, g, n), in_bound))
+        self.C_proj = nnx.Param(uniform(rngs, (d, g, n), in_bound))
+        self.dt_proj = nnx.Param(uniform(rngs, (d, h), in_bound))
         if cfg.bias:
             self.z_bias = nnx.Param(jnp.zeros((h, p), jnp.float32))
             self.x_bias = nnx.Param(jnp.zeros((h, p), jnp.float32))
@@ -64,13 +60,13 @@ class Mamba2Mixer(nnx.Module):
             self.out_bias = nnx.Param(jnp.zeros((d,), jnp.float32))
         # nn.Conv1d's default init: fan_in = d_conv for a depthwise conv.
         conv_bound = 1.0 / math.sqrt(k)
-        self.x_conv = nnx.Param(_uniform(rngs, (k, h, p), conv_bound))
-        self.B_conv = nnx.Param(_uniform(rngs, (k, g, n), conv_bound))
-        self.C_conv = nnx.Param(_uniform(rngs, (k, g, n), conv_bound))
+        self.x_conv = nnx.Param(uniform(rngs, (k, h, p), conv_bound))
+        self.B_conv = nnx.Param(uniform(rngs, (k, g, n), conv_bound))
+        self.C_conv = nnx.Param(uniform(rngs, (k, g, n), conv_bound))
         if cfg.conv_bias:
-            self.x_conv_bias = nnx.Param(_uniform(rngs, (h, p), conv_bound))
-            self.B_conv_bias = nnx.Param(_uniform(rngs, (g, n), conv_bound))
-            self.C_conv_bias = nnx.Param(_uniform(rngs, (g, n), conv_bound))
+            self.x_conv_bias = nnx.Param(uniform(rngs, (h, p), conv_bound))
+            self.B_conv_bias = nnx.Param(uniform(rngs, (g, n), conv_bound))
+            self.C_conv_bias = nnx.Param(uniform(rngs, (g, n), conv_bound))
         # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
         log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
                                     math.log(cfg.dt_min), math.log(cfg.dt_max))
@@ -82,7 +78,7 @@ class Mamba2Mixer(nnx.Module):
         self.norm = nnx.Param(jnp.ones((h, p), jnp.float32))
         # Rescaled by 1/sqrt(residual layers) (mamba_ssm's rescale_prenorm_residual: n_layer
         # without MLPs, 2*n_layer with them).
-        self.out_proj = nnx.Param(_uniform(rngs, (h, p, d), 1.0 / math.sqrt(cfg.d_inner))
+        self.out_proj = nnx.Param(uniform(rngs, (h, p, d), 1.0 / math.sqrt(cfg.d_inner))
                                   / math.sqrt(len(cfg.layers)))
 
     def _bias(self, name):

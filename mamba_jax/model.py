@@ -20,7 +20,7 @@ from flax import nnx
 
 from mamba_jax.attention import Attention
 from mamba_jax.config import LAYER_KINDS, Mamba2Config
-from mamba_jax.layers import MLP, RMSNorm, matmul
+from mamba_jax.layers import MLP, RMSNorm, matmul, uniform
 from mamba_jax.mixer import Mamba2Mixer
 
 
@@ -101,9 +101,7 @@ class Mamba2LM(nnx.Module):
         self.norm_f = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             # Stored [v, d] like the embedding (torch's nn.Linear layout).
-            bound = 1.0 / math.sqrt(d)
-            self.lm_head = nnx.Param(jax.random.uniform(rngs.params(), (v, d), jnp.float32,
-                                                        -bound, bound))
+            self.lm_head = nnx.Param(uniform(rngs, (v, d), 1.0 / math.sqrt(d)))
 
     @property
     def residual_dtype(self):
