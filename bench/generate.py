@@ -2,6 +2,7 @@
 
     python3 bench/generate.py [--baseline .baseline] [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
+                              [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
 
 Random weights, bf16 compute, greedy. For each preset and batch: our prefill time and our
 decode time (the jitted prefill and the jitted decode loop, each timed from the call until
@@ -10,8 +11,13 @@ token comes from the prefill) and decode tokens/s; mamba_ssm's the same, its dec
 being generate(max_length=prompt+new) minus generate(max_length=prompt+1) (prefill and one
 token), both with CUDA graphs; the ratio ours/theirs per step; and the roofline: bytes one
 decode step must read (bf16 matmul weights, float32 conv weights and norms, the conv and SSM
-states read and written; mamba_ssm keeps its states in bf16, we keep the SSM state float32)
-over the measured copy bandwidth. Median of --reps after one warm-up.
+states read and written; mamba_ssm's cache keeps its states in bf16, ours in the row's
+--ssm-state-dtypes) over the measured copy bandwidth. Median of --reps after one warm-up.
+
+One row of ours per SSM state dtype (generate's ssm_state_dtype) and per command-buffer
+setting (on: the decode loop compiled with generate.DECODE_COMPILER_OPTIONS, as generate
+does; off: XLA's defaults). Checks first, failing loudly: streamed tokens equal unstreamed
+ones, and the command-buffer settings generate the same tokens.
 
 mamba_ssm is imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
 decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
@@ -34,7 +40,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
-from mamba_jax.generate import _check, _decode, _prefill  # noqa: E402
+from mamba_jax.generate import _check, _decode, _prefill, generate, jit_decode  # noqa: E402,E501
 from baseline import import_mamba_lm, mamba_config  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 
@@ -51,27 +57,45 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
     return cfg.n_layer * per_layer + 2 * cfg.padded_vocab_size * d + 4 * d
 
 
-def ours(cfg, batch, prompt, new, reps):
-    """(prefill s, decode s) of mamba_jax.generate's two programs."""
+def ours(cfg, batch, prompt, new, reps, ssm_state_dtype, command_buffers):
+    """(prefill s, decode s, tokens [batch, new]) of mamba_jax.generate's two programs."""
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt)))
     settings, sampling, lengths, limits = _check(model, ids, new, 0.0, None, None, None,
-                                                     None)
+                                                 None, ssm_state_dtype)
     graphdef, state = nnx.split(model)
     key = jax.random.key(0)
+    decode_fn = _decode if command_buffers else jit_decode({})
 
     def prefill():
         return jax.block_until_ready(_prefill(graphdef, state, ids, lengths, key, settings,
-                                                  sampling=sampling))
+                                              sampling=sampling,
+                                              ssm_state_dtype=ssm_state_dtype))
 
     def decode(first, cache):
-        return jax.block_until_ready(_decode(
+        return jax.block_until_ready(decode_fn(
             graphdef, state, first, cache, key, settings, limits, np.int32(-1),
             max_new_tokens=new, sampling=sampling, eos_token_id=None, stream=False))
 
     t_prefill = median_time(prefill, 1, reps)
-    caches = [prefill() for _ in range(reps + 1)]  # the decode donates (consumes) each one
-    return t_prefill, median_time(lambda: decode(*caches.pop()), 1, reps)
+    caches = [prefill() for _ in range(reps + 2)]  # the decode donates (consumes) each one
+    tokens = np.asarray(decode(*caches.pop())[0])
+    return t_prefill, median_time(lambda: decode(*caches.pop()), 1, reps), tokens
+
+
+def check_streaming():
+    """Streamed tokens (an io_callback inside the decode loop) equal the unstreamed ones, in
+    order: a callback captured into a CUDA graph would run once, not at every step."""
+    cfg = Mamba2Config.preset("tiny")
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 8)))
+    seen = []
+    streamed = generate(model, ids, 16, on_token=lambda i, t: seen.append((i, t.tolist())))
+    plain = generate(model, ids, 16)
+    if not (np.array_equal(streamed, plain) and [i for i, _ in seen] == list(range(16))
+            and np.array_equal(np.asarray([t for _, t in seen]).T, plain[:, 8:])):
+        raise SystemExit(f"streaming check FAILED: steps {[i for i, _ in seen]}")
+    print("check: streamed tokens equal the unstreamed ones, every step in order")
 
 
 def theirs(cfg, batch, prompt, new, reps, baseline):
@@ -102,37 +126,54 @@ def main():
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--ssm-state-dtypes", default="float32,bfloat16",
+                        help="a row of ours per dtype the decoding cache stores states in")
+    parser.add_argument("--command-buffers", default="on",
+                        help="'on', 'off' or 'on,off': our decode loop compiled with "
+                             "generate.DECODE_COMPILER_OPTIONS (on) or XLA's defaults (off)")
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth(1, 5)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; prompt {args.prompt}, {args.new} new tokens, bf16, "
           "greedy")
-    header = ("preset", "batch", "prefill ours ms", "prefill theirs ms", "ms/step ours",
-              "ms/step theirs", "ours/theirs", "tok/s ours", "tok/s theirs", "ours/theirs tok/s",
-              "floor ms ours", "floor ms theirs", "ours/floor")
+    check_streaming()
+    header = ("preset", "batch", "our SSM state", "command buffers", "prefill ours ms",
+              "prefill theirs ms", "ms/step ours", "ms/step theirs", "ours/theirs",
+              "tok/s ours", "tok/s theirs", "ours/theirs tok/s", "floor ms ours",
+              "floor ms theirs", "ours/floor")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     steps = args.new - 1
     for preset in args.presets.split(","):
         cfg = Mamba2Config.preset(preset)
         for batch in (int(b) for b in args.batches.split(",")):
-            p_ours, d_ours = ours(cfg, batch, args.prompt, args.new, args.reps)
             try:
                 p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
                                             args.baseline)
-            except Exception:  # still print our row; the table marks theirs as failed
+            except Exception:  # still print our rows; the table marks theirs as failed
                 traceback.print_exc()
                 p_theirs = d_theirs = float("nan")
-            ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
-            tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
-            floor_ours = 1e3 * step_bytes(cfg, batch, 4) / bandwidth
-            floor_theirs = 1e3 * step_bytes(cfg, batch, 2) / bandwidth
-            row = (preset, batch, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
-                   f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.2f}x",
-                   f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
-                   f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
-            print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+            for dtype in args.ssm_state_dtypes.split(","):
+                tokens = {}
+                for graphs in args.command_buffers.split(","):
+                    p_ours, d_ours, tokens[graphs] = ours(cfg, batch, args.prompt, args.new,
+                                                          args.reps, dtype, graphs == "on")
+                    ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
+                    tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
+                    floor_ours = 1e3 * step_bytes(cfg, batch, jnp.dtype(dtype).itemsize) \
+                        / bandwidth
+                    floor_theirs = 1e3 * step_bytes(cfg, batch, 2) / bandwidth
+                    row = (preset, batch, dtype, graphs, f"{1e3 * p_ours:.1f}",
+                           f"{1e3 * p_theirs:.1f}", f"{ms_ours:.3f}", f"{ms_theirs:.3f}",
+                           f"{ms_ours / ms_theirs:.2f}x", f"{tps_ours:.0f}",
+                           f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
+                           f"{floor_ours:.3f}", f"{floor_theirs:.3f}",
+                           f"{ms_ours / floor_ours:.2f}x")
+                    print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+                if len({t.tobytes() for t in tokens.values()}) > 1:
+                    raise SystemExit(f"{preset} batch {batch} {dtype}: the command-buffer "
+                                     "variants generated different tokens")
 
 
 if __name__ == "__main__":

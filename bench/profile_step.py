@@ -15,7 +15,9 @@ different streams may overlap, so their sum can exceed the step time.
 
 --decode NEW: `mamba_jax.generate` of NEW tokens after a --seq-len prompt for --batch rows
 (random bf16 weights, greedy), compiled by one call and traced in a second; the kernels of
-the decode loop's program (not the prefill's) per decode step (NEW - 1 of them).
+the decode loop's program (not the prefill's) per decode step (NEW - 1 of them). The loop is
+compiled with XLA's default command buffers, not generate's (a loop run as a CUDA graph
+hides its kernels from the profiler).
 """
 
 from __future__ import annotations
@@ -65,6 +67,22 @@ def device_events(trace: dict, module: str = "") -> list[dict]:
             and module in e.get("args", {}).get("hlo_module", "")]
 
 
+def busy_fraction(events: list[dict]) -> float:
+    """The share of the span from the first kernel's start to the last one's end in which at
+    least one kernel runs: what is left is launch gaps and host waits."""
+    if not events:
+        return float("nan")
+    busy, end = 0.0, None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    return busy / span if span else 1.0
+
+
 def summarize(events: list[dict], steps: int, step_s: float, top: int, what="step"):
     by_name, calls, by_kind = (collections.Counter(), collections.Counter(),
                                collections.Counter())
@@ -74,7 +92,8 @@ def summarize(events: list[dict], steps: int, step_s: float, top: int, what="ste
         by_kind[kind_of(e["name"])] += e["dur"] / 1e3 / steps
     total = sum(by_kind.values())
     print(f"{what} {step_s * 1e3:.3f} ms (host clock); GPU kernels {total:.3f} ms per {what} "
-          f"summed over {len(events) // max(steps, 1)} events per {what}")
+          f"summed over {len(events) // max(steps, 1)} events per {what}; the GPU runs a "
+          f"kernel {100 * busy_fraction(events):.0f}% of the time from the first to the last")
     print(f"| kind | ms per {what} | share of kernel time |\n|---|---|---|")
     for k, ms in by_kind.most_common():
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
@@ -112,13 +131,18 @@ def profile_decode(args):
     from flax import nnx
 
     from mamba_jax import Mamba2Config, Mamba2LM
-    from mamba_jax.generate import generate
+
+    gen = sys.modules["mamba_jax.generate"]  # the package (mamba_jax.generate is the function)
+
+    # XLA's default command buffers: the profiler does not see the kernels of a decode loop
+    # that runs as a CUDA graph (generate's DECODE_COMPILER_OPTIONS), so it times this one.
+    gen._decode = gen.jit_decode({})
 
     cfg = Mamba2Config.preset(args.preset)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
                                                         (args.batch, args.seq_len)))
-    run = lambda: jax.block_until_ready(generate(model, ids, max_new_tokens=args.decode))
+    run = lambda: jax.block_until_ready(gen.generate(model, ids, max_new_tokens=args.decode))
     run()  # compiles the prefill and the decode loop
     times, trace = traced(run, args.out, 1)
     steps = args.decode - 1

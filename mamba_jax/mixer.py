@@ -28,11 +28,23 @@ class MambaCache(NamedTuple):
     """One Mamba layer's decoding state.
 
     conv_state [b, e, k]: the last k conv inputs, newest last (mamba_ssm's layout);
-    ssm_state [b, h, p, n] float32.
+    ssm_state [b, h, p, n] float32 (or bfloat16 where generate is asked to store it so).
     """
 
     conv_state: jax.Array
     ssm_state: jax.Array
+
+
+class StepWeights(NamedTuple):
+    """A Mamba layer's matmul weights as a decoding step reads them, built once before the
+    decode loop (XLA would rebuild anything derived from the parameters inside a while_loop,
+    at every token).
+
+    in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype; out_proj [d, h*p] in the
+    compute dtype, transposed (see out_proj_partial)."""
+
+    in_proj: tuple
+    out_proj: jax.Array
 
 
 class Mamba2Mixer(nnx.Module):
@@ -84,19 +96,24 @@ class Mamba2Mixer(nnx.Module):
     def _bias(self, name):
         return getattr(self, name)[...] if self.cfg.bias else None
 
-    def project(self, u):
+    def in_proj(self):
+        """The five input projections side by side, in mamba_ssm's in_proj order: w [d, h*p
+        (z) + e (x, B, C) + h (dt)] and bias [same] or None, in the weights' dtype."""
+        roles = (self.z_proj, self.x_proj, self.B_proj, self.C_proj, self.dt_proj)
+        w = jnp.concatenate([r[...].reshape(r.shape[0], -1) for r in roles], axis=1)
+        if not self.cfg.bias:
+            return w, None
+        return w, jnp.concatenate([self._bias(name).reshape(-1) for name in
+                                   ("z_bias", "x_bias", "B_bias", "C_bias", "dt_proj_bias")])
+
+    def project(self, u, in_proj=None):
         """u [..., d] -> z [..., h, p] and xBC [..., e] (the conv's channels x, B, C) in the
         compute dtype, dt [..., h] float32 (before dt_bias and softplus).
 
-        One matmul over the five weights side by side, in mamba_ssm's in_proj order: u is
-        read once and the backward pass runs one matmul for du instead of five and their
-        sum. dt leaves it in the compute dtype, as from mamba_ssm's in_proj."""
-        roles = (self.z_proj, self.x_proj, self.B_proj, self.C_proj, self.dt_proj)
-        w = jnp.concatenate([r[...].reshape(r.shape[0], -1) for r in roles], axis=1)
-        bias = None
-        if self.cfg.bias:
-            bias = jnp.concatenate([self._bias(name).reshape(-1) for name in
-                                    ("z_bias", "x_bias", "B_bias", "C_bias", "dt_proj_bias")])
+        One matmul over `in_proj()` (or the given one, StepWeights.in_proj): u is read once
+        and the backward pass runs one matmul for du instead of five and their sum. dt
+        leaves it in the compute dtype, as from mamba_ssm's in_proj."""
+        w, bias = self.in_proj() if in_proj is None else in_proj
         zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
         z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
         z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
@@ -141,15 +158,22 @@ class Mamba2Mixer(nnx.Module):
                    dt_limit=self.cfg.dt_limit, seq_idx=seq_idx, return_final_state=True,
                    sequence_axis=sequence_axis)
 
-    def out_proj_partial(self, y):
+    def out_proj_partial(self, y, out_proj=None):
         """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the
-        heads this is one tensor-parallel rank's share of the sum."""
-        return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype)
+        heads this is one tensor-parallel rank's share of the sum. out_proj: [d, h*p]
+        (StepWeights.out_proj); None reads the parameter."""
+        if out_proj is None:
+            return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype)
+        # A one-token step: XLA rewrites a matrix-vector product as a product and a sum,
+        # which against [h, p, d] it ran as an elementwise product [h*p, d] written out in
+        # float32 and summed over columns, 3x the weight's bytes (bench/profile_step.py).
+        # Against [d, h*p] the sum runs over each contiguous row.
+        return matmul("...e,de->...d", y.reshape(*y.shape[:-2], -1), out_proj, self.dtype)
 
-    def _output(self, y, z):
-        """y, z [..., h, p] -> gated per-group norm -> out_proj -> [..., d] compute dtype."""
+    def _output(self, y, z, out_proj=None):
+        """y, z [..., h, p] -> gated norm -> out_proj -> [..., d] compute dtype."""
         y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.ngroups)
-        out = self.out_proj_partial(y)
+        out = self.out_proj_partial(y, out_proj)
         bias = self._bias("out_bias")
         return (out if bias is None else out + bias).astype(self.dtype)
 
@@ -180,10 +204,22 @@ class Mamba2Mixer(nnx.Module):
         return MambaCache(jnp.zeros((batch_size, c.conv_dim, c.d_conv), self.dtype),
                           jnp.zeros((batch_size, c.nheads, c.headdim, c.d_state), jnp.float32))
 
-    def step(self, u, cache: MambaCache):
-        """One token: u [b, d] -> ([b, d], the updated MambaCache)."""
+    def step_weights(self) -> StepWeights:
+        """The StepWeights of the current parameters (build them outside the decode loop)."""
+        w, bias = self.in_proj()
+        out = self.out_proj[...]
+        return StepWeights((w.astype(self.dtype), bias),
+                           out.reshape(-1, out.shape[-1]).T.astype(self.dtype))
+
+    def step(self, u, cache: MambaCache, weights: StepWeights | None = None):
+        """One token: u [b, d] -> ([b, d], the updated MambaCache).
+
+        weights: `step_weights()`, built before the decode loop; None builds them here. The
+        new SSM state is computed in float32 and stored in the cache's dtype (float32, or
+        bfloat16 as mamba_ssm's decoding cache of a bf16 model)."""
         c = self.cfg
-        z, xBC_in, dt = self.project(u)
+        weights = self.step_weights() if weights is None else weights
+        z, xBC_in, dt = self.project(u, weights.in_proj)
         conv_state = jnp.concatenate(
             [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
             axis=-1)
@@ -198,9 +234,11 @@ class Mamba2Mixer(nnx.Module):
         # y = C.h_new = decay * C.h_old + dtx * (C.B): both terms read the old state, so XLA
         # fuses the state update and the readout into one pass over the state (read once,
         # written once) instead of writing h_new and reading it back.
-        ssm_state = (cache.ssm_state * decay[:, :, None, None]
-                     + dtx[..., None] * B_h[:, :, None, :])
-        y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", cache.ssm_state, C_h)
+        state = cache.ssm_state.astype(jnp.float32)
+        ssm_state = (state * decay[:, :, None, None]
+                     + dtx[..., None] * B_h[:, :, None, :]).astype(cache.ssm_state.dtype)
+        y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", state, C_h)
              + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None]
              + self.D[...][:, None] * x.astype(jnp.float32))
-        return self._output(y.astype(self.dtype), z), MambaCache(conv_state, ssm_state)
+        return (self._output(y.astype(self.dtype), z, weights.out_proj),
+                MambaCache(conv_state, ssm_state))

@@ -13,6 +13,7 @@ Block of mixer + MLP (r += mixer(norm(r)); r += mlp(norm2(r))) is two such layer
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +75,29 @@ class Block(nnx.Module):
         residual = residual + out.astype(residual.dtype)
         return (residual, cache) if return_cache else residual
 
-    def step(self, residual, cache):
-        """residual [b, d] -> (residual [b, d], the layer's updated cache)."""
+    def step(self, residual, cache, weights=None):
+        """residual [b, d] -> (residual [b, d], the layer's updated cache). weights: a Mamba
+        layer's StepWeights, built before the decode loop (DecodeWeights)."""
         hidden = self.norm(residual).astype(self.mixer.dtype)
         if self.kind == "mlp":
             out = self.mixer(hidden)
-        else:
+        elif self.kind == "attention":
             out, cache = self.mixer.step(hidden, cache)
+        else:
+            out, cache = self.mixer.step(hidden, cache, weights)
         return residual + out.astype(residual.dtype), cache
+
+
+class DecodeWeights(NamedTuple):
+    """What every decoding step reads that is derived from the parameters, built once before
+    the decode loop: XLA does not hoist it out of a while_loop, and would rebuild it at every
+    token (the fused input projection is a copy of the layer's largest weights).
+
+    head [v, d]: the LM head in the compute dtype; layers: per layer, a Mamba layer's
+    `Mamba2Mixer.step_weights()`, None for other layers."""
+
+    head: jax.Array
+    layers: tuple
 
 
 class Mamba2LM(nnx.Module):
@@ -118,8 +134,8 @@ class Mamba2LM(nnx.Module):
     def logits(self, residual, head=None):
         """residual [..., d] -> float32 logits [..., v] through norm_f and the LM head.
 
-        head [v, d]: the LM head already in the compute dtype (decoding casts it once, not at
-        every token); None uses head_weight()."""
+        head [v, d]: the LM head already in the compute dtype (DecodeWeights); None uses
+        head_weight()."""
         hidden = self.norm_f(residual).astype(self.dtype)
         head = self.head_weight() if head is None else head
         return matmul("...d,vd->...v", hidden, head, self.dtype)
@@ -160,13 +176,21 @@ class Mamba2LM(nnx.Module):
             cache.append(layer_cache)
         return self.logits(residual), tuple(cache)
 
-    def step(self, token_ids, cache, head=None):
+    def decode_weights(self) -> DecodeWeights:
+        """The DecodeWeights of the current parameters (build them outside the decode loop)."""
+        return DecodeWeights(
+            head=self.head_weight().astype(self.dtype),
+            layers=tuple(layer.mixer.step_weights() if layer.kind == "mamba" else None
+                         for layer in self.layers))
+
+    def step(self, token_ids, cache, weights: DecodeWeights | None = None):
         """One decoding step: token_ids [b] -> (logits [b, v], the updated cache).
 
-        head: as in `logits`."""
+        weights: `decode_weights()`, built once before a decode loop; None builds them here."""
+        weights = self.decode_weights() if weights is None else weights
         residual = self.embed(token_ids)
         new_cache = []
-        for layer, layer_cache in zip(self.layers, cache):
-            residual, layer_cache = layer.step(residual, layer_cache)
+        for layer, layer_cache, layer_weights in zip(self.layers, cache, weights.layers):
+            residual, layer_cache = layer.step(residual, layer_cache, layer_weights)
             new_cache.append(layer_cache)
-        return self.logits(residual, head), tuple(new_cache)
+        return self.logits(residual, weights.head), tuple(new_cache)

@@ -105,11 +105,32 @@ def test_streaming_delivers_every_step_in_order(model):
     np.testing.assert_array_equal(np.asarray([t for _, t in seen]).T, out[:, 4:])
 
 
+def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model):
+    ids = jnp.asarray(np.random.default_rng(6).integers(0, 250, (2, 14)))
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).step(t, c))
+    _, cache32 = model.prefill(ids[:, :4])
+    cache16 = tuple(c._replace(ssm_state=c.ssm_state.astype(jnp.bfloat16)) for c in cache32)
+    worst = 0.0
+    for t in range(4, 14):  # the same tokens into both caches
+        logits32, cache32 = step(state, ids[:, t], cache32)
+        logits16, cache16 = step(state, ids[:, t], cache16)
+        assert all(c.ssm_state.dtype == jnp.bfloat16 for c in cache16)
+        assert np.all(np.isfinite(logits16))
+        worst = max(worst, float(jnp.max(jnp.abs(logits16 - logits32))))
+    # bf16 rounds the state to 2**-9 relative at every token; logits of about 0.5 moved by
+    # at most 3.7e-5 here (nonzero: the cache is really rounded).
+    assert 0.0 < worst < 1e-3, worst
+    out = mamba_jax.generate(model, ids[:, :4], max_new_tokens=5, ssm_state_dtype="bfloat16")
+    assert out.shape == (2, 9)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(top_k=0), "top_k=0"), (dict(top_p=1.5), "top_p=1.5"),
     (dict(prompt_lengths=[4]), "prompt_lengths=\\[4\\]"),
-    (dict(temperature=[1.0, 1.0]), "temperature has shape \\(2,\\)")])
+    (dict(temperature=[1.0, 1.0]), "temperature has shape \\(2,\\)"),
+    (dict(ssm_state_dtype="float16"), "ssm_state_dtype='float16'")])
 def test_bad_arguments_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,

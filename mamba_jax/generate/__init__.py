@@ -8,11 +8,14 @@ Legend: b batch, l prompt length (after left padding), t max_new_tokens, v vocab
 
 Two programs per call. `_prefill` runs the prompt through the chunked SSD scan (and, in a
 hybrid model, attention, whose KV cache it sizes for the prompt and every new token) and
-samples the first token. `_decode` is the whole rest (every layer, sampling, per-row stopping) as one
-`lax.while_loop`: no Python loop, no host round trip and no recompilation per token. Its
+samples the first token. `_decode` is the whole rest (every layer, sampling, per-row
+stopping) as one `lax.while_loop`, on a GPU one CUDA graph (DECODE_COMPILER_OPTIONS): no
+Python loop, no host round trip and no recompilation per token. Its
 cache argument is donated, so XLA updates the conv windows and SSM states in place. Before
-the loop it casts the matmul weights to the compute dtype once: every token then reads them
-at 2 bytes a value instead of reading float32 and converting (the same values either way).
+the loop it casts the matmul weights to the compute dtype once (every token then reads them
+at 2 bytes a value instead of reading float32 and converting; the same values either way) and
+builds the model's DecodeWeights (the fused input projections, the LM head), which XLA would
+otherwise rebuild inside the loop at every token.
 
 Sampling settings are traced values, one per row, so requests with different temperatures
 share a batch and a compiled program; only which filters exist at all (greedy-only, top-k,
@@ -31,14 +34,22 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from mamba_jax.mixer import MambaCache
 from mamba_jax.model import param_name
 
-# Parameters the model casts to its compute dtype at every use (the projections of
-# Mamba2Mixer, Attention and MLP, Mamba2LM.logits): casting them once before the loop changes
-# no value.
-_MATMUL_WEIGHTS = frozenset({"z_proj", "x_proj", "B_proj", "C_proj", "dt_proj", "out_proj",
-                             "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
-                             "down_proj", "lm_head"})
+# Parameters that attention and MLP layers cast to the compute dtype at every use: casting
+# them once before the loop changes no value. (A Mamba layer's and the LM head's matmul
+# weights reach the loop through Mamba2LM.decode_weights, cast there.)
+_MATMUL_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
+                             "down_proj"})
+
+# The decode loop as one CUDA graph: XLA's command buffers with the while loop itself a
+# conditional graph node (XLA's default leaves the loop to the host, which launches its
+# body's command buffers at every token). 3% less time per token on an H200 at batch 1
+# (bench/generate.py --command-buffers on,off; BENCHMARKS.md). Ignored on CPU.
+DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
+                           "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
+SSM_STATE_DTYPES = ("float32", "bfloat16")
 
 
 class Sampling(NamedTuple):
@@ -91,13 +102,15 @@ def _sample(logits, key, settings, sampling: Sampling):
                          top_p if sampling.top_p else None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len",
+                                             "ssm_state_dtype"))
 def _prefill(graphdef, state, input_ids, prompt_lengths, key, settings, *, sampling,
-             cache_len=None):
+             cache_len=None, ssm_state_dtype="float32"):
     """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], cache).
 
     cache_len: the attention layers' KV slots (None for a model without attention, so its
-    prefill compiles once for any max_new_tokens)."""
+    prefill compiles once for any max_new_tokens). ssm_state_dtype: what the cache stores
+    the SSM states in (the decode steps keep that dtype)."""
     model = nnx.merge(graphdef, state)
     seq_idx = None
     if prompt_lengths is not None:
@@ -105,6 +118,8 @@ def _prefill(graphdef, state, input_ids, prompt_lengths, key, settings, *, sampl
         l = input_ids.shape[1]
         seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
     logits, cache = model.prefill(input_ids, seq_idx=seq_idx, cache_len=cache_len)
+    cache = tuple(c._replace(ssm_state=c.ssm_state.astype(ssm_state_dtype))
+                  if isinstance(c, MambaCache) else c for c in cache)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
     first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling)
     return first, cache
@@ -121,11 +136,8 @@ _STREAMS: dict[int, Callable[[int, np.ndarray], None]] = {}
 _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling",
-                                             "eos_token_id", "stream"),
-                   donate_argnames=("cache",))
-def _decode(graphdef, state, first, cache, key, settings, limits, stream_id, *, max_new_tokens,
-            sampling, eos_token_id, stream):
+def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id, *,
+                 max_new_tokens, sampling, eos_token_id, stream):
     """first [b] (the prefill's token), limits [b] (tokens each row may generate, <= t) ->
     (tokens [b, t] int32, final cache).
 
@@ -139,7 +151,7 @@ def _decode(graphdef, state, first, cache, key, settings, limits, stream_id, *, 
     nnx.update(model, jax.tree_util.tree_map_with_path(
         lambda path, w: (w.astype(model.dtype)
                          if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), weights))
-    head = model.head_weight().astype(model.dtype)
+    weights = model.decode_weights()
     vocab = model.config.vocab_size
     stop = -1 if eos_token_id is None else eos_token_id
     pad = 0 if eos_token_id is None else eos_token_id
@@ -154,7 +166,7 @@ def _decode(graphdef, state, first, cache, key, settings, limits, stream_id, *, 
 
     def body(carry):
         i, token, cache, done, out = carry
-        logits, cache = model.step(token, cache, head)
+        logits, cache = model.step(token, cache, weights)
         token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling)
         token = jnp.where(done, pad, token)
         if stream:
@@ -165,6 +177,16 @@ def _decode(graphdef, state, first, cache, key, settings, limits, stream_id, *, 
     carry = (jnp.int32(1), first, cache, (first == stop) | (limits <= 1), out)
     _, _, cache, _, out = jax.lax.while_loop(cond, body, carry)
     return out, cache
+
+
+def jit_decode(compiler_options):
+    """The decode loop jitted with these XLA compiler options (the cache donated)."""
+    return jax.jit(_decode_loop, donate_argnames=("cache",), compiler_options=compiler_options,
+                   static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_token_id",
+                                    "stream"))
+
+
+_decode = jit_decode(DECODE_COMPILER_OPTIONS)
 
 
 def _per_row(name, value, b, dtype, off):
@@ -180,12 +202,15 @@ def _per_row(name, value, b, dtype, off):
 
 
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-           max_new_tokens_per_row):
+           max_new_tokens_per_row, ssm_state_dtype="float32"):
     """Validate generate's arguments; -> (settings, Sampling, prompt_lengths, limits)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
                          f"{input_ids.shape}")
     b, l = input_ids.shape
+    if ssm_state_dtype not in SSM_STATE_DTYPES:
+        raise ValueError(f"generate: ssm_state_dtype={ssm_state_dtype!r}; use one of "
+                         f"{SSM_STATE_DTYPES}")
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
     t, sampled = _per_row("temperature", temperature, b, np.float32, 0.0)
@@ -229,7 +254,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
 
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
-             on_token=None):
+             on_token=None, ssm_state_dtype="float32"):
     """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
 
     temperature, top_k, top_p: a number for all rows, or one value per row (see
@@ -244,18 +269,26 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     on_token(step, tokens [b] numpy): called from a runtime thread as each step's tokens
     are sampled (step 0 is the first new token), for streaming.
 
+    ssm_state_dtype: "float32" (the default) or "bfloat16", what the decoding cache stores
+    the SSM states in between tokens; each step computes in float32 either way. "bfloat16"
+    is what mamba_ssm's cache holds for a bf16 model: it halves the bytes a step moves,
+    which at large batches are mostly states (bench/generate.py), and rounds the state at
+    every token.
+
     Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
-    used, eos_token_id, streaming or not); the settings' values and the prompts are data.
+    used, eos_token_id, streaming or not, ssm_state_dtype); the settings' values and the
+    prompts are data.
     """
     input_ids = jnp.asarray(input_ids)
     settings, sampling, prompt_lengths, limits = _check(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-        max_new_tokens_per_row)
+        max_new_tokens_per_row, ssm_state_dtype)
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
     cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None
     first, cache = _prefill(graphdef, state, input_ids, prompt_lengths, key, settings,
-                            sampling=sampling, cache_len=cache_len)
+                            sampling=sampling, cache_len=cache_len,
+                            ssm_state_dtype=ssm_state_dtype)
     stream_id = -1
     if on_token is not None:
         stream_id = next(_STREAM_IDS)
