@@ -3,6 +3,7 @@
     python3 bench/generate.py [--baseline .baseline] [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
                               [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
+                              [--step-implementations xla,triton]
 
 Random weights, bf16 compute, greedy. For each preset and batch: our prefill time and our
 decode time (the jitted prefill and the jitted decode loop, each timed from the call until
@@ -14,10 +15,12 @@ decode step must read (bf16 matmul weights, float32 conv weights and norms, the 
 states read and written; mamba_ssm's cache keeps its states in bf16, ours in the row's
 --ssm-state-dtypes) over the measured copy bandwidth. Median of --reps after one warm-up.
 
-One row of ours per SSM state dtype (generate's ssm_state_dtype) and per command-buffer
-setting (on: the decode loop compiled with generate.DECODE_COMPILER_OPTIONS, as generate
-does; off: XLA's defaults). Checks first, failing loudly: streamed tokens equal unstreamed
-ones, and the command-buffer settings generate the same tokens.
+One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
+(generate's step_implementation) and command-buffer setting (on: the decode loop compiled
+with generate.DECODE_COMPILER_OPTIONS, as generate does; off: XLA's defaults). Checks,
+failing loudly: streamed tokens equal unstreamed ones (first), and the command-buffer
+settings generate the same tokens. Last, the share of each row's tokens equal to the first
+row's of its group (other state dtypes and step kernels round differently).
 
 mamba_ssm is imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
 decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
@@ -57,12 +60,12 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
     return cfg.n_layer * per_layer + 2 * cfg.padded_vocab_size * d + 4 * d
 
 
-def ours(cfg, batch, prompt, new, reps, ssm_state_dtype, command_buffers):
+def ours(cfg, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
     """(prefill s, decode s, tokens [batch, new]) of mamba_jax.generate's two programs."""
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt)))
     settings, sampling, lengths, limits = _check(model, ids, new, 0.0, None, None, None,
-                                                 None, ssm_state_dtype)
+                                                 None, ssm_state_dtype, implementation)
     graphdef, state = nnx.split(model)
     key = jax.random.key(0)
     decode_fn = _decode if command_buffers else jit_decode({})
@@ -75,7 +78,8 @@ def ours(cfg, batch, prompt, new, reps, ssm_state_dtype, command_buffers):
     def decode(first, cache):
         return jax.block_until_ready(decode_fn(
             graphdef, state, first, cache, key, settings, limits, np.int32(-1),
-            max_new_tokens=new, sampling=sampling, eos_token_id=None, stream=False))
+            max_new_tokens=new, sampling=sampling, eos_token_id=None, stream=False,
+            step_implementation=implementation))
 
     t_prefill = median_time(prefill, 1, reps)
     caches = [prefill() for _ in range(reps + 2)]  # the decode donates (consumes) each one
@@ -128,6 +132,9 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--ssm-state-dtypes", default="float32,bfloat16",
                         help="a row of ours per dtype the decoding cache stores states in")
+    parser.add_argument("--step-implementations", default="xla",
+                        help="a row of ours per implementation of the Mamba layers' conv and "
+                             "SSM update (generate's step_implementation): xla, triton")
     parser.add_argument("--command-buffers", default="on",
                         help="'on', 'off' or 'on,off': our decode loop compiled with "
                              "generate.DECODE_COMPILER_OPTIONS (on) or XLA's defaults (off)")
@@ -138,13 +145,13 @@ def main():
           f"{bandwidth / 1e12:.2f} TB/s; prompt {args.prompt}, {args.new} new tokens, bf16, "
           "greedy")
     check_streaming()
-    header = ("preset", "batch", "our SSM state", "command buffers", "prefill ours ms",
+    header = ("preset", "batch", "our SSM state", "step", "command buffers", "prefill ours ms",
               "prefill theirs ms", "ms/step ours", "ms/step theirs", "ours/theirs",
               "tok/s ours", "tok/s theirs", "ours/theirs tok/s", "floor ms ours",
               "floor ms theirs", "ours/floor")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    steps = args.new - 1
+    steps, agreement = args.new - 1, []
     for preset in args.presets.split(","):
         cfg = Mamba2Config.preset(preset)
         for batch in (int(b) for b in args.batches.split(",")):
@@ -156,25 +163,35 @@ def main():
                 p_theirs = d_theirs = float("nan")
             for dtype in args.ssm_state_dtypes.split(","):
                 tokens = {}
-                for graphs in args.command_buffers.split(","):
-                    p_ours, d_ours, tokens[graphs] = ours(cfg, batch, args.prompt, args.new,
-                                                          args.reps, dtype, graphs == "on")
-                    ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
-                    tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
-                    floor_ours = 1e3 * step_bytes(cfg, batch, jnp.dtype(dtype).itemsize) \
-                        / bandwidth
-                    floor_theirs = 1e3 * step_bytes(cfg, batch, 2) / bandwidth
-                    row = (preset, batch, dtype, graphs, f"{1e3 * p_ours:.1f}",
-                           f"{1e3 * p_theirs:.1f}", f"{ms_ours:.3f}", f"{ms_theirs:.3f}",
-                           f"{ms_ours / ms_theirs:.2f}x", f"{tps_ours:.0f}",
-                           f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
-                           f"{floor_ours:.3f}", f"{floor_theirs:.3f}",
-                           f"{ms_ours / floor_ours:.2f}x")
-                    print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
-                if len({t.tobytes() for t in tokens.values()}) > 1:
-                    raise SystemExit(f"{preset} batch {batch} {dtype}: the command-buffer "
-                                     "variants generated different tokens")
+                for impl in args.step_implementations.split(","):
+                    for graphs in args.command_buffers.split(","):
+                        p_ours, d_ours, tokens[impl, graphs] = ours(
+                            cfg, batch, args.prompt, args.new, args.reps, dtype,
+                            graphs == "on", impl)
+                        row = _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours,
+                                   p_theirs, d_theirs, steps, bandwidth)
+                        print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+                    settings = args.command_buffers.split(",")
+                    if len({tokens[impl, g].tobytes() for g in settings}) > 1:
+                        raise SystemExit(f"{preset} batch {batch} {dtype} {impl}: the "
+                                         "command-buffer settings generated different tokens")
+                first = next(iter(tokens.values()))
+                agreement += [f"{preset} batch {batch} {dtype} {impl} {graphs}: "
+                              f"{np.mean(t == first):.3f} of the tokens equal the first row's"
+                              for (impl, graphs), t in tokens.items()]
+    print("\n".join(agreement))
 
+
+def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, steps,
+         bandwidth):
+    ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
+    tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
+    floor_ours = 1e3 * step_bytes(cfg, batch, jnp.dtype(dtype).itemsize) / bandwidth
+    floor_theirs = 1e3 * step_bytes(cfg, batch, 2) / bandwidth
+    return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
+            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.2f}x",
+            f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
+            f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
 
 if __name__ == "__main__":
     main()

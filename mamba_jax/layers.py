@@ -114,17 +114,6 @@ def causal_conv1d(x, weight, bias=None, doc=None):
     return jax.nn.silu(y).astype(x.dtype)
 
 
-def causal_conv1d_step(window, weight, bias=None):
-    """One decode step of `causal_conv1d`. window [b, k, ...]: the last k inputs, newest last.
-
-    Returns [b, ...] in window.dtype.
-    """
-    y = jnp.einsum("bk...,k...->b...", window.astype(jnp.float32), weight.astype(jnp.float32))
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return jax.nn.silu(y).astype(window.dtype)
-
-
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis; weight [d] float32, initialised to ones."""
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import (causal_conv1d, causal_conv1d_step, dense, gated_rms_norm,
-                              matmul, uniform)
-from pallas_kernels.ssd import document_ids, process_dt, ssd
+from mamba_jax.layers import causal_conv1d, dense, gated_rms_norm, matmul, uniform
+from pallas_kernels.ssd import document_ids, ssd
+from pallas_kernels.ssd.step import mamba_step
 
 
 class MambaCache(NamedTuple):
@@ -40,10 +40,12 @@ class StepWeights(NamedTuple):
     decode loop (XLA would rebuild anything derived from the parameters inside a while_loop,
     at every token).
 
-    in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype; out_proj [d, h*p] in the
-    compute dtype, transposed (see out_proj_partial)."""
+    in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype; conv: the conv weight
+    [e, k] and bias [e] or None over the fused x, B, C channels, float32; out_proj [d, h*p]
+    in the compute dtype, transposed (see out_proj_partial)."""
 
     in_proj: tuple
+    conv: tuple
     out_proj: jax.Array
 
 
@@ -208,37 +210,25 @@ class Mamba2Mixer(nnx.Module):
         """The StepWeights of the current parameters (build them outside the decode loop)."""
         w, bias = self.in_proj()
         out = self.out_proj[...]
-        return StepWeights((w.astype(self.dtype), bias),
+        conv_w, conv_b = self._conv_params()
+        return StepWeights((w.astype(self.dtype), bias), (conv_w.T, conv_b),
                            out.reshape(-1, out.shape[-1]).T.astype(self.dtype))
 
-    def step(self, u, cache: MambaCache, weights: StepWeights | None = None):
+    def step(self, u, cache: MambaCache, weights: StepWeights | None = None,
+             implementation="xla"):
         """One token: u [b, d] -> ([b, d], the updated MambaCache).
 
         weights: `step_weights()`, built before the decode loop; None builds them here. The
         new SSM state is computed in float32 and stored in the cache's dtype (float32, or
-        bfloat16 as mamba_ssm's decoding cache of a bf16 model)."""
-        c = self.cfg
+        bfloat16 as mamba_ssm's decoding cache of a bf16 model). implementation: of the
+        conv and SSM update, pallas_kernels.ssd.step ("xla" or "triton")."""
         weights = self.step_weights() if weights is None else weights
         z, xBC_in, dt = self.project(u, weights.in_proj)
         conv_state = jnp.concatenate(
             [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
             axis=-1)
-        w, bias = self._conv_params()
-        x, B, C = self._split_xBC(causal_conv1d_step(jnp.swapaxes(conv_state, 1, 2), w, bias))
-        dt = process_dt(dt, self.dt_bias[...], True, c.dt_limit)  # [b, h] float32
-        decay = jnp.exp(dt * -jnp.exp(self.A_log[...]))
-        r = c.nheads // c.ngroups
-        B_h = jnp.repeat(B.astype(jnp.float32), r, axis=1)  # [b, h, n]
-        C_h = jnp.repeat(C.astype(jnp.float32), r, axis=1)
-        dtx = dt[:, :, None] * x.astype(jnp.float32)  # [b, h, p]
-        # y = C.h_new = decay * C.h_old + dtx * (C.B): both terms read the old state, so XLA
-        # fuses the state update and the readout into one pass over the state (read once,
-        # written once) instead of writing h_new and reading it back.
-        state = cache.ssm_state.astype(jnp.float32)
-        ssm_state = (state * decay[:, :, None, None]
-                     + dtx[..., None] * B_h[:, :, None, :]).astype(cache.ssm_state.dtype)
-        y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", state, C_h)
-             + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None]
-             + self.D[...][:, None] * x.astype(jnp.float32))
+        y, ssm_state = mamba_step(conv_state, *weights.conv, dt, -jnp.exp(self.A_log[...]),
+                                  self.D[...], self.dt_bias[...], cache.ssm_state,
+                                  dt_limit=self.cfg.dt_limit, implementation=implementation)
         return (self._output(y.astype(self.dtype), z, weights.out_proj),
                 MambaCache(conv_state, ssm_state))

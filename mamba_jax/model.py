@@ -75,16 +75,17 @@ class Block(nnx.Module):
         residual = residual + out.astype(residual.dtype)
         return (residual, cache) if return_cache else residual
 
-    def step(self, residual, cache, weights=None):
+    def step(self, residual, cache, weights=None, implementation="xla"):
         """residual [b, d] -> (residual [b, d], the layer's updated cache). weights: a Mamba
-        layer's StepWeights, built before the decode loop (DecodeWeights)."""
+        layer's StepWeights, built before the decode loop (DecodeWeights); implementation:
+        its conv and SSM update's (Mamba2Mixer.step)."""
         hidden = self.norm(residual).astype(self.mixer.dtype)
         if self.kind == "mlp":
             out = self.mixer(hidden)
         elif self.kind == "attention":
             out, cache = self.mixer.step(hidden, cache)
         else:
-            out, cache = self.mixer.step(hidden, cache, weights)
+            out, cache = self.mixer.step(hidden, cache, weights, implementation)
         return residual + out.astype(residual.dtype), cache
 
 
@@ -183,14 +184,18 @@ class Mamba2LM(nnx.Module):
             layers=tuple(layer.mixer.step_weights() if layer.kind == "mamba" else None
                          for layer in self.layers))
 
-    def step(self, token_ids, cache, weights: DecodeWeights | None = None):
+    def step(self, token_ids, cache, weights: DecodeWeights | None = None,
+             implementation="xla"):
         """One decoding step: token_ids [b] -> (logits [b, v], the updated cache).
 
-        weights: `decode_weights()`, built once before a decode loop; None builds them here."""
+        weights: `decode_weights()`, built once before a decode loop; None builds them here.
+        implementation: of the Mamba layers' conv and SSM update, pallas_kernels.ssd.step's
+        ("xla" or "triton")."""
         weights = self.decode_weights() if weights is None else weights
         residual = self.embed(token_ids)
         new_cache = []
         for layer, layer_cache, layer_weights in zip(self.layers, cache, weights.layers):
-            residual, layer_cache = layer.step(residual, layer_cache, layer_weights)
+            residual, layer_cache = layer.step(residual, layer_cache, layer_weights,
+                                                  implementation)
             new_cache.append(layer_cache)
         return self.logits(residual, weights.head), tuple(new_cache)

@@ -125,12 +125,19 @@ def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model)
     assert out.shape == (2, 9)
 
 
+def test_the_step_kernel_generates_what_the_xla_step_does(model):
+    prompt = jnp.asarray(np.random.default_rng(7).integers(0, 250, (2, 5)))
+    ours = mamba_jax.generate(model, prompt, max_new_tokens=6, step_implementation="triton")
+    np.testing.assert_array_equal(ours, mamba_jax.generate(model, prompt, max_new_tokens=6))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(top_k=0), "top_k=0"), (dict(top_p=1.5), "top_p=1.5"),
     (dict(prompt_lengths=[4]), "prompt_lengths=\\[4\\]"),
     (dict(temperature=[1.0, 1.0]), "temperature has shape \\(2,\\)"),
-    (dict(ssm_state_dtype="float16"), "ssm_state_dtype='float16'")])
+    (dict(ssm_state_dtype="float16"), "ssm_state_dtype='float16'"),
+    (dict(step_implementation="cuda"), "step_implementation='cuda'")])
 def test_bad_arguments_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,

@@ -8,7 +8,7 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from mamba_jax import layers
-from mamba_jax.layers import causal_conv1d, causal_conv1d_step, gated_rms_norm, rms_norm
+from mamba_jax.layers import causal_conv1d, gated_rms_norm, rms_norm
 
 
 def test_causal_conv1d_matches_direct_convolution():
@@ -35,15 +35,6 @@ def test_causal_conv1d_restarts_at_document_starts():
     y = causal_conv1d(x, w, None, doc)
     alone = jnp.concatenate([causal_conv1d(x[:, :7], w), causal_conv1d(x[:, 7:], w)], axis=1)
     np.testing.assert_allclose(y, alone, rtol=1e-6, atol=1e-6)
-
-
-def test_conv_step_equals_the_last_position_of_the_full_conv():
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((2, 6, 3, 2)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((4, 3, 2)), jnp.float32)
-    bias = jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)
-    np.testing.assert_allclose(causal_conv1d_step(x[:, -4:], w, bias),
-                               causal_conv1d(x, w, bias)[:, -1], rtol=1e-5, atol=1e-6)
 
 
 def test_gated_norm_normalises_each_group_separately():

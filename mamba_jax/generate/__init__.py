@@ -36,6 +36,7 @@ from jax.experimental import io_callback
 
 from mamba_jax.mixer import MambaCache
 from mamba_jax.model import param_name
+from pallas_kernels.ssd.step import IMPLEMENTATIONS as STEP_IMPLEMENTATIONS
 
 # Parameters that attention and MLP layers cast to the compute dtype at every use: casting
 # them once before the loop changes no value. (A Mamba layer's and the LM head's matmul
@@ -137,7 +138,7 @@ _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 
 def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id, *,
-                 max_new_tokens, sampling, eos_token_id, stream):
+                 max_new_tokens, sampling, eos_token_id, stream, step_implementation="xla"):
     """first [b] (the prefill's token), limits [b] (tokens each row may generate, <= t) ->
     (tokens [b, t] int32, final cache).
 
@@ -166,7 +167,7 @@ def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id
 
     def body(carry):
         i, token, cache, done, out = carry
-        logits, cache = model.step(token, cache, weights)
+        logits, cache = model.step(token, cache, weights, step_implementation)
         token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling)
         token = jnp.where(done, pad, token)
         if stream:
@@ -183,7 +184,7 @@ def jit_decode(compiler_options):
     """The decode loop jitted with these XLA compiler options (the cache donated)."""
     return jax.jit(_decode_loop, donate_argnames=("cache",), compiler_options=compiler_options,
                    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_token_id",
-                                    "stream"))
+                                    "stream", "step_implementation"))
 
 
 _decode = jit_decode(DECODE_COMPILER_OPTIONS)
@@ -202,12 +203,15 @@ def _per_row(name, value, b, dtype, off):
 
 
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-           max_new_tokens_per_row, ssm_state_dtype="float32"):
+           max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="xla"):
     """Validate generate's arguments; -> (settings, Sampling, prompt_lengths, limits)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
                          f"{input_ids.shape}")
     b, l = input_ids.shape
+    if step_implementation not in STEP_IMPLEMENTATIONS:
+        raise ValueError(f"generate: step_implementation={step_implementation!r}; use one of "
+                         f"{STEP_IMPLEMENTATIONS}")
     if ssm_state_dtype not in SSM_STATE_DTYPES:
         raise ValueError(f"generate: ssm_state_dtype={ssm_state_dtype!r}; use one of "
                          f"{SSM_STATE_DTYPES}")
@@ -254,7 +258,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
 
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
-             on_token=None, ssm_state_dtype="float32"):
+             on_token=None, ssm_state_dtype="float32", step_implementation="xla"):
     """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
 
     temperature, top_k, top_p: a number for all rows, or one value per row (see
@@ -275,14 +279,18 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     which at large batches are mostly states (bench/generate.py), and rounds the state at
     every token.
 
+    step_implementation: "xla" (the default) or "triton", the Mamba layers' conv and SSM
+    update in each decode step (pallas_kernels.ssd.step.mamba_step; "triton" is one Pallas
+    kernel per layer instead of about six XLA fusions, not yet timed on a GPU).
+
     Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
-    used, eos_token_id, streaming or not, ssm_state_dtype); the settings' values and the
-    prompts are data.
+    used, eos_token_id, streaming or not, ssm_state_dtype, step_implementation); the
+    settings' values and the prompts are data.
     """
     input_ids = jnp.asarray(input_ids)
     settings, sampling, prompt_lengths, limits = _check(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-        max_new_tokens_per_row, ssm_state_dtype)
+        max_new_tokens_per_row, ssm_state_dtype, step_implementation)
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
     cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None
@@ -297,7 +305,7 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
         out, _ = _decode(graphdef, state, first, cache, key, settings, limits,
                          np.int32(stream_id), max_new_tokens=int(max_new_tokens),
                          sampling=sampling, eos_token_id=eos_token_id,
-                         stream=on_token is not None)
+                         stream=on_token is not None, step_implementation=step_implementation)
         if on_token is not None:
             jax.effects_barrier()  # every callback has run before the stream is dropped
     finally:

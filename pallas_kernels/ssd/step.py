@@ -1,0 +1,144 @@
+"""One decoding step of a Mamba2 layer between its projections: the causal conv over the
+window, dt, the SSM state update and its read-out (mamba_ssm's causal_conv1d_update and
+selective_state_update), in plain JAX and as one Pallas kernel.
+
+    y, state = mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state,
+                          dt_limit=(0.0, inf), implementation="xla")
+
+Legend: b batch, h heads, p headdim, g groups, r = h // g heads per group, n d_state,
+k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC order).
+
+window [b, e, k]: the last k conv inputs, newest last, this token's included (the cache's
+conv_state after the shift), in the compute dtype. conv_w [e, k] and conv_b [e] (or None):
+the depthwise conv. dt [b, h] float32 before dt_bias, softplus (Mamba2's, always) and the
+dt_limit clamp. A [h] (negative), D [h], dt_bias [h] float32. state [b, h, p, n], float32 or
+bfloat16.
+
+Returns y [b, h, p] float32 (C . h_new + D x, before the gated norm) and the new state in
+state's dtype, computed in float32. x, B and C leave the conv rounded to the window's dtype,
+as from mamba_ssm's causal_conv1d_update.
+
+`implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
+"triton" (`_step_kernel`, grid (b, h), one kernel: each program convolves its head's x
+channels and its group's B and C channels, reads its [p, n] state once and writes it in
+place; on a machine without a GPU it runs in Pallas's interpreter). A decode step at batch
+1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation). The kernel has
+not been timed on a GPU yet: "xla" stays the default until it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.ssd.reference import process_dt
+
+IMPLEMENTATIONS = ("xla", "triton")
+
+
+def mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
+               dt_limit=(0.0, math.inf), implementation="xla"):
+    """See the module docstring for shapes and dtypes."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"mamba_step: implementation={implementation!r} is not one of "
+                         f"{IMPLEMENTATIONS}")
+    if implementation == "triton":
+        if not supports(window, state):
+            raise ValueError(f"mamba_step: implementation='triton' needs headdim, d_state and "
+                             f"d_conv powers of two (headdim, d_state >= 16); got state "
+                             f"{state.shape}, window {window.shape}: use 'xla'")
+        return _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit,
+                       interpret=jax.devices()[0].platform != "gpu")
+    return reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit)
+
+
+def supports(window, state):
+    """Whether the kernel takes these shapes (its loads are power-of-two blocks)."""
+    p, n, k = state.shape[2], state.shape[3], window.shape[2]
+    return all(v & (v - 1) == 0 for v in (p, n, k)) and min(p, n) >= 16
+
+
+def reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit=(0.0, math.inf)):
+    """mamba_step in plain JAX."""
+    b, h, p, n = state.shape
+    conv = jnp.einsum("bek,ek->be", window.astype(jnp.float32), conv_w.astype(jnp.float32))
+    if conv_b is not None:
+        conv = conv + conv_b.astype(jnp.float32)
+    xBC = jax.nn.silu(conv).astype(window.dtype).astype(jnp.float32)
+    g = (xBC.shape[1] - h * p) // (2 * n)
+    x = xBC[:, :h * p].reshape(b, h, p)
+    B, C = (part.reshape(b, g, n) for part in jnp.split(xBC[:, h * p:], 2, axis=1))
+    dt = process_dt(dt, dt_bias, True, dt_limit)  # [b, h] float32
+    decay = jnp.exp(dt * A)
+    B_h = jnp.repeat(B, h // g, axis=1)  # [b, h, n]
+    C_h = jnp.repeat(C, h // g, axis=1)
+    dtx = dt[:, :, None] * x  # [b, h, p]
+    old = state.astype(jnp.float32)
+    # y = C.h_new = decay * C.h_old + dtx * (C.B): both terms read the old state, so XLA
+    # fuses the state update and the read-out into one pass over the state (read once,
+    # written once) instead of writing h_new and reading it back.
+    new = old * decay[:, :, None, None] + dtx[..., None] * B_h[:, :, None, :]
+    y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h)
+         + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
+    return y, new.astype(state.dtype)
+
+
+def _softplus(v):
+    # jax.nn.softplus's values (log(1 + e^v), v itself past 20 where they agree in float32),
+    # in operations the Triton lowering has.
+    return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
+
+
+def _step_kernel(window_ref, w_ref, *refs, p, n, r, g, has_bias, dt_limit):
+    if has_bias:
+        bias_ref, *refs = refs
+    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, new_ref = refs
+    bi, hi = pl.program_id(0), pl.program_id(1)
+    gi = hi // r
+    h_p = window_ref.shape[1] - 2 * g * n  # the x channels, h * p
+
+    def conv(start, size):
+        """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
+        window's dtype."""
+        channels = pl.ds(start, size)
+        out = jnp.sum(window_ref[bi, channels, :].astype(jnp.float32)
+                      * w_ref[channels, :].astype(jnp.float32), axis=1)
+        if has_bias:
+            out = out + bias_ref[channels].astype(jnp.float32)
+        return jax.nn.silu(out).astype(window_ref.dtype).astype(jnp.float32)
+
+    x = conv(hi * p, p)
+    B = conv(h_p + gi * n, n)
+    C = conv(h_p + g * n + gi * n, n)
+    dt = _softplus(dt_ref[bi, hi] + dt_bias_ref[hi])
+    lo, hi_limit = dt_limit
+    if lo > 0.0 or hi_limit < math.inf:
+        dt = jnp.clip(dt, lo, hi_limit)
+    decay = jnp.exp(dt * A_ref[hi])
+    old = state_ref[bi, hi, :, :].astype(jnp.float32)  # [p, n]
+    dtx = dt * x
+    y_ref[bi, hi, :] = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
+                        + D_ref[hi] * x)
+    new_ref[bi, hi, :, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
+
+
+def _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, interpret):
+    b, h, p, n = state.shape
+    g = (window.shape[1] - h * p) // (2 * n)
+    kernel = functools.partial(_step_kernel, p=p, n=n, r=h // g, g=g,
+                               has_bias=conv_b is not None, dt_limit=tuple(dt_limit))
+    args = (window, conv_w) + (() if conv_b is None else (conv_b,)) + (
+        dt.astype(jnp.float32), A.astype(jnp.float32), D.astype(jnp.float32),
+        dt_bias.astype(jnp.float32), state)
+    return pl.pallas_call(
+        kernel, grid=(b, h), interpret=interpret, name="mamba_step",
+        out_shape=[jax.ShapeDtypeStruct((b, h, p), jnp.float32),
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={len(args) - 1: 1},  # the state is updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=4),
+    )(*args)

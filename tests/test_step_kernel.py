@@ -1,0 +1,52 @@
+"""The one-token Mamba2 step kernel (pallas_kernels.ssd.step) against its plain-JAX reference,
+run through Pallas's interpreter on fresh random inputs; the reference itself is checked end
+to end by tests/test_model.py (prefill then steps equal the full forward)."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ssd.step import mamba_step
+
+
+def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
+    e = h * p + 2 * g * n
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return dict(window=arr(b, e, k).astype(window_dtype), conv_w=0.5 * arr(e, k),
+                conv_b=0.1 * arr(e) if bias else None, dt=arr(b, h) - 1.0,
+                A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
+                dt_bias=0.5 * arr(h), state=arr(b, h, p, n).astype(state_dtype))
+
+
+@pytest.mark.parametrize("window_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("g,bias,dt_limit", [(1, True, (0.0, math.inf)),
+                                             (4, False, (0.01, 0.5))])
+def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit):
+    rng = np.random.default_rng()  # fresh inputs every run
+    args = _inputs(rng, b=2, h=8, p=16, g=g, n=32, k=4, window_dtype=window_dtype,
+                   state_dtype=state_dtype, bias=bias)
+    y_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
+    y, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")
+    assert y.dtype == jnp.float32 and state.dtype == state_dtype
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(state.astype(jnp.float32)))
+    # The same float32 arithmetic in another order: 1e-5 relative to the largest value.
+    scale = float(jnp.max(jnp.abs(y_ref)))
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * scale)
+    # A bf16 state may round to the neighbouring bf16 value: one ulp (2**-8 relative).
+    tol = 1e-5 if state_dtype == jnp.float32 else 2.0 ** -8
+    np.testing.assert_allclose(state.astype(jnp.float32), state_ref.astype(jnp.float32),
+                               rtol=tol, atol=tol * float(jnp.max(jnp.abs(
+                                   state_ref.astype(jnp.float32)))))
+
+
+def test_unsupported_shapes_and_names_are_refused():
+    rng = np.random.default_rng(0)
+    args = _inputs(rng, b=1, h=2, p=12, g=1, n=16, k=4, window_dtype=jnp.float32,
+                   state_dtype=jnp.float32, bias=True)
+    with pytest.raises(ValueError, match="headdim, d_state and d_conv powers of two"):
+        mamba_step(**args, implementation="triton")
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        mamba_step(**args, implementation="cuda")
