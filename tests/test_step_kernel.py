@@ -20,10 +20,12 @@ def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
                 dt_bias=0.5 * arr(h), state=arr(b, h, p, n).astype(state_dtype))
 
 
-@pytest.mark.parametrize("window_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("g,bias,dt_limit", [(1, True, (0.0, math.inf)),
-                                             (4, False, (0.01, 0.5))])
+# Each dtype of the window and of the state meets each group count and bias/limit setting.
+@pytest.mark.parametrize("window_dtype,state_dtype,g,bias,dt_limit", [
+    (jnp.float32, jnp.float32, 1, True, (0.0, math.inf)),
+    (jnp.bfloat16, jnp.bfloat16, 1, True, (0.0, math.inf)),
+    (jnp.bfloat16, jnp.float32, 4, False, (0.01, 0.5)),
+    (jnp.float32, jnp.bfloat16, 4, False, (0.01, 0.5))])
 def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit):
     rng = np.random.default_rng()  # fresh inputs every run
     args = _inputs(rng, b=2, h=8, p=16, g=g, n=32, k=4, window_dtype=window_dtype,
