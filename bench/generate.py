@@ -60,10 +60,10 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
     return cfg.n_layer * per_layer + 2 * cfg.padded_vocab_size * d + 4 * d
 
 
-def ours(cfg, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
+def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
     """(prefill s, decode s, tokens [batch, new]) of mamba_jax.generate's two programs."""
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt)))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
+                                                        (batch, prompt)))
     settings, sampling, lengths, limits = _check(model, ids, new, 0.0, None, None, None,
                                                  None, ssm_state_dtype, implementation)
     graphdef, state = nnx.split(model)
@@ -152,8 +152,12 @@ def main():
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     steps, agreement = args.new - 1, []
+    dtypes, implementations, settings = (args.ssm_state_dtypes.split(","),
+                                         args.step_implementations.split(","),
+                                         args.command_buffers.split(","))
     for preset in args.presets.split(","):
         cfg = Mamba2Config.preset(preset)
+        model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         for batch in (int(b) for b in args.batches.split(",")):
             try:
                 p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
@@ -161,17 +165,16 @@ def main():
             except Exception:  # still print our rows; the table marks theirs as failed
                 traceback.print_exc()
                 p_theirs = d_theirs = float("nan")
-            for dtype in args.ssm_state_dtypes.split(","):
+            for dtype in dtypes:
                 tokens = {}
-                for impl in args.step_implementations.split(","):
-                    for graphs in args.command_buffers.split(","):
+                for impl in implementations:
+                    for graphs in settings:
                         p_ours, d_ours, tokens[impl, graphs] = ours(
-                            cfg, batch, args.prompt, args.new, args.reps, dtype,
+                            model, batch, args.prompt, args.new, args.reps, dtype,
                             graphs == "on", impl)
                         row = _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours,
                                    p_theirs, d_theirs, steps, bandwidth)
                         print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
-                    settings = args.command_buffers.split(",")
                     if len({tokens[impl, g].tobytes() for g in settings}) > 1:
                         raise SystemExit(f"{preset} batch {batch} {dtype} {impl}: the "
                                          "command-buffer settings generated different tokens")
@@ -192,6 +195,7 @@ def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_th
             f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.2f}x",
             f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
             f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -148,10 +148,10 @@ def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id
     run in compiled segments would need), and the non-streaming program has no host sync.
     """
     model = nnx.merge(graphdef, state)
-    weights = nnx.state(model, nnx.Param)
+    params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree_util.tree_map_with_path(
         lambda path, w: (w.astype(model.dtype)
-                         if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), weights))
+                         if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), params))
     weights = model.decode_weights()
     vocab = model.config.vocab_size
     stop = -1 if eos_token_id is None else eos_token_id

@@ -53,7 +53,7 @@ def mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
                              f"d_conv powers of two (headdim, d_state >= 16); got state "
                              f"{state.shape}, window {window.shape}: use 'xla'")
         return _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit,
-                       interpret=jax.devices()[0].platform != "gpu")
+                       interpret=jax.default_backend() != "gpu")
     return reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit)
 
 
