@@ -18,9 +18,11 @@ states read and written; mamba_ssm's cache keeps its states in bf16, ours in the
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
 (generate's step_implementation) and command-buffer setting (on: the decode loop compiled
 with generate.DECODE_COMPILER_OPTIONS, as generate does; off: XLA's defaults). Checks,
-failing loudly: streamed tokens equal unstreamed ones (first), and the command-buffer
-settings generate the same tokens. Last, the share of each row's tokens equal to the first
-row's of its group (other state dtypes and step kernels round differently).
+failing loudly: streamed tokens equal unstreamed ones (first); with "triton" asked, the
+decoding kernels at each preset's shapes and batch against their references (check_kernels);
+the command-buffer settings generate the same tokens. Last, the share of each row's tokens
+equal to the first row's of its group: other state dtypes and kernels round differently, and
+a random-weight model's greedy tokens part ways at the first flipped argmax.
 
 mamba_ssm is imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
 decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
@@ -30,6 +32,7 @@ and scan are its Triton kernels).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -44,6 +47,9 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
 from mamba_jax.generate import _check, _decode, _prefill, generate, jit_decode  # noqa: E402,E501
+from mamba_jax.mixer import uses_fused_step  # noqa: E402
+from pallas_kernels.norm_matmul import rms_norm_matmul  # noqa: E402
+from pallas_kernels.ssd.step import mamba_step  # noqa: E402
 from baseline import import_mamba_lm, mamba_config  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 
@@ -100,6 +106,48 @@ def check_streaming():
             and np.array_equal(np.asarray([t for _, t in seen]).T, plain[:, 8:])):
         raise SystemExit(f"streaming check FAILED: steps {[i for i, _ in seen]}")
     print("check: streamed tokens equal the unstreamed ones, every step in order")
+
+
+def check_kernels(preset, cfg, batch):
+    """Our decoding kernels (pallas_kernels.ssd.step and .norm_matmul, as a step of this
+    preset at this batch calls them) on the GPU against their plain-JAX references run on
+    the CPU, on random inputs; exits on a miss. The references run on the CPU because XLA's
+    GPU fusions may skip the model's bf16 roundings (xla_allow_excess_precision), which
+    alone moves the SSM update by about 2e-3 relative."""
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(0)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    h, p, g, n, k, d = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state, cfg.d_conv,
+                        cfg.d_model)
+    e, hp = cfg.conv_dim, cfg.nheads * cfg.headdim
+    cases = {"mamba_step": (mamba_step, dict(
+        window=arr(batch, e, k).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=None,
+        dt=arr(batch, h) - 1.0, A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
+        D=arr(h), dt_bias=0.5 * arr(h), state=arr(batch, h, p, n), y_dtype=jnp.bfloat16))}
+    if uses_fused_step("triton", batch):
+        zxbcdt = 2 * hp + 2 * g * n + h
+        cases["rms_norm_matmul (in_proj)"] = (rms_norm_matmul, dict(
+            x=arr(batch, d), weight=arr(d), w=(arr(zxbcdt, d) / d ** 0.5).astype(jnp.bfloat16),
+            eps=cfg.norm_eps, w_transposed=True))
+        cases["rms_norm_matmul (out_proj)"] = (rms_norm_matmul, dict(
+            x=arr(batch, hp).astype(jnp.bfloat16), weight=arr(hp),
+            w=(arr(d, hp) / hp ** 0.5).astype(jnp.bfloat16), eps=cfg.norm_eps,
+            z=arr(batch, zxbcdt).astype(jnp.bfloat16), ngroups=g, residual=arr(batch, d),
+            w_transposed=True))
+    for name, (f, kwargs) in cases.items():
+        args = {key: v for key, v in kwargs.items() if isinstance(v, jax.Array) or v is None}
+        f = functools.partial(f, **{key: v for key, v in kwargs.items() if key not in args})
+        ours = jax.jit(lambda a: f(**a, implementation="triton"))(args)
+        with jax.default_device(cpu):
+            ref = jax.jit(lambda a: f(**a, implementation="xla"))(jax.device_put(args, cpu))
+        errs = [float(np.abs(np.asarray(o, np.float64) - np.asarray(r, np.float64)).max()
+                      / np.abs(np.asarray(r, np.float64)).max())
+                for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref))]
+        print(f"check {preset} batch {batch} {name}: "
+              f"worst error relative to the largest value {max(errs):.1e}", flush=True)
+        # One bf16 ulp (2**-8) where float32 sums in another order round to the neighbour.
+        if not max(errs) <= 2.0 ** -8:
+            raise SystemExit(f"CHECK FAILED: {name} at batch {batch}: {errs}")
 
 
 def theirs(cfg, batch, prompt, new, reps, baseline):
@@ -159,6 +207,8 @@ def main():
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         for batch in (int(b) for b in args.batches.split(",")):
+            if "triton" in implementations:
+                check_kernels(preset, cfg, batch)
             try:
                 p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
                                             args.baseline)

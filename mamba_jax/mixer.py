@@ -20,8 +20,20 @@ from flax import nnx
 
 from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import causal_conv1d, dense, gated_rms_norm, matmul, uniform
+from pallas_kernels.norm_matmul import rms_norm_matmul
 from pallas_kernels.ssd import document_ids, ssd
 from pallas_kernels.ssd.step import mamba_step
+
+# The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
+# step_implementation="triton". Measured on an H200 (BENCHMARKS.md, Generation): at batch 1
+# it took 0.76x the XLA step's time for mamba2-370m and 1.06x for mamba2-1.3b; at batch 8
+# 2.5x and 4.0x (its kernels unroll the rows: each row's products are reduced apart).
+FUSED_STEP_MAX_BATCH = 1
+
+
+def uses_fused_step(implementation: str, batch: int) -> bool:
+    """Whether a decoding step of `batch` rows runs its Mamba blocks as fused_step."""
+    return implementation == "triton" and batch <= FUSED_STEP_MAX_BATCH
 
 
 class MambaCache(NamedTuple):
@@ -40,7 +52,8 @@ class StepWeights(NamedTuple):
     decode loop (XLA would rebuild anything derived from the parameters inside a while_loop,
     at every token).
 
-    in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype; conv: the conv weight
+    in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype, [d, N] for `step` and
+    transposed to [N, d] for `fused_step` (its kernel reads contiguous rows); conv: the conv weight
     [e, k] and bias [e] or None over the fused x, B, C channels, float32; out_proj [d, h*p]
     in the compute dtype, transposed (see out_proj_partial)."""
 
@@ -206,9 +219,11 @@ class Mamba2Mixer(nnx.Module):
         return MambaCache(jnp.zeros((batch_size, c.conv_dim, c.d_conv), self.dtype),
                           jnp.zeros((batch_size, c.nheads, c.headdim, c.d_state), jnp.float32))
 
-    def step_weights(self) -> StepWeights:
-        """The StepWeights of the current parameters (build them outside the decode loop)."""
+    def step_weights(self, fused: bool = False) -> StepWeights:
+        """The StepWeights of the current parameters (build them outside the decode loop),
+        for `fused_step` if fused, else for `step`."""
         w, bias = self.in_proj()
+        w = w.T if fused else w
         out = self.out_proj[...]
         conv_w, conv_b = self._conv_params()
         return StepWeights((w.astype(self.dtype), bias), (conv_w.T, conv_b),
@@ -224,11 +239,45 @@ class Mamba2Mixer(nnx.Module):
         conv and SSM update, pallas_kernels.ssd.step ("xla" or "triton")."""
         weights = self.step_weights() if weights is None else weights
         z, xBC_in, dt = self.project(u, weights.in_proj)
+        y, cache = self._update(xBC_in, dt, cache, weights, implementation)
+        return self._output(y, z, weights.out_proj), cache
+
+    def fused_step(self, residual, norm_weight, norm_eps, cache: MambaCache,
+                   weights: StepWeights | None = None):
+        """A whole Mamba block for one token in three Pallas kernels: residual [b, d] ->
+        (residual + mixer(rms_norm(residual)), the updated MambaCache).
+
+        The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, and the
+        gated norm with out_proj and the residual add, each one pallas_kernels.norm_matmul
+        kernel; the conv and SSM update pallas_kernels.ssd.step's; XLA shifts the conv
+        window between them. The arithmetic of Block.step over `step` in a third of its
+        kernels, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows), which
+        is bound by its kernel count (BENCHMARKS.md, Generation). weights: step_weights(
+        fused=True); None builds them here."""
+        weights = self.step_weights(fused=True) if weights is None else weights
+        w, bias = weights.in_proj
+        # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
+        zxbcdt = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
+                                 w_transposed=True, implementation="triton")
+        h = self.cfg.nheads
+        y, cache = self._update(zxbcdt[:, h * self.cfg.headdim:-h], zxbcdt[:, -h:], cache,
+                                weights, "triton")
+        residual = rms_norm_matmul(
+            y.reshape(y.shape[0], -1), self.norm[...].reshape(-1), weights.out_proj,
+            eps=self.cfg.norm_eps, z=zxbcdt, ngroups=self.cfg.ngroups,
+            bias=self._bias("out_bias"), residual=residual, w_transposed=True,
+            implementation="triton")
+        return residual, cache
+
+    def _update(self, xBC_in, dt, cache: MambaCache, weights: StepWeights, implementation):
+        """The conv window's shift, then the conv and SSM update (mamba_step): xBC_in [b, e]
+        and dt [b, h] from the input projection -> (y [b, h, p] in the compute dtype, the
+        updated MambaCache)."""
         conv_state = jnp.concatenate(
             [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
             axis=-1)
         y, ssm_state = mamba_step(conv_state, *weights.conv, dt, -jnp.exp(self.A_log[...]),
                                   self.D[...], self.dt_bias[...], cache.ssm_state,
-                                  dt_limit=self.cfg.dt_limit, implementation=implementation)
-        return (self._output(y.astype(self.dtype), z, weights.out_proj),
-                MambaCache(conv_state, ssm_state))
+                                  dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+                                  implementation=implementation)
+        return y, MambaCache(conv_state, ssm_state)

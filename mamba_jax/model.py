@@ -22,7 +22,7 @@ from flax import nnx
 from mamba_jax.attention import Attention
 from mamba_jax.config import LAYER_KINDS, Mamba2Config
 from mamba_jax.layers import MLP, RMSNorm, matmul, uniform
-from mamba_jax.mixer import Mamba2Mixer
+from mamba_jax.mixer import Mamba2Mixer, uses_fused_step
 
 
 def param_name(path) -> str:
@@ -78,7 +78,11 @@ class Block(nnx.Module):
     def step(self, residual, cache, weights=None, implementation="xla"):
         """residual [b, d] -> (residual [b, d], the layer's updated cache). weights: a Mamba
         layer's StepWeights, built before the decode loop (DecodeWeights); implementation:
-        its conv and SSM update's (Mamba2Mixer.step)."""
+        its conv and SSM update's (Mamba2Mixer.step); "triton" runs a Mamba block of up to
+        mixer.FUSED_STEP_MAX_BATCH rows as Mamba2Mixer.fused_step."""
+        if self.kind == "mamba" and uses_fused_step(implementation, residual.shape[0]):
+            return self.mixer.fused_step(residual, self.norm.weight[...], self.norm.eps, cache,
+                                         weights)
         hidden = self.norm(residual).astype(self.mixer.dtype)
         if self.kind == "mlp":
             out = self.mixer(hidden)
@@ -177,11 +181,13 @@ class Mamba2LM(nnx.Module):
             cache.append(layer_cache)
         return self.logits(residual), tuple(cache)
 
-    def decode_weights(self) -> DecodeWeights:
-        """The DecodeWeights of the current parameters (build them outside the decode loop)."""
+    def decode_weights(self, fused: bool = False) -> DecodeWeights:
+        """The DecodeWeights of the current parameters (build them outside the decode loop);
+        fused: for steps whose Mamba blocks run as Mamba2Mixer.fused_step
+        (mixer.uses_fused_step)."""
         return DecodeWeights(
             head=self.head_weight().astype(self.dtype),
-            layers=tuple(layer.mixer.step_weights() if layer.kind == "mamba" else None
+            layers=tuple(layer.mixer.step_weights(fused) if layer.kind == "mamba" else None
                          for layer in self.layers))
 
     def step(self, token_ids, cache, weights: DecodeWeights | None = None,
@@ -191,7 +197,8 @@ class Mamba2LM(nnx.Module):
         weights: `decode_weights()`, built once before a decode loop; None builds them here.
         implementation: of the Mamba layers' conv and SSM update, pallas_kernels.ssd.step's
         ("xla" or "triton")."""
-        weights = self.decode_weights() if weights is None else weights
+        if weights is None:
+            weights = self.decode_weights(uses_fused_step(implementation, token_ids.shape[0]))
         residual = self.embed(token_ids)
         new_cache = []
         for layer, layer_cache, layer_weights in zip(self.layers, cache, weights.layers):

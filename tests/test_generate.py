@@ -125,8 +125,10 @@ def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model)
     assert out.shape == (2, 9)
 
 
-def test_the_step_kernel_generates_what_the_xla_step_does(model):
-    prompt = jnp.asarray(np.random.default_rng(7).integers(0, 250, (2, 5)))
+# batch 1: the fused step (mixer.FUSED_STEP_MAX_BATCH); batch 2: the step kernel alone
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_step_kernels_generate_what_the_xla_step_does(model, batch):
+    prompt = jnp.asarray(np.random.default_rng(7).integers(0, 250, (batch, 5)))
     ours = mamba_jax.generate(model, prompt, max_new_tokens=6, step_implementation="triton")
     np.testing.assert_array_equal(ours, mamba_jax.generate(model, prompt, max_new_tokens=6))
 

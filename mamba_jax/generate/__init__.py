@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from mamba_jax.mixer import MambaCache
+from mamba_jax.mixer import MambaCache, uses_fused_step
 from mamba_jax.model import param_name
 from pallas_kernels.ssd.step import IMPLEMENTATIONS as STEP_IMPLEMENTATIONS
 
@@ -152,7 +152,7 @@ def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id
     nnx.update(model, jax.tree_util.tree_map_with_path(
         lambda path, w: (w.astype(model.dtype)
                          if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), params))
-    weights = model.decode_weights()
+    weights = model.decode_weights(uses_fused_step(step_implementation, first.shape[0]))
     vocab = model.config.vocab_size
     stop = -1 if eos_token_id is None else eos_token_id
     pad = 0 if eos_token_id is None else eos_token_id

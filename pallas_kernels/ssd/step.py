@@ -3,27 +3,26 @@ window, dt, the SSM state update and its read-out (mamba_ssm's causal_conv1d_upd
 selective_state_update), in plain JAX and as one Pallas kernel.
 
     y, state = mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state,
-                          dt_limit=(0.0, inf), implementation="xla")
+                          dt_limit=(0.0, inf), y_dtype=jnp.float32, implementation="xla")
 
 Legend: b batch, h heads, p headdim, g groups, r = h // g heads per group, n d_state,
 k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC order).
 
 window [b, e, k]: the last k conv inputs, newest last, this token's included (the cache's
 conv_state after the shift), in the compute dtype. conv_w [e, k] and conv_b [e] (or None):
-the depthwise conv. dt [b, h] float32 before dt_bias, softplus (Mamba2's, always) and the
-dt_limit clamp. A [h] (negative), D [h], dt_bias [h] float32. state [b, h, p, n], float32 or
+the depthwise conv. dt [b, h] before dt_bias, softplus (Mamba2's, always) and the dt_limit
+clamp, used in float32 (the in-projection's compute-dtype output may be passed as is). A [h] (negative), D [h], dt_bias [h] float32. state [b, h, p, n], float32 or
 bfloat16.
 
-Returns y [b, h, p] float32 (C . h_new + D x, before the gated norm) and the new state in
-state's dtype, computed in float32. x, B and C leave the conv rounded to the window's dtype,
+Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
+in y_dtype) and the new state in state's dtype, computed in float32. x, B and C leave the conv rounded to the window's dtype,
 as from mamba_ssm's causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
 "triton" (`_step_kernel`, grid (b, h), one kernel: each program convolves its head's x
 channels and its group's B and C channels, reads its [p, n] state once and writes it in
 place; on a machine without a GPU it runs in Pallas's interpreter). A decode step at batch
-1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation). The kernel has
-not been timed on a GPU yet: "xla" stays the default until it is.
+1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ IMPLEMENTATIONS = ("xla", "triton")
 
 
 def mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
-               dt_limit=(0.0, math.inf), implementation="xla"):
+               dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
     """See the module docstring for shapes and dtypes."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"mamba_step: implementation={implementation!r} is not one of "
@@ -53,8 +52,9 @@ def mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
                              f"d_conv powers of two (headdim, d_state >= 16); got state "
                              f"{state.shape}, window {window.shape}: use 'xla'")
         return _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit,
-                       interpret=jax.default_backend() != "gpu")
-    return reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit)
+                       y_dtype=y_dtype, interpret=jax.default_backend() != "gpu")
+    y, state = reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit)
+    return y.astype(y_dtype), state
 
 
 def supports(window, state):
@@ -64,9 +64,12 @@ def supports(window, state):
 
 
 def reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit=(0.0, math.inf)):
-    """mamba_step in plain JAX."""
+    """mamba_step in plain JAX, y in float32."""
     b, h, p, n = state.shape
-    conv = jnp.einsum("bek,ek->be", window.astype(jnp.float32), conv_w.astype(jnp.float32))
+    # HIGHEST: float32 products, as the kernel's; XLA's default on a GPU would round the
+    # operands of these small dots to TF32 (seen: 2e-3 relative in y and the state).
+    conv = jnp.einsum("bek,ek->be", window.astype(jnp.float32), conv_w.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
     if conv_b is not None:
         conv = conv + conv_b.astype(jnp.float32)
     xBC = jax.nn.silu(conv).astype(window.dtype).astype(jnp.float32)
@@ -83,7 +86,8 @@ def reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit=(0.0
     # fuses the state update and the read-out into one pass over the state (read once,
     # written once) instead of writing h_new and reading it back.
     new = old * decay[:, :, None, None] + dtx[..., None] * B_h[:, :, None, :]
-    y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h)
+    y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h,
+                                        precision=jax.lax.Precision.HIGHEST)
          + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
     return y, new.astype(state.dtype)
 
@@ -115,7 +119,7 @@ def _step_kernel(window_ref, w_ref, *refs, p, n, r, g, has_bias, dt_limit):
     x = conv(hi * p, p)
     B = conv(h_p + gi * n, n)
     C = conv(h_p + g * n + gi * n, n)
-    dt = _softplus(dt_ref[bi, hi] + dt_bias_ref[hi])
+    dt = _softplus(dt_ref[bi, hi].astype(jnp.float32) + dt_bias_ref[hi])
     lo, hi_limit = dt_limit
     if lo > 0.0 or hi_limit < math.inf:
         dt = jnp.clip(dt, lo, hi_limit)
@@ -123,21 +127,22 @@ def _step_kernel(window_ref, w_ref, *refs, p, n, r, g, has_bias, dt_limit):
     old = state_ref[bi, hi, :, :].astype(jnp.float32)  # [p, n]
     dtx = dt * x
     y_ref[bi, hi, :] = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
-                        + D_ref[hi] * x)
+                        + D_ref[hi] * x).astype(y_ref.dtype)
     new_ref[bi, hi, :, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
 
 
-def _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, interpret):
+def _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype,
+            interpret):
     b, h, p, n = state.shape
     g = (window.shape[1] - h * p) // (2 * n)
     kernel = functools.partial(_step_kernel, p=p, n=n, r=h // g, g=g,
                                has_bias=conv_b is not None, dt_limit=tuple(dt_limit))
     args = (window, conv_w) + (() if conv_b is None else (conv_b,)) + (
-        dt.astype(jnp.float32), A.astype(jnp.float32), D.astype(jnp.float32),
+        dt, A.astype(jnp.float32), D.astype(jnp.float32),
         dt_bias.astype(jnp.float32), state)
     return pl.pallas_call(
         kernel, grid=(b, h), interpret=interpret, name="mamba_step",
-        out_shape=[jax.ShapeDtypeStruct((b, h, p), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((b, h, p), y_dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={len(args) - 1: 1},  # the state is updated in place
         compiler_params=plgpu.CompilerParams(num_warps=4),

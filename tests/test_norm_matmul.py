@@ -1,0 +1,96 @@
+"""The norm-then-projection kernel (pallas_kernels.norm_matmul) against its plain-JAX
+reference through Pallas's interpreter on fresh random inputs, the reference against the
+model's own norm and matmul functions, and a decoding step through the fused kernels
+against the XLA step."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mamba_jax import Mamba2Config, Mamba2LM
+from mamba_jax.layers import dense, gated_rms_norm, matmul, rms_norm
+from mamba_jax.mixer import FUSED_STEP_MAX_BATCH
+from pallas_kernels.norm_matmul import rms_norm_matmul
+
+
+def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return dict(x=arr(b, k).astype(dtype), weight=1.0 + 0.1 * arr(k),
+                w=((arr(n, k) if w_transposed else arr(k, n)) / np.sqrt(k)).astype(dtype),
+                z=arr(b, k + 24).astype(dtype) if gate else None, ngroups=ngroups,
+                bias=0.1 * arr(n) if bias else None,
+                residual=arr(b, n) if residual else None, w_transposed=w_transposed)
+
+
+# Each dtype meets each layout, gate/groups and bias/residual setting; k = 1536 spans several
+# of the kernel's 512-feature blocks, n = 40 several 8-column programs.
+@pytest.mark.parametrize("b,dtype,gate,ngroups,bias,residual,w_transposed", [
+    (1, jnp.float32, False, 1, False, False, False),
+    (3, jnp.bfloat16, True, 4, True, True, True),
+    (2, jnp.bfloat16, False, 1, False, False, True),
+    (2, jnp.float32, True, 2, True, True, False)])
+def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_transposed):
+    rng = np.random.default_rng()  # fresh inputs every run
+    args = _inputs(rng, b, 1536, 40, ngroups, dtype, gate, bias, residual, w_transposed)
+    ref = rms_norm_matmul(**args, eps=1e-5, implementation="xla")
+    out = rms_norm_matmul(**args, eps=1e-5, implementation="triton")
+    assert out.dtype == ref.dtype == (jnp.float32 if residual else dtype)
+    assert out.shape == (b, 40) and np.all(np.isfinite(out.astype(jnp.float32)))
+    # The same float32 arithmetic summed in another order; a bf16 result may then round to
+    # the neighbouring value, one ulp (2**-8 relative to the largest value).
+    tol = 2.0 ** -8 if dtype == jnp.bfloat16 else 1e-5
+    ref, out = (np.asarray(a.astype(jnp.float32)) for a in (ref, out))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=tol * np.abs(ref).max())
+
+
+def test_the_reference_is_the_models_norm_then_matmul():
+    """In-projection: rms_norm then dense; out-projection: gated_rms_norm, matmul and the
+    residual add, as Block.step over Mamba2Mixer.step computes them."""
+    rng = np.random.default_rng()
+    x, weight, w = (_inputs(rng, 2, 256, 48, 1, jnp.bfloat16, False, False, False, False)[key]
+                    for key in ("x", "weight", "w"))
+    residual = x.astype(jnp.float32)
+    expected = dense(rms_norm(residual, weight, 1e-5).astype(jnp.bfloat16), w, jnp.bfloat16,
+                     out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(rms_norm_matmul(residual, weight, w, eps=1e-5), expected)
+
+    y, z = x, jnp.asarray(rng.standard_normal((2, 256 + 8)), jnp.bfloat16)
+    h, p, g = 8, 32, 2
+    normed = gated_rms_norm(y.reshape(2, h, p), z[:, :256].reshape(2, h, p),
+                            weight.reshape(h, p), 1e-5, g).reshape(2, 256)
+    residual = jnp.asarray(rng.standard_normal((2, 48)), jnp.float32)
+    expected = residual + matmul("be,de->bd", normed, w.T, jnp.bfloat16,
+                                 jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_array_equal(
+        rms_norm_matmul(y, weight, w.T, eps=1e-5, z=z, ngroups=g, residual=residual,
+                        w_transposed=True), expected)
+
+
+@pytest.mark.parametrize("batch", [FUSED_STEP_MAX_BATCH, FUSED_STEP_MAX_BATCH + 1])
+def test_fused_decoding_step_matches_the_xla_step(batch):
+    """A bf16 model's step with step_implementation="triton": up to FUSED_STEP_MAX_BATCH rows
+    the fused kernels (Mamba2Mixer.fused_step), above it the step kernel alone."""
+    cfg = Mamba2Config.preset("tiny")
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (batch, 9)))
+    _, cache = model.prefill(ids[:, :8])
+    logits, new = model.step(ids[:, 8], cache, implementation="xla")
+    logits_k, new_k = model.step(ids[:, 8], cache, implementation="triton")
+    assert np.all(np.isfinite(logits_k))
+    # bf16 activations: where the two sum float32 in another order a value may round to its
+    # neighbouring bf16 value; logits of about 0.6 then move by well under 1e-2.
+    np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-2)
+    for c, c_k in zip(new, new_k):
+        np.testing.assert_array_equal(c_k.conv_state, c.conv_state)
+        np.testing.assert_allclose(c_k.ssm_state, c.ssm_state, rtol=0,
+                                   atol=1e-3 * float(jnp.max(jnp.abs(c.ssm_state))))
+
+
+def test_bad_arguments_are_refused():
+    args = _inputs(np.random.default_rng(0), 1, 64, 16, 1, jnp.float32, False, False, False,
+                   False)
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        rms_norm_matmul(**args, eps=1e-5, implementation="cuda")
+    with pytest.raises(ValueError, match="does not match w"):
+        rms_norm_matmul(**{**args, "w_transposed": True}, eps=1e-5)
