@@ -53,9 +53,9 @@ class StepWeights(NamedTuple):
     at every token).
 
     in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype, [d, N] for `step` and
-    transposed to [N, d] for `fused_step` (its kernel reads contiguous rows); conv: the conv weight
-    [e, k] and bias [e] or None over the fused x, B, C channels, float32; out_proj [d, h*p]
-    in the compute dtype, transposed (see out_proj_partial)."""
+    transposed to [N, d] for `fused_step` (its kernel reads contiguous rows); conv: the conv
+    weight [e, k] and bias [e] or None over the fused x, B, C channels, float32; out_proj
+    [d, h*p] in the compute dtype, transposed (see out_proj_partial)."""
 
     in_proj: tuple
     conv: tuple

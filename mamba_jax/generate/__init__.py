@@ -279,9 +279,11 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     which at large batches are mostly states (bench/generate.py), and rounds the state at
     every token.
 
-    step_implementation: "xla" (the default) or "triton", the Mamba layers' conv and SSM
-    update in each decode step (pallas_kernels.ssd.step.mamba_step; "triton" is one Pallas
-    kernel per layer instead of about six XLA fusions, not yet timed on a GPU).
+    step_implementation: "xla" (the default) or "triton": the Mamba layers' conv and SSM
+    update in each decode step as XLA fusions or as one Pallas kernel per layer
+    (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is three
+    Pallas kernels (Mamba2Mixer.fused_step). Which is faster depends on the model and the
+    batch (BENCHMARKS.md, Generation).
 
     Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
     used, eos_token_id, streaming or not, ssm_state_dtype, step_implementation); the

@@ -11,12 +11,12 @@ k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC orde
 window [b, e, k]: the last k conv inputs, newest last, this token's included (the cache's
 conv_state after the shift), in the compute dtype. conv_w [e, k] and conv_b [e] (or None):
 the depthwise conv. dt [b, h] before dt_bias, softplus (Mamba2's, always) and the dt_limit
-clamp, used in float32 (the in-projection's compute-dtype output may be passed as is). A [h] (negative), D [h], dt_bias [h] float32. state [b, h, p, n], float32 or
-bfloat16.
+clamp, used in float32 (the in-projection's compute-dtype output may be passed as is).
+A [h] (negative), D [h], dt_bias [h] float32. state [b, h, p, n], float32 or bfloat16.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
-in y_dtype) and the new state in state's dtype, computed in float32. x, B and C leave the conv rounded to the window's dtype,
-as from mamba_ssm's causal_conv1d_update.
+in y_dtype) and the new state in state's dtype, computed in float32. x, B and C leave the
+conv rounded to the window's dtype, as from mamba_ssm's causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
 "triton" (`_step_kernel`, grid (b, h), one kernel: each program convolves its head's x
@@ -66,8 +66,8 @@ def supports(window, state):
 def reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit=(0.0, math.inf)):
     """mamba_step in plain JAX, y in float32."""
     b, h, p, n = state.shape
-    # HIGHEST: float32 products, as the kernel's; XLA's default on a GPU would round the
-    # operands of these small dots to TF32 (seen: 2e-3 relative in y and the state).
+    # HIGHEST: float32 products, as the kernel's, whatever XLA picks for these small dots
+    # (its default precision allows TF32 for a float32 dot on a GPU).
     conv = jnp.einsum("bek,ek->be", window.astype(jnp.float32), conv_w.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
     if conv_b is not None:
