@@ -2,6 +2,7 @@
 
     python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30] [--breakdown]
                          [--float32-states] [--segments N [N ...]]
+                         [--groups 1 8] [--shapes 8x2048 8x8192 1x65536]
 
 (Device run: PYTHONUNBUFFERED=1 python3 bench/ssd.py 2>&1 | tee $OUT/log, carrying .baseline;
 a filter between python and tee must be line-buffered, or a timed-out run returns nothing.)
@@ -13,7 +14,8 @@ achieved TFLOP/s and the floor; then peak temporary memory of forward+backward. 
 our kernels get a column each (time and its ratio to theirs), checked against mamba_ssm like
 the default: --float32-states (the saved states in float32, the default before
 BENCHMARKS.md's measurement) and --segments N (each row scanned in N parts at once,
-`ssd(segments=N)`).
+`ssd(segments=N)`). --groups and --shapes take a part of the table (a whole run takes
+over 10 minutes: a device call can hold only part of it).
 
 Timing: each implementation is one call (a jitted function for JAX; the autograd function
 for mamba_ssm), timed by the host clock from the call until its results are ready on the
@@ -143,6 +145,9 @@ def main():
                         help="also time each kernel alone at (8, 8192)")
     parser.add_argument("--float32-states", action="store_true",
                         help="a column for the kernels with float32 saved states")
+    parser.add_argument("--groups", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--shapes", nargs="+", default=[f"{b}x{l}" for b, l in SHAPES],
+                        help="batch x seqlen, e.g. 8x8192")
     parser.add_argument("--segments", type=int, nargs="*", default=[],
                         help="a column for each N: rows scanned in N segments at once")
     args = parser.parse_args()
@@ -157,8 +162,9 @@ def main():
           f"{copy_rate / 1e12:.2f} TB/s", flush=True)
 
     rows, memory = [], []
-    for g in (1, 8):
-        for b, l in SHAPES:
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
+    for g in args.groups:
+        for b, l in shapes:
             inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
             dy = jnp.asarray(rng.standard_normal((b, l, H, P)), jnp.bfloat16)
             t_in = {k: to_torch(v) for k, v in {**inputs, **options}.items()}
