@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from mamba_jax.generate import generate, load_for_generation
+from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
+                                load_for_generation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +78,11 @@ class _Row:
 class Engine:
     """Holds the model, batches waiting rows and runs each batch on the executor thread."""
 
-    def __init__(self, model, tokenizer, limits: Limits, eos_token_id=None):
+    def __init__(self, model, tokenizer, limits: Limits, eos_token_id=None,
+                 generate_options=None):
         self.model, self.tokenizer, self.limits = model, tokenizer, limits
         self.eos = eos_token_id
+        self.generate_options = generate_options or {}  # generate's ssm_state_dtype etc.
         self.pending: asyncio.Queue[_Row] = asyncio.Queue()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, "mamba-generate")
         self.seeds = itertools.count()
@@ -133,7 +136,7 @@ class Engine:
                 top_p if sampled and min(top_p) < 1 else None,
                 next(self.seeds), self.eos, prompt_lengths=[len(r.ids) for r in batch],
                 max_new_tokens_per_row=[r.max_new for r in batch],
-                on_token=on_token if any(streams) else None)))
+                on_token=on_token if any(streams) else None, **self.generate_options)))
         except Exception as err:  # fail this batch's requests, keep serving
             for r in rows:
                 if r.stream is not None:
@@ -300,13 +303,15 @@ MODEL_NAME = web.AppKey("model_name", str)
 
 
 def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
-             model_name: str = "mamba2") -> web.Application:
-    """The aiohttp application; its batching task runs while the app does."""
+             model_name: str = "mamba2", generate_options=None) -> web.Application:
+    """The aiohttp application; its batching task runs while the app does.
+    generate_options: keyword arguments of every generate call (ssm_state_dtype,
+    step_implementation)."""
     app = web.Application()
     app[MODEL_NAME] = model_name
 
     async def engine_task(app):
-        app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id)
+        app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id, generate_options)
         task = asyncio.create_task(app[ENGINE].run())
         yield
         task.cancel()
@@ -333,12 +338,14 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=Limits.max_new_tokens)
     parser.add_argument("--max-batch", type=int, default=Limits.max_batch)
     parser.add_argument("--batch-window-ms", type=float, default=1e3 * Limits.batch_window_s)
+    add_decode_arguments(parser)
     args = parser.parse_args(argv)
 
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
                     args.batch_window_ms / 1e3)
-    web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).name),
+    web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).name,
+                         decode_options(args)),
                 host=args.host, port=args.port)
 
 

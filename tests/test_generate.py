@@ -160,3 +160,8 @@ def test_generate_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys):
     expected = mamba_jax.generate(byte_model, jnp.asarray([list(b"Hello")]), 5)
     printed = capsys.readouterr().out
     assert printed == byte_tokenizer().decode(expected[0].tolist()) + "\n"
+    options = dict(ssm_state_dtype="bfloat16", step_implementation="triton")
+    main(["--checkpoint", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "5",
+          "--ssm-state-dtype", "bfloat16", "--step-implementation", "triton"])
+    expected = mamba_jax.generate(byte_model, jnp.asarray([list(b"Hello")]), 5, **options)
+    assert capsys.readouterr().out == byte_tokenizer().decode(expected[0].tolist()) + "\n"

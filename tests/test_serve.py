@@ -223,3 +223,29 @@ def test_generate_cli_streams_from_the_server(url, model, capsys):
 
     main(["--server", url, "--prompt", "Hi", "--max-new-tokens", "7", "--temperature", "0"])
     assert capsys.readouterr().out == "Hi" + expected(model, ["Hi"], 7)[0] + "\n"
+
+
+def test_the_engine_decodes_with_the_servers_decode_options(model, monkeypatch):
+    """`serve --ssm-state-dtype/--step-implementation` reach every generate call."""
+    import mamba_jax.serve as serve
+
+    options = dict(ssm_state_dtype="bfloat16", step_implementation="triton")
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return mamba_jax.generate(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "generate", spy)
+
+    async def go():
+        engine = serve.Engine(model, byte_tokenizer(), LIMITS, generate_options=options)
+        loop = asyncio.get_running_loop()
+        row = serve._Row(list(b"Hello"), 6, 0.0, 0, 1.0, loop.create_future())
+        await engine._generate(loop, [row])
+        return await row.future
+
+    new, reason = run(go())
+    assert len(calls) == 1 and options.items() <= calls[0].items()
+    want = mamba_jax.generate(model, np.asarray([list(b"Hello")]), 6, **options)
+    assert (new, reason) == (np.asarray(want)[0, 5:].tolist(), "length")

@@ -256,6 +256,23 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     return model, tok, tok.token_to_id("<|endoftext|>")
 
 
+def add_decode_arguments(parser):
+    """The generate and serve CLIs' options for how a decode step runs (decode_options)."""
+    parser.add_argument("--ssm-state-dtype", choices=SSM_STATE_DTYPES, default="float32",
+                        help="what the decoding cache stores the SSM states in (bfloat16: as "
+                             "mamba_ssm's cache, half the bytes per step)")
+    parser.add_argument("--step-implementation", choices=STEP_IMPLEMENTATIONS, default="xla",
+                        help="the Mamba layers' decode step: XLA fusions or Pallas kernels "
+                             "(triton); which is faster depends on the model and batch "
+                             "(BENCHMARKS.md)")
+
+
+def decode_options(args) -> dict:
+    """generate's keyword arguments from add_decode_arguments' parsed options."""
+    return dict(ssm_state_dtype=args.ssm_state_dtype,
+                step_implementation=args.step_implementation)
+
+
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
              on_token=None, ssm_state_dtype="float32", step_implementation="xla"):

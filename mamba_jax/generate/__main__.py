@@ -14,7 +14,8 @@ import sys
 
 import jax.numpy as jnp
 
-from mamba_jax.generate import generate, load_for_generation
+from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
+                                load_for_generation)
 
 
 def main(argv=None):
@@ -33,6 +34,7 @@ def main(argv=None):
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_decode_arguments(parser)
     args = parser.parse_args(argv)
     if args.server:
         if args.top_k is not None:
@@ -48,7 +50,7 @@ def main(argv=None):
     if not ids:
         sys.exit("generate: the prompt encodes to no tokens")
     out = generate(model, jnp.asarray([ids]), args.max_new_tokens, args.temperature,
-                   args.top_k, args.top_p, args.seed, eos)
+                   args.top_k, args.top_p, args.seed, eos, **decode_options(args))
     print(tokenizer.decode([int(t) for t in out[0]]))
 
 
