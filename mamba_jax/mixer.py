@@ -55,11 +55,13 @@ class StepWeights(NamedTuple):
     in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype, [d, N] for `step` and
     transposed to [N, d] for `fused_step` (its kernel reads contiguous rows); conv: the conv
     weight [e, k] and bias [e] or None over the fused x, B, C channels, float32; out_proj
-    [d, h*p] in the compute dtype, transposed (see out_proj_partial)."""
+    [d, h*p] in the compute dtype, transposed (see out_proj_partial); A [h] = -exp(A_log),
+    float32."""
 
     in_proj: tuple
     conv: tuple
     out_proj: jax.Array
+    A: jax.Array
 
 
 class Mamba2Mixer(nnx.Module):
@@ -130,9 +132,14 @@ class Mamba2Mixer(nnx.Module):
         leaves it in the compute dtype, as from mamba_ssm's in_proj."""
         w, bias = self.in_proj() if in_proj is None else in_proj
         zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
-        z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
-        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        z, xBC, dt = self._split_projection(zxbcdt)
         return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
+
+    def _split_projection(self, zxbcdt):
+        """The fused input projection's output [..., N] -> z [..., h*p], xBC [..., e] and
+        dt [..., h] (mamba_ssm's in_proj order), as they are."""
+        z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
+        return jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
 
     def _conv_params(self):
         """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
@@ -227,7 +234,8 @@ class Mamba2Mixer(nnx.Module):
         out = self.out_proj[...]
         conv_w, conv_b = self._conv_params()
         return StepWeights((w.astype(self.dtype), bias), (conv_w.T, conv_b),
-                           out.reshape(-1, out.shape[-1]).T.astype(self.dtype))
+                           out.reshape(-1, out.shape[-1]).T.astype(self.dtype),
+                           -jnp.exp(self.A_log[...]))
 
     def step(self, u, cache: MambaCache, weights: StepWeights | None = None,
              implementation="xla"):
@@ -259,9 +267,8 @@ class Mamba2Mixer(nnx.Module):
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
         zxbcdt = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
                                  w_transposed=True, implementation="triton")
-        h = self.cfg.nheads
-        y, cache = self._update(zxbcdt[:, h * self.cfg.headdim:-h], zxbcdt[:, -h:], cache,
-                                weights, "triton")
+        _, xBC_in, dt = self._split_projection(zxbcdt)
+        y, cache = self._update(xBC_in, dt, cache, weights, "triton")
         residual = rms_norm_matmul(
             y.reshape(y.shape[0], -1), self.norm[...].reshape(-1), weights.out_proj,
             eps=self.cfg.norm_eps, z=zxbcdt, ngroups=self.cfg.ngroups,
@@ -276,7 +283,7 @@ class Mamba2Mixer(nnx.Module):
         conv_state = jnp.concatenate(
             [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
             axis=-1)
-        y, ssm_state = mamba_step(conv_state, *weights.conv, dt, -jnp.exp(self.A_log[...]),
+        y, ssm_state = mamba_step(conv_state, *weights.conv, dt, weights.A,
                                   self.D[...], self.dt_bias[...], cache.ssm_state,
                                   dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
                                   implementation=implementation)
