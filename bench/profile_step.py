@@ -177,6 +177,7 @@ def main():
           f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}")
     steps.measure(args.batch, args.seq_len, 1)  # compiles, builds the state, warms up
     exe = steps.compiled[args.batch, args.seq_len][0]
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
         f.write(exe.as_text())
     state = list(steps.state)

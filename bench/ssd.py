@@ -1,8 +1,9 @@
 """SSD scan on a GPU: our Pallas kernels and our XLA path against mamba_ssm's Triton kernels.
 
-    python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30] [--breakdown]
+    python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30]
                          [--float32-states] [--segments N [N ...]]
                          [--groups 1 8] [--shapes 8x2048 8x8192 1x65536]
+    python3 bench/ssd.py --breakdown [CONFIG ...] [--shapes ...]
 
 (Device run: PYTHONUNBUFFERED=1 python3 bench/ssd.py 2>&1 | tee $OUT/log, carrying .baseline;
 a filter between python and tee must be line-buffered, or a timed-out run returns nothing.)
@@ -16,6 +17,11 @@ the default: --float32-states (the saved states in float32, the default before
 BENCHMARKS.md's measurement) and --segments N (each row scanned in N parts at once,
 `ssd(segments=N)`). --groups and --shapes take a part of the table (a whole run takes
 over 10 minutes: a device call can hold only part of it).
+
+--breakdown CONFIG...: instead of the table, for each of --shapes (g=1) and each kernel
+config (`triton.Config` fields as 'backward_bc_heads=16,chunk=32'; '' is the default), each
+pallas_call timed alone and the whole forward+backward, after checking every config against
+the naive recurrence in bf16 (what it times). It needs no mamba_ssm.
 
 Timing: each implementation is one call (a jitted function for JAX; the autograd function
 for mamba_ssm), timed by the host clock from the call until its results are ready on the
@@ -83,30 +89,35 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def check_against_naive(rng):
-    """Our kernels vs the float64 naive recurrence; raises on any miss."""
+def check_against_naive(rng, configs=(kernels.Config(),),
+                        dtypes=(jnp.float32, jnp.bfloat16)):
+    """Our kernels (each config) vs the float64 naive recurrence; raises on any miss."""
     # float32: IEEE float32 dots, sums over up to 1000 steps; bf16: bf16 matmul operands.
     tolerances = {jnp.float32: 3e-4, jnp.bfloat16: 3e-2}
     cases = [(2, 1000, 1, False, True), (2, 777, 8, True, True), (1, 300, 2, True, False)]
-    for dtype, tol in tolerances.items():
+    for dtype in dtypes:
+        tol = tolerances[dtype]
         for b, l, g, docs, state in cases:
             inputs, options = make_inputs(rng, b, l, g, dtype, docs, state)
             wy, ws = rng.standard_normal((b, l, H, P)), rng.standard_normal((b, H, P, N))
-            ours = jax.jit(lambda i, o: loss_and_grads(
-                lambda **a: vjp.ssd(backend=kernels, **a), i, o, jnp.asarray(wy, jnp.float32),
-                jnp.asarray(ws, jnp.float32)))(inputs, options)
             with jax.enable_x64(True):
                 up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float64)
                                             if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
                 naive = loss_and_grads(reference.ssd_naive, up(inputs), up(options),
                                        jnp.asarray(wy), jnp.asarray(ws))
-            errors = {"y": rel_err(ours[0], naive[0]), "final_state": rel_err(ours[1], naive[1])}
-            errors.update({f"d{k}": rel_err(ours[2][k], naive[2][k]) for k in naive[2]})
-            worst = max(errors.values())
-            print(f"check {jnp.dtype(dtype).name} b={b} l={l} g={g} docs={docs} "
-                  f"state={state}: worst rel err {worst:.2e} (tol {tol:.0e})", flush=True)
-            if not worst < tol:  # NaN fails too
-                raise SystemExit(f"CHECK FAILED: {errors}")
+            for config in configs:
+                ours = jax.jit(lambda i, o: loss_and_grads(
+                    lambda **a: vjp.ssd(backend=kernels, config=config, **a), i, o,
+                    jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)))(inputs, options)
+                errors = {"y": rel_err(ours[0], naive[0]),
+                          "final_state": rel_err(ours[1], naive[1])}
+                errors.update({f"d{k}": rel_err(ours[2][k], naive[2][k]) for k in naive[2]})
+                worst = max(errors.values())
+                print(f"check {jnp.dtype(dtype).name} b={b} l={l} g={g} docs={docs} "
+                      f"state={state} {describe(config)}: worst rel err {worst:.2e} (tol {tol:.0e})",
+                      flush=True)
+                if not worst < tol:  # NaN fails too
+                    raise SystemExit(f"CHECK FAILED ({config}): {errors}")
 
 
 def to_torch(a):
@@ -141,8 +152,10 @@ def main():
     parser.add_argument("--baseline", default=".baseline")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also time each kernel alone at (8, 8192)")
+    parser.add_argument("--breakdown", nargs="*", metavar="CONFIG",
+                        help="time each kernel alone at --shapes (g=1) for each kernel "
+                             "config ('' the default, 'backward_bc_heads=16,chunk=32' ...), "
+                             "instead of the table")
     parser.add_argument("--float32-states", action="store_true",
                         help="a column for the kernels with float32 saved states")
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 8])
@@ -151,9 +164,14 @@ def main():
     parser.add_argument("--segments", type=int, nargs="*", default=[],
                         help="a column for each N: rows scanned in N segments at once")
     args = parser.parse_args()
-    import torch
     rng = np.random.default_rng(int(time.time()))
     start = time.perf_counter()
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
+    if args.breakdown is not None:
+        configs = [parse_config(text) for text in args.breakdown or [""]]
+        check_against_naive(rng, configs, dtypes=(jnp.bfloat16,))  # what is timed
+        return breakdown(rng, shapes, configs, args.warmup, args.reps)
+    import torch
     check_against_naive(rng)
     print(f"checks took {time.perf_counter() - start:.0f} s", flush=True)
     mamba_chunk_scan_combined = import_mamba_chunk_scan(args.baseline)
@@ -162,7 +180,6 @@ def main():
           f"{copy_rate / 1e12:.2f} TB/s", flush=True)
 
     rows, memory = [], []
-    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     for g in args.groups:
         for b, l in shapes:
             inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
@@ -251,8 +268,6 @@ def main():
         print(f"peak temporary memory, forward+backward, g={g}, (8, 8192): "
               + ", ".join(f"ours ({name}) {v / 2**30:.2f} GiB" for name, v in ours_mem.items())
               + f", mamba_ssm {theirs_mem / 2**30:.2f} GiB")
-    if args.breakdown:
-        breakdown(rng)
 
 
 def implementations(args):
@@ -287,29 +302,53 @@ def print_row(g, b, l, times, matmul_rate, copy_rate, header=False):
               f"{floor * 1e3:.3f} |" + extra, flush=True)
 
 
-def breakdown(rng, b=8, l=8192):
-    """Where the kernels' time goes at (8, 8192), g=1: each pallas_call timed alone (a jitted
-    function whose other outputs are dead, so XLA drops the other calls)."""
+def parse_config(text):
+    """'backward_bc_heads=16,chunk=32' -> kernels.Config(backward_bc_heads=16, chunk=32)."""
+    values = {"None": None, "True": True, "False": False}
+    fields = dict(item.split("=") for item in text.split(",") if item)
+    return kernels.Config(**{k: values[v] if v in values else int(v)
+                             for k, v in fields.items()})
+
+
+def describe(config):
+    """The fields of a kernels.Config that differ from the default, or 'default'."""
+    default = kernels.Config()
+    changed = {k: v for k, v in vars(config).items() if getattr(default, k) != v}
+    return ",".join(f"{k}={v}" for k, v in changed.items()) or "default"
+
+
+def breakdown(rng, shapes, configs, warmup, reps):
+    """Where the kernels' time goes, g=1: per shape and config, each pallas_call timed alone
+    (a jitted function whose other outputs are dead, so XLA drops the other calls), and the
+    whole ssd forward+backward with that config."""
     g = 1
-    inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
-    x, B, C = inputs["x"], inputs["B"], inputs["C"]
-    dt = jax.nn.softplus(inputs["dt"]).transpose(0, 2, 1)
-    cs = jnp.cumsum((dt * inputs["A"][:, None]).reshape(b, H, -1, 64), -1).reshape(b, H, l)
-    s0 = jnp.zeros((b, H, P, N), jnp.float32)
-    dy = jnp.asarray(rng.standard_normal((b, l, H, P)), jnp.bfloat16)
-    for config in (kernels.Config(), kernels.Config(backward_bc_warps=4)):
-        fwd = lambda save: jax.jit(lambda *a: kernels.forward(
-            *a, None, config=config, save_states=save)[-1])
-        states = fwd(True)(x, dt, cs, B, C, s0)
-        bwd = lambda i: jax.jit(lambda *a: kernels.backward(*a, config=config)[i])
-        args = (x, dt, cs, B, C, None, states, dy, s0)
-        parts = {"forward": (fwd(False), (x, dt, cs, B, C, s0)),
-                 "forward saving states": (fwd(True), (x, dt, cs, B, C, s0)),
-                 "backward state kernel": (bwd(0), args),
-                 "both backward kernels": (bwd(3), args)}
-        print(f"breakdown {config}: " + ", ".join(
-            f"{name} {median_time(lambda: jax.block_until_ready(f(*a)), 2, 10) * 1e3:.3f} ms"
-            for name, (f, a) in parts.items()), flush=True)
+    for b, l in shapes:
+        inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((b, l, H, P)), jnp.bfloat16)
+        for config in configs:
+            x, B, C = inputs["x"], inputs["B"], inputs["C"]
+            dt = jax.nn.softplus(inputs["dt"]).transpose(0, 2, 1)
+            t = config.chunk
+            cs = jnp.cumsum((dt * inputs["A"][:, None]).reshape(b, H, -1, t), -1).reshape(
+                b, H, l)
+            s0 = jnp.zeros((b, H, P, N), jnp.float32)
+            fwd = lambda save: jax.jit(lambda *a: kernels.forward(
+                *a, None, config=config, save_states=save)[-1])
+            states = fwd(True)(x, dt, cs, B, C, s0)
+            bwd = lambda i: jax.jit(lambda *a: kernels.backward(*a, config=config)[i])
+            args = (x, dt, cs, B, C, None, states, dy, s0)
+            whole = lambda i, o: vjp.ssd(**i, **o, dt_softplus=True, backend=kernels,
+                                         config=config)[0]
+            parts = {"forward": (fwd(False), (x, dt, cs, B, C, s0)),
+                     "forward saving states": (fwd(True), (x, dt, cs, B, C, s0)),
+                     "backward state kernel": (bwd(0), args),
+                     "both backward kernels": (bwd(3), args),
+                     "ssd fwd+bwd": (jax.jit(lambda i, o: jax.vjp(whole, i, o)[1](dy)),
+                                     (inputs, options))}
+            times = {name: median_time(lambda: jax.block_until_ready(f(*a)), warmup, reps)
+                     for name, (f, a) in parts.items()}
+            print(f"breakdown {b}x{l} {describe(config)}: " + ", ".join(
+                f"{name} {v * 1e3:.3f} ms" for name, v in times.items()), flush=True)
 
 
 if __name__ == "__main__":

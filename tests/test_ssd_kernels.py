@@ -104,6 +104,12 @@ class TestTriton(BackendCases):
     config = triton.Config(chunk=16, block_p=8)
 
 
+class TestTritonHeadsSplitForDBDC(BackendCases):
+    backend = triton
+    # One head per dB/dC program: every group's dB and dC summed from r partials.
+    config = triton.Config(chunk=16, block_p=8, backward_bc_heads=1)
+
+
 class TestTritonFloat32States(BackendCases):
     backend = triton
     config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False)

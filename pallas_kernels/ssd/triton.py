@@ -19,9 +19,10 @@ Three kernels:
   gradient of the state leaving the chunk; per chunk dx, the dt-gradient of the x dt
   product, and the part of the cumsum gradient that comes through the leaving state. Saves
   each chunk's dS.
-- `_backward_bc_kernel`, grid (b, c, g): chunks in parallel; loops over the r heads of the
-  group accumulating dB and dC in registers (no atomics, no per-head copies of dB/dC), and
-  writes each head's remaining cumsum gradient.
+- `_backward_bc_kernel`, grid (b, c, g * q): chunks in parallel; loops over r / q heads of
+  the group accumulating dB and dC in registers (no atomics, no per-head copies of dB/dC),
+  and writes each head's remaining cumsum gradient. q (Config.backward_bc_heads) partial
+  dB, dC per group are summed after the kernel.
 
 The kernel chunk t is this module's own tile, independent of the caller's chunk_size: the
 chunked algorithm is exact for any chunk, only rounding differs. Matmul operands are x's
@@ -50,7 +51,15 @@ class Config:
     forward_warps: int = 4
     backward_state_warps: int = 4
     backward_bc_warps: int = 8
-    num_stages: int = 2
+    # Heads of a group that one dB/dC program loops over; None: all of them. Fewer heads
+    # per program multiply the programs (b * chunks * g is small for short batches) at the
+    # cost of one float32 dB/dC partial per program, summed after the kernel.
+    backward_bc_heads: int | None = None
+    # Software-pipelining stages of the chunk and head loops. One for the backward kernels:
+    # measured on an H200 at (8, 8192), 2 stages made the state kernel 1.09x and the dB/dC
+    # kernel 1.27x slower (their registers, not their loads, bound them).
+    forward_stages: int = 2
+    backward_stages: int = 1
     # The per-chunk states saved for the backward pass and their gradients, stored in x's
     # dtype instead of float32 (they are carried and summed in float32 either way): half
     # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads,
@@ -173,9 +182,11 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
-                        *rest, t, r, has_doc):
+                        *rest, t, r, heads, has_doc):
     doc_ref, (dB_ref, dC_ref, dcs_ref) = _split_doc(rest, has_doc)
-    bi, k, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q = r // heads  # programs per group
+    gi, qi = gq // q, gq % q
     dtype = x_ref.dtype
     t0 = pl.multiple_of(k * t, t)
     ts = pl.ds(t0, t)
@@ -185,46 +196,49 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
     n = Bk.shape[-1]
 
-    def head(j, grads):
-        dB, dC = grads
-        hi = gi * r + j
+    def head(j, carry):
+        dS, dB, dC = carry
+        hi = gi * r + qi * heads + j
         x, dy = x_ref[bi, ts, hi, :], dy_ref[bi, ts, hi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         state = states_ref[bi, k, hi].astype(jnp.float32)  # entering the chunk
         dstate = dstates_ref[bi, k, hi].astype(jnp.float32)  # gradient of the leaving one
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
-        # dscores_ts = d y / d CB_ts, already weighted by decay and dt.
+        # dscores_ts = d y / d CB_ts, already weighted by decay and dt. The heads of a group
+        # share B and C, so their dscores are summed first and meet B and C once, after the
+        # loop: dC += dS B, dB += dS^T C.
         dscores = _dot(dy, x, (1, 1)) * within_decay * dt[None, :]  # [t, s]
-        dscores_c = dscores.astype(dtype)
-        C_state = _dot(Ck, state.astype(dtype), (1, 1))  # [t, p]
-        dC = dC + _dot(dscores_c, Bk) + from_entry[:, None] * _dot(dy, state.astype(dtype))
+        dy_state = _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy_tp state_pn
+        dC = dC + from_entry[:, None] * dy_state
         xw = (x.astype(jnp.float32) * (to_end * dt)[:, None]).astype(dtype)
-        dB = dB + _dot(dscores_c, Ck, (0, 0)) + _dot(xw, dstate.astype(dtype))
+        dB = dB + _dot(xw, dstate.astype(dtype))
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
-        # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state); the decay
-        # across the chunk gives <dstate, state> at the last position.
+        # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
+        # dy_state_t; the decay across the chunk gives <dstate, state> at the last position.
         z = CB * dscores
         dcs = (jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
-               + from_entry * jnp.sum(dy.astype(jnp.float32) * C_state, axis=1)
+               + from_entry * jnp.sum(Ck.astype(jnp.float32) * dy_state, axis=1)
                + jnp.where(last, across * jnp.sum(dstate * state), 0.0))
         dcs_ref[bi, hi, ts] = dcs
-        return dB, dC
+        return dS + dscores, dB, dC
 
     zeros = jnp.zeros((t, n), jnp.float32)
-    dB, dC = jax.lax.fori_loop(0, r, head, (zeros, zeros))
-    dB_ref[bi, ts, gi, :] = dB
-    dC_ref[bi, ts, gi, :] = dC
+    dS, dB, dC = jax.lax.fori_loop(0, heads, head,
+                                   (jnp.zeros((t, t), jnp.float32), zeros, zeros))
+    dS = dS.astype(dtype)
+    dB_ref[qi, bi, ts, gi, :] = dB + _dot(dS, Ck, (0, 0))
+    dC_ref[qi, bi, ts, gi, :] = dC + _dot(dS, Bk)
 
 
 def _split_doc(refs, has_doc):
     return (refs[0], refs[1:]) if has_doc else (None, refs)
 
 
-def _call(kernel, grid, out_shape, warps, config, interpret, name):
+def _call(kernel, grid, out_shape, warps, stages, interpret, name):
     return pl.pallas_call(
         kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=config.num_stages))
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
 
 
 def _states_dtype(config, x):
@@ -248,8 +262,8 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, interpr
     kernel = functools.partial(_forward_kernel, t=t, r=h // g, bp=bp, has_doc=doc is not None,
                                save_states=save_states)
     args = (x, dt, cs, B, C, initial_state) + (() if doc is None else (doc,))
-    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps, config, interpret,
-                 "ssd_forward")(*args)
+    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
+                 config.forward_stages, interpret, "ssd_forward")(*args)
 
 
 def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, interpret=False):
@@ -270,11 +284,17 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, interpret=Fals
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
          f32((b, h, p, n))],
-        config.backward_state_warps, config, interpret, "ssd_backward_state",
+        config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
     )(x, dt, cs, B, C, dy, dfinal, *doc_args)
-    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, has_doc=doc is not None)
+    heads = r if config.backward_bc_heads is None else min(config.backward_bc_heads, r)
+    if r % heads:
+        raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
+                         f"group, {r}")
+    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, heads=heads,
+                               has_doc=doc is not None)
     dB, dC, dcs = _call(
-        kernel, (b, l // t, g), [f32(B.shape), f32(C.shape), f32((b, h, l))],
-        config.backward_bc_warps, config, interpret, "ssd_backward_bc",
+        kernel, (b, l // t, g * (r // heads)),
+        [f32((r // heads,) + B.shape), f32((r // heads,) + C.shape), f32((b, h, l))],
+        config.backward_bc_warps, config.backward_stages, interpret, "ssd_backward_bc",
     )(x, dt, cs, B, C, dy, states, dstates, *doc_args)
-    return dx, ddt.sum(0), dcs + dcs_end.sum(0), dB, dC, dinit
+    return dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit
