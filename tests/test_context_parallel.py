@@ -4,7 +4,7 @@ The model-level cases reuse tests/test_parallel.py's comparison and tolerances (
 logits and loss within 1e-5 absolute, gradients within 1e-5 + 1e-4 relative), on 64 tokens
 of packed documents whose boundaries fall inside parts and exactly on part edges. The
 scan-level case holds the split scan to the naive recurrence within 2e-5 (float32, O(1)
-values: the correction adds the entering state's readout in another order) and its
+values: the parts' states are summed by an einsum, in another order) and its
 gradients to the unsplit scan's within 1e-4 absolute + 1e-4 relative (each a sum over up to
 64 tokens of O(1) terms).
 """
@@ -65,7 +65,8 @@ def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients()
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
     np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
 
-    # Gradients of every input, through the all-gather, the fold and the correction.
+    # Gradients of every input, through the scan's initial state, the fold, the all-gather
+    # and the parts' states.
     weights = jax.random.normal(jax.random.key(1), y.shape), jax.random.normal(
         jax.random.key(2), final.shape)
 

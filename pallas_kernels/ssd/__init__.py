@@ -22,8 +22,8 @@ devices (context_parallel.py): the result is the scan of the whole sequence.
 `segments`: split each row (each device's part, under `sequence_axis`) into this many equal
 parts, scanned as rows of their own and joined by the same state passing: the result is
 the same scan. For the kernels, which walk a row's chunks in order, it multiplies the
-programs when batch x heads is too few for the GPU (one long sequence); it adds a readout
-of the entering state per token. 1 (the default) scans each row whole.
+programs when batch x heads is too few for the GPU (one long sequence); it adds one einsum
+over x and B for the parts' states. 1 (the default) scans each row whole.
 """
 
 from __future__ import annotations

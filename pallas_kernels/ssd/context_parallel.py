@@ -8,25 +8,28 @@ and seq_idx split over the mesh axis `axis_name`: device k holds part k of every
 as in reference.py (b batch, l one part of the sequence, h heads, p headdim, g groups, r
 heads per group, n d_state), plus K parts.
 
-The scan is linear in its state, so part k's outputs are its outputs from a zero state
-plus the contribution of the state S_k entering it (recurrentgemma's
-`multi_shard_correction` does the same for a diagonal RNN):
+The scan is linear in its state, so the state entering part k follows from what each part
+before it would leave from a zero state (recurrentgemma's `multi_shard_correction` passes
+states the same way for a diagonal RNN):
 
-1. each device scans its part from zero, giving y0 and its final state F_k, and the part's
-   total decay a_k = exp(sum_t dt_t A) (0 where the part holds a document start: the state
-   resets there and nothing before it survives the part);
+1. each part's final state from a zero state, F_k = sum_s exp(sum_{u>s} dt_u A) dt_s x_s
+   B_s^T over the tokens of its last document (one einsum, l h p n multiply-adds; no scan),
+   and its total decay a_k = exp(sum_t dt_t A) (0 where the part holds a document start:
+   the state resets there and nothing before it survives the part);
 2. one all-gather over `axis_name` of (F, a, first and last seq_idx) [K, b, h, p, n] +
    [K, b, h] + [K, b, 2]: a few MB, independent of the sequence length (for segments of a
    row on one device, a reshape);
-3. every device folds the parts before its own, S_{k+1} = c_{k+1} (a_k S_k + F_k) with
+3. every part folds the parts before its own, S_{k+1} = c_{k+1} (a_k S_k + F_k) with
    S_0 = initial_state (or 0) and c_k = 0 where part k's first token starts a new document
-   (its seq_idx differs from part k-1's last), and keeps S_k;
-4. y_t += exp(cumsum(dt A)_t) C_t . S_k for the tokens before part k's first document
-   start (the others never see S_k).
+   (its seq_idx differs from part k-1's last);
+4. each part runs the scan once, entered by S_k as its initial state (the scan applies an
+   initial state to the tokens before the row's first document start, as S_k must be).
 
-The correction (step 4) costs one readout of the state, O(l h p n), like the chunked
-scan's own inter-chunk term; rerunning the scan from S_k would cost a second full scan.
-Gradients flow through the all-gather (its transpose is a reduce-scatter) and the fold.
+So the whole costs one scan plus step 1's einsum, and no pass over y: an earlier version
+scanned each part from zero and added the entering state's read-out exp(cumsum) C_t . S_k
+to y afterwards, a float32 [l, h, p] product that cost the kernels about as much as the
+scan at batch 1 x 65536 (BENCHMARKS.md). Gradients flow through the scan's initial state,
+the fold, the all-gather (its transpose is a reduce-scatter) and the einsum.
 """
 
 from __future__ import annotations
@@ -36,27 +39,35 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ssd.reference import document_ids, process_dt
+from pallas_kernels.ssd.reference import (accumulation_dtype, document_ids, process_dt,
+                                          weighted_state)
 
 
-def _zero_state_scan(scan, x, dt, A, B, C, *, D, dt_bias, dt_softplus, dt_limit, seq_idx):
-    """Step 1 for the parts in x's rows: y0, F, a as above, the decay from each part's
-    start to each token [b, l, h], whether each token precedes the part's first document
-    start [b, l] and the part's first and last seq_idx [b, 2]."""
-    b, l = x.shape[:2]
-    y0, final0 = scan(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                      dt_limit=dt_limit, seq_idx=seq_idx)
-    # The same dt processing as the scan, so the decays below are the scan's decays.
-    dA_cs = jnp.cumsum(process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32)
-                       * A.astype(jnp.float32), axis=1)  # [b, l, h]
+def _zero_state_finals(x, dt, A, B, *, dt_bias, dt_softplus, dt_limit, seq_idx):
+    """Step 1 for the parts in x's rows: F [b, h, p, n] (float32, float64 for float64 x), a
+    [b, h], and the part's first and last seq_idx [b, 2]."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    acc = accumulation_dtype(x)
+    # The same dt processing as the scan, so these decays are the scan's decays.
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(acc)  # [b, l, h]
+    dA = dt * A.astype(acc)
+    # The decay from each token to the part's end, as a sum over the tokens after it (a
+    # reverse cumulative sum, exact where the decay is not negligible), not as a difference
+    # of two long cumulative sums.
+    to_end = jnp.exp(lax.cumsum(dA, axis=1, reverse=True) - dA)  # [b, l, h]
+    weights = to_end * dt
     if seq_idx is None:
-        first_doc = jnp.ones((b, l), bool)  # every token continues the entering state
+        decay = jnp.exp(jnp.sum(dA, axis=1))  # [b, h]
         ends = jnp.zeros((b, 2), jnp.int32)
     else:
-        first_doc = document_ids(seq_idx) == 0  # [b, l]: before the part's first doc start
+        doc = document_ids(seq_idx)  # [b, l]
+        weights = weights * (doc == doc[:, -1:])[..., None]  # only the last document's tokens
+        decay = jnp.exp(jnp.sum(dA, axis=1)) * (doc[:, -1:] == 0)
         ends = jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
-    decay = jnp.exp(dA_cs[:, -1]) * first_doc[:, -1:]  # [b, h]
-    return y0, final0, decay, dA_cs, first_doc, ends
+    final = weighted_state(x.reshape(b, l, g, h // g, p), B,
+                           weights.reshape(b, l, g, h // g), acc)
+    return final.reshape(b, h, p, n), decay, ends
 
 
 def _entering_states(finals, decays, ends, initial_state):
@@ -74,52 +85,42 @@ def _entering_states(finals, decays, ends, initial_state):
     return jnp.stack(entering)
 
 
-def _corrected(y0, final0, decay, dA_cs, first_doc, C, s_in):
-    """Step 4 for the parts in the rows of y0 [b, l, h, p], each entered by s_in
-    [b, h, p, n]: (y, the state after the part)."""
-    b, l, h, p = y0.shape
-    g, n = C.shape[2:]
-    weight = jnp.exp(dA_cs) * first_doc[..., None]  # [b, l, h]
-    readout = jnp.einsum("blgn,bgrpn->blgrp", C.astype(jnp.float32),
-                         s_in.reshape(b, g, h // g, p, n)).reshape(b, l, h, p)
-    y = (y0.astype(jnp.float32) + weight[..., None] * readout).astype(y0.dtype)
-    return y, decay[..., None, None] * s_in + final0
-
-
 def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=None,
                          dt_softplus=False, dt_limit=(0.0, math.inf), initial_state=None,
                          seq_idx=None):
     """This device's part of the SSD over a sequence split on `axis_name` (in shard_map).
 
     scan(x, dt, A, B, C, **options) -> (y, final_state): the single-device scan (ssd's
-    chosen implementation), run on the local part from a zero state. Arguments and results
+    chosen implementation), run once on the local part entered by the state the parts
+    before it pass on (steps 1-4 above). Arguments and results
     as `pallas_kernels.ssd.ssd` for x [b, l, h, p] etc., with l this device's part;
     initial_state [b, h, p, n] enters the first part; final_state is the state after this
     device's last token.
     """
-    y0, final0, decay, dA_cs, first_doc, ends = _zero_state_scan(
-        scan, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-        dt_limit=dt_limit, seq_idx=seq_idx)
-    finals, decays, all_ends = lax.all_gather((final0, decay, ends), axis_name)
-    s_in = _entering_states(finals, decays, all_ends, initial_state)[lax.axis_index(axis_name)]
-    return _corrected(y0, final0, decay, dA_cs, first_doc, C, s_in)
+    options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   seq_idx=seq_idx)
+    finals, decays, ends = lax.all_gather(_zero_state_finals(x, dt, A, B, **options),
+                                          axis_name)
+    s_in = _entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
+    return scan(x, dt, A, B, C, D=D, initial_state=s_in, **options)
 
 
 def ssd_segmented(scan, x, dt, A, B, C, *, segments, D=None, dt_bias=None, dt_softplus=False,
                   dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None):
-    """The SSD of each row split into `segments` equal parts scanned as rows of their own,
-    then joined by the fold and correction above. Arguments and results as
+    """The SSD of each row split into `segments` equal parts scanned at once as rows of
+    their own, each entered by the state the parts before it pass on (steps 1-4 above). Arguments and results as
     `pallas_kernels.ssd.ssd` for x [b, l, h, p] etc.; l must be a multiple of segments."""
     b, l = x.shape[:2]
     K = segments
     if l % K:
         raise ValueError(f"ssd: segments={K} must divide the sequence length {l}")
     rows = lambda a: None if a is None else a.reshape(b * K, l // K, *a.shape[2:])
-    y0, final0, decay, dA_cs, first_doc, ends = _zero_state_scan(
-        scan, rows(x), rows(dt), A, rows(B), rows(C), D=D, dt_bias=dt_bias,
-        dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=rows(seq_idx))
+    options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   seq_idx=rows(seq_idx))
     parts = lambda a: jnp.moveaxis(a.reshape(b, K, *a.shape[1:]), 1, 0)  # [K, b, ...]
-    s_in = _entering_states(parts(final0), parts(decay), parts(ends), initial_state)
-    y, final = _corrected(y0, final0, decay, dA_cs, first_doc, rows(C),
-                          jnp.moveaxis(s_in, 0, 1).reshape(final0.shape))
+    finals = _zero_state_finals(rows(x), rows(dt), A, rows(B), **options)
+    s_in = _entering_states(*map(parts, finals), initial_state)  # [K, b, h, p, n]
+    y, final = scan(rows(x), rows(dt), A, rows(B), rows(C), D=D,
+                    initial_state=jnp.moveaxis(s_in, 0, 1).reshape(b * K, *s_in.shape[2:]),
+                    **options)
     return y.reshape(x.shape), final.reshape(b, K, *final.shape[1:])[:, -1]

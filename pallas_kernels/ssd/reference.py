@@ -44,7 +44,16 @@ def document_ids(seq_idx):
     return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
 
 
-def _accumulation_dtype(x):
+def weighted_state(x, B, weights, acc):
+    """sum_s weights_s x_s B_s^T, the state a span of tokens leaves from a zero state:
+    x [..., s, g, r, p], B [..., s, g, n], weights [..., s, g, r] (decay to the span's end
+    times dt, in acc) -> [..., g, r, p, n] in acc. x is weighted in acc, then rounded to its
+    own dtype for the matmul (bf16 operands, acc accumulation), as the kernels do."""
+    xw = (x.astype(acc) * weights[..., None]).astype(x.dtype)
+    return jnp.einsum("...sgrp,...sgn->...grpn", xw, B, preferred_element_type=acc)
+
+
+def accumulation_dtype(x):
     # float64 inputs (the oracle's tests) stay float64; everything else accumulates in float32.
     return jnp.promote_types(x.dtype, jnp.float32)
 
@@ -57,7 +66,7 @@ def ssd_naive(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=False,
     """
     b, l, h, p = x.shape
     g, n = B.shape[2:]
-    acc = _accumulation_dtype(x)
+    acc = accumulation_dtype(x)
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(acc)
     B_h = jnp.repeat(B.astype(acc), h // g, axis=2)  # [b, l, h, n]
     C_h = jnp.repeat(C.astype(acc), h // g, axis=2)
@@ -101,7 +110,7 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus
     g, n = B.shape[2:]
     r = h // g
     q = chunk_size
-    acc = _accumulation_dtype(x)
+    acc = accumulation_dtype(x)
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(acc)
     doc = None if seq_idx is None else document_ids(seq_idx)
 
@@ -141,9 +150,7 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus
     decay_to_end = jnp.exp(dA_cs[..., -1:] - dA_cs)  # [b, c, g, r, s]
     if doc is not None:
         decay_to_end = decay_to_end * (doc == doc[:, :, -1:])[:, :, None, None]
-    weights = (decay_to_end * dt).transpose(0, 1, 4, 2, 3)[..., None]  # [b, c, s, g, r, 1]
-    xw = (x.astype(acc) * weights).astype(x.dtype)
-    chunk_states = jnp.einsum("bcsgrp,bcsgn->bcgrpn", xw, B, preferred_element_type=acc)
+    chunk_states = weighted_state(x, B, (decay_to_end * dt).transpose(0, 1, 4, 2, 3), acc)
 
     # 3. Across chunks: a sequential scan multiplying whole-chunk decays. A cumsum over all
     # chunks would lose float32 precision on long sequences; the chunk count is small.
