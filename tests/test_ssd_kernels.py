@@ -104,15 +104,13 @@ class TestTriton(BackendCases):
     config = triton.Config(chunk=16, block_p=8)
 
 
-class TestTritonHeadsSplitForDBDC(BackendCases):
+class TestTritonOtherOptions(BackendCases):
     backend = triton
-    # One head per dB/dC program: every group's dB and dC summed from r partials.
-    config = triton.Config(chunk=16, block_p=8, backward_bc_heads=1)
-
-
-class TestTritonFloat32States(BackendCases):
-    backend = triton
-    config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False)
+    # The non-default options, together: saved states in float32 (which changes only bf16
+    # inputs: float32 inputs keep float32 states either way) and one head per dB/dC program
+    # (every group's dB and dC summed from r partials).
+    config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False,
+                           backward_bc_heads=1)
 
 
 def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
