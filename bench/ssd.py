@@ -106,16 +106,17 @@ def check_against_naive(rng, configs=(kernels.Config(),),
                 naive = loss_and_grads(reference.ssd_naive, up(inputs), up(options),
                                        jnp.asarray(wy), jnp.asarray(ws))
             for config in configs:
+                weights = jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)
                 ours = jax.jit(lambda i, o: loss_and_grads(
                     lambda **a: vjp.ssd(backend=kernels, config=config, **a), i, o,
-                    jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)))(inputs, options)
+                    *weights))(inputs, options)
                 errors = {"y": rel_err(ours[0], naive[0]),
                           "final_state": rel_err(ours[1], naive[1])}
                 errors.update({f"d{k}": rel_err(ours[2][k], naive[2][k]) for k in naive[2]})
                 worst = max(errors.values())
                 print(f"check {jnp.dtype(dtype).name} b={b} l={l} g={g} docs={docs} "
-                      f"state={state} {describe(config)}: worst rel err {worst:.2e} (tol {tol:.0e})",
-                      flush=True)
+                      f"state={state} {describe(config)}: worst rel err {worst:.2e} "
+                      f"(tol {tol:.0e})", flush=True)
                 if not worst < tol:  # NaN fails too
                     raise SystemExit(f"CHECK FAILED ({config}): {errors}")
 

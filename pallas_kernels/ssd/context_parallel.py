@@ -92,10 +92,9 @@ def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=Non
 
     scan(x, dt, A, B, C, **options) -> (y, final_state): the single-device scan (ssd's
     chosen implementation), run once on the local part entered by the state the parts
-    before it pass on (steps 1-4 above). Arguments and results
-    as `pallas_kernels.ssd.ssd` for x [b, l, h, p] etc., with l this device's part;
-    initial_state [b, h, p, n] enters the first part; final_state is the state after this
-    device's last token.
+    before it pass on (steps 1-4 above). Arguments and results as `pallas_kernels.ssd.ssd`
+    for x [b, l, h, p] etc., with l this device's part; initial_state [b, h, p, n] enters
+    the first part; final_state is the state after this device's last token.
     """
     options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    seq_idx=seq_idx)
@@ -108,8 +107,9 @@ def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=Non
 def ssd_segmented(scan, x, dt, A, B, C, *, segments, D=None, dt_bias=None, dt_softplus=False,
                   dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None):
     """The SSD of each row split into `segments` equal parts scanned at once as rows of
-    their own, each entered by the state the parts before it pass on (steps 1-4 above). Arguments and results as
-    `pallas_kernels.ssd.ssd` for x [b, l, h, p] etc.; l must be a multiple of segments."""
+    their own, each entered by the state the parts before it pass on (steps 1-4 above).
+    Arguments and results as `pallas_kernels.ssd.ssd` for x [b, l, h, p] etc.; l must be a
+    multiple of segments."""
     b, l = x.shape[:2]
     K = segments
     if l % K:
