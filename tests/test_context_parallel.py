@@ -194,3 +194,21 @@ def test_trainer_with_cp_and_packed_documents_gives_the_data_parallel_losses(tmp
         losses[mesh] = [r["loss"] for r in records] + [records[-1]["eval_loss"]]
     assert np.all(np.isfinite(losses["dp=8"]))
     np.testing.assert_allclose(losses["dp=2,cp=2,tp=2"], losses["dp=8"], rtol=LOSS_RTOL)
+
+
+def test_segments_of_a_long_row_keep_float32_precision():
+    # 16,384 tokens in 4 segments; the faster head's cumulative dt*A reaches about -6,600
+    # within a segment. Each segment's state comes from decays summed over the tokens after
+    # each one, not from a difference of two long cumulative sums (that was 7.7e-6 off
+    # here; this is about 1e-7).
+    keys = iter(jax.random.split(jax.random.key(3), 5))
+    b, l, h, p, g, n = 1, 16384, 2, 8, 1, 8
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32)
+    args = dict(x=normal(b, l, h, p), dt=normal(b, l, h), A=-jnp.asarray([0.5, 2.0]),
+                B=normal(b, l, g, n), C=normal(b, l, g, n))
+    options = dict(dt_softplus=True, chunk_size=64, return_final_state=True,
+                   implementation="xla")
+    whole = ssd(**args, **options)
+    split = ssd(**args, segments=4, **options)
+    for got, want in zip(split, whole):
+        assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) < 1e-6
