@@ -8,7 +8,8 @@ device kernels summed by name and by kind. With --decode NEW, the same for gener
 Builds and compiles the step as bench/train_step.py does (Steps: same mesh, remat and
 parameters), runs two warm-up steps, traces --steps steps, and prints the step time, GPU
 time per step by kind (matmul, SSD Pallas kernels, collectives, copies, other fusions) and
-the --top kernels by GPU time per step. DIR keeps the trace (perfetto_trace.json.gz, for
+the --top kernels by GPU time per step, each with the HLO ops that launched it (the trace's
+`hlo_op`, by time). DIR keeps the trace (perfetto_trace.json.gz, for
 ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt), where a fusion's name leads to
 the operations it holds. Kernel times are the trace's device events (CUPTI); kernels on
 different streams may overlap, so their sum can exceed the step time.
@@ -86,10 +87,12 @@ def busy_fraction(events: list[dict]) -> float:
 def summarize(events: list[dict], steps: int, step_s: float, top: int, what="step"):
     by_name, calls, by_kind = (collections.Counter(), collections.Counter(),
                                collections.Counter())
+    ops = collections.defaultdict(collections.Counter)  # kernel -> the HLO ops that ran it
     for e in events:
         by_name[e["name"]] += e["dur"] / 1e3 / steps  # us -> ms per step
         calls[e["name"]] += 1 / steps
         by_kind[kind_of(e["name"])] += e["dur"] / 1e3 / steps
+        ops[e["name"]][e.get("args", {}).get("hlo_op", "?")] += e["dur"]
     total = sum(by_kind.values())
     print(f"{what} {step_s * 1e3:.3f} ms (host clock); GPU kernels {total:.3f} ms per {what} "
           f"summed over {len(events) // max(steps, 1)} events per {what}; the GPU runs a "
@@ -97,11 +100,12 @@ def summarize(events: list[dict], steps: int, step_s: float, top: int, what="ste
     print(f"| kind | ms per {what} | share of kernel time |\n|---|---|---|")
     for k, ms in by_kind.most_common():
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
-    print(f"\n| kernel | kind | calls per {what} | ms per {what} | share |\n"
-          "|---|---|---|---|---|")
+    print(f"\n| kernel | kind | calls per {what} | ms per {what} | share | its largest HLO ops "
+          "(step.hlo.txt) |\n|---|---|---|---|---|---|")
     for name, ms in by_name.most_common(top):
+        largest = ", ".join(op for op, _ in ops[name].most_common(3))
         print(f"| {name[:90]} | {kind_of(name)} | {calls[name]:.0f} | {ms:.3f} | "
-              f"{100 * ms / total:.1f}% |")
+              f"{100 * ms / total:.1f}% | {largest} |")
 
 
 def traced(fn, out, steps):
