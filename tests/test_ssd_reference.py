@@ -118,3 +118,23 @@ def test_bad_shapes_are_named(bad, match):
         args["C"] = bad["B"]
     with pytest.raises(ValueError, match=match):
         ssd(**args)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_bf16_backward_keeps_no_float32_copy_of_x(implementation, capsys):
+    # The D skip widens x to float32; differentiating must not keep that copy (a float32
+    # [b, l, h, p] per layer) but widen the bf16 x it keeps anyway again.
+    from jax.ad_checkpoint import print_saved_residuals  # one "dtype[shape] ..." per line
+    b, l, h, p, g, n = 2, 64, 4, 16, 1, 16
+    keys = iter(jax.random.split(jax.random.key(0), 4))
+    x = jax.random.normal(next(keys), (b, l, h, p)).astype(jnp.bfloat16)
+    B = jax.random.normal(next(keys), (b, l, g, n)).astype(jnp.bfloat16)
+    dt = jax.random.normal(next(keys), (b, l, h))
+
+    def loss(x, D):
+        return ssd(x, dt, -jnp.ones(h), B, B, chunk_size=16, D=D, dt_softplus=True,
+                   implementation=implementation).astype(jnp.float32).sum()
+    print_saved_residuals(loss, x, jnp.ones(h))
+    kept = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line]
+    shape = "[" + ",".join(map(str, x.shape)) + "]"
+    assert "bf16" + shape in kept and "f32" + shape not in kept, kept
