@@ -101,7 +101,7 @@ def summarize(events: list[dict], steps: int, step_s: float, top: int, what="ste
     for k, ms in by_kind.most_common():
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
     print(f"\n| kernel | kind | calls per {what} | ms per {what} | share | its largest HLO ops "
-          "(step.hlo.txt) |\n|---|---|---|---|---|---|")
+          "|\n|---|---|---|---|---|---|")
     for name, ms in by_name.most_common(top):
         largest = ", ".join(op for op, _ in ops[name].most_common(3))
         print(f"| {name[:90]} | {kind_of(name)} | {calls[name]:.0f} | {ms:.3f} | "
@@ -171,6 +171,7 @@ def main():
     p.add_argument("--decode", type=int, default=0, metavar="NEW",
                    help="profile generate() of NEW tokens after a --seq-len prompt instead")
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     if args.decode:
         return profile_decode(args)
 
@@ -181,7 +182,6 @@ def main():
           f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}")
     steps.measure(args.batch, args.seq_len, 1)  # compiles, builds the state, warms up
     exe = steps.compiled[args.batch, args.seq_len][0]
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
         f.write(exe.as_text())
     state = list(steps.state)

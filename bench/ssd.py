@@ -326,13 +326,13 @@ def breakdown(rng, shapes, configs, warmup, reps):
     for b, l in shapes:
         inputs, options = make_inputs(rng, b, l, g, jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((b, l, H, P)), jnp.bfloat16)
+        x, B, C = inputs["x"], inputs["B"], inputs["C"]
+        dt = jax.nn.softplus(inputs["dt"]).transpose(0, 2, 1)
+        s0 = jnp.zeros((b, H, P, N), jnp.float32)
         for config in configs:
-            x, B, C = inputs["x"], inputs["B"], inputs["C"]
-            dt = jax.nn.softplus(inputs["dt"]).transpose(0, 2, 1)
-            t = config.chunk
+            t = config.chunk  # the cumsum restarts at every kernel chunk
             cs = jnp.cumsum((dt * inputs["A"][:, None]).reshape(b, H, -1, t), -1).reshape(
                 b, H, l)
-            s0 = jnp.zeros((b, H, P, N), jnp.float32)
             fwd = lambda save: jax.jit(lambda *a: kernels.forward(
                 *a, None, config=config, save_states=save)[-1])
             states = fwd(True)(x, dt, cs, B, C, s0)

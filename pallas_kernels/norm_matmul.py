@@ -53,10 +53,10 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
                          f"(w_transposed={w_transposed}) or ngroups={ngroups}")
     f = _triton if implementation == "triton" else reference
     return f(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
-             w_transposed=w_transposed, n=n)
+             w_transposed=w_transposed)
 
 
-def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, n):
+def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
     """rms_norm_matmul in plain JAX."""
     b, k = x.shape
     v = x.astype(jnp.float32)
@@ -90,14 +90,16 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
     group_size = k // ngroups
     chunks = group_size // bk
 
-    def gated(row, start):
-        """Row `row`'s v over the bk features from start: [bk] float32, gated, not yet
+    def span(start):
+        return pl.ds(pl.multiple_of(start, bk), bk)
+
+    def gated(row, features):
+        """Row `row`'s v over `features` (bk of them): [bk] float32, gated, not yet
         normalised."""
-        features = pl.ds(pl.multiple_of(start, bk), bk)
         v = x_ref[row, features].astype(jnp.float32)
         if has_z:
             v = v * jax.nn.silu(z_ref[row, features].astype(jnp.float32))
-        return v, features
+        return v
 
     # Every row is reduced against each block of w as it is loaded: w is read once.
     accs = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(rows))
@@ -105,18 +107,17 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
         first = gi * group_size
         rstd = [jax.lax.rsqrt(jax.lax.fori_loop(
             0, chunks,
-            lambda c, s, row=row: s + jnp.sum(jnp.square(gated(row, first + c * bk)[0])),
+            lambda c, s, row=row: s + jnp.sum(jnp.square(gated(row, span(first + c * bk)))),
             jnp.float32(0)) / group_size + eps) for row in range(rows)]
 
         def body(c, accs):
-            start = first + c * bk
-            features = pl.ds(pl.multiple_of(start, bk), bk)
+            features = span(first + c * bk)
             w = (w_ref[columns, features] if w_transposed  # [bn, bk], rows contiguous in k
                  else w_ref[features, columns].T).astype(jnp.float32)
             scale = weight_ref[features].astype(jnp.float32)
             out = []
             for row, acc in enumerate(accs):
-                v = (gated(row, start)[0] * rstd[row] * scale).astype(w_ref.dtype)
+                v = (gated(row, features) * rstd[row] * scale).astype(w_ref.dtype)
                 out.append(acc + jnp.sum(w * v.astype(jnp.float32)[None, :], axis=1))
             return tuple(out)
 
@@ -130,8 +131,9 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
         out_ref[row, columns] = out.astype(out_ref.dtype)
 
 
-def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, n):
+def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
     b, k = x.shape
+    n = w.shape[0] if w_transposed else w.shape[1]
     # bk: features per step (a [bn, bk] block of w in registers); bn: output columns per
     # program, at most 16 so that even a small n gives the GPU's SMs a program each.
     bk = _largest_power_of_two_dividing(k // ngroups, 512)

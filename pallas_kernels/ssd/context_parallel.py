@@ -28,8 +28,9 @@ states the same way for a diagonal RNN):
 So the whole costs one scan plus step 1's einsum, and no pass over y: an earlier version
 scanned each part from zero and added the entering state's read-out exp(cumsum) C_t . S_k
 to y afterwards, a float32 [l, h, p] product and a pass over y (at batch 1 x 65536 in 8
-segments, an estimated 0.8 ms of a 2.3 ms forward: BENCHMARKS.md). Gradients flow through the scan's initial state,
-the fold, the all-gather (its transpose is a reduce-scatter) and the einsum.
+segments, an estimated 0.8 ms of a 2.3 ms forward: BENCHMARKS.md). Gradients flow through
+the scan's initial state, the fold, the all-gather (its transpose is a reduce-scatter) and
+the einsum.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def _zero_state_finals(x, dt, A, B, *, dt_bias, dt_softplus, dt_limit, seq_idx):
     # of two long cumulative sums.
     to_end = jnp.exp(lax.cumsum(dA, axis=1, reverse=True) - dA)  # [b, l, h]
     weights = to_end * dt
+    decay = jnp.exp(jnp.sum(dA, axis=1))  # [b, h]
     if seq_idx is None:
-        decay = jnp.exp(jnp.sum(dA, axis=1))  # [b, h]
         ends = jnp.zeros((b, 2), jnp.int32)
     else:
         doc = document_ids(seq_idx)  # [b, l]
         weights = weights * (doc == doc[:, -1:])[..., None]  # only the last document's tokens
-        decay = jnp.exp(jnp.sum(dA, axis=1)) * (doc[:, -1:] == 0)
+        decay = decay * (doc[:, -1:] == 0)  # nothing survives a document start
         ends = jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
     final = weighted_state(x.reshape(b, l, g, h // g, p), B,
                            weights.reshape(b, l, g, h // g), acc)
