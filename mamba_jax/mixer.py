@@ -22,7 +22,7 @@ from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import causal_conv1d, dense, gated_rms_norm, matmul, uniform
 from pallas_kernels.norm_matmul import rms_norm_matmul
 from pallas_kernels.ssd import document_ids, ssd
-from pallas_kernels.ssd.step import mamba_step
+from pallas_kernels.ssd.step import mamba_step, mamba_step_packed
 
 # The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
 # step_implementation="triton". Measured on an H200 (BENCHMARKS.md, Generation): at batch 1
@@ -132,14 +132,10 @@ class Mamba2Mixer(nnx.Module):
         leaves it in the compute dtype, as from mamba_ssm's in_proj."""
         w, bias = self.in_proj() if in_proj is None else in_proj
         zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
-        z, xBC, dt = self._split_projection(zxbcdt)
-        return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
-
-    def _split_projection(self, zxbcdt):
-        """The fused input projection's output [..., N] -> z [..., h*p], xBC [..., e] and
-        dt [..., h] (mamba_ssm's in_proj order), as they are."""
         z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
-        return jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        # mamba_ssm's in_proj order (pallas_kernels.ssd.step.mamba_step_packed reads it so)
+        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
 
     def _conv_params(self):
         """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
@@ -257,8 +253,8 @@ class Mamba2Mixer(nnx.Module):
 
         The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, and the
         gated norm with out_proj and the residual add, each one pallas_kernels.norm_matmul
-        kernel; the conv and SSM update pallas_kernels.ssd.step's; XLA shifts the conv
-        window between them. The arithmetic of Block.step over `step` in a third of its
+        kernel; the conv window's shift, the conv and the SSM update pallas_kernels.ssd.
+        step's, which reads xBC and dt from the projection's output in place. The arithmetic of Block.step over `step` in a third of its
         kernels, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows), which
         is bound by its kernel count (BENCHMARKS.md, Generation). weights: step_weights(
         fused=True); None builds them here."""
@@ -267,24 +263,23 @@ class Mamba2Mixer(nnx.Module):
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
         zxbcdt = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
                                  w_transposed=True, implementation="triton")
-        _, xBC_in, dt = self._split_projection(zxbcdt)
-        y, cache = self._update(xBC_in, dt, cache, weights, "triton")
+        y, conv_state, ssm_state = mamba_step_packed(
+            cache.conv_state, zxbcdt, *weights.conv, weights.A, self.D[...],
+            self.dt_bias[...], cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+            implementation="triton")
         residual = rms_norm_matmul(
             y.reshape(y.shape[0], -1), self.norm[...].reshape(-1), weights.out_proj,
             eps=self.cfg.norm_eps, z=zxbcdt, ngroups=self.cfg.ngroups,
             bias=self._bias("out_bias"), residual=residual, w_transposed=True,
             implementation="triton")
-        return residual, cache
+        return residual, MambaCache(conv_state, ssm_state)
 
     def _update(self, xBC_in, dt, cache: MambaCache, weights: StepWeights, implementation):
-        """The conv window's shift, then the conv and SSM update (mamba_step): xBC_in [b, e]
+        """The conv window's shift, the conv and the SSM update (mamba_step): xBC_in [b, e]
         and dt [b, h] from the input projection -> (y [b, h, p] in the compute dtype, the
         updated MambaCache)."""
-        conv_state = jnp.concatenate(
-            [cache.conv_state[:, :, 1:], xBC_in[:, :, None].astype(cache.conv_state.dtype)],
-            axis=-1)
-        y, ssm_state = mamba_step(conv_state, *weights.conv, dt, weights.A,
-                                  self.D[...], self.dt_bias[...], cache.ssm_state,
-                                  dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
-                                  implementation=implementation)
+        y, conv_state, ssm_state = mamba_step(
+            cache.conv_state, xBC_in, *weights.conv, dt, weights.A, self.D[...],
+            self.dt_bias[...], cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+            implementation=implementation)
         return y, MambaCache(conv_state, ssm_state)

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ssd.step import mamba_step
+from pallas_kernels.ssd.step import mamba_step, mamba_step_packed
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
     e = h * p + 2 * g * n
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    return dict(window=arr(b, e, k).astype(window_dtype), conv_w=0.5 * arr(e, k),
+    return dict(conv_state=arr(b, e, k).astype(window_dtype), xBC_in=arr(b, e),
+                conv_w=0.5 * arr(e, k),
                 conv_b=0.1 * arr(e) if bias else None, dt=arr(b, h) - 1.0,
                 A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
                 dt_bias=0.5 * arr(h), state=arr(b, h, p, n).astype(state_dtype))
@@ -30,9 +31,24 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
     rng = np.random.default_rng()  # fresh inputs every run
     args = _inputs(rng, b=2, h=8, p=16, g=g, n=32, k=4, window_dtype=window_dtype,
                    state_dtype=state_dtype, bias=bias)
-    y_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
-    y, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")
+    y_ref, window_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
+    y, window, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")
+    # The same step with xBC_in and dt read in place from a packed projection [z, xBC, dt].
+    b, h, p = args["state"].shape[:3]
+    z = jnp.asarray(rng.standard_normal((b, h * p)), jnp.float32)
+    packed = {k: v for k, v in args.items() if k not in ("xBC_in", "dt")}
+    packed["zxbcdt"] = jnp.concatenate([z, args["xBC_in"], args["dt"]], axis=1)
+    y_packed, window_packed, state_packed = mamba_step_packed(
+        **packed, dt_limit=dt_limit, implementation="triton")
+    np.testing.assert_array_equal(y_packed, y)
+    np.testing.assert_array_equal(window_packed, window)
+    np.testing.assert_array_equal(state_packed, state)
     assert y.dtype == jnp.float32 and state.dtype == state_dtype
+    # The shifted window: the newest input appended in the window's dtype, bit for bit.
+    assert window.dtype == window_dtype
+    np.testing.assert_array_equal(window, window_ref)
+    np.testing.assert_array_equal(window[:, :, :-1], args["conv_state"][:, :, 1:])
+    np.testing.assert_array_equal(window[:, :, -1], args["xBC_in"].astype(window_dtype))
     assert np.all(np.isfinite(y)) and np.all(np.isfinite(state.astype(jnp.float32)))
     # The same float32 arithmetic in another order: 1e-5 relative to the largest value.
     scale = float(jnp.max(jnp.abs(y_ref)))

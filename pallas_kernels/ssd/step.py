@@ -1,28 +1,40 @@
-"""One decoding step of a Mamba2 layer between its projections: the causal conv over the
-window, dt, the SSM state update and its read-out (mamba_ssm's causal_conv1d_update and
-selective_state_update), in plain JAX and as one Pallas kernel.
+"""One decoding step of a Mamba2 layer between its projections: the conv window's shift, the
+causal conv over it, dt, the SSM state update and its read-out (mamba_ssm's
+causal_conv1d_update and selective_state_update), in plain JAX and as one Pallas kernel.
 
-    y, state = mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state,
-                          dt_limit=(0.0, inf), y_dtype=jnp.float32, implementation="xla")
+    y, conv_state, state = mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias,
+                                      state, dt_limit=(0.0, inf), y_dtype=jnp.float32,
+                                      implementation="xla")
+    y, conv_state, state = mamba_step_packed(conv_state, zxbcdt, conv_w, conv_b, A, D,
+                                             dt_bias, state, ...)
 
 Legend: b batch, h heads, p headdim, g groups, r = h // g heads per group, n d_state,
 k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC order).
 
-window [b, e, k]: the last k conv inputs, newest last, this token's included (the cache's
-conv_state after the shift), in the compute dtype. conv_w [e, k] and conv_b [e] (or None):
-the depthwise conv. dt [b, h] before dt_bias, softplus (Mamba2's, always) and the dt_limit
-clamp, used in float32 (the in-projection's compute-dtype output may be passed as is).
-A [h] (negative), D [h], dt_bias [h] float32. state [b, h, p, n], float32 or bfloat16.
+conv_state [b, e, k]: the last k conv inputs before this token, newest last (the cache's
+window), in the compute dtype. xBC_in [b, e]: this token's conv input, from the input
+projection (any float dtype; kept rounded to conv_state's dtype, as the cache stores it).
+The conv sees conv_state shifted by one with xBC_in appended, which is also the conv_state
+returned. conv_w [e, k] and conv_b [e] (or None): the depthwise conv. dt [b, h] before
+dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, used in float32 (the
+in-projection's compute-dtype output may be passed as is). A [h] (negative), D [h],
+dt_bias [h] float32. state [b, h, p, n], float32 or bfloat16. `mamba_step_packed` takes
+xBC_in and dt as the last e + h columns of the in-projection's output zxbcdt [b, N]
+(mamba_ssm's in_proj order z, xBC, dt): the kernel reads them in place, so no slicing
+kernel runs between the projection and the step.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
-in y_dtype) and the new state in state's dtype, computed in float32. x, B and C leave the
-conv rounded to the window's dtype, as from mamba_ssm's causal_conv1d_update.
+in y_dtype), the new conv_state, and the new state in state's dtype, computed in float32.
+x, B and C leave the conv rounded to the window's dtype, as from mamba_ssm's
+causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
-"triton" (`_step_kernel`, grid (b, h), one kernel: each program convolves its head's x
-channels and its group's B and C channels, reads its [p, n] state once and writes it in
-place; on a machine without a GPU it runs in Pallas's interpreter). A decode step at batch
-1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation).
+"triton" (`_step_kernel`, grid (b, h), one kernel: each program shifts and convolves its
+head's x channels and its group's B and C channels, reads its [p, n] state once and writes
+it in place; on a machine without a GPU it runs in Pallas's interpreter). A decode step at
+batch 1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation): the
+window's shift and the projection's split are in the kernel rather than XLA fusions of
+their own.
 """
 
 from __future__ import annotations
@@ -40,32 +52,54 @@ from pallas_kernels.ssd.reference import process_dt
 IMPLEMENTATIONS = ("xla", "triton")
 
 
-def mamba_step(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
+def mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
                dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
     """See the module docstring for shapes and dtypes."""
+    _check(conv_state, state, implementation)
+    if implementation == "triton":
+        return _triton(conv_state, (xBC_in, 0), conv_w, conv_b, (dt, 0), A, D, dt_bias, state,
+                       dt_limit=dt_limit, y_dtype=y_dtype)
+    y, window, state = reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state,
+                                 dt_limit=dt_limit)
+    return y.astype(y_dtype), window, state
+
+
+def mamba_step_packed(conv_state, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
+                      dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
+    """mamba_step with xBC_in and dt the last e + h columns of zxbcdt [b, N]."""
+    e, h = conv_state.shape[1], state.shape[1]
+    xbc_at, dt_at = zxbcdt.shape[1] - h - e, zxbcdt.shape[1] - h
+    if implementation == "triton":
+        _check(conv_state, state, implementation)
+        return _triton(conv_state, (zxbcdt, xbc_at), conv_w, conv_b, (zxbcdt, dt_at), A, D,
+                       dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype)
+    return mamba_step(conv_state, zxbcdt[:, xbc_at:dt_at], conv_w, conv_b, zxbcdt[:, dt_at:],
+                      A, D, dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype,
+                      implementation=implementation)
+
+
+def _check(conv_state, state, implementation):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"mamba_step: implementation={implementation!r} is not one of "
                          f"{IMPLEMENTATIONS}")
-    if implementation == "triton":
-        if not supports(window, state):
-            raise ValueError(f"mamba_step: implementation='triton' needs headdim, d_state and "
-                             f"d_conv powers of two (headdim, d_state >= 16); got state "
-                             f"{state.shape}, window {window.shape}: use 'xla'")
-        return _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit,
-                       y_dtype=y_dtype, interpret=jax.default_backend() != "gpu")
-    y, state = reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, dt_limit=dt_limit)
-    return y.astype(y_dtype), state
+    if implementation == "triton" and not supports(conv_state, state):
+        raise ValueError(f"mamba_step: implementation='triton' needs headdim, d_state and "
+                         f"d_conv powers of two (headdim, d_state >= 16); got state "
+                         f"{state.shape}, conv_state {conv_state.shape}: use 'xla'")
 
 
-def supports(window, state):
+def supports(conv_state, state):
     """Whether the kernel takes these shapes (its loads are power-of-two blocks)."""
-    p, n, k = state.shape[2], state.shape[3], window.shape[2]
+    p, n, k = state.shape[2], state.shape[3], conv_state.shape[2]
     return all(v & (v - 1) == 0 for v in (p, n, k)) and min(p, n) >= 16
 
 
-def reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit=(0.0, math.inf)):
+def reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
+              dt_limit=(0.0, math.inf)):
     """mamba_step in plain JAX, y in float32."""
     b, h, p, n = state.shape
+    window = jnp.concatenate(
+        [conv_state[:, :, 1:], xBC_in[:, :, None].astype(conv_state.dtype)], axis=-1)
     # HIGHEST: float32 products, as the kernel's, whatever XLA picks for these small dots
     # (its default precision allows TF32 for a float32 dot on a GPU).
     conv = jnp.einsum("bek,ek->be", window.astype(jnp.float32), conv_w.astype(jnp.float32),
@@ -89,7 +123,7 @@ def reference(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit=(0.0
     y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h,
                                         precision=jax.lax.Precision.HIGHEST)
          + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
-    return y, new.astype(state.dtype)
+    return y, window, new.astype(state.dtype)
 
 
 def _softplus(v):
@@ -98,28 +132,44 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _step_kernel(window_ref, w_ref, *refs, p, n, r, g, has_bias, dt_limit):
+def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, n, r, g, k, xbc_at, dt_at, has_bias,
+                 dt_limit):
     if has_bias:
         bias_ref, *refs = refs
-    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, new_ref = refs
+    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, window_ref, new_ref = refs
     bi, hi = pl.program_id(0), pl.program_id(1)
     gi = hi // r
-    h_p = window_ref.shape[1] - 2 * g * n  # the x channels, h * p
+    h_p = conv_ref.shape[1] - 2 * g * n  # the x channels, h * p
 
-    def conv(start, size):
+    def conv(start, size, write):
         """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
-        window's dtype."""
+        window's dtype; stores those channels' shifted window where `write` (True, or a
+        traced bool) holds. The window's columns are loaded and stored one at a time: k - 1
+        of them is no block size Triton takes."""
         channels = pl.ds(start, size)
-        out = jnp.sum(window_ref[bi, channels, :].astype(jnp.float32)
-                      * w_ref[channels, :].astype(jnp.float32), axis=1)
+        columns = [conv_ref[bi, channels, j] for j in range(1, k)]
+        columns.append(xbc_ref[bi, pl.ds(xbc_at + start, size)].astype(conv_ref.dtype))
+        out = sum(column.astype(jnp.float32) * w_ref[channels, j].astype(jnp.float32)
+                  for j, column in enumerate(columns))
         if has_bias:
             out = out + bias_ref[channels].astype(jnp.float32)
-        return jax.nn.silu(out).astype(window_ref.dtype).astype(jnp.float32)
 
-    x = conv(hi * p, p)
-    B = conv(h_p + gi * n, n)
-    C = conv(h_p + g * n + gi * n, n)
-    dt = _softplus(dt_ref[bi, hi].astype(jnp.float32) + dt_bias_ref[hi])
+        def store():
+            for j, column in enumerate(columns):
+                window_ref[bi, channels, j] = column
+        if write is True:
+            store()
+        else:
+            pl.when(write)(store)
+        return jax.nn.silu(out).astype(conv_ref.dtype).astype(jnp.float32)
+
+    x = conv(hi * p, p, True)
+    # A group's B and C channels serve its r heads: its first head's program stores their
+    # window (the others read the old one, a separate buffer, so nothing races).
+    first = hi % r == 0
+    B = conv(h_p + gi * n, n, first)
+    C = conv(h_p + g * n + gi * n, n, first)
+    dt = _softplus(dt_ref[bi, dt_at + hi].astype(jnp.float32) + dt_bias_ref[hi])
     lo, hi_limit = dt_limit
     if lo > 0.0 or hi_limit < math.inf:
         dt = jnp.clip(dt, lo, hi_limit)
@@ -131,19 +181,23 @@ def _step_kernel(window_ref, w_ref, *refs, p, n, r, g, has_bias, dt_limit):
     new_ref[bi, hi, :, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
 
 
-def _triton(window, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype,
-            interpret):
+def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype):
+    """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it)."""
     b, h, p, n = state.shape
-    g = (window.shape[1] - h * p) // (2 * n)
-    kernel = functools.partial(_step_kernel, p=p, n=n, r=h // g, g=g,
-                               has_bias=conv_b is not None, dt_limit=tuple(dt_limit))
-    args = (window, conv_w) + (() if conv_b is None else (conv_b,)) + (
-        dt, A.astype(jnp.float32), D.astype(jnp.float32),
-        dt_bias.astype(jnp.float32), state)
+    g = (conv_state.shape[1] - h * p) // (2 * n)
+    (xbc, xbc_at), (dt, dt_at) = xbc, dt
+    kernel = functools.partial(_step_kernel, p=p, n=n, r=h // g, g=g, k=conv_state.shape[2],
+                               xbc_at=xbc_at, dt_at=dt_at, has_bias=conv_b is not None,
+                               dt_limit=tuple(dt_limit))
+    args = (conv_state, xbc, conv_w) + (() if conv_b is None else (conv_b,)) + (
+        dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32), state)
     return pl.pallas_call(
-        kernel, grid=(b, h), interpret=interpret, name="mamba_step",
+        kernel, grid=(b, h), interpret=jax.default_backend() != "gpu", name="mamba_step",
         out_shape=[jax.ShapeDtypeStruct((b, h, p), y_dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={len(args) - 1: 1},  # the state is updated in place
+        # The state is updated in place. The window is not: a group's programs read its old
+        # B and C columns while one of them stores the shifted ones.
+        input_output_aliases={len(args) - 1: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4),
     )(*args)
