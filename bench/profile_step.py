@@ -3,7 +3,7 @@ device kernels summed by name and by kind. With --decode NEW, the same for gener
 
     python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 2048 --batch 8 --out DIR
     python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 128 --batch 1 --decode 256 \
-        --out DIR
+        [--step-implementation triton] --out DIR
 
 Builds and compiles the step as bench/train_step.py does (Steps: same mesh, remat and
 parameters), runs two warm-up steps, traces --steps steps, and prints the step time, GPU
@@ -146,13 +146,15 @@ def profile_decode(args):
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
                                                         (args.batch, args.seq_len)))
-    run = lambda: jax.block_until_ready(gen.generate(model, ids, max_new_tokens=args.decode))
+    run = lambda: jax.block_until_ready(gen.generate(
+        model, ids, max_new_tokens=args.decode, step_implementation=args.step_implementation))
     run()  # compiles the prefill and the decode loop
     times, trace = traced(run, args.out, 1)
     steps = args.decode - 1
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} generate: batch {args.batch}, prompt {args.seq_len}, "
-          f"{args.decode} new tokens; the whole call {times[0] * 1e3:.1f} ms")
+          f"{args.decode} new tokens, step_implementation {args.step_implementation}; "
+          f"the whole call {times[0] * 1e3:.1f} ms")
     summarize(device_events(trace, module="decode"), steps, times[0] / args.decode, args.top,
               what="decode step")
 
@@ -170,6 +172,8 @@ def main():
     p.add_argument("--out", required=True, help="folder for the trace and the HLO")
     p.add_argument("--decode", type=int, default=0, metavar="NEW",
                    help="profile generate() of NEW tokens after a --seq-len prompt instead")
+    p.add_argument("--step-implementation", default="xla",
+                   help="with --decode: generate's step_implementation")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.decode:

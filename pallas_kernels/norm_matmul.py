@@ -19,17 +19,19 @@ gated_rms_norm and layers.matmul). With residual: residual + out, in residual's 
 Returns [b, n] in w's dtype, or residual's dtype.
 
 `implementation`: "xla" (`reference`) or "triton": one Pallas kernel, grid (n / bn,); each
-program normalises every row (the norm's reduction is over k, so each program reads the
-rows whole: a few KB each, from L2) and reduces its bn columns of w against them, w read
-once. A decode step at batch 1 is bound by its kernel count (BENCHMARKS.md, Generation):
-this is one kernel where XLA runs a norm fusion and a matrix-vector product. The rows are
-unrolled in the kernel, so it is for a few of them; w [n, k] (w_transposed) reads
-contiguous rows of k, where [k, n] reads bn columns at a stride of n. On a machine without
-a GPU it runs in Pallas's interpreter.
+program loads its bn rows of w whole, then reads every row of x whole (a few KB each, from
+L2), normalises it and reduces it against them: w read once, the reference's arithmetic
+summed in another order. A decode step at batch 1 is bound by its kernel count
+(BENCHMARKS.md, Generation): this is one kernel where XLA runs a norm fusion and a
+matrix-vector product. The rows are unrolled in the kernel, so it is for a few of them; w
+[n, k] (w_transposed) reads contiguous rows of k, where [k, n] reads bn columns at a stride
+of n. `blocks` (Blocks) sets its tiles. On a machine without a GPU it runs in Pallas's
+interpreter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,8 +42,18 @@ from jax.experimental.pallas import triton as plgpu
 IMPLEMENTATIONS = ("xla", "triton")
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The kernel's tiles: output columns per program (block_n), features per load (block_k;
+    a power of two dividing k / ngroups) and warps per program. None: chosen from the shapes
+    (`_blocks`)."""
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+
+
 def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual=None,
-                    w_transposed=False, implementation="xla"):
+                    w_transposed=False, implementation="xla", blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"rms_norm_matmul: implementation={implementation!r} is not one of "
@@ -51,7 +63,7 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     if (w.shape[1] if w_transposed else w.shape[0]) != k or k % ngroups:
         raise ValueError(f"rms_norm_matmul: x {x.shape} does not match w {w.shape} "
                          f"(w_transposed={w_transposed}) or ngroups={ngroups}")
-    f = _triton if implementation == "triton" else reference
+    f = functools.partial(_triton, blocks=blocks) if implementation == "triton" else reference
     return f(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
              w_transposed=w_transposed)
 
@@ -75,7 +87,19 @@ def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
 
 
 def _largest_power_of_two_dividing(v, at_most):
-    return min(at_most, v & -v)
+    """The largest power of two that divides v and is at most at_most (1 if at_most < 1)."""
+    return min(1 << (max(at_most, 1).bit_length() - 1), v & -v)
+
+
+def _blocks(blocks, k, k_group, n):
+    """(bn, bk, warps): Blocks with its Nones filled. A matrix-vector product is bound by the
+    bytes of w in flight, and each program loads its whole [bn, k] slab of w at once. So bn
+    keeps that slab within 32K elements (64 registers a thread at 8 warps, for bf16) and
+    gives at least two waves of programs over an H200's 132 SMs; bk is at most 2048."""
+    bn = blocks.block_n or min(4, 32768 // k, n // 264)
+    bk = blocks.block_k or 2048
+    bn, bk = _largest_power_of_two_dividing(n, bn), _largest_power_of_two_dividing(k_group, bk)
+    return bn, bk, blocks.num_warps or (8 if bn * k >= 16384 else 4)
 
 
 def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bias,
@@ -87,42 +111,28 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
     (out_ref,) = refs
     columns = pl.ds(pl.multiple_of(pl.program_id(0) * bn, bn), bn)
     rows, k = x_ref.shape
-    group_size = k // ngroups
-    chunks = group_size // bk
+    tiles = [pl.ds(start, bk) for start in range(0, k, bk)]  # static: k / bk of them
+    per_group = len(tiles) // ngroups  # bk divides k / ngroups
 
-    def span(start):
-        return pl.ds(pl.multiple_of(start, bk), bk)
-
-    def gated(row, features):
-        """Row `row`'s v over `features` (bk of them): [bk] float32, gated, not yet
-        normalised."""
-        v = x_ref[row, features].astype(jnp.float32)
-        if has_z:
-            v = v * jax.nn.silu(z_ref[row, features].astype(jnp.float32))
-        return v
-
-    # Every row is reduced against each block of w as it is loaded: w is read once.
-    accs = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(rows))
-    for gi in range(ngroups):  # static, as the rows: both are a few
-        first = gi * group_size
-        rstd = [jax.lax.rsqrt(jax.lax.fori_loop(
-            0, chunks,
-            lambda c, s, row=row: s + jnp.sum(jnp.square(gated(row, span(first + c * bk)))),
-            jnp.float32(0)) / group_size + eps) for row in range(rows)]
-
-        def body(c, accs):
-            features = span(first + c * bk)
-            w = (w_ref[columns, features] if w_transposed  # [bn, bk], rows contiguous in k
-                 else w_ref[features, columns].T).astype(jnp.float32)
-            scale = weight_ref[features].astype(jnp.float32)
-            out = []
-            for row, acc in enumerate(accs):
-                v = (gated(row, features) * rstd[row] * scale).astype(w_ref.dtype)
-                out.append(acc + jnp.sum(w * v.astype(jnp.float32)[None, :], axis=1))
-            return tuple(out)
-
-        accs = jax.lax.fori_loop(0, chunks, body, accs)
-    for row, acc in enumerate(accs):
+    # The program's whole slab of w is loaded first, so that its loads are in flight while
+    # the rows' norms are computed (a pass over the rows before w can be used: a latency,
+    # which bounds a decoding step's projection more than its bytes do).
+    w = [w_ref[columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
+         else w_ref[tile, columns].T for tile in tiles]
+    scale = [weight_ref[tile].astype(jnp.float32) for tile in tiles]
+    for row in range(rows):  # static, as the tiles: a few
+        v = []  # [bk] float32 each: the row gated, not yet normalised
+        for tile in tiles:
+            vt = x_ref[row, tile].astype(jnp.float32)
+            if has_z:
+                vt = vt * jax.nn.silu(z_ref[row, tile].astype(jnp.float32))
+            v.append(vt)
+        rstd = [jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
+                                                                  (gi + 1) * per_group])
+                              / (per_group * bk) + eps) for gi in range(ngroups)]
+        acc = sum(jnp.sum(wt.astype(jnp.float32) * (vt * rstd[ti // per_group] * st)
+                          .astype(w_ref.dtype).astype(jnp.float32)[None, :], axis=1)
+                  for ti, (wt, vt, st) in enumerate(zip(w, v, scale)))
         if has_bias:
             acc = acc + bias_ref[columns].astype(jnp.float32)
         out = acc.astype(w_ref.dtype)
@@ -131,13 +141,10 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
         out_ref[row, columns] = out.astype(out_ref.dtype)
 
 
-def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
+def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, blocks):
     b, k = x.shape
     n = w.shape[0] if w_transposed else w.shape[1]
-    # bk: features per step (a [bn, bk] block of w in registers); bn: output columns per
-    # program, at most 16 so that even a small n gives the GPU's SMs a program each.
-    bk = _largest_power_of_two_dividing(k // ngroups, 512)
-    bn = _largest_power_of_two_dividing(n, 16)
+    bn, bk, warps = _blocks(blocks, k, k // ngroups, n)
     kernel = functools.partial(_kernel, eps=eps, ngroups=ngroups, bk=bk, bn=bn,
                                has_z=z is not None, has_bias=bias is not None,
                                has_residual=residual is not None, w_transposed=w_transposed)
@@ -146,5 +153,5 @@ def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
     return pl.pallas_call(
         kernel, grid=(n // bn,), interpret=jax.default_backend() != "gpu",
         name="rms_norm_matmul", out_shape=jax.ShapeDtypeStruct((b, n), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4),
+        compiler_params=plgpu.CompilerParams(num_warps=warps),
     )(*args)

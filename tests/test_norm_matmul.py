@@ -11,7 +11,7 @@ from flax import nnx
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.layers import dense, gated_rms_norm, matmul, rms_norm
 from mamba_jax.mixer import FUSED_STEP_MAX_BATCH
-from pallas_kernels.norm_matmul import rms_norm_matmul
+from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul
 
 
 def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
@@ -23,18 +23,20 @@ def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
                 residual=arr(b, n) if residual else None, w_transposed=w_transposed)
 
 
-# Each dtype meets each layout, gate/groups and bias/residual setting; k = 1536 spans several
-# of the kernel's 512-feature blocks, n = 40 several 8-column programs.
-@pytest.mark.parametrize("b,dtype,gate,ngroups,bias,residual,w_transposed", [
-    (1, jnp.float32, False, 1, False, False, False),
-    (3, jnp.bfloat16, True, 4, True, True, True),
-    (2, jnp.bfloat16, False, 1, False, False, True),
-    (2, jnp.float32, True, 2, True, True, False)])
-def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_transposed):
+# Each dtype meets each layout, gate/groups and bias/residual setting; k = 1536 is several
+# of the kernel's power-of-two feature tiles (3 of 512, or 6 of 256), n = 40 one-column
+# programs (the default blocks for so small an n) or five 8-column ones.
+@pytest.mark.parametrize("b,dtype,gate,ngroups,bias,residual,w_transposed,blocks", [
+    (1, jnp.float32, False, 1, False, False, False, Blocks()),
+    (3, jnp.bfloat16, True, 4, True, True, True, Blocks(8, 256, 4)),
+    (2, jnp.bfloat16, False, 1, False, False, True, Blocks()),
+    (2, jnp.float32, True, 2, True, True, False, Blocks(8, 256, 4))])
+def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_transposed,
+                                     blocks):
     rng = np.random.default_rng()  # fresh inputs every run
     args = _inputs(rng, b, 1536, 40, ngroups, dtype, gate, bias, residual, w_transposed)
     ref = rms_norm_matmul(**args, eps=1e-5, implementation="xla")
-    out = rms_norm_matmul(**args, eps=1e-5, implementation="triton")
+    out = rms_norm_matmul(**args, eps=1e-5, implementation="triton", blocks=blocks)
     assert out.dtype == ref.dtype == (jnp.float32 if residual else dtype)
     assert out.shape == (b, 40) and np.all(np.isfinite(out.astype(jnp.float32)))
     # The same float32 arithmetic summed in another order; a bf16 result may then round to

@@ -29,7 +29,8 @@ def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
     (jnp.float32, jnp.bfloat16, 4, False, (0.01, 0.5))])
 def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit):
     rng = np.random.default_rng()  # fresh inputs every run
-    args = _inputs(rng, b=2, h=8, p=16, g=g, n=32, k=4, window_dtype=window_dtype,
+    # 16 heads' programs: each head's p = 32 is split in two programs of 16 rows.
+    args = _inputs(rng, b=2, h=8, p=32, g=g, n=32, k=4, window_dtype=window_dtype,
                    state_dtype=state_dtype, bias=bias)
     y_ref, window_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
     y, window, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")

@@ -29,9 +29,9 @@ x, B and C leave the conv rounded to the window's dtype, as from mamba_ssm's
 causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
-"triton" (`_step_kernel`, grid (b, h), one kernel: each program shifts and convolves its
-head's x channels and its group's B and C channels, reads its [p, n] state once and writes
-it in place; on a machine without a GPU it runs in Pallas's interpreter). A decode step at
+"triton" (`_step_kernel`, grid (b, h, p / bp), one kernel: each program shifts and
+convolves bp of its head's x channels and its group's B and C channels, reads its [bp, n]
+of the state once and writes it in place; bp < p only where b * h is small; on a machine without a GPU it runs in Pallas's interpreter). A decode step at
 batch 1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation): the
 window's shift and the projection's split are in the kernel rather than XLA fusions of
 their own.
@@ -132,14 +132,17 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, n, r, g, k, xbc_at, dt_at, has_bias,
+def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias,
                  dt_limit):
     if has_bias:
         bias_ref, *refs = refs
     dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, window_ref, new_ref = refs
-    bi, hi = pl.program_id(0), pl.program_id(1)
+    bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi = hi // r
     h_p = conv_ref.shape[1] - 2 * g * n  # the x channels, h * p
+    rows = pl.ds(pl.multiple_of(pi * bp, bp), bp)  # this program's bp of the head's p
+    # The state first: its load, the largest, is then in flight during the conv.
+    old = state_ref[bi, hi, rows, :].astype(jnp.float32)  # [bp, n]
 
     def conv(start, size, write):
         """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
@@ -163,10 +166,10 @@ def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, n, r, g, k, xbc_at, dt_at, 
             pl.when(write)(store)
         return jax.nn.silu(out).astype(conv_ref.dtype).astype(jnp.float32)
 
-    x = conv(hi * p, p, True)
-    # A group's B and C channels serve its r heads: its first head's program stores their
-    # window (the others read the old one, a separate buffer, so nothing races).
-    first = hi % r == 0
+    x = conv(hi * p + pi * bp, bp, True)
+    # A group's B and C channels serve its r heads: its first head's first program stores
+    # their window (the others read the old one, a separate buffer, so nothing races).
+    first = (hi % r == 0) & (pi == 0)
     B = conv(h_p + gi * n, n, first)
     C = conv(h_p + g * n + gi * n, n, first)
     dt = _softplus(dt_ref[bi, dt_at + hi].astype(jnp.float32) + dt_bias_ref[hi])
@@ -174,11 +177,10 @@ def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, n, r, g, k, xbc_at, dt_at, 
     if lo > 0.0 or hi_limit < math.inf:
         dt = jnp.clip(dt, lo, hi_limit)
     decay = jnp.exp(dt * A_ref[hi])
-    old = state_ref[bi, hi, :, :].astype(jnp.float32)  # [p, n]
     dtx = dt * x
-    y_ref[bi, hi, :] = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
-                        + D_ref[hi] * x).astype(y_ref.dtype)
-    new_ref[bi, hi, :, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
+    y_ref[bi, hi, rows] = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
+                           + D_ref[hi] * x).astype(y_ref.dtype)
+    new_ref[bi, hi, rows, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
 
 
 def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype):
@@ -186,13 +188,17 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     b, h, p, n = state.shape
     g = (conv_state.shape[1] - h * p) // (2 * n)
     (xbc, xbc_at), (dt, dt_at) = xbc, dt
-    kernel = functools.partial(_step_kernel, p=p, n=n, r=h // g, g=g, k=conv_state.shape[2],
-                               xbc_at=xbc_at, dt_at=dt_at, has_bias=conv_b is not None,
-                               dt_limit=tuple(dt_limit))
+    # Heads' headdim split over programs until there are about two waves of them on an
+    # H200's 132 SMs (a batch-1 step has only h programs otherwise), down to 16 rows each.
+    bp = p // min(p // 16, 1 << max(0, math.ceil(math.log2(264 / (b * h)))))
+    kernel = functools.partial(_step_kernel, p=p, bp=bp, n=n, r=h // g, g=g,
+                               k=conv_state.shape[2], xbc_at=xbc_at, dt_at=dt_at,
+                               has_bias=conv_b is not None, dt_limit=tuple(dt_limit))
     args = (conv_state, xbc, conv_w) + (() if conv_b is None else (conv_b,)) + (
         dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32), state)
     return pl.pallas_call(
-        kernel, grid=(b, h), interpret=jax.default_backend() != "gpu", name="mamba_step",
+        kernel, grid=(b, h, p // bp), interpret=jax.default_backend() != "gpu",
+        name="mamba_step",
         out_shape=[jax.ShapeDtypeStruct((b, h, p), y_dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],

@@ -1,0 +1,140 @@
+"""The norm-then-projection kernel (pallas_kernels.norm_matmul) on a GPU, against our XLA
+path for the same arithmetic (a norm fusion and a cuBLAS matrix-vector product).
+
+    python3 bench/norm_matmul.py [--presets mamba2-370m,mamba2-1.3b] [--batch 1]
+                                 [--blocks 'BN,BK,WARPS' ...] [--layers 48] [--repeats 10]
+                                 [--reps 10]
+
+For each preset's two decoding projections (in_proj: the block's RMSNorm, then [d] ->
+[2*h*p + 2*g*n + h]; out_proj: the gated grouped norm, then [h*p] -> [d] plus the residual)
+and each of --blocks (norm_matmul.Blocks; '' is the default, 'auto'), one row: microseconds
+per call of the kernel and of the XLA path, their ratio, and w's bytes over the time against
+the copy bandwidth measured in the same run.
+
+Timing: one jitted call loops --repeats times over --layers projections, each on its own
+weight as a decode step does (48 of them exceed the H200's 50 MB L2, so w comes from HBM),
+compiled as one CUDA graph as generate's decode loop is; the host clock from the call until
+its result is ready, median of --reps after 3 warm-up calls, divided by layers x repeats. Checks first, failing loudly: every blocks setting on the GPU against the
+reference on the CPU, as bench/generate.py's check_kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mamba_jax import Mamba2Config  # noqa: E402
+from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
+from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul  # noqa: E402
+from timing import copy_bandwidth, median_time  # noqa: E402
+
+
+def projections(cfg, batch, layers, rng):
+    """{name: (keyword arguments with `w` a list of --layers weights, bytes of one w)}."""
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    hp, d = cfg.nheads * cfg.headdim, cfg.d_model
+    n_in = 2 * hp + 2 * cfg.ngroups * cfg.d_state + cfg.nheads
+    weights = lambda n, k: [(arr(n, k) / k ** 0.5).astype(jnp.bfloat16) for _ in range(layers)]
+    return {
+        "in_proj": dict(x=arr(batch, d), weight=arr(d), w=weights(n_in, d), eps=cfg.norm_eps,
+                        w_transposed=True),
+        "out_proj": dict(x=arr(batch, hp).astype(jnp.bfloat16), weight=arr(hp),
+                         w=weights(d, hp), eps=cfg.norm_eps,
+                         z=arr(batch, n_in).astype(jnp.bfloat16), ngroups=cfg.ngroups,
+                         residual=arr(batch, d), w_transposed=True)}
+
+
+def parse_blocks(text):
+    if text in ("", "auto"):
+        return Blocks()
+    bn, bk, warps = (int(v) for v in text.split(","))
+    return Blocks(bn, bk, warps)
+
+
+def check(name, kwargs, blocks):
+    """The kernel with `blocks` on the GPU against the reference on the CPU, first weight."""
+    cpu = jax.devices("cpu")[0]
+    args = {k: (v[0] if k == "w" else v) for k, v in kwargs.items()
+            if isinstance(v, (jax.Array, list))}
+    static = {k: v for k, v in kwargs.items() if k not in args}
+    ours = jax.jit(lambda a: rms_norm_matmul(**a, **static, implementation="triton",
+                                             blocks=blocks))(args)
+    with jax.default_device(cpu):
+        ref = jax.jit(lambda a: rms_norm_matmul(**a, **static))(jax.device_put(args, cpu))
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    err = float(np.abs(ours - ref).max() / np.abs(ref).max())
+    # One bf16 ulp (2**-8 of the largest value) where float32 sums in another order round
+    # to the neighbouring value.
+    if not err <= 2.0 ** -8:
+        raise SystemExit(f"CHECK FAILED: {name} {blocks}: error {err:.1e}")
+    return err
+
+
+def per_call(kwargs, layers, repeats, reps, **kw):
+    """Seconds per projection: --repeats passes over --layers weights, each pass one iteration
+    of a loop compiled as one CUDA graph (generate's DECODE_COMPILER_OPTIONS), so that the
+    GPU's time is measured rather than the host's launches. Each call's output feeds the
+    next one's input (in_proj: its first d columns; out_proj: the residual), so that XLA can
+    neither reorder the calls nor hoist them out of the loop."""
+    args = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, list))}
+    static = {k: v for k, v in kwargs.items() if k not in args}
+    chained = "residual" if "residual" in args else "x"
+
+    def one_pass(_, a):
+        for w in a["w"]:
+            out = rms_norm_matmul(**{**a, "w": w}, **static, **kw)
+            a = {**a, chained: out[:, :a[chained].shape[1]].astype(a[chained].dtype)}
+        return a
+
+    run = jax.jit(lambda a: jax.lax.fori_loop(0, repeats, one_pass, a)[chained],
+                  compiler_options=DECODE_COMPILER_OPTIONS)
+    return median_time(lambda: run(args).block_until_ready(), 3, reps) / (layers * repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--blocks", nargs="*", default=[""],
+                        help="norm_matmul.Blocks as 'block_n,block_k,num_warps'; '' the default")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    copy_rate = copy_bandwidth(3, 10)
+    rows = []
+    for preset in args.presets.split(","):
+        cfg = Mamba2Config.preset(preset)
+        for name, kwargs in projections(cfg, args.batch, args.layers, rng).items():
+            w_bytes = kwargs["w"][0].nbytes
+            xla = per_call(kwargs, args.layers, args.repeats, args.reps, implementation="xla")
+            for text in args.blocks:
+                blocks = parse_blocks(text)
+                err = check(f"{preset} {name}", kwargs, blocks)
+                ours = per_call(kwargs, args.layers, args.repeats, args.reps,
+                                implementation="triton", blocks=blocks)
+                rows.append((preset, name, text or "auto", ours, xla, w_bytes, err))
+                print(f"{preset} {name} blocks {text or 'auto'}: {ours * 1e6:.1f} us, "
+                      f"xla {xla * 1e6:.1f} us, check {err:.1e}", flush=True)
+    print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"batch {args.batch}, {args.layers} layers a call; copy bandwidth "
+          f"{copy_rate / 1e12:.2f} TB/s")
+    print("| preset | projection | blocks (bn,bk,warps) | ours us | xla us | ours/xla | "
+          "ours GB/s | ours/copy | xla/copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for preset, name, text, ours, xla, w_bytes, _ in rows:
+        print(f"| {preset} | {name} | {text} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | "
+              f"{ours / xla:.2f}x | {w_bytes / ours / 1e9:.0f} | "
+              f"{w_bytes / ours / copy_rate:.0%} | {w_bytes / xla / copy_rate:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
