@@ -23,17 +23,36 @@ from mamba_jax.layers import causal_conv1d, dense, gated_rms_norm, matmul, unifo
 from pallas_kernels.norm_matmul import rms_norm_matmul
 from pallas_kernels.ssd import document_ids, ssd
 from pallas_kernels.ssd.step import mamba_step, mamba_step_packed
+from pallas_kernels.ssd.step import supports as step_supports
 
 # The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
 # step_implementation="triton". Measured on an H200 (BENCHMARKS.md, Generation): at batch 1
-# it took 0.76x the XLA step's time for mamba2-370m and 1.06x for mamba2-1.3b; at batch 8
-# 2.5x and 4.0x (its kernels unroll the rows: each row's products are reduced apart).
+# it took 0.51x the XLA step's time for mamba2-370m and 0.79x for mamba2-1.3b; at batch 8
+# (an earlier version) 2.5x and 4.0x (its kernels unroll the rows: each row's products are
+# reduced apart).
 FUSED_STEP_MAX_BATCH = 1
+STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 def uses_fused_step(implementation: str, batch: int) -> bool:
     """Whether a decoding step of `batch` rows runs its Mamba blocks as fused_step."""
     return implementation == "triton" and batch <= FUSED_STEP_MAX_BATCH
+
+
+def step_implementation_for(implementation: str, cfg: Mamba2Config, batch: int,
+                            backend: str | None = None) -> str:
+    """A decode step's implementation, "xla" or "triton", for one of STEP_IMPLEMENTATIONS.
+
+    "auto" is "triton" where the step runs as fused_step (batch <= FUSED_STEP_MAX_BATCH) on
+    a GPU and the step kernel takes the model's shapes, since that was faster than XLA's
+    step for every preset measured; "xla" otherwise (on a GPU at batch 64 the step kernel
+    alone was 0.90x-1.05x the XLA step's time, BENCHMARKS.md). backend: default
+    jax.default_backend()."""
+    if implementation != "auto":
+        return implementation
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    return ("triton" if on_gpu and batch <= FUSED_STEP_MAX_BATCH
+            and step_supports(cfg.headdim, cfg.d_state, cfg.d_conv) else "xla")
 
 
 class MambaCache(NamedTuple):

@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from mamba_jax.mixer import MambaCache, uses_fused_step
+from mamba_jax.mixer import (STEP_IMPLEMENTATIONS, MambaCache, step_implementation_for,
+                             uses_fused_step)
 from mamba_jax.model import param_name
-from pallas_kernels.ssd.step import IMPLEMENTATIONS as STEP_IMPLEMENTATIONS
 
 # Parameters that attention and MLP layers cast to the compute dtype at every use: casting
 # them once before the loop changes no value. (A Mamba layer's and the LM head's matmul
@@ -203,7 +203,7 @@ def _per_row(name, value, b, dtype, off):
 
 
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-           max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="xla"):
+           max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto"):
     """Validate generate's arguments; -> (settings, Sampling, prompt_lengths, limits)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
@@ -261,10 +261,10 @@ def add_decode_arguments(parser):
     parser.add_argument("--ssm-state-dtype", choices=SSM_STATE_DTYPES, default="float32",
                         help="what the decoding cache stores the SSM states in (bfloat16: as "
                              "mamba_ssm's cache, half the bytes per step)")
-    parser.add_argument("--step-implementation", choices=STEP_IMPLEMENTATIONS, default="xla",
+    parser.add_argument("--step-implementation", choices=STEP_IMPLEMENTATIONS, default="auto",
                         help="the Mamba layers' decode step: XLA fusions or Pallas kernels "
-                             "(triton); which is faster depends on the model and batch "
-                             "(BENCHMARKS.md)")
+                             "(triton); auto: the kernels on a GPU at batch 1, where they "
+                             "were faster (BENCHMARKS.md)")
 
 
 def decode_options(args) -> dict:
@@ -275,7 +275,7 @@ def decode_options(args) -> dict:
 
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
-             on_token=None, ssm_state_dtype="float32", step_implementation="xla"):
+             on_token=None, ssm_state_dtype="float32", step_implementation="auto"):
     """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
 
     temperature, top_k, top_p: a number for all rows, or one value per row (see
@@ -296,11 +296,12 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     which at large batches are mostly states (bench/generate.py), and rounds the state at
     every token.
 
-    step_implementation: "xla" (the default) or "triton": the Mamba layers' conv and SSM
-    update in each decode step as XLA fusions or as one Pallas kernel per layer
+    step_implementation: "auto" (the default), "xla" or "triton": the Mamba layers' conv and
+    SSM update in each decode step as XLA fusions or as one Pallas kernel per layer
     (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is three
-    Pallas kernels (Mamba2Mixer.fused_step). Which is faster depends on the model and the
-    batch (BENCHMARKS.md, Generation).
+    Pallas kernels (Mamba2Mixer.fused_step). "auto" takes "triton" on a GPU at batch 1 and
+    "xla" otherwise (mixer.step_implementation_for), by measurement (BENCHMARKS.md,
+    Generation).
 
     Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
     used, eos_token_id, streaming or not, ssm_state_dtype, step_implementation); the
@@ -310,6 +311,8 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     settings, sampling, prompt_lengths, limits = _check(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
         max_new_tokens_per_row, ssm_state_dtype, step_implementation)
+    step_implementation = step_implementation_for(step_implementation, model.config,
+                                                  input_ids.shape[0])
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
     cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None

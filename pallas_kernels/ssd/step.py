@@ -82,15 +82,16 @@ def _check(conv_state, state, implementation):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"mamba_step: implementation={implementation!r} is not one of "
                          f"{IMPLEMENTATIONS}")
-    if implementation == "triton" and not supports(conv_state, state):
+    if implementation == "triton" and not supports(state.shape[2], state.shape[3],
+                                                   conv_state.shape[2]):
         raise ValueError(f"mamba_step: implementation='triton' needs headdim, d_state and "
                          f"d_conv powers of two (headdim, d_state >= 16); got state "
                          f"{state.shape}, conv_state {conv_state.shape}: use 'xla'")
 
 
-def supports(conv_state, state):
-    """Whether the kernel takes these shapes (its loads are power-of-two blocks)."""
-    p, n, k = state.shape[2], state.shape[3], conv_state.shape[2]
+def supports(p, n, k):
+    """Whether the kernel takes headdim p, d_state n and d_conv k (its loads are power-of-two
+    blocks)."""
     return all(v & (v - 1) == 0 for v in (p, n, k)) and min(p, n) >= 16
 
 
