@@ -49,7 +49,7 @@ from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
 from mamba_jax.generate import _check, _decode, _prefill, generate, jit_decode  # noqa: E402,E501
 from mamba_jax.mixer import uses_fused_step  # noqa: E402
 from pallas_kernels.norm_matmul import rms_norm_matmul  # noqa: E402
-from pallas_kernels.ssd.step import mamba_step, mamba_step_packed  # noqa: E402
+from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted  # noqa: E402
 from baseline import import_mamba_lm, mamba_config  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 
@@ -131,13 +131,17 @@ def check_kernels(preset, cfg, batch):
         D=arr(h), dt_bias=0.5 * arr(h), state=arr(batch, h, p, n), y_dtype=jnp.bfloat16))}
     if uses_fused_step("triton", batch):
         zxbcdt = 2 * hp + 2 * g * n + h
-        packed = {key: v for key, v in cases["mamba_step"][1].items()
-                  if key not in ("xBC_in", "dt")}
-        cases["mamba_step_packed"] = (mamba_step_packed, dict(
-            packed, zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16)))
-        cases["rms_norm_matmul (in_proj)"] = (rms_norm_matmul, dict(
-            x=arr(batch, d), weight=arr(d), w=(arr(zxbcdt, d) / d ** 0.5).astype(jnp.bfloat16),
-            eps=cfg.norm_eps, w_transposed=True))
+        shifted = {key: v for key, v in cases["mamba_step"][1].items()
+                   if key not in ("xBC_in", "dt", "conv_state")}
+        cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
+            shifted, window=arr(batch, e, k).astype(jnp.bfloat16),
+            zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16)))
+        # As fused_step calls it: the conv window shifted in place, xBC at column h*p.
+        cases["rms_norm_matmul (in_proj)"] = (
+            lambda conv_state, **kw: rms_norm_matmul(**kw, window=(conv_state, hp)), dict(
+                x=arr(batch, d), weight=arr(d),
+                w=(arr(zxbcdt, d) / d ** 0.5).astype(jnp.bfloat16), eps=cfg.norm_eps,
+                w_transposed=True, conv_state=arr(batch, e, k).astype(jnp.bfloat16)))
         cases["rms_norm_matmul (out_proj)"] = (rms_norm_matmul, dict(
             x=arr(batch, hp).astype(jnp.bfloat16), weight=arr(hp),
             w=(arr(d, hp) / hp ** 0.5).astype(jnp.bfloat16), eps=cfg.norm_eps,

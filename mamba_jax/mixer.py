@@ -22,7 +22,7 @@ from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import causal_conv1d, dense, gated_rms_norm, matmul, uniform
 from pallas_kernels.norm_matmul import rms_norm_matmul
 from pallas_kernels.ssd import document_ids, ssd
-from pallas_kernels.ssd.step import mamba_step, mamba_step_packed
+from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
 from pallas_kernels.ssd.step import supports as step_supports
 
 # The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
@@ -152,7 +152,7 @@ class Mamba2Mixer(nnx.Module):
         w, bias = self.in_proj() if in_proj is None else in_proj
         zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
         z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
-        # mamba_ssm's in_proj order (pallas_kernels.ssd.step.mamba_step_packed reads it so)
+        # mamba_ssm's in_proj order (pallas_kernels.ssd.step.mamba_step_shifted reads dt from it)
         z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
         return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
 
@@ -270,21 +270,24 @@ class Mamba2Mixer(nnx.Module):
         """A whole Mamba block for one token in three Pallas kernels: residual [b, d] ->
         (residual + mixer(rms_norm(residual)), the updated MambaCache).
 
-        The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, and the
-        gated norm with out_proj and the residual add, each one pallas_kernels.norm_matmul
-        kernel; the conv window's shift, the conv and the SSM update pallas_kernels.ssd.
-        step's, which reads xBC and dt from the projection's output in place. The arithmetic of Block.step over `step` in a third of its
-        kernels, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows), which
-        is bound by its kernel count (BENCHMARKS.md, Generation). weights: step_weights(
-        fused=True); None builds them here."""
+        The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, which also
+        shifts the conv window in place, and the gated norm with out_proj and the residual
+        add, each one pallas_kernels.norm_matmul kernel; between them the conv and the SSM
+        update (pallas_kernels.ssd.step.mamba_step_shifted), which reads dt from the
+        projection's output in place. The arithmetic of Block.step over `step` in a third of
+        its kernels, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows),
+        which is bound by its kernel count (BENCHMARKS.md, Generation). weights:
+        step_weights(fused=True); None builds them here."""
         weights = self.step_weights(fused=True) if weights is None else weights
         w, bias = weights.in_proj
+        hp = self.cfg.nheads * self.cfg.headdim
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
-        zxbcdt = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
-                                 w_transposed=True, implementation="triton")
-        y, conv_state, ssm_state = mamba_step_packed(
-            cache.conv_state, zxbcdt, *weights.conv, weights.A, self.D[...],
-            self.dt_bias[...], cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+        zxbcdt, conv_state = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
+                                             w_transposed=True, window=(cache.conv_state, hp),
+                                             implementation="triton")
+        y, ssm_state = mamba_step_shifted(
+            conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
+            cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
             implementation="triton")
         residual = rms_norm_matmul(
             y.reshape(y.shape[0], -1), self.norm[...].reshape(-1), weights.out_proj,

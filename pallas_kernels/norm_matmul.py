@@ -4,6 +4,7 @@ time: the projections of a one-token decoding step, each with its norm, as one k
     out = rms_norm_matmul(x, weight, w, eps=1e-5)                            # in_proj
     out = rms_norm_matmul(y, weight, w_t, eps=1e-5, z=z, ngroups=g,          # out_proj
                           residual=residual, w_transposed=True)
+    out, conv_state = rms_norm_matmul(x, weight, w, eps=1e-5, window=(conv_state, at))
 
 Legend: b rows (a decoding batch), k input features, n output features.
 
@@ -17,6 +18,12 @@ columns, times weight; rounded to w's dtype; out = v @ w with float32 accumulati
 bias, rounded to w's dtype (the model's norm-then-matmul arithmetic, layers.rms_norm /
 gated_rms_norm and layers.matmul). With residual: residual + out, in residual's dtype.
 Returns [b, n] in w's dtype, or residual's dtype.
+
+window: None, or (conv_state [b, e, k], at) with out's columns [at, at + e) the newest
+inputs of a causal conv's e channels (a Mamba block's in_proj output holds xBC there): then
+also returns conv_state shifted by one with those columns, rounded to its dtype, appended
+(mamba_ssm's causal_conv1d_update's window); the kernel shifts it in place, each program
+its own columns' channels.
 
 `implementation`: "xla" (`reference`) or "triton": one Pallas kernel, grid (n / bn,); each
 program loads its bn rows of w whole, then reads every row of x whole (a few KB each, from
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +61,7 @@ class Blocks:
 
 
 def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual=None,
-                    w_transposed=False, implementation="xla", blocks=Blocks()):
+                    w_transposed=False, window=None, implementation="xla", blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"rms_norm_matmul: implementation={implementation!r} is not one of "
@@ -63,13 +71,25 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     if (w.shape[1] if w_transposed else w.shape[0]) != k or k % ngroups:
         raise ValueError(f"rms_norm_matmul: x {x.shape} does not match w {w.shape} "
                          f"(w_transposed={w_transposed}) or ngroups={ngroups}")
-    f = functools.partial(_triton, blocks=blocks) if implementation == "triton" else reference
-    return f(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
-             w_transposed=w_transposed)
+    if window is not None and not (window[0].shape[0] == x.shape[0]
+                                   and 0 <= window[1] <= n - window[0].shape[1]):
+        raise ValueError(f"rms_norm_matmul: window {window[0].shape} at column {window[1]} "
+                         f"does not fit out [{x.shape[0]}, {n}]")
+    if implementation == "triton":
+        return _triton(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias,
+                       residual=residual, w_transposed=w_transposed, window=window,
+                       blocks=blocks)
+    out = reference(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
+                    w_transposed=w_transposed)
+    if window is None:
+        return out
+    conv_state, at = window
+    newest = out[:, at:at + conv_state.shape[1], None].astype(conv_state.dtype)
+    return out, jnp.concatenate([conv_state[:, :, 1:], newest], axis=-1)
 
 
 def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
-    """rms_norm_matmul in plain JAX."""
+    """rms_norm_matmul in plain JAX, without a window."""
     b, k = x.shape
     v = x.astype(jnp.float32)
     if z is not None:
@@ -91,25 +111,31 @@ def _largest_power_of_two_dividing(v, at_most):
     return min(1 << (max(at_most, 1).bit_length() - 1), v & -v)
 
 
-def _blocks(blocks, k, k_group, n):
+def _blocks(blocks, k, k_group, n, columns_divisor):
     """(bn, bk, warps): Blocks with its Nones filled. A matrix-vector product is bound by the
     bytes of w in flight, and each program loads its whole [bn, k] slab of w at once. So bn
     keeps that slab within 32K elements (64 registers a thread at 8 warps, for bf16) and
-    gives at least two waves of programs over an H200's 132 SMs; bk is at most 2048."""
+    gives at least two waves of programs over an H200's 132 SMs; bk is at most 2048. bn
+    divides columns_divisor (n, or where a window's columns start and end)."""
     bn = blocks.block_n or min(4, 32768 // k, n // 264)
     bk = blocks.block_k or 2048
-    bn, bk = _largest_power_of_two_dividing(n, bn), _largest_power_of_two_dividing(k_group, bk)
+    bn = _largest_power_of_two_dividing(columns_divisor, bn)
+    bk = _largest_power_of_two_dividing(k_group, bk)
     return bn, bk, blocks.num_warps or (8 if bn * k >= 16384 else 4)
 
 
 def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bias,
-            has_residual, w_transposed):
+            has_residual, w_transposed, window_at):
     refs = list(refs)
     z_ref = refs.pop(0) if has_z else None
     bias_ref = refs.pop(0) if has_bias else None
     residual_ref = refs.pop(0) if has_residual else None
-    (out_ref,) = refs
-    columns = pl.ds(pl.multiple_of(pl.program_id(0) * bn, bn), bn)
+    if window_at is not None:
+        _, out_ref, window_ref = refs  # the window's input and output are one buffer
+    else:
+        (out_ref,) = refs
+    start = pl.multiple_of(pl.program_id(0) * bn, bn)
+    columns = pl.ds(start, bn)
     rows, k = x_ref.shape
     tiles = [pl.ds(start, bk) for start in range(0, k, bk)]  # static: k / bk of them
     per_group = len(tiles) // ngroups  # bk divides k / ngroups
@@ -138,20 +164,46 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
         out = acc.astype(w_ref.dtype)
         if has_residual:
             out = residual_ref[row, columns] + out.astype(residual_ref.dtype)
-        out_ref[row, columns] = out.astype(out_ref.dtype)
+        out = out.astype(out_ref.dtype)
+        out_ref[row, columns] = out
+        if window_at is not None:
+            _shift_in(window_ref, row, start - window_at, bn, out)
 
 
-def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, blocks):
+def _shift_in(window_ref, row, channel, bn, newest):
+    """Shift the window of channels [channel, channel + bn) of `row` by one and store
+    `newest` [bn] as its last column, if those channels are the window's (each program owns
+    its columns' channels, so nothing races). The window's columns are loaded and stored one
+    at a time: k - 1 of them is no block size Triton takes."""
+    e, k = window_ref.shape[1:]
+
+    @pl.when((channel >= 0) & (channel < e))
+    def _():
+        channels = pl.ds(pl.multiple_of(channel, bn), bn)
+        kept = [window_ref[row, channels, j] for j in range(1, k)]
+        for j, column in enumerate(kept + [newest.astype(window_ref.dtype)]):
+            window_ref[row, channels, j] = column
+
+
+def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window, blocks):
     b, k = x.shape
     n = w.shape[0] if w_transposed else w.shape[1]
-    bn, bk, warps = _blocks(blocks, k, k // ngroups, n)
+    window_at = None if window is None else window[1]
+    columns_divisor = n if window is None else math.gcd(n, window_at, window[0].shape[1])
+    bn, bk, warps = _blocks(blocks, k, k // ngroups, n, columns_divisor)
     kernel = functools.partial(_kernel, eps=eps, ngroups=ngroups, bk=bk, bn=bn,
                                has_z=z is not None, has_bias=bias is not None,
-                               has_residual=residual is not None, w_transposed=w_transposed)
+                               has_residual=residual is not None, w_transposed=w_transposed,
+                               window_at=window_at)
     args = [x, weight, w] + [a for a in (z, bias, residual) if a is not None]
     out_dtype = w.dtype if residual is None else residual.dtype
+    out_shape = jax.ShapeDtypeStruct((b, n), out_dtype)
+    if window is not None:  # updated in place
+        args.append(window[0])
+        out_shape = [out_shape, jax.ShapeDtypeStruct(window[0].shape, window[0].dtype)]
     return pl.pallas_call(
         kernel, grid=(n // bn,), interpret=jax.default_backend() != "gpu",
-        name="rms_norm_matmul", out_shape=jax.ShapeDtypeStruct((b, n), out_dtype),
+        name="rms_norm_matmul", out_shape=out_shape,
+        input_output_aliases={} if window is None else {len(args) - 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=warps),
     )(*args)

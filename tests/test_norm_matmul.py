@@ -46,6 +46,25 @@ def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("window_dtype", [jnp.bfloat16, jnp.float32])
+def test_the_window_takes_the_outputs_columns(window_dtype):
+    """window=(conv_state, at): conv_state shifted by one with out's columns [at, at + e)
+    appended in its dtype, by the kernel (in place) as by the reference."""
+    rng = np.random.default_rng()
+    args = _inputs(rng, 2, 256, 48, 1, jnp.bfloat16, False, True, False, True)
+    conv_state = jnp.asarray(rng.standard_normal((2, 24, 4)), window_dtype)
+    for implementation in ("xla", "triton"):
+        out, window = rms_norm_matmul(**args, eps=1e-5, window=(conv_state, 16),
+                                      implementation=implementation)
+        assert window.dtype == window_dtype and window.shape == conv_state.shape
+        np.testing.assert_array_equal(window[:, :, :-1], conv_state[:, :, 1:])
+        np.testing.assert_array_equal(window[:, :, -1], out[:, 16:40].astype(window_dtype))
+        np.testing.assert_array_equal(out, rms_norm_matmul(**args, eps=1e-5,
+                                                           implementation=implementation))
+    with pytest.raises(ValueError, match="window \\(2, 24, 4\\) at column 32"):
+        rms_norm_matmul(**args, eps=1e-5, window=(conv_state, 32))
+
+
 def test_the_reference_is_the_models_norm_then_matmul():
     """In-projection: rms_norm then dense; out-projection: gated_rms_norm, matmul and the
     residual add, as Block.step over Mamba2Mixer.step computes them."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ssd.step import mamba_step, mamba_step_packed
+from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
@@ -34,16 +34,17 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
                    state_dtype=state_dtype, bias=bias)
     y_ref, window_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
     y, window, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")
-    # The same step with xBC_in and dt read in place from a packed projection [z, xBC, dt].
+    # The same step over the window already shifted, dt read in place from a packed
+    # projection [z, xBC, dt]: bit for bit, in the kernel and in the reference.
     b, h, p = args["state"].shape[:3]
     z = jnp.asarray(rng.standard_normal((b, h * p)), jnp.float32)
-    packed = {k: v for k, v in args.items() if k not in ("xBC_in", "dt")}
-    packed["zxbcdt"] = jnp.concatenate([z, args["xBC_in"], args["dt"]], axis=1)
-    y_packed, window_packed, state_packed = mamba_step_packed(
-        **packed, dt_limit=dt_limit, implementation="triton")
-    np.testing.assert_array_equal(y_packed, y)
-    np.testing.assert_array_equal(window_packed, window)
-    np.testing.assert_array_equal(state_packed, state)
+    shifted = {k: v for k, v in args.items() if k not in ("xBC_in", "dt", "conv_state")}
+    shifted["zxbcdt"] = jnp.concatenate([z, args["xBC_in"], args["dt"]], axis=1)
+    for implementation, (y_, state_) in (("triton", (y, state)), ("xla", (y_ref, state_ref))):
+        y_shifted, state_shifted = mamba_step_shifted(
+            window_ref, **shifted, dt_limit=dt_limit, implementation=implementation)
+        np.testing.assert_array_equal(y_shifted, y_)
+        np.testing.assert_array_equal(state_shifted, state_)
     assert y.dtype == jnp.float32 and state.dtype == state_dtype
     # The shifted window: the newest input appended in the window's dtype, bit for bit.
     assert window.dtype == window_dtype

@@ -5,8 +5,8 @@ causal_conv1d_update and selective_state_update), in plain JAX and as one Pallas
     y, conv_state, state = mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias,
                                       state, dt_limit=(0.0, inf), y_dtype=jnp.float32,
                                       implementation="xla")
-    y, conv_state, state = mamba_step_packed(conv_state, zxbcdt, conv_w, conv_b, A, D,
-                                             dt_bias, state, ...)
+    y, state = mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state,
+                                  ...)
 
 Legend: b batch, h heads, p headdim, g groups, r = h // g heads per group, n d_state,
 k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC order).
@@ -18,23 +18,28 @@ The conv sees conv_state shifted by one with xBC_in appended, which is also the 
 returned. conv_w [e, k] and conv_b [e] (or None): the depthwise conv. dt [b, h] before
 dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, used in float32 (the
 in-projection's compute-dtype output may be passed as is). A [h] (negative), D [h],
-dt_bias [h] float32. state [b, h, p, n], float32 or bfloat16. `mamba_step_packed` takes
-xBC_in and dt as the last e + h columns of the in-projection's output zxbcdt [b, N]
-(mamba_ssm's in_proj order z, xBC, dt): the kernel reads them in place, so no slicing
-kernel runs between the projection and the step.
+dt_bias [h] float32. state [b, h, p, n], float32 or bfloat16. `mamba_step_shifted` takes
+the window already shifted, with this token's input its last column (the batch-1 decoding
+step's in-projection kernel, norm_matmul's `window=`, shifts it in place), and dt as the last
+h columns of the in-projection's output zxbcdt [b, N] (mamba_ssm's in_proj order z, xBC, dt),
+read in place: no slicing kernel runs between the projection and the step, and no window
+copy after it.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
-in y_dtype), the new conv_state, and the new state in state's dtype, computed in float32.
+in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state in state's
+dtype, computed in float32.
 x, B and C leave the conv rounded to the window's dtype, as from mamba_ssm's
 causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
-"triton" (`_step_kernel`, grid (b, h, p / bp), one kernel: each program shifts and
-convolves bp of its head's x channels and its group's B and C channels, reads its [bp, n]
-of the state once and writes it in place; bp < p only where b * h is small; on a machine without a GPU it runs in Pallas's interpreter). A decode step at
-batch 1 is bound by its kernel count, not its bytes (BENCHMARKS.md, Generation): the
-window's shift and the projection's split are in the kernel rather than XLA fusions of
-their own.
+"triton" (`_step_kernel`, grid (b, h, p / bp), one kernel: each program convolves bp of its
+head's x channels and its group's B and C channels (mamba_step: shifting their window too,
+into a new buffer, since a group's programs read its old B and C columns while one of them
+stores the shifted ones), reads its [bp, n] of the state once and writes it in place; bp < p
+only where b * h is small; on a machine without a GPU it runs in Pallas's interpreter). A
+decode step at batch 1 is bound by its kernel count, not its bytes (BENCHMARKS.md,
+Generation): the window's shift and the projection's split are in kernels rather than XLA
+fusions of their own.
 """
 
 from __future__ import annotations
@@ -64,18 +69,19 @@ def mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     return y.astype(y_dtype), window, state
 
 
-def mamba_step_packed(conv_state, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
-                      dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
-    """mamba_step with xBC_in and dt the last e + h columns of zxbcdt [b, N]."""
-    e, h = conv_state.shape[1], state.shape[1]
-    xbc_at, dt_at = zxbcdt.shape[1] - h - e, zxbcdt.shape[1] - h
+def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
+                       dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
+    """mamba_step after the window's shift: window [b, e, k] already ends with this token's
+    conv input (as norm_matmul.rms_norm_matmul(window=...) leaves it), dt is the last h
+    columns of zxbcdt [b, N], read in place. Returns (y, the new state)."""
+    _check(window, state, implementation)
+    dt_at = zxbcdt.shape[1] - state.shape[1]
     if implementation == "triton":
-        _check(conv_state, state, implementation)
-        return _triton(conv_state, (zxbcdt, xbc_at), conv_w, conv_b, (zxbcdt, dt_at), A, D,
-                       dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype)
-    return mamba_step(conv_state, zxbcdt[:, xbc_at:dt_at], conv_w, conv_b, zxbcdt[:, dt_at:],
-                      A, D, dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype,
-                      implementation=implementation)
+        return _triton(window, None, conv_w, conv_b, (zxbcdt, dt_at), A, D, dt_bias, state,
+                       dt_limit=dt_limit, y_dtype=y_dtype)
+    y, state = reference_shifted(window, conv_w, conv_b, zxbcdt[:, dt_at:], A, D, dt_bias,
+                                 state, dt_limit=dt_limit)
+    return y.astype(y_dtype), state
 
 
 def _check(conv_state, state, implementation):
@@ -98,9 +104,17 @@ def supports(p, n, k):
 def reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
               dt_limit=(0.0, math.inf)):
     """mamba_step in plain JAX, y in float32."""
-    b, h, p, n = state.shape
     window = jnp.concatenate(
         [conv_state[:, :, 1:], xBC_in[:, :, None].astype(conv_state.dtype)], axis=-1)
+    y, state = reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state,
+                                 dt_limit=dt_limit)
+    return y, window, state
+
+
+def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
+                      dt_limit=(0.0, math.inf)):
+    """The step after the window's shift, in plain JAX: -> (y in float32, new state)."""
+    b, h, p, n = state.shape
     # HIGHEST: float32 products, as the kernel's, whatever XLA picks for these small dots
     # (its default precision allows TF32 for a float32 dot on a GPU).
     conv = jnp.einsum("bek,ek->be", window.astype(jnp.float32), conv_w.astype(jnp.float32),
@@ -124,7 +138,7 @@ def reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h,
                                         precision=jax.lax.Precision.HIGHEST)
          + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
-    return y, window, new.astype(state.dtype)
+    return y, new.astype(state.dtype)
 
 
 def _softplus(v):
@@ -133,11 +147,15 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias,
-                 dt_limit):
+def _step_kernel(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit):
+    shifts = xbc_at is not None  # else the window already ends with this token's input
+    if shifts:
+        xbc_ref, *refs = refs
+    w_ref, *refs = refs
     if has_bias:
         bias_ref, *refs = refs
-    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, window_ref, new_ref = refs
+    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, *refs = refs
+    window_ref, new_ref = refs if shifts else (None, refs[0])
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi = hi // r
     h_p = conv_ref.shape[1] - 2 * g * n  # the x channels, h * p
@@ -147,12 +165,15 @@ def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_
 
     def conv(start, size, write):
         """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
-        window's dtype; stores those channels' shifted window where `write` (True, or a
-        traced bool) holds. The window's columns are loaded and stored one at a time: k - 1
-        of them is no block size Triton takes."""
+        window's dtype; where the kernel shifts, stores those channels' shifted window where
+        `write` (True, or a traced bool) holds. The window's columns are loaded and stored one
+        at a time: k - 1 of them is no block size Triton takes."""
         channels = pl.ds(start, size)
-        columns = [conv_ref[bi, channels, j] for j in range(1, k)]
-        columns.append(xbc_ref[bi, pl.ds(xbc_at + start, size)].astype(conv_ref.dtype))
+        if shifts:
+            columns = [conv_ref[bi, channels, j] for j in range(1, k)]
+            columns.append(xbc_ref[bi, pl.ds(xbc_at + start, size)].astype(conv_ref.dtype))
+        else:
+            columns = [conv_ref[bi, channels, j] for j in range(k)]
         out = sum(column.astype(jnp.float32) * w_ref[channels, j].astype(jnp.float32)
                   for j, column in enumerate(columns))
         if has_bias:
@@ -161,9 +182,9 @@ def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_
         def store():
             for j, column in enumerate(columns):
                 window_ref[bi, channels, j] = column
-        if write is True:
+        if shifts and write is True:
             store()
-        else:
+        elif shifts:
             pl.when(write)(store)
         return jax.nn.silu(out).astype(conv_ref.dtype).astype(jnp.float32)
 
@@ -185,26 +206,27 @@ def _step_kernel(conv_ref, xbc_ref, w_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_
 
 
 def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype):
-    """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it)."""
+    """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it), xbc
+    None for a window already shifted (then no window is returned)."""
     b, h, p, n = state.shape
     g = (conv_state.shape[1] - h * p) // (2 * n)
-    (xbc, xbc_at), (dt, dt_at) = xbc, dt
+    (xbc, xbc_at), (dt, dt_at) = xbc or (None, None), dt
     # Heads' headdim split over programs until there are about two waves of them on an
     # H200's 132 SMs (a batch-1 step has only h programs otherwise), down to 16 rows each.
     bp = p // min(p // 16, 1 << max(0, math.ceil(math.log2(264 / (b * h)))))
     kernel = functools.partial(_step_kernel, p=p, bp=bp, n=n, r=h // g, g=g,
                                k=conv_state.shape[2], xbc_at=xbc_at, dt_at=dt_at,
                                has_bias=conv_b is not None, dt_limit=tuple(dt_limit))
-    args = (conv_state, xbc, conv_w) + (() if conv_b is None else (conv_b,)) + (
+    args = (conv_state,) + (() if xbc is None else (xbc,)) + (conv_w,) + (
+        () if conv_b is None else (conv_b,)) + (
         dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32), state)
+    # The state is updated in place; a shifted window is a new buffer (module docstring).
+    window = [] if xbc is None else [jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((b, h, p), y_dtype), *window,
+                 jax.ShapeDtypeStruct(state.shape, state.dtype)]
     return pl.pallas_call(
         kernel, grid=(b, h, p // bp), interpret=jax.default_backend() != "gpu",
-        name="mamba_step",
-        out_shape=[jax.ShapeDtypeStruct((b, h, p), y_dtype),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        # The state is updated in place. The window is not: a group's programs read its old
-        # B and C columns while one of them stores the shifted ones.
-        input_output_aliases={len(args) - 1: 2},
+        name="mamba_step", out_shape=out_shape,
+        input_output_aliases={len(args) - 1: len(out_shape) - 1},
         compiler_params=plgpu.CompilerParams(num_warps=4),
     )(*args)
