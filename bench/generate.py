@@ -135,18 +135,16 @@ def check_kernels(preset, cfg, batch):
                    if key not in ("xBC_in", "dt", "conv_state")}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
             shifted, window=arr(batch, e, k).astype(jnp.bfloat16),
-            zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16)))
+            zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16), gate=True))
         # As fused_step calls it: the conv window shifted in place, xBC at column h*p.
         cases["rms_norm_matmul (in_proj)"] = (
             lambda conv_state, **kw: rms_norm_matmul(**kw, window=(conv_state, hp)), dict(
                 x=arr(batch, d), weight=arr(d),
                 w=(arr(zxbcdt, d) / d ** 0.5).astype(jnp.bfloat16), eps=cfg.norm_eps,
                 w_transposed=True, conv_state=arr(batch, e, k).astype(jnp.bfloat16)))
-        cases["rms_norm_matmul (out_proj)"] = (rms_norm_matmul, dict(
-            x=arr(batch, hp).astype(jnp.bfloat16), weight=arr(hp),
-            w=(arr(d, hp) / hp ** 0.5).astype(jnp.bfloat16), eps=cfg.norm_eps,
-            z=arr(batch, zxbcdt).astype(jnp.bfloat16), ngroups=g, residual=arr(batch, d),
-            w_transposed=True))
+        cases["rms_norm_matmul (out_proj)"] = (rms_norm_matmul, dict(  # y already gated
+            x=arr(batch, hp), weight=arr(hp), w=(arr(d, hp) / hp ** 0.5).astype(jnp.bfloat16),
+            eps=cfg.norm_eps, ngroups=g, residual=arr(batch, d), w_transposed=True))
     for name, (f, kwargs) in cases.items():
         args = {key: v for key, v in kwargs.items() if isinstance(v, jax.Array) or v is None}
         f = functools.partial(f, **{key: v for key, v in kwargs.items() if key not in args})

@@ -5,8 +5,9 @@ path for the same arithmetic (a norm fusion and a cuBLAS matrix-vector product).
                                  [--blocks 'BN,BK,WARPS' ...] [--layers 48] [--repeats 10]
                                  [--reps 10]
 
-For each preset's two decoding projections (in_proj: the block's RMSNorm, then [d] ->
-[2*h*p + 2*g*n + h]; out_proj: the gated grouped norm, then [h*p] -> [d] plus the residual)
+For each preset's two decoding projections as the fused step calls them (in_proj: the
+block's RMSNorm, then [d] -> [2*h*p + 2*g*n + h]; out_proj: the grouped norm of y already
+gated, float32 from the step kernel, then [h*p] -> [d] plus the residual)
 and each of --blocks (norm_matmul.Blocks; '' is the default, 'auto'), one row: microseconds
 per call of the kernel and of the XLA path, their ratio, and w's bytes over the time against
 the copy bandwidth measured in the same run.
@@ -37,7 +38,7 @@ from timing import copy_bandwidth, median_time  # noqa: E402
 
 
 def projections(cfg, batch, layers, rng):
-    """{name: (keyword arguments with `w` a list of --layers weights, bytes of one w)}."""
+    """{name: keyword arguments, with `w` a list of --layers weights}."""
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     hp, d = cfg.nheads * cfg.headdim, cfg.d_model
     n_in = 2 * hp + 2 * cfg.ngroups * cfg.d_state + cfg.nheads
@@ -45,10 +46,8 @@ def projections(cfg, batch, layers, rng):
     return {
         "in_proj": dict(x=arr(batch, d), weight=arr(d), w=weights(n_in, d), eps=cfg.norm_eps,
                         w_transposed=True),
-        "out_proj": dict(x=arr(batch, hp).astype(jnp.bfloat16), weight=arr(hp),
-                         w=weights(d, hp), eps=cfg.norm_eps,
-                         z=arr(batch, n_in).astype(jnp.bfloat16), ngroups=cfg.ngroups,
-                         residual=arr(batch, d), w_transposed=True)}
+        "out_proj": dict(x=arr(batch, hp), weight=arr(hp), w=weights(d, hp), eps=cfg.norm_eps,
+                         ngroups=cfg.ngroups, residual=arr(batch, d), w_transposed=True)}
 
 
 def parse_blocks(text):

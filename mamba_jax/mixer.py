@@ -272,9 +272,9 @@ class Mamba2Mixer(nnx.Module):
 
         The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, which also
         shifts the conv window in place, and the gated norm with out_proj and the residual
-        add, each one pallas_kernels.norm_matmul kernel; between them the conv and the SSM
-        update (pallas_kernels.ssd.step.mamba_step_shifted), which reads dt from the
-        projection's output in place. The arithmetic of Block.step over `step` in a third of
+        add, each one pallas_kernels.norm_matmul kernel; between them the conv, the SSM
+        update and the gate (pallas_kernels.ssd.step.mamba_step_shifted), which reads dt and
+        z from the projection's output in place. The arithmetic of Block.step over `step` in a third of
         its kernels, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows),
         which is bound by its kernel count (BENCHMARKS.md, Generation). weights:
         step_weights(fused=True); None builds them here."""
@@ -285,15 +285,15 @@ class Mamba2Mixer(nnx.Module):
         zxbcdt, conv_state = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
                                              w_transposed=True, window=(cache.conv_state, hp),
                                              implementation="triton")
+        # y times silu(z), float32: gated once here, not by every out_proj program
         y, ssm_state = mamba_step_shifted(
             conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
-            cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+            cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype, gate=True,
             implementation="triton")
         residual = rms_norm_matmul(
             y.reshape(y.shape[0], -1), self.norm[...].reshape(-1), weights.out_proj,
-            eps=self.cfg.norm_eps, z=zxbcdt, ngroups=self.cfg.ngroups,
-            bias=self._bias("out_bias"), residual=residual, w_transposed=True,
-            implementation="triton")
+            eps=self.cfg.norm_eps, ngroups=self.cfg.ngroups, bias=self._bias("out_bias"),
+            residual=residual, w_transposed=True, implementation="triton")
         return residual, MambaCache(conv_state, ssm_state)
 
     def _update(self, xBC_in, dt, cache: MambaCache, weights: StepWeights, implementation):

@@ -4,6 +4,7 @@ to end by tests/test_model.py (prefill then steps equal the full forward)."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,6 +46,14 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
             window_ref, **shifted, dt_limit=dt_limit, implementation=implementation)
         np.testing.assert_array_equal(y_shifted, y_)
         np.testing.assert_array_equal(state_shifted, state_)
+        # gate: y rounded to y_dtype, times silu(z) in float32 (z: zxbcdt's first h*p).
+        y_gated, _ = mamba_step_shifted(window_ref, **shifted, dt_limit=dt_limit,
+                                        y_dtype=jnp.bfloat16, gate=True,
+                                        implementation=implementation)
+        assert y_gated.dtype == jnp.float32
+        expected = (y_.astype(jnp.bfloat16).astype(jnp.float32)
+                    * jax.nn.silu(z).reshape(b, h, p))
+        np.testing.assert_allclose(y_gated, expected, rtol=1e-6, atol=0)
     assert y.dtype == jnp.float32 and state.dtype == state_dtype
     # The shifted window: the newest input appended in the window's dtype, bit for bit.
     assert window.dtype == window_dtype

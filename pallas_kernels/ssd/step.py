@@ -70,18 +70,29 @@ def mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
 
 
 def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
-                       dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
+                       dt_limit=(0.0, math.inf), y_dtype=jnp.float32, gate=False,
+                       implementation="xla"):
     """mamba_step after the window's shift: window [b, e, k] already ends with this token's
     conv input (as norm_matmul.rms_norm_matmul(window=...) leaves it), dt is the last h
-    columns of zxbcdt [b, N], read in place. Returns (y, the new state)."""
+    columns of zxbcdt [b, N], read in place. Returns (y, the new state).
+
+    gate: y, rounded to y_dtype, times silu(z) in float32, with z the first h*p columns of
+    zxbcdt (its in_proj order): the gated RMSNorm's input (mamba_ssm's RMSNormGated,
+    norm_before_gate=False), the values norm_matmul's `z=` computes, so that the
+    out-projection's kernel, whose every program reads the whole row, need not gate it."""
     _check(window, state, implementation)
-    dt_at = zxbcdt.shape[1] - state.shape[1]
+    b, h, p = state.shape[:3]
+    dt_at = zxbcdt.shape[1] - h
     if implementation == "triton":
         return _triton(window, None, conv_w, conv_b, (zxbcdt, dt_at), A, D, dt_bias, state,
-                       dt_limit=dt_limit, y_dtype=y_dtype)
+                       dt_limit=dt_limit, y_dtype=y_dtype, gate=gate)
     y, state = reference_shifted(window, conv_w, conv_b, zxbcdt[:, dt_at:], A, D, dt_bias,
                                  state, dt_limit=dt_limit)
-    return y.astype(y_dtype), state
+    y = y.astype(y_dtype)
+    if gate:
+        z = zxbcdt[:, :h * p].reshape(b, h, p).astype(jnp.float32)
+        y = y.astype(jnp.float32) * jax.nn.silu(z)
+    return y, state
 
 
 def _check(conv_state, state, implementation):
@@ -147,7 +158,8 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _step_kernel(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit):
+def _step_kernel(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit,
+                 y_dtype, gate):
     shifts = xbc_at is not None  # else the window already ends with this token's input
     if shifts:
         xbc_ref, *refs = refs
@@ -200,12 +212,17 @@ def _step_kernel(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
         dt = jnp.clip(dt, lo, hi_limit)
     decay = jnp.exp(dt * A_ref[hi])
     dtx = dt * x
-    y_ref[bi, hi, rows] = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
-                           + D_ref[hi] * x).astype(y_ref.dtype)
+    y = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
+         + D_ref[hi] * x).astype(y_dtype)
+    if gate:  # z: dt_ref's (zxbcdt's) first h*p columns
+        z = dt_ref[bi, pl.ds(hi * p + pi * bp, bp)].astype(jnp.float32)
+        y = y.astype(jnp.float32) * jax.nn.silu(z)
+    y_ref[bi, hi, rows] = y
     new_ref[bi, hi, rows, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
 
 
-def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype):
+def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype,
+            gate=False):
     """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it), xbc
     None for a window already shifted (then no window is returned)."""
     b, h, p, n = state.shape
@@ -216,13 +233,14 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     bp = p // min(p // 16, 1 << max(0, math.ceil(math.log2(264 / (b * h)))))
     kernel = functools.partial(_step_kernel, p=p, bp=bp, n=n, r=h // g, g=g,
                                k=conv_state.shape[2], xbc_at=xbc_at, dt_at=dt_at,
-                               has_bias=conv_b is not None, dt_limit=tuple(dt_limit))
+                               has_bias=conv_b is not None, dt_limit=tuple(dt_limit),
+                               y_dtype=jnp.dtype(y_dtype), gate=gate)
     args = (conv_state,) + (() if xbc is None else (xbc,)) + (conv_w,) + (
         () if conv_b is None else (conv_b,)) + (
         dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32), state)
     # The state is updated in place; a shifted window is a new buffer (module docstring).
     window = [] if xbc is None else [jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)]
-    out_shape = [jax.ShapeDtypeStruct((b, h, p), y_dtype), *window,
+    out_shape = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype), *window,
                  jax.ShapeDtypeStruct(state.shape, state.dtype)]
     return pl.pallas_call(
         kernel, grid=(b, h, p // bp), interpret=jax.default_backend() != "gpu",
