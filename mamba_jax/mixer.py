@@ -27,9 +27,9 @@ from pallas_kernels.ssd.step import supports as step_supports
 
 # The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
 # step_implementation="triton". Measured on an H200 (BENCHMARKS.md, Generation): at batch 1
-# it took 0.45x the XLA step's time for mamba2-370m and 0.81x for mamba2-1.3b; at batch 8
-# (an earlier version) 2.5x and 4.0x (its kernels unroll the rows: each row's products are
-# reduced apart).
+# it took 0.44-0.45x the XLA step's time for mamba2-370m and 0.72-0.81x for mamba2-1.3b; at
+# batch 8 (an earlier version) 2.5x and 4.0x (its kernels unroll the rows: each row's
+# products are reduced apart).
 FUSED_STEP_MAX_BATCH = 1
 STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 
