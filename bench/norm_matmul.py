@@ -15,8 +15,9 @@ the copy bandwidth measured in the same run.
 Timing: one jitted call loops --repeats times over --layers projections, each on its own
 weight as a decode step does (48 of them exceed the H200's 50 MB L2, so w comes from HBM),
 compiled as one CUDA graph as generate's decode loop is; the host clock from the call until
-its result is ready, median of --reps after 3 warm-up calls, divided by layers x repeats. Checks first, failing loudly: every blocks setting on the GPU against the
-reference on the CPU, as bench/generate.py's check_kernels.
+its result is ready, median of --reps after 3 warm-up calls, divided by layers x repeats.
+Checks first, failing loudly: every blocks setting on the GPU against the reference on the
+CPU, as bench/generate.py's check_kernels.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def main():
     p.add_argument("--out", required=True, help="folder for the trace and the HLO")
     p.add_argument("--decode", type=int, default=0, metavar="NEW",
                    help="profile generate() of NEW tokens after a --seq-len prompt instead")
-    p.add_argument("--step-implementation", default="xla",
+    p.add_argument("--step-implementation", default="auto",
                    help="with --decode: generate's step_implementation")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

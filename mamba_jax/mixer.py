@@ -152,7 +152,7 @@ class Mamba2Mixer(nnx.Module):
         w, bias = self.in_proj() if in_proj is None else in_proj
         zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
         z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
-        # mamba_ssm's in_proj order (pallas_kernels.ssd.step.mamba_step_shifted reads dt from it)
+        # mamba_ssm's in_proj order (ssd.step.mamba_step_shifted reads dt and z from it so)
         z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
         return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
 
@@ -274,10 +274,10 @@ class Mamba2Mixer(nnx.Module):
         shifts the conv window in place, and the gated norm with out_proj and the residual
         add, each one pallas_kernels.norm_matmul kernel; between them the conv, the SSM
         update and the gate (pallas_kernels.ssd.step.mamba_step_shifted), which reads dt and
-        z from the projection's output in place. The arithmetic of Block.step over `step` in a third of
-        its kernels, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows),
-        which is bound by its kernel count (BENCHMARKS.md, Generation). weights:
-        step_weights(fused=True); None builds them here."""
+        z from the projection's output in place. The arithmetic of Block.step over `step` in
+        a third of its kernels, for a decoding step at small batch (up to
+        FUSED_STEP_MAX_BATCH rows), which is bound by its kernel count (BENCHMARKS.md,
+        Generation). weights: step_weights(fused=True); None builds them here."""
         weights = self.step_weights(fused=True) if weights is None else weights
         w, bias = weights.in_proj
         hp = self.cfg.nheads * self.cfg.headdim

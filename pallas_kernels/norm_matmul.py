@@ -137,7 +137,7 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
     start = pl.multiple_of(pl.program_id(0) * bn, bn)
     columns = pl.ds(start, bn)
     rows, k = x_ref.shape
-    tiles = [pl.ds(start, bk) for start in range(0, k, bk)]  # static: k / bk of them
+    tiles = [pl.ds(first, bk) for first in range(0, k, bk)]  # static: k / bk of them
     per_group = len(tiles) // ngroups  # bk divides k / ngroups
 
     # The program's whole slab of w is loaded first, so that its loads are in flight while

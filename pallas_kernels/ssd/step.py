@@ -27,9 +27,8 @@ copy after it.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
 in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state in state's
-dtype, computed in float32.
-x, B and C leave the conv rounded to the window's dtype, as from mamba_ssm's
-causal_conv1d_update.
+dtype, computed in float32. x, B and C leave the conv rounded to the window's dtype, as from
+mamba_ssm's causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
 "triton" (`_step_kernel`, grid (b, h, p / bp), one kernel: each program convolves bp of its
