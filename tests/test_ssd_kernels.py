@@ -11,6 +11,10 @@ initial_state by relative Frobenius error:
   error ranged 7.5e-7 to 2.7e-5 for the kernels and 7.6e-7 to 1.4e-5 for the XLA path; once
   in CI it reached 1.3e-4);
 - bfloat16 inputs: below 3e-2 (bf16 matmul operands, float32 accumulation, as the XLA path).
+The gradients of A, D and dt_bias are h sums of products of both signs, which can cancel
+toward zero and so read a large relative error; the norm over h entries makes that unlikely
+only when h is not tiny. With 2 heads in the shortest case a bf16 CI run read dD at 3.4e-2,
+and 40 seeds gave dA up to 2.8e-2; with 8 heads the worst of 40 seeds was 6.3e-3.
 NaN fails every comparison.
 
 A new backend subclasses `BackendCases` with its module and a small config.
@@ -31,7 +35,7 @@ CASES = {  # name: (b, l, h, p, g, n, with_state, docs)
     "seqlen_not_a_chunk_multiple_g1": (2, 45, 4, 16, 1, 16, False, False),
     "ngroups_2_initial_state": (1, 64, 4, 16, 2, 32, True, False),
     "packed_documents_with_state": (2, 50, 4, 16, 4, 16, True, True),
-    "shorter_than_one_chunk_documents": (1, 7, 2, 16, 1, 16, False, True),
+    "shorter_than_one_chunk_documents": (1, 7, 8, 16, 1, 16, False, True),
 }
 
 
