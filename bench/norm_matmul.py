@@ -17,13 +17,14 @@ weight as a decode step does (48 of them exceed the H200's 50 MB L2, so w comes 
 compiled as one CUDA graph as generate's decode loop is; the host clock from the call until
 its result is ready, median of --reps after 3 warm-up calls, divided by layers x repeats.
 Checks first, failing loudly: every blocks setting on the GPU against the reference on the
-CPU, as bench/generate.py's check_kernels.
+CPU (checks.check_kernel).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 
@@ -35,14 +36,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul  # noqa: E402
+from checks import check_kernel  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 
 
 def projections(cfg, batch, layers, rng):
     """{name: keyword arguments, with `w` a list of --layers weights}."""
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    hp, d = cfg.nheads * cfg.headdim, cfg.d_model
-    n_in = 2 * hp + 2 * cfg.ngroups * cfg.d_state + cfg.nheads
+    hp, d = cfg.d_inner, cfg.d_model
+    n_in = hp + cfg.conv_dim + cfg.nheads  # z, xBC, dt
     weights = lambda n, k: [(arr(n, k) / k ** 0.5).astype(jnp.bfloat16) for _ in range(layers)]
     return {
         "in_proj": dict(x=arr(batch, d), weight=arr(d), w=weights(n_in, d), eps=cfg.norm_eps,
@@ -56,25 +58,6 @@ def parse_blocks(text):
         return Blocks()
     bn, bk, warps = (int(v) for v in text.split(","))
     return Blocks(bn, bk, warps)
-
-
-def check(name, kwargs, blocks):
-    """The kernel with `blocks` on the GPU against the reference on the CPU, first weight."""
-    cpu = jax.devices("cpu")[0]
-    args = {k: (v[0] if k == "w" else v) for k, v in kwargs.items()
-            if isinstance(v, (jax.Array, list))}
-    static = {k: v for k, v in kwargs.items() if k not in args}
-    ours = jax.jit(lambda a: rms_norm_matmul(**a, **static, implementation="triton",
-                                             blocks=blocks))(args)
-    with jax.default_device(cpu):
-        ref = jax.jit(lambda a: rms_norm_matmul(**a, **static))(jax.device_put(args, cpu))
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    err = float(np.abs(ours - ref).max() / np.abs(ref).max())
-    # One bf16 ulp (2**-8 of the largest value) where float32 sums in another order round
-    # to the neighbouring value.
-    if not err <= 2.0 ** -8:
-        raise SystemExit(f"CHECK FAILED: {name} {blocks}: error {err:.1e}")
-    return err
 
 
 def per_call(kwargs, layers, repeats, reps, **kw):
@@ -117,20 +100,20 @@ def main():
             w_bytes = kwargs["w"][0].nbytes
             xla = per_call(kwargs, args.layers, args.repeats, args.reps, implementation="xla")
             for text in args.blocks:
-                blocks = parse_blocks(text)
-                err = check(f"{preset} {name}", kwargs, blocks)
+                blocks, label = parse_blocks(text), f"{preset} {name} blocks {text or 'auto'}"
+                check_kernel(label, functools.partial(rms_norm_matmul, blocks=blocks),
+                             {**kwargs, "w": kwargs["w"][0]})
                 ours = per_call(kwargs, args.layers, args.repeats, args.reps,
                                 implementation="triton", blocks=blocks)
-                rows.append((preset, name, text or "auto", ours, xla, w_bytes, err))
-                print(f"{preset} {name} blocks {text or 'auto'}: {ours * 1e6:.1f} us, "
-                      f"xla {xla * 1e6:.1f} us, check {err:.1e}", flush=True)
+                rows.append((preset, name, text or "auto", ours, xla, w_bytes))
+                print(f"{label}: {ours * 1e6:.1f} us, xla {xla * 1e6:.1f} us", flush=True)
     print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"batch {args.batch}, {args.layers} layers a call; copy bandwidth "
           f"{copy_rate / 1e12:.2f} TB/s")
     print("| preset | projection | blocks (bn,bk,warps) | ours us | xla us | ours/xla | "
           "ours GB/s | ours/copy | xla/copy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for preset, name, text, ours, xla, w_bytes, _ in rows:
+    for preset, name, text, ours, xla, w_bytes in rows:
         print(f"| {preset} | {name} | {text} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | "
               f"{ours / xla:.2f}x | {w_bytes / ours / 1e9:.0f} | "
               f"{w_bytes / ours / copy_rate:.0%} | {w_bytes / xla / copy_rate:.0%} |")

@@ -105,8 +105,8 @@ def check_against_naive(rng, configs=(kernels.Config(),),
                                             if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
                 naive = loss_and_grads(reference.ssd_naive, up(inputs), up(options),
                                        jnp.asarray(wy), jnp.asarray(ws))
+            weights = jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)
             for config in configs:
-                weights = jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)
                 ours = jax.jit(lambda i, o: loss_and_grads(
                     lambda **a: vjp.ssd(backend=kernels, config=config, **a), i, o,
                     *weights))(inputs, options)

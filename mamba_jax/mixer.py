@@ -280,10 +280,10 @@ class Mamba2Mixer(nnx.Module):
         Generation). weights: step_weights(fused=True); None builds them here."""
         weights = self.step_weights(fused=True) if weights is None else weights
         w, bias = weights.in_proj
-        hp = self.cfg.nheads * self.cfg.headdim
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
         zxbcdt, conv_state = rms_norm_matmul(residual, norm_weight, w, eps=norm_eps, bias=bias,
-                                             w_transposed=True, window=(cache.conv_state, hp),
+                                             w_transposed=True,
+                                             window=(cache.conv_state, self.cfg.d_inner),
                                              implementation="triton")
         # y times silu(z), float32: gated once here, not by every out_proj program
         y, ssm_state = mamba_step_shifted(

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ssd.step import shift_window
+
 IMPLEMENTATIONS = ("xla", "triton")
 
 
@@ -84,8 +86,7 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     if window is None:
         return out
     conv_state, at = window
-    newest = out[:, at:at + conv_state.shape[1], None].astype(conv_state.dtype)
-    return out, jnp.concatenate([conv_state[:, :, 1:], newest], axis=-1)
+    return out, shift_window(conv_state, out[:, at:at + conv_state.shape[1]])
 
 
 def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):

@@ -116,12 +116,13 @@ def ssd_segmented(scan, x, dt, A, B, C, *, segments, D=None, dt_bias=None, dt_so
     if l % K:
         raise ValueError(f"ssd: segments={K} must divide the sequence length {l}")
     rows = lambda a: None if a is None else a.reshape(b * K, l // K, *a.shape[2:])
+    xr, dtr, Br, Cr = map(rows, (x, dt, B, C))
     options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    seq_idx=rows(seq_idx))
     parts = lambda a: jnp.moveaxis(a.reshape(b, K, *a.shape[1:]), 1, 0)  # [K, b, ...]
-    finals = _zero_state_finals(rows(x), rows(dt), A, rows(B), **options)
+    finals = _zero_state_finals(xr, dtr, A, Br, **options)
     s_in = _entering_states(*map(parts, finals), initial_state)  # [K, b, h, p, n]
-    y, final = scan(rows(x), rows(dt), A, rows(B), rows(C), D=D,
+    y, final = scan(xr, dtr, A, Br, Cr, D=D,
                     initial_state=jnp.moveaxis(s_in, 0, 1).reshape(b * K, *s_in.shape[2:]),
                     **options)
     return y.reshape(x.shape), final.reshape(b, K, *final.shape[1:])[:, -1]

@@ -111,11 +111,16 @@ def supports(p, n, k):
     return all(v & (v - 1) == 0 for v in (p, n, k)) and min(p, n) >= 16
 
 
+def shift_window(conv_state, newest):
+    """conv_state [b, e, k] shifted by one, newest [b, e] appended in its dtype."""
+    return jnp.concatenate([conv_state[:, :, 1:], newest[:, :, None].astype(conv_state.dtype)],
+                           axis=-1)
+
+
 def reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
               dt_limit=(0.0, math.inf)):
     """mamba_step in plain JAX, y in float32."""
-    window = jnp.concatenate(
-        [conv_state[:, :, 1:], xBC_in[:, :, None].astype(conv_state.dtype)], axis=-1)
+    window = shift_window(conv_state, xBC_in)
     y, state = reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state,
                                  dt_limit=dt_limit)
     return y, window, state
