@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import parallel
 from mamba_jax.train import main
-from pallas_kernels.ssd import ssd
+from pallas_kernels.ssd import auto_segments, ssd
 from pallas_kernels.ssd.reference import ssd_naive
 from test_parallel import (FAST_COMPILE, LOSS_RTOL, assert_matches_single_device,
                            model_and_batch, packed_seq_idx, single_device_train_losses,
@@ -79,6 +79,16 @@ def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients()
     for name in floats:
         np.testing.assert_allclose(got[name], want[name], rtol=SCAN_GRAD_TOL, atol=SCAN_GRAD_TOL,
                                    err_msg=name)
+
+
+def test_auto_segments_split_only_long_rows_of_few_heads_for_the_kernels():
+    assert auto_segments(1, 65536, 64, "triton") == 8  # the measured shape
+    assert auto_segments(1, 131072, 32, "triton") == 8
+    assert auto_segments(8, 65536, 64, "triton") == 1  # 4096 programs: enough rows
+    assert auto_segments(1, 32768, 64, "triton") == 1  # parts under 8192 tokens
+    assert auto_segments(1, 65536, 64, "xla") == 1
+    with pytest.raises(ValueError, match="segments='many' must be a positive int or 'auto'"):
+        ssd(**scan_inputs(), chunk_size=8, segments="many")
 
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])

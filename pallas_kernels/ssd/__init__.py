@@ -23,7 +23,11 @@ devices (context_parallel.py): the result is the scan of the whole sequence.
 parts, scanned as rows of their own and joined by the same state passing: the result is
 the same scan. For the kernels, which walk a row's chunks in order, it multiplies the
 programs when batch x heads is too few for the GPU (one long sequence); it adds one einsum
-over x and B for the parts' states. 1 (the default) scans each row whole.
+over x and B for the parts' states. 1 scans each row whole. "auto" (the default,
+`auto_segments`): 8 where the kernels run, batch x heads x 8 is at most 512 programs and
+each part keeps at least 8192 tokens, else 1: measured on an H200 at batch 1 x 65536 x 64
+heads, 8 parts took 0.73-0.95x the whole row's time, and at batch 8 (512 rows) parts took
+1.2-1.8x (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ from pallas_kernels.ssd import reference, triton, vjp
 from pallas_kernels.ssd.context_parallel import ssd_context_parallel, ssd_segmented
 from pallas_kernels.ssd.reference import document_ids, process_dt
 
-__all__ = ["ssd", "document_ids", "process_dt", "IMPLEMENTATIONS"]
+__all__ = ["ssd", "auto_segments", "document_ids", "process_dt", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
-        return_final_state=False, sequence_axis=None, segments=1, implementation="auto"):
+        return_final_state=False, sequence_axis=None, segments="auto", implementation="auto"):
     """The chunked SSD scan; see the module docstring for shapes and dtypes."""
     _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx)
     if implementation not in IMPLEMENTATIONS:
@@ -55,10 +59,12 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
                    initial_state=initial_state, seq_idx=seq_idx)
     if implementation == "auto":
         implementation = "triton" if _triton_is_faster(x, B) else "xla"
+    if segments == "auto":
+        segments = auto_segments(*x.shape[:3], implementation)
     scan = functools.partial(_scan, chunk_size=chunk_size, implementation=implementation)
     if segments != 1:
         if not isinstance(segments, int) or segments < 1:
-            raise ValueError(f"ssd: segments={segments!r} must be a positive int")
+            raise ValueError(f"ssd: segments={segments!r} must be a positive int or 'auto'")
         scan = functools.partial(ssd_segmented, scan, segments=segments)
     if sequence_axis is None:
         y, final_state = scan(x, dt, A, B, C, **options)
@@ -66,6 +72,14 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         y, final_state = ssd_context_parallel(scan, x, dt, A, B, C, axis_name=sequence_axis,
                                               **options)
     return (y, final_state) if return_final_state else y
+
+
+def auto_segments(b, l, h, implementation):
+    """segments="auto" for rows of l tokens, b x h of them: 8 for the kernels where that
+    gives at most 512 (row, head) programs and parts of at least 8192 tokens (the regime
+    measured faster; the module docstring), else 1."""
+    fits = b * h * 8 <= 512 and l % 8 == 0 and l // 8 >= 8192
+    return 8 if implementation == "triton" and fits else 1
 
 
 def _scan(x, dt, A, B, C, *, chunk_size, implementation, **options):
