@@ -3,7 +3,7 @@ device kernels summed by name and by kind. With --decode NEW, the same for gener
 
     python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 2048 --batch 8 --out DIR
     python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 128 --batch 1 --decode 256 \
-        [--step-implementation triton] --out DIR
+        [--step-implementation triton] [--ssm-state-dtype bfloat16] --out DIR
 
 Builds and compiles the step as bench/train_step.py does (Steps: same mesh, remat and
 parameters), runs two warm-up steps, traces --steps steps, and prints the step time, GPU
@@ -147,13 +147,15 @@ def profile_decode(args):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
                                                         (args.batch, args.seq_len)))
     run = lambda: jax.block_until_ready(gen.generate(
-        model, ids, max_new_tokens=args.decode, step_implementation=args.step_implementation))
+        model, ids, max_new_tokens=args.decode, step_implementation=args.step_implementation,
+        ssm_state_dtype=args.ssm_state_dtype))
     run()  # compiles the prefill and the decode loop
     times, trace = traced(run, args.out, 1)
     steps = args.decode - 1
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} generate: batch {args.batch}, prompt {args.seq_len}, "
-          f"{args.decode} new tokens, step_implementation {args.step_implementation}; "
+          f"{args.decode} new tokens, step_implementation {args.step_implementation}, "
+          f"{args.ssm_state_dtype} SSM states; "
           f"the whole call {times[0] * 1e3:.1f} ms")
     summarize(device_events(trace, module="decode"), steps, times[0] / args.decode, args.top,
               what="decode step")
@@ -174,6 +176,8 @@ def main():
                    help="profile generate() of NEW tokens after a --seq-len prompt instead")
     p.add_argument("--step-implementation", default="auto",
                    help="with --decode: generate's step_implementation")
+    p.add_argument("--ssm-state-dtype", default="float32",
+                   help="with --decode: generate's ssm_state_dtype")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
