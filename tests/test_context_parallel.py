@@ -91,35 +91,35 @@ def test_auto_segments_split_only_long_rows_of_few_heads_for_the_kernels():
         ssd(**scan_inputs(), chunk_size=8, segments="many")
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one_document"])
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
-def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementation):
-    # 4 rows of 64 packed tokens in 4 segments of 16 (document starts inside segments and
-    # on their edges, an initial state); the kernels run in Pallas's interpreter on the CPU.
+def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementation, packed):
+    # 4 rows of 64 tokens in 4 segments of 16 with an initial state; packed: documents start
+    # inside segments and on their edges (joined by context_parallel.ssd_segmented), else one
+    # document per row, whose state crosses every segment edge (for the kernels, joined in
+    # their custom_vjp: vjp.py). The kernels run in Pallas's interpreter on the CPU.
     args = scan_inputs()
+    seq_idx = args.pop("seq_idx")
+    if not packed:
+        seq_idx = None
     options = dict(dt_softplus=True, dt_limit=(0.0, 0.5), chunk_size=8,
-                   implementation=implementation, return_final_state=True)
+                   implementation=implementation, return_final_state=True, seq_idx=seq_idx)
 
     def objective(floats, segments, weights):
-        y, final = ssd(**floats, seq_idx=args["seq_idx"], segments=segments, **options)
+        y, final = ssd(**floats, segments=segments, **options)
         return jnp.sum(y * weights[0]) + jnp.sum(final * weights[1]), (y, final)
-    floats = {k: v for k, v in args.items() if k != "seq_idx"}
     weights = (jax.random.normal(jax.random.key(1), args["x"].shape),
                jax.random.normal(jax.random.key(2), args["initial_state"].shape))
     grad = jax.jit(jax.grad(objective, has_aux=True), static_argnums=1)
-    got, (y, final) = grad(floats, 4, weights)
-    want, _ = grad(floats, 1, weights)
-    y_ref, final_ref = ssd_naive(**args, dt_softplus=True, dt_limit=(0.0, 0.5))
+    got, (y, final) = grad(args, 4, weights)
+    want, _ = grad(args, 1, weights)
+    y_ref, final_ref = ssd_naive(**args, seq_idx=seq_idx, dt_softplus=True,
+                                 dt_limit=(0.0, 0.5))
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
     np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
-    for name in floats:
+    for name in args:
         np.testing.assert_allclose(got[name], want[name], rtol=SCAN_GRAD_TOL, atol=SCAN_GRAD_TOL,
                                    err_msg=name)
-    # One document per row (no seq_idx): the state crosses every segment edge.
-    whole = {k: v for k, v in args.items() if k != "seq_idx"}
-    y, final = ssd(**whole, segments=4, **options)
-    y_ref, final_ref = ssd_naive(**whole, dt_softplus=True, dt_limit=(0.0, 0.5))
-    np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
-    np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
     with pytest.raises(ValueError, match="segments=3 must divide the sequence length 64"):
         ssd(**args, segments=3, **options)
 
@@ -206,7 +206,8 @@ def test_trainer_with_cp_and_packed_documents_gives_the_data_parallel_losses(tmp
     np.testing.assert_allclose(losses["dp=2,cp=2,tp=2"], losses["dp=8"], rtol=LOSS_RTOL)
 
 
-def test_segments_of_a_long_row_keep_float32_precision():
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_segments_of_a_long_row_keep_float32_precision(implementation):
     # 16,384 tokens in 4 segments; the faster head's cumulative dt*A reaches about -6,600
     # within a segment. Each segment's state comes from decays summed over the tokens after
     # each one, not from a difference of two long cumulative sums (that was 7.7e-6 off
@@ -217,7 +218,7 @@ def test_segments_of_a_long_row_keep_float32_precision():
     args = dict(x=normal(b, l, h, p), dt=normal(b, l, h), A=-jnp.asarray([0.5, 2.0]),
                 B=normal(b, l, g, n), C=normal(b, l, g, n))
     options = dict(dt_softplus=True, chunk_size=64, return_final_state=True,
-                   implementation="xla")
+                   implementation=implementation)
     whole = ssd(**args, **options)
     split = ssd(**args, segments=4, **options)
     for got, want in zip(split, whole):

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ssd import ssd, triton, vjp
-from pallas_kernels.ssd.reference import ssd_naive
+from pallas_kernels.ssd.reference import ssd_naive, weighted_state
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 DA_TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 3e-2}  # see the module docstring
@@ -74,6 +74,7 @@ def relative_errors(ours, reference):
 class BackendCases:
     backend = None
     config = None
+    D_per_channel = False  # D [h, p] (mamba_ssm's D_has_hdim) instead of [h]
 
     def run_backend(self, **args):
         return vjp.ssd(**args, dt_softplus=True, backend=self.backend, config=self.config)
@@ -84,6 +85,8 @@ class BackendCases:
         b, l, h, p, g, n, with_state, docs = CASES[case]
         rng = np.random.default_rng()
         args = make_inputs(rng, b, l, h, p, g, n, dtype, with_state, docs)
+        if self.D_per_channel:
+            args["D"] = jnp.asarray(rng.standard_normal((h, p)), jnp.float32)
         wy = rng.standard_normal((b, l, h, p))
         ws = rng.standard_normal((b, h, p, n))
         ours = values_and_grads(self.run_backend, args, jnp.asarray(wy, jnp.float32),
@@ -112,9 +115,10 @@ class TestTritonOtherOptions(BackendCases):
     backend = triton
     # The non-default options, together: saved states in float32 (which changes only bf16
     # inputs: float32 inputs keep float32 states either way) and one head per dB/dC program
-    # (every group's dB and dC summed from r partials).
+    # (every group's dB and dC summed from r partials); and D per channel, [h, p].
     config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False,
                            backward_bc_heads=1)
+    D_per_channel = True
 
 
 def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
@@ -133,3 +137,19 @@ def test_auto_uses_xla_without_a_gpu():
                        False)
     auto = jax.make_jaxpr(lambda a: ssd(**a, chunk_size=8, implementation="auto"))(args)
     assert "pallas_call" not in str(auto)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_weighted_state_kernel_matches_the_reference(dtype):
+    # The join of a row's parts (vjp.py): 2 rows of 48 positions (3 kernel chunks of 16), 4
+    # heads in 2 groups; the same rounding of the weighted x as reference.weighted_state.
+    rng = np.random.default_rng()
+    rows, l, h, p, g, n = 2, 48, 4, 16, 2, 32
+    x = jnp.asarray(rng.standard_normal((rows, l, h, p)), dtype)
+    B = jnp.asarray(rng.standard_normal((rows, l, g, n)), dtype)
+    weights = jnp.asarray(rng.uniform(0, 1, (rows, h, l)), jnp.float32)
+    got = triton.weighted_state(x, B, weights, config=triton.Config(chunk=16), interpret=True)
+    by_head = jnp.swapaxes(weights, 1, 2).reshape(rows, l, g, h // g)
+    want = weighted_state(x.reshape(rows, l, g, h // g, p), B, by_head, jnp.float32)
+    errors = relative_errors({"state": got}, {"state": want.reshape(rows, h, p, n)})
+    assert errors["state"] < 1e-5, errors  # the same products, summed in another order

@@ -22,12 +22,14 @@ devices (context_parallel.py): the result is the scan of the whole sequence.
 `segments`: split each row (each device's part, under `sequence_axis`) into this many equal
 parts, scanned as rows of their own and joined by the same state passing: the result is
 the same scan. For the kernels, which walk a row's chunks in order, it multiplies the
-programs when batch x heads is too few for the GPU (one long sequence); it adds one einsum
-over x and B for the parts' states. 1 scans each row whole. "auto" (the default,
-`auto_segments`): 8 where the kernels run, batch x heads x 8 is at most 512 programs and
-each part keeps at least 8192 tokens, else 1: measured on an H200 at batch 1 x 65536 x 64
-heads, 8 parts took 0.73-0.95x the whole row's time, and at batch 8 (512 rows) parts took
-1.2-1.8x (BENCHMARKS.md).
+programs when batch x heads is too few for the GPU (one long sequence). The join costs one
+einsum over x and B for the parts' states (context_parallel.ssd_segmented); without
+seq_idx the kernels' custom_vjp joins the parts instead (vjp.py): one kernel over x and B
+in the forward, one over dy and C in the backward, whose kernels then carry the join's
+gradients. 1 scans each row whole. "auto" (the default, `auto_segments`): 8 where the
+kernels run, batch x heads x 8 is at most 512 programs and each part keeps at least 8192
+tokens, else 1: measured on an H200 at batch 1 x 65536 x 64 heads, 8 parts took 0.63-0.68x
+the whole row's time, and at batch 8 (512 rows) parts took 1.2-1.8x (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -65,7 +67,13 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
     if segments != 1:
         if not isinstance(segments, int) or segments < 1:
             raise ValueError(f"ssd: segments={segments!r} must be a positive int or 'auto'")
-        scan = functools.partial(ssd_segmented, scan, segments=segments)
+        if x.shape[1] % segments:
+            raise ValueError(f"ssd: segments={segments} must divide the sequence length "
+                             f"{x.shape[1]}")
+        if implementation == "triton" and seq_idx is None:
+            scan = functools.partial(scan, segments=segments)  # joined in the kernels' vjp
+        else:
+            scan = functools.partial(ssd_segmented, scan, segments=segments)
     if sequence_axis is None:
         y, final_state = scan(x, dt, A, B, C, **options)
     else:
@@ -82,11 +90,12 @@ def auto_segments(b, l, h, implementation):
     return 8 if implementation == "triton" and fits else 1
 
 
-def _scan(x, dt, A, B, C, *, chunk_size, implementation, **options):
-    """One device's scan -> (y, final_state) with the chosen implementation."""
+def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, **options):
+    """One device's scan -> (y, final_state) with the chosen implementation; segments only
+    for the kernels without seq_idx."""
     if implementation == "triton":
         # The kernels use their own chunk (triton.Config): the result is the same scan.
-        return vjp.ssd(x, dt, A, B, C, backend=triton, **options)
+        return vjp.ssd(x, dt, A, B, C, backend=triton, segments=segments, **options)
     return reference.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **options)
 
 

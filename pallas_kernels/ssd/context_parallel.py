@@ -71,7 +71,7 @@ def _zero_state_finals(x, dt, A, B, *, dt_bias, dt_softplus, dt_limit, seq_idx):
     return final.reshape(b, h, p, n), decay, ends
 
 
-def _entering_states(finals, decays, ends, initial_state):
+def entering_states(finals, decays, ends, initial_state):
     """Step 3: finals [K, b, h, p, n], decays [K, b, h], ends [K, b, 2] of the K parts in
     order -> the state entering each part [K, b, h, p, n] float32."""
     K, b, h, p, n = finals.shape
@@ -101,7 +101,7 @@ def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=Non
                    seq_idx=seq_idx)
     finals, decays, ends = lax.all_gather(_zero_state_finals(x, dt, A, B, **options),
                                           axis_name)
-    s_in = _entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
+    s_in = entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
     return scan(x, dt, A, B, C, D=D, initial_state=s_in, **options)
 
 
@@ -113,15 +113,13 @@ def ssd_segmented(scan, x, dt, A, B, C, *, segments, D=None, dt_bias=None, dt_so
     multiple of segments."""
     b, l = x.shape[:2]
     K = segments
-    if l % K:
-        raise ValueError(f"ssd: segments={K} must divide the sequence length {l}")
     rows = lambda a: None if a is None else a.reshape(b * K, l // K, *a.shape[2:])
     xr, dtr, Br, Cr = map(rows, (x, dt, B, C))
     options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    seq_idx=rows(seq_idx))
     parts = lambda a: jnp.moveaxis(a.reshape(b, K, *a.shape[1:]), 1, 0)  # [K, b, ...]
     finals = _zero_state_finals(xr, dtr, A, Br, **options)
-    s_in = _entering_states(*map(parts, finals), initial_state)  # [K, b, h, p, n]
+    s_in = entering_states(*map(parts, finals), initial_state)  # [K, b, h, p, n]
     y, final = scan(xr, dtr, A, Br, Cr, D=D,
                     initial_state=jnp.moveaxis(s_in, 0, 1).reshape(b * K, *s_in.shape[2:]),
                     **options)

@@ -9,16 +9,16 @@ differentiation handles the cheap parts: `dt [b, h, l]` after softplus and `cs [
 cumulative sum of dt * A restarted at every chunk. Document ids `doc [b, l]` (int32) mask
 everything that would cross a document start (see reference.ssd_chunked).
 
-Three kernels:
+Three kernels, and a fourth for scanning a row in parts (`weighted_state`, vjp.py):
 - `_forward_kernel`, grid (b, h, p / bp): walks the chunks of one (batch, head) in order
   with the state [bp, n] in registers; per chunk the quadratic intra-chunk term, the read-out
-  of the entering state, and the state update. Reads x, B, C once, writes y once; when
-  differentiating it also saves each chunk's entering state (the backward's only residual
-  beyond the inputs).
+  of the entering state, the D skip and the state update. Reads x, B, C once, writes y
+  once; when differentiating it also saves each chunk's entering state (the backward's only
+  residual beyond the inputs).
 - `_backward_state_kernel`, grid (b, h, p / bp): walks the chunks backwards carrying dS, the
-  gradient of the state leaving the chunk; per chunk dx, the dt-gradient of the x dt
-  product, and the part of the cumsum gradient that comes through the leaving state. Saves
-  each chunk's dS.
+  gradient of the state leaving the chunk; per chunk dx (with the D skip's), the dt-gradient
+  of the x dt product, and the part of the cumsum gradient that comes through the leaving
+  state; D's gradient summed over the chunks. Saves each chunk's dS.
 - `_backward_bc_kernel`, grid (b, c, g * q): chunks in parallel; loops over r / q heads of
   the group accumulating dB and dC in registers (no atomics, no per-head copies of dB/dC),
   and writes each head's remaining cumsum gradient. q (Config.backward_bc_heads) partial
@@ -119,10 +119,12 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
 
 
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, has_doc,
-                    save_states):
-    doc_ref, (y_ref, final_ref, *states_ref) = _split_doc(rest, has_doc)
+                    has_D, save_states):
+    D_ref, rest = _split_optional(rest, has_D)
+    doc_ref, (y_ref, final_ref, *states_ref) = _split_optional(rest, has_doc)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
+    D = D_ref[hi, ps] if has_D else None  # [bp] float32
 
     def body(k, state):  # state [bp, n]: the state entering chunk k
         t0 = pl.multiple_of(k * t, t)
@@ -138,6 +140,8 @@ def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, 
         scores = _dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]  # [t, s]
         y = _dot(scores.astype(dtype), x)
         y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
+        if has_D:  # the skip, here rather than an XLA pass over y and x after the kernel
+            y = y + D[None, :] * x.astype(jnp.float32)
         y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
         xw = (x.astype(jnp.float32) * (to_end * dt)[:, None]).astype(dtype)
         return state * across + _dot(xw, Bk, (0, 0))
@@ -147,14 +151,17 @@ def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, 
 
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
-                           r, bp, has_doc):
-    doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref) = _split_doc(rest, has_doc)
+                           r, bp, has_doc, has_D):
+    D_ref, rest = _split_optional(rest, has_D)
+    doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = _split_optional(
+        rest, has_doc)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
     nchunks = x_ref.shape[1] // t
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
 
-    def body(i, dstate):  # dstate [bp, n]: gradient of the state leaving chunk k
+    def body(i, carry):
+        dstate, dD = carry  # dstate [bp, n]: gradient of the state leaving chunk k; dD [bp]
         k = nchunks - 1 - i
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
@@ -170,20 +177,29 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         dx_state = to_end[:, None] * _dot(Bk, dstate.astype(dtype), (1, 1))  # [s, bp]
         dx_dt = _dot(scores.astype(dtype), dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
         xf = x.astype(jnp.float32)
-        dx_ref[bi, ts, hi, ps] = (dx_dt * dt[:, None]).astype(dx_ref.dtype)
+        dx = dx_dt * dt[:, None]
+        if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
+            dyf = dy.astype(jnp.float32)
+            dx = dx + D_ref[hi, ps][None, :] * dyf
+            dD = dD + jnp.sum(xf * dyf, axis=0)
+        dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
         ddt_ref[pi, bi, hi, ts] = jnp.sum(xf * dx_dt, axis=1)
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
         via_end = dt * jnp.sum(xf * dx_state, axis=1)
         dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
         dye = (dy.astype(jnp.float32) * from_entry[:, None]).astype(dtype)
-        return dstate * across + _dot(dye, Ck, (0, 0))
+        return dstate * across + _dot(dye, Ck, (0, 0)), dD
 
-    dinit_ref[bi, hi, ps, :] = jax.lax.fori_loop(0, nchunks, body, dfinal_ref[bi, hi, ps, :])
+    dinit, dD = jax.lax.fori_loop(0, nchunks, body, (dfinal_ref[bi, hi, ps, :],
+                                                      jnp.zeros((bp,), jnp.float32)))
+    dinit_ref[bi, hi, ps, :] = dinit
+    if has_D:
+        dD_ref[0][bi, hi, ps] = dD
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
                         *rest, t, r, heads, has_doc):
-    doc_ref, (dB_ref, dC_ref, dcs_ref) = _split_doc(rest, has_doc)
+    doc_ref, (dB_ref, dC_ref, dcs_ref) = _split_optional(rest, has_doc)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = r // heads  # programs per group
     gi, qi = gq // q, gq % q
@@ -231,8 +247,24 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     dC_ref[qi, bi, ts, gi, :] = dC + _dot(dS, Bk)
 
 
-def _split_doc(refs, has_doc):
-    return (refs[0], refs[1:]) if has_doc else (None, refs)
+def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r):
+    bi, hi = pl.program_id(0), pl.program_id(1)
+    gi, dtype = hi // r, x_ref.dtype
+
+    def body(k, acc):  # acc [p, n]
+        ts = pl.ds(pl.multiple_of(k * t, t), t)
+        xw = (x_ref[bi, ts, hi, :].astype(jnp.float32)
+              * weights_ref[bi, hi, ts][:, None]).astype(dtype)
+        return acc + _dot(xw, B_ref[bi, ts, gi, :], (0, 0))
+
+    out_ref[bi, hi] = jax.lax.fori_loop(
+        0, x_ref.shape[1] // t, body,
+        jnp.zeros((x_ref.shape[-1], B_ref.shape[-1]), jnp.float32))
+
+
+def _split_optional(refs, present):
+    """(the first ref, the rest) where an optional input is present, else (None, refs)."""
+    return (refs[0], refs[1:]) if present else (None, refs)
 
 
 def _call(kernel, grid, out_shape, warps, stages, interpret, name):
@@ -245,11 +277,12 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
-def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, interpret=False):
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, D=None,
+            interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
-    initial_state [b, h, p, n] float32, doc [b, l] int32 or None) ->
-    (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32, and when save_states the
-    state entering every chunk [b, c, h, p, n], float32 or, with
+    initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
+    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32, and
+    when save_states the state entering every chunk [b, c, h, p, n], float32 or, with
     config.states_in_input_dtype, x.dtype)."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
@@ -260,32 +293,32 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, interpr
     if save_states:
         out_shape.append(jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x)))
     kernel = functools.partial(_forward_kernel, t=t, r=h // g, bp=bp, has_doc=doc is not None,
-                               save_states=save_states)
-    args = (x, dt, cs, B, C, initial_state) + (() if doc is None else (doc,))
+                               has_D=D is not None, save_states=save_states)
+    args = (x, dt, cs, B, C, initial_state) + _present(D, doc)
     return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
                  config.forward_stages, interpret, "ssd_forward")(*args)
 
 
-def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, interpret=False):
+def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interpret=False):
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
-    dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state), where ddt
-    is the gradient through dt's direct use only; cs's own gradient is dcs."""
+    dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
+    float32 or None for D None), where ddt is the gradient through dt's direct use only;
+    cs's own gradient is dcs."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
     r = h // g
     bp = _block_p(config, b, h, p)
-    doc_args = () if doc is None else (doc,)
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp,
-                               has_doc=doc is not None)
-    dx, ddt, dcs_end, dstates, dinit = _call(
+                               has_doc=doc is not None, has_D=D is not None)
+    dx, ddt, dcs_end, dstates, dinit, *dD = _call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
-         f32((b, h, p, n))],
+         f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
-    )(x, dt, cs, B, C, dy, dfinal, *doc_args)
+    )(x, dt, cs, B, C, dy, dfinal, *_present(D, doc))
     heads = r if config.backward_bc_heads is None else min(config.backward_bc_heads, r)
     if r % heads:
         raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
@@ -296,5 +329,25 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, interpret=Fals
         kernel, (b, l // t, g * (r // heads)),
         [f32((r // heads,) + B.shape), f32((r // heads,) + C.shape), f32((b, h, l))],
         config.backward_bc_warps, config.backward_stages, interpret, "ssd_backward_bc",
-    )(x, dt, cs, B, C, dy, states, dstates, *doc_args)
-    return dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit
+    )(x, dt, cs, B, C, dy, states, dstates, *_present(doc))
+    return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
+            dD[0].sum(0) if dD else None)
+
+
+def weighted_state(x, B, weights, *, config, interpret=False):
+    """sum_s weights_s x_s B_s^T over each row's positions, per head: x [rows, l, h, p], B
+    [rows, l, g, n], weights [rows, h, l] float32, l a multiple of config.chunk ->
+    [rows, h, p, n] float32. reference.weighted_state's arithmetic (x weighted in float32,
+    rounded to its dtype, float32 accumulation) in one kernel, grid (rows, h), the weighted x
+    never in memory: in XLA it was a pass writing it, then the matmul reading it back."""
+    rows, l, h, p = x.shape
+    g, n = B.shape[2:]
+    kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g)
+    return _call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
+                 config.forward_warps, config.forward_stages, interpret,
+                 "ssd_weighted_state")(x, B, weights)[0]
+
+
+def _present(*optional):
+    """The optional inputs given, in order (the kernels take them after the others)."""
+    return tuple(a for a in optional if a is not None)

@@ -4,15 +4,32 @@ Legend: b batch, l sequence, h heads, p headdim, g groups, n d_state, t the back
 kernel chunk.
 
 The core takes what the kernels need, all chunk-padded: x, dt [b, h, l] after softplus, cs
-[b, h, l] (the chunk-local cumulative sum of dt * A), B, C, initial_state, doc [b, l]. Its
-custom_vjp pairs the backend's `forward` and `backward`. Everything around it (dt bias,
-softplus and clamp, padding, the cumulative sum, the D skip) is ordinary JAX, so automatic
+[b, h, l] (the chunk-local cumulative sum of dt * A), B, C, initial_state, doc [b, l], and
+D [h, p] float32 (the skip y += D x, inside the kernels: as an XLA fusion after the
+forward kernel it read y and x and wrote y again, 0.37 of the 1.26 ms of kernel time of a
+forward at batch 8 x 8192 on an H200, and its gradient was more passes over dy, x and dx;
+BENCHMARKS.md). Its custom_vjp pairs the
+backend's `forward` and `backward`. Everything around it (dt bias, softplus and clamp,
+padding, the cumulative sum, D's broadcast to [h, p]) is ordinary JAX, so automatic
 differentiation carries the core's gradients to dt, A, D, dt_bias: d(cs) turns into dt and A
 gradients through cumsum's transpose.
 
+With `segments` K > 1 (no seq_idx) each row is scanned as K parts at once, rows of their
+own, joined inside the custom_vjp: the forward finds the state entering each part from the
+parts' zero-state final states (`weighted_state` over x and B; the fold of
+context_parallel.py's steps 1-3) and runs the kernels once with those initial states. The
+backward runs the kernels' backward once, with each part's final-state cotangent set to the
+gradient of the state its last token passes on: that state is the next part's initial
+state, whose gradient is the next part's read-out of it (`weighted_state` over dy and C)
+plus what its own final state passes back. So the kernels' backward carries the join's
+gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (at batch 1 x
+65536 x 64 heads on an H200 that transpose took about 1.3 ms of an 8.8 ms
+forward+backward, BENCHMARKS.md).
+
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
-config, save_states, interpret)` and `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *,
-config, interpret)` as in `triton.py`.
+config, save_states, D, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal,
+*, config, D, interpret)` and `weighted_state(x, B, weights, *, config, interpret)` as in
+`triton.py`.
 """
 
 from __future__ import annotations
@@ -23,63 +40,122 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ssd.reference import d_skip, document_ids, process_dt
+from pallas_kernels.ssd.context_parallel import entering_states
+from pallas_kernels.ssd.reference import document_ids, process_dt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _core(backend, config, interpret, x, dt, cs, B, C, initial_state, doc):
-    y, final_state = backend.forward(x, dt, cs, B, C, initial_state, doc, config=config,
-                                     save_states=False, interpret=interpret)
-    return y, final_state
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _core(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D):
+    return _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state,
+                     doc, D, save_states=False)[0]
 
 
-def _core_fwd(backend, config, interpret, x, dt, cs, B, C, initial_state, doc):
-    y, final_state, states = backend.forward(x, dt, cs, B, C, initial_state, doc,
-                                             config=config, save_states=True,
-                                             interpret=interpret)
-    return (y, final_state), (x, dt, cs, B, C, doc, states)
+def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D,
+              save_states=True):
+    """The kernels' forward over rows x [b * segments, l, h, p] etc. (chunk-padded), the
+    initial_state [b, h, p, n] entering each row's first part -> ((y, the final state of
+    each row's last part), the backward's residuals)."""
+    decays = None
+    if segments > 1:  # the state entering each part
+        to_end, _, decays = _part_decays(cs, config.chunk)
+        finals = backend.weighted_state(x, B, to_end * dt, config=config, interpret=interpret)
+        parts = lambda a: jnp.moveaxis(a.reshape(-1, segments, *a.shape[1:]), 1, 0)
+        continuing = jnp.zeros((segments, initial_state.shape[0], 2), jnp.int32)  # one doc
+        entering = entering_states(parts(finals), parts(decays), continuing, initial_state)
+        initial_state = jnp.moveaxis(entering, 0, 1).reshape(finals.shape)
+    y, final_state, *states = backend.forward(x, dt, cs, B, C, initial_state, doc,
+                                              config=config, save_states=save_states, D=D,
+                                              interpret=interpret)
+    final_state = final_state[segments - 1::segments]
+    return (y, final_state), (x, dt, cs, B, C, doc, *states, D, decays)
 
 
-def _core_bwd(backend, config, interpret, residuals, cotangents):
-    x, dt, cs, B, C, doc, states = residuals
+def _core_bwd(backend, config, interpret, segments, residuals, cotangents):
+    x, dt, cs, B, C, doc, states, D, decays = residuals
     dy, dfinal = cotangents
-    dx, ddt, dcs, dB, dC, dinit = backend.backward(
-        x, dt, cs, B, C, doc, states, dy.astype(x.dtype), dfinal.astype(jnp.float32),
-        config=config, interpret=interpret)
-    return dx, ddt, dcs, dB.astype(B.dtype), dC.astype(C.dtype), dinit, None
+    dy, dfinal = dy.astype(x.dtype), dfinal.astype(jnp.float32)
+    if segments > 1:
+        _, from_start, _ = _part_decays(cs, config.chunk)
+        read_out = backend.weighted_state(dy, C, from_start, config=config, interpret=interpret)
+        dfinal = _passed_state_gradients(read_out, decays, dfinal, segments)
+    dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
+        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, interpret=interpret)
+    return (dx, ddt, dcs, dB.astype(B.dtype), dC.astype(C.dtype), dinit[::segments], None,
+            dD)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def _part_decays(cs, t):
+    """cs [rows, h, l] (the cumulative sums of dt * A restarted every t positions) ->
+    (to_end, from_start [rows, h, l]: the decay from after each position to the row's end,
+    and from its start through each position; across [rows, h]: the whole row's), float32.
+    Each is a sum of chunk totals and one chunk-local difference, as in the kernels: never a
+    difference of two long sums."""
+    rows, h, l = cs.shape
+    cs = cs.reshape(rows, h, l // t, t)
+    total = cs[..., -1]  # [rows, h, chunks]
+    zero = jnp.zeros_like(total[..., :1])
+    before = jnp.concatenate([zero, jnp.cumsum(total, -1)[..., :-1]], -1)
+    after = jnp.concatenate([jax.lax.cumsum(total, 2, reverse=True)[..., 1:], zero], -1)
+    to_end = jnp.exp(total[..., None] - cs + after[..., None])
+    from_start = jnp.exp(cs + before[..., None])
+    return (to_end.reshape(rows, h, l), from_start.reshape(rows, h, l),
+            jnp.exp(jnp.sum(total, -1)))
+
+
+def _passed_state_gradients(read_out, decays, dfinal, segments):
+    """The cotangent of each part's final state [rows, h, p, n]: the gradient of the state it
+    passes to the next part, which is that part's initial state: the gradient of the next
+    part's read-out of it (read_out [rows, h, p, n], sum_t from_start_t dy_t C_t^T), plus
+    what the next part's own final state passes back through its decay (decays [rows, h]);
+    dfinal [b, h, p, n] for each row's last part."""
+    rows, h, p, n = read_out.shape
+    read_out = read_out.reshape(-1, segments, h, p, n)
+    decays = decays.reshape(-1, segments, h)[..., None, None]
+    passed = [dfinal]
+    for k in range(segments - 1, 0, -1):  # the state entering part k is part k-1's final
+        passed.append(read_out[:, k] + decays[:, k] * passed[-1])
+    return jnp.stack(passed[::-1], 1).reshape(rows, h, p, n)
+
+
 def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias=None,
-        dt_softplus=False, dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None):
+        dt_softplus=False, dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
+        segments=1):
     """The SSD scan on `backend` (shapes and semantics as reference.ssd_chunked; any l).
 
     interpret=None runs the backend's Pallas interpreter when no GPU is present (CI).
+    segments: each row scanned as this many parts at once (module docstring); it must divide
+    l, and takes no seq_idx (pallas_kernels.ssd.ssd joins packed documents' parts in XLA).
     Returns (y [b, l, h, p] in x.dtype, final_state [b, h, p, n] float32).
     """
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    b, l, h, p = x.shape
+    b, l_row, h, p = x.shape
     n = B.shape[-1]
+    if segments > 1 and (seq_idx is not None or l_row % segments):
+        raise ValueError(f"ssd: the kernels' segments={segments} need a sequence length they "
+                         f"divide ({l_row}) and no seq_idx")
+    rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
+    x, dt, B, C = map(rows, (x, dt, B, C))
+    l = l_row // segments
     t = config.chunk
     pad = (-l) % t
     # Padded steps have dt = 0 after softplus: no input, decay 1, as in the XLA path.
     dt = jnp.pad(process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32),
                  ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [b, h, l]
-    dt_A = (dt * A.astype(jnp.float32)[:, None]).reshape(b, h, -1, t)
-    cs = jnp.cumsum(dt_A, axis=-1).reshape(b, h, -1)
+    dt_A = (dt * A.astype(jnp.float32)[:, None]).reshape(*dt.shape[:2], -1, t)
+    cs = jnp.cumsum(dt_A, axis=-1).reshape(dt.shape)
     doc = None
     if seq_idx is not None:
         doc = jnp.pad(document_ids(seq_idx), ((0, 0), (0, pad)), mode="edge")
     pad_l = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a
     state = (jnp.zeros((b, h, p, n), jnp.float32) if initial_state is None
              else initial_state.astype(jnp.float32))
-    y, final_state = _core(backend, config, interpret, pad_l(x), dt, cs, pad_l(B), pad_l(C),
-                           state, doc)
-    y = y[:, :l]
-    if D is not None:
-        y = (y.astype(jnp.float32) + d_skip(D, x, jnp.float32)).astype(x.dtype)
-    return y, final_state
+    if D is not None:  # [h] or [h, p]
+        D = jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(jnp.float32), (h, p))
+    y, final_state = _core(backend, config, interpret, segments, pad_l(x), dt, cs, pad_l(B),
+                           pad_l(C), state, doc, D)
+    return y[:, :l].reshape(b, l_row, h, p), final_state
