@@ -95,9 +95,9 @@ def test_auto_segments_split_only_long_rows_of_few_heads_for_the_kernels():
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementation, packed):
     # 4 rows of 64 tokens in 4 segments of 16 with an initial state; packed: documents start
-    # inside segments and on their edges (joined by context_parallel.ssd_segmented), else one
-    # document per row, whose state crosses every segment edge (for the kernels, joined in
-    # their custom_vjp: vjp.py). The kernels run in Pallas's interpreter on the CPU.
+    # inside segments and on their edges, else one document per row, whose state crosses
+    # every segment edge. XLA joins the parts in context_parallel.ssd_segmented, the kernels
+    # in their custom_vjp (vjp.py), run in Pallas's interpreter on the CPU.
     args = scan_inputs()
     seq_idx = args.pop("seq_idx")
     if not packed:

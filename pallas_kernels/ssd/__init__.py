@@ -22,11 +22,10 @@ devices (context_parallel.py): the result is the scan of the whole sequence.
 `segments`: split each row (each device's part, under `sequence_axis`) into this many equal
 parts, scanned as rows of their own and joined by the same state passing: the result is
 the same scan. For the kernels, which walk a row's chunks in order, it multiplies the
-programs when batch x heads is too few for the GPU (one long sequence). The join costs one
-einsum over x and B for the parts' states (context_parallel.ssd_segmented); without
-seq_idx the kernels' custom_vjp joins the parts instead (vjp.py): one kernel over x and B
-in the forward, one over dy and C in the backward, whose kernels then carry the join's
-gradients. 1 scans each row whole. "auto" (the default, `auto_segments`): 8 where the
+programs when batch x heads is too few for the GPU (one long sequence). The XLA path joins
+the parts with one einsum over x and B for their states (context_parallel.ssd_segmented);
+the kernels' custom_vjp joins them with one kernel over x and B in the forward and one over
+dy and C in the backward, whose kernels then carry the join's gradients (vjp.py). 1 scans each row whole. "auto" (the default, `auto_segments`): 8 where the
 kernels run, batch x heads x 8 is at most 512 programs and each part keeps at least 8192
 tokens, else 1: measured on an H200 at batch 1 x 65536 x 64 heads, 8 parts took 0.63-0.68x
 the whole row's time, and at batch 8 (512 rows) parts took 1.2-1.8x (BENCHMARKS.md).
@@ -70,7 +69,7 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         if x.shape[1] % segments:
             raise ValueError(f"ssd: segments={segments} must divide the sequence length "
                              f"{x.shape[1]}")
-        if implementation == "triton" and seq_idx is None:
+        if implementation == "triton":
             scan = functools.partial(scan, segments=segments)  # joined in the kernels' vjp
         else:
             scan = functools.partial(ssd_segmented, scan, segments=segments)
@@ -92,7 +91,7 @@ def auto_segments(b, l, h, implementation):
 
 def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, **options):
     """One device's scan -> (y, final_state) with the chosen implementation; segments only
-    for the kernels without seq_idx."""
+    for the kernels."""
     if implementation == "triton":
         # The kernels use their own chunk (triton.Config): the result is the same scan.
         return vjp.ssd(x, dt, A, B, C, backend=triton, segments=segments, **options)

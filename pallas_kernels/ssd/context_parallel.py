@@ -1,7 +1,7 @@
 """The SSD scan over a sequence split into K parts that are scanned at the same time: across
 devices (context parallelism, `ssd_context_parallel`) or within each row on one device
-(`ssd_segmented`, which gives the kernels K times the programs when batch x heads is too
-small to fill the GPU).
+(`ssd_segmented`, for the XLA path; the kernels join a row's parts in their custom_vjp,
+vjp.py, with the same steps).
 
 ssd_context_parallel is called inside `jax.shard_map` with the sequence axis of x, dt, B, C
 and seq_idx split over the mesh axis `axis_name`: device k holds part k of every row. Legend

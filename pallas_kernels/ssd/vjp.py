@@ -14,8 +14,8 @@ padding, the cumulative sum, D's broadcast to [h, p]) is ordinary JAX, so automa
 differentiation carries the core's gradients to dt, A, D, dt_bias: d(cs) turns into dt and A
 gradients through cumsum's transpose.
 
-With `segments` K > 1 (no seq_idx) each row is scanned as K parts at once, rows of their
-own, joined inside the custom_vjp: the forward finds the state entering each part from the
+With `segments` K > 1 each row is scanned as K parts at once, rows of their own, joined
+inside the custom_vjp: the forward finds the state entering each part from the
 parts' zero-state final states (`weighted_state` over x and B; the fold of
 context_parallel.py's steps 1-3) and runs the kernels once with those initial states. The
 backward runs the kernels' backward once, with each part's final-state cotangent set to the
@@ -45,43 +45,51 @@ from pallas_kernels.ssd.reference import document_ids, process_dt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _core(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D):
+def _core(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D, ends):
     return _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state,
-                     doc, D, save_states=False)[0]
+                     doc, D, ends, save_states=False)[0]
 
 
 def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D,
-              save_states=True):
+              ends, save_states=True):
     """The kernels' forward over rows x [b * segments, l, h, p] etc. (chunk-padded), the
-    initial_state [b, h, p, n] entering each row's first part -> ((y, the final state of
-    each row's last part), the backward's residuals)."""
+    initial_state [b, h, p, n] entering each row's first part, and with documents ends
+    [b * segments, 2], each part's first and last seq_idx -> ((y, the final state of each
+    row's last part), the backward's residuals)."""
     decays = None
     if segments > 1:  # the state entering each part
         to_end, _, decays = _part_decays(cs, config.chunk)
+        if doc is not None:  # the kernels' final state: only the last document's tokens
+            last = doc[:, -1:]  # reach the part's end, and a document start stops the rest
+            to_end = to_end * (doc == last)[:, None]
+            decays = decays * (last == 0)
         finals = backend.weighted_state(x, B, to_end * dt, config=config, interpret=interpret)
+        if ends is None:  # one document: every part continues the one before
+            ends = jnp.zeros((finals.shape[0], 2), jnp.int32)
         parts = lambda a: jnp.moveaxis(a.reshape(-1, segments, *a.shape[1:]), 1, 0)
-        continuing = jnp.zeros((segments, initial_state.shape[0], 2), jnp.int32)  # one doc
-        entering = entering_states(parts(finals), parts(decays), continuing, initial_state)
+        entering = entering_states(parts(finals), parts(decays), parts(ends), initial_state)
         initial_state = jnp.moveaxis(entering, 0, 1).reshape(finals.shape)
     y, final_state, *states = backend.forward(x, dt, cs, B, C, initial_state, doc,
                                               config=config, save_states=save_states, D=D,
                                               interpret=interpret)
     final_state = final_state[segments - 1::segments]
-    return (y, final_state), (x, dt, cs, B, C, doc, *states, D, decays)
+    return (y, final_state), (x, dt, cs, B, C, doc, *states, D, decays, ends)
 
 
 def _core_bwd(backend, config, interpret, segments, residuals, cotangents):
-    x, dt, cs, B, C, doc, states, D, decays = residuals
+    x, dt, cs, B, C, doc, states, D, decays, ends = residuals
     dy, dfinal = cotangents
     dy, dfinal = dy.astype(x.dtype), dfinal.astype(jnp.float32)
     if segments > 1:
         _, from_start, _ = _part_decays(cs, config.chunk)
+        if doc is not None:  # the entering state reaches the part's first document only
+            from_start = from_start * (doc == 0)[:, None]
         read_out = backend.weighted_state(dy, C, from_start, config=config, interpret=interpret)
-        dfinal = _passed_state_gradients(read_out, decays, dfinal, segments)
+        dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
     dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
         x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, interpret=interpret)
     return (dx, ddt, dcs, dB.astype(B.dtype), dC.astype(C.dtype), dinit[::segments], None,
-            dD)
+            dD, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -105,18 +113,21 @@ def _part_decays(cs, t):
             jnp.exp(jnp.sum(total, -1)))
 
 
-def _passed_state_gradients(read_out, decays, dfinal, segments):
+def _passed_state_gradients(read_out, decays, ends, dfinal, segments):
     """The cotangent of each part's final state [rows, h, p, n]: the gradient of the state it
     passes to the next part, which is that part's initial state: the gradient of the next
     part's read-out of it (read_out [rows, h, p, n], sum_t from_start_t dy_t C_t^T), plus
     what the next part's own final state passes back through its decay (decays [rows, h]);
-    dfinal [b, h, p, n] for each row's last part."""
+    zero where the next part starts a new document (ends [rows, 2], each part's first and
+    last seq_idx); dfinal [b, h, p, n] for each row's last part."""
     rows, h, p, n = read_out.shape
     read_out = read_out.reshape(-1, segments, h, p, n)
     decays = decays.reshape(-1, segments, h)[..., None, None]
+    ends = ends.reshape(-1, segments, 2)
     passed = [dfinal]
     for k in range(segments - 1, 0, -1):  # the state entering part k is part k-1's final
-        passed.append(read_out[:, k] + decays[:, k] * passed[-1])
+        continues = (ends[:, k, 0] == ends[:, k - 1, 1])[:, None, None, None]
+        passed.append(jnp.where(continues, read_out[:, k] + decays[:, k] * passed[-1], 0.0))
     return jnp.stack(passed[::-1], 1).reshape(rows, h, p, n)
 
 
@@ -127,7 +138,7 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
 
     interpret=None runs the backend's Pallas interpreter when no GPU is present (CI).
     segments: each row scanned as this many parts at once (module docstring); it must divide
-    l, and takes no seq_idx (pallas_kernels.ssd.ssd joins packed documents' parts in XLA).
+    l.
     Returns (y [b, l, h, p] in x.dtype, final_state [b, h, p, n] float32).
     """
     config = backend.Config() if config is None else config
@@ -135,9 +146,8 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
         interpret = jax.default_backend() != "gpu"
     b, l_row, h, p = x.shape
     n = B.shape[-1]
-    if segments > 1 and (seq_idx is not None or l_row % segments):
-        raise ValueError(f"ssd: the kernels' segments={segments} need a sequence length they "
-                         f"divide ({l_row}) and no seq_idx")
+    if l_row % segments:
+        raise ValueError(f"ssd: segments={segments} must divide the sequence length {l_row}")
     rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
     x, dt, B, C = map(rows, (x, dt, B, C))
     l = l_row // segments
@@ -148,14 +158,17 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
                  ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [b, h, l]
     dt_A = (dt * A.astype(jnp.float32)[:, None]).reshape(*dt.shape[:2], -1, t)
     cs = jnp.cumsum(dt_A, axis=-1).reshape(dt.shape)
-    doc = None
+    doc = ends = None
     if seq_idx is not None:
+        seq_idx = rows(seq_idx)
         doc = jnp.pad(document_ids(seq_idx), ((0, 0), (0, pad)), mode="edge")
+        if segments > 1:
+            ends = jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
     pad_l = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a
     state = (jnp.zeros((b, h, p, n), jnp.float32) if initial_state is None
              else initial_state.astype(jnp.float32))
     if D is not None:  # [h] or [h, p]
         D = jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(jnp.float32), (h, p))
     y, final_state = _core(backend, config, interpret, segments, pad_l(x), dt, cs, pad_l(B),
-                           pad_l(C), state, doc, D)
+                           pad_l(C), state, doc, D, ends)
     return y[:, :l].reshape(b, l_row, h, p), final_state
