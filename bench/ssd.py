@@ -11,9 +11,10 @@ a filter between python and tee must be line-buffered, or a timed-out run return
 Checks first, failing loudly: on fresh random inputs our kernels' values and every gradient
 against the naive recurrence in float64, and mamba_ssm's outputs against ours. Then one
 table: per shape, forward and forward+backward time of each implementation, ours/theirs,
-achieved TFLOP/s and the floor; then peak temporary memory of forward+backward. Variants of
-our kernels get a column each (time and its ratio to theirs), checked against mamba_ssm like
-the default: --float32-states (the saved states in float32, the default before
+achieved TFLOP/s and the floor; then peak temporary memory of forward+backward. Our kernels'
+column is `ssd()` with its defaults (so `segments="auto"`: 8 parts at batch 1 x 65536).
+Variants of them get a column each (time and its ratio to theirs), checked against
+mamba_ssm like the default: --float32-states (the saved states in float32, the default before
 BENCHMARKS.md's measurement) and --segments N (each row scanned in N parts at once,
 `ssd(segments=N)`). --groups and --shapes take a part of the table (a whole run takes
 over 10 minutes: a device call can hold only part of it).
