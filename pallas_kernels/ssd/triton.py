@@ -340,7 +340,7 @@ def weighted_state(x, B, weights, *, config, interpret=False):
     [rows, h, p, n] float32. reference.weighted_state's arithmetic (x weighted in float32,
     rounded to its dtype, float32 accumulation) in one kernel, grid (rows, h), the weighted x
     never in memory: in XLA it was a pass writing it, then the matmul reading it back."""
-    rows, l, h, p = x.shape
+    rows, _, h, p = x.shape
     g, n = B.shape[2:]
     kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g)
     return _call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
