@@ -59,19 +59,32 @@ def _zero_state_finals(x, dt, A, B, *, dt_bias, dt_softplus, dt_limit, seq_idx):
     to_end = jnp.exp(lax.cumsum(dA, axis=1, reverse=True) - dA)  # [b, l, h]
     weights = to_end * dt
     decay = jnp.exp(jnp.sum(dA, axis=1))  # [b, h]
-    if seq_idx is None:
-        ends = jnp.zeros((b, 2), jnp.int32)
-    else:
-        doc = document_ids(seq_idx)  # [b, l]
-        weights = weights * (doc == doc[:, -1:])[..., None]  # only the last document's tokens
-        decay = decay * (doc[:, -1:] == 0)  # nothing survives a document start
-        ends = jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
+    if seq_idx is not None:
+        in_last, survives = last_document(document_ids(seq_idx))
+        weights = weights * in_last[..., None]
+        decay = decay * survives
     final = weighted_state(x.reshape(b, l, g, h // g, p), B,
                            weights.reshape(b, l, g, h // g), acc)
-    return final.reshape(b, h, p, n), decay, ends
+    return final.reshape(b, h, p, n), decay, part_ends(seq_idx, b)
 
 
-def entering_states(finals, decays, ends, initial_state):
+def last_document(doc):
+    """doc [rows, l] document ids -> (in_last [rows, l]: the positions of each row's last
+    document, the only tokens whose input reaches the row's end; survives [rows, 1]: no
+    document starts in the row, so a state entering it reaches its end)."""
+    last = doc[:, -1:]
+    return doc == last, last == 0
+
+
+def part_ends(seq_idx, rows):
+    """Each row's first and last seq_idx [rows, 2] int32; zeros without seq_idx (one
+    document: every part continues the one before)."""
+    if seq_idx is None:
+        return jnp.zeros((rows, 2), jnp.int32)
+    return jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
+
+
+def _entering_states(finals, decays, ends, initial_state):
     """Step 3: finals [K, b, h, p, n], decays [K, b, h], ends [K, b, 2] of the K parts in
     order -> the state entering each part [K, b, h, p, n] float32."""
     K, b, h, p, n = finals.shape
@@ -101,8 +114,18 @@ def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=Non
                    seq_idx=seq_idx)
     finals, decays, ends = lax.all_gather(_zero_state_finals(x, dt, A, B, **options),
                                           axis_name)
-    s_in = entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
+    s_in = _entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
     return scan(x, dt, A, B, C, D=D, initial_state=s_in, **options)
+
+
+def entering_rows(finals, decays, ends, initial_state, segments):
+    """Step 3 for rows split into `segments` parts that are scanned as rows of their own:
+    finals [b * K, h, p, n], decays [b * K, h], ends [b * K, 2] of each row's parts in order,
+    initial_state [b, h, p, n] entering each row -> the state entering each part
+    [b * K, h, p, n] float32."""
+    parts = lambda a: jnp.moveaxis(a.reshape(-1, segments, *a.shape[1:]), 1, 0)  # [K, b, ..]
+    entering = _entering_states(parts(finals), parts(decays), parts(ends), initial_state)
+    return jnp.moveaxis(entering, 0, 1).reshape(finals.shape)
 
 
 def ssd_segmented(scan, x, dt, A, B, C, *, segments, D=None, dt_bias=None, dt_softplus=False,
@@ -117,10 +140,6 @@ def ssd_segmented(scan, x, dt, A, B, C, *, segments, D=None, dt_bias=None, dt_so
     xr, dtr, Br, Cr = map(rows, (x, dt, B, C))
     options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    seq_idx=rows(seq_idx))
-    parts = lambda a: jnp.moveaxis(a.reshape(b, K, *a.shape[1:]), 1, 0)  # [K, b, ...]
-    finals = _zero_state_finals(xr, dtr, A, Br, **options)
-    s_in = entering_states(*map(parts, finals), initial_state)  # [K, b, h, p, n]
-    y, final = scan(xr, dtr, A, Br, Cr, D=D,
-                    initial_state=jnp.moveaxis(s_in, 0, 1).reshape(b * K, *s_in.shape[2:]),
-                    **options)
+    s_in = entering_rows(*_zero_state_finals(xr, dtr, A, Br, **options), initial_state, K)
+    y, final = scan(xr, dtr, A, Br, Cr, D=D, initial_state=s_in, **options)
     return y.reshape(x.shape), final.reshape(b, K, *final.shape[1:])[:, -1]

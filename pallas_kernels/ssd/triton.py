@@ -89,6 +89,12 @@ def _dot(a, b, contract=(1, 0)):
                                precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
+def _weighted(a, weights):
+    """a [t, c] times weights [t] per position, in float32, rounded back to a's dtype: a
+    matmul operand (the kernels' and reference.weighted_state's rounding)."""
+    return (a.astype(jnp.float32) * weights[:, None]).astype(a.dtype)
+
+
 def _chunk_masks(doc_ref, bi, t0, t):
     """One chunk's document view: the [t, s] mask (causal, same document), the documents of
     its positions [t], of its last position, and of the position before it (the document
@@ -143,8 +149,7 @@ def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, 
         if has_D:  # the skip, here rather than an XLA pass over y and x after the kernel
             y = y + D[None, :] * x.astype(jnp.float32)
         y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
-        xw = (x.astype(jnp.float32) * (to_end * dt)[:, None]).astype(dtype)
-        return state * across + _dot(xw, Bk, (0, 0))
+        return state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0))
 
     final_ref[bi, hi, ps, :] = jax.lax.fori_loop(0, x_ref.shape[1] // t, body,
                                                  init_ref[bi, hi, ps, :])
@@ -187,8 +192,7 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
         via_end = dt * jnp.sum(xf * dx_state, axis=1)
         dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
-        dye = (dy.astype(jnp.float32) * from_entry[:, None]).astype(dtype)
-        return dstate * across + _dot(dye, Ck, (0, 0)), dD
+        return dstate * across + _dot(_weighted(dy, from_entry), Ck, (0, 0)), dD
 
     dinit, dD = jax.lax.fori_loop(0, nchunks, body, (dfinal_ref[bi, hi, ps, :],
                                                       jnp.zeros((bp,), jnp.float32)))
@@ -227,8 +231,7 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
         dscores = _dot(dy, x, (1, 1)) * within_decay * dt[None, :]  # [t, s]
         dy_state = _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy_tp state_pn
         dC = dC + from_entry[:, None] * dy_state
-        xw = (x.astype(jnp.float32) * (to_end * dt)[:, None]).astype(dtype)
-        dB = dB + _dot(xw, dstate.astype(dtype))
+        dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
         # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
         # dy_state_t; the decay across the chunk gives <dstate, state> at the last position.
@@ -249,12 +252,11 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
 
 def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r):
     bi, hi = pl.program_id(0), pl.program_id(1)
-    gi, dtype = hi // r, x_ref.dtype
+    gi = hi // r
 
     def body(k, acc):  # acc [p, n]
         ts = pl.ds(pl.multiple_of(k * t, t), t)
-        xw = (x_ref[bi, ts, hi, :].astype(jnp.float32)
-              * weights_ref[bi, hi, ts][:, None]).astype(dtype)
+        xw = _weighted(x_ref[bi, ts, hi, :], weights_ref[bi, hi, ts])
         return acc + _dot(xw, B_ref[bi, ts, gi, :], (0, 0))
 
     out_ref[bi, hi] = jax.lax.fori_loop(

@@ -40,7 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ssd.context_parallel import entering_states
+from pallas_kernels.ssd.context_parallel import entering_rows, last_document, part_ends
 from pallas_kernels.ssd.reference import document_ids, process_dt
 
 
@@ -53,22 +53,17 @@ def _core(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, 
 def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D,
               ends, save_states=True):
     """The kernels' forward over rows x [b * segments, l, h, p] etc. (chunk-padded), the
-    initial_state [b, h, p, n] entering each row's first part, and with documents ends
-    [b * segments, 2], each part's first and last seq_idx -> ((y, the final state of each
-    row's last part), the backward's residuals)."""
+    initial_state [b, h, p, n] entering each row's first part, and ends [b * segments, 2],
+    each part's first and last seq_idx (context_parallel.part_ends) -> ((y, the final state
+    of each row's last part), the backward's residuals)."""
     decays = None
     if segments > 1:  # the state entering each part
         to_end, _, decays = _part_decays(cs, config.chunk)
-        if doc is not None:  # the kernels' final state: only the last document's tokens
-            last = doc[:, -1:]  # reach the part's end, and a document start stops the rest
-            to_end = to_end * (doc == last)[:, None]
-            decays = decays * (last == 0)
+        if doc is not None:  # as the kernels' final state
+            in_last, survives = last_document(doc)
+            to_end, decays = to_end * in_last[:, None], decays * survives
         finals = backend.weighted_state(x, B, to_end * dt, config=config, interpret=interpret)
-        if ends is None:  # one document: every part continues the one before
-            ends = jnp.zeros((finals.shape[0], 2), jnp.int32)
-        parts = lambda a: jnp.moveaxis(a.reshape(-1, segments, *a.shape[1:]), 1, 0)
-        entering = entering_states(parts(finals), parts(decays), parts(ends), initial_state)
-        initial_state = jnp.moveaxis(entering, 0, 1).reshape(finals.shape)
+        initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     y, final_state, *states = backend.forward(x, dt, cs, B, C, initial_state, doc,
                                               config=config, save_states=save_states, D=D,
                                               interpret=interpret)
@@ -138,7 +133,7 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
 
     interpret=None runs the backend's Pallas interpreter when no GPU is present (CI).
     segments: each row scanned as this many parts at once (module docstring); it must divide
-    l.
+    l (pallas_kernels.ssd.ssd checks it).
     Returns (y [b, l, h, p] in x.dtype, final_state [b, h, p, n] float32).
     """
     config = backend.Config() if config is None else config
@@ -146,8 +141,6 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
         interpret = jax.default_backend() != "gpu"
     b, l_row, h, p = x.shape
     n = B.shape[-1]
-    if l_row % segments:
-        raise ValueError(f"ssd: segments={segments} must divide the sequence length {l_row}")
     rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
     x, dt, B, C = map(rows, (x, dt, B, C))
     l = l_row // segments
@@ -158,12 +151,11 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
                  ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [b, h, l]
     dt_A = (dt * A.astype(jnp.float32)[:, None]).reshape(*dt.shape[:2], -1, t)
     cs = jnp.cumsum(dt_A, axis=-1).reshape(dt.shape)
-    doc = ends = None
+    doc = None
     if seq_idx is not None:
         seq_idx = rows(seq_idx)
         doc = jnp.pad(document_ids(seq_idx), ((0, 0), (0, pad)), mode="edge")
-        if segments > 1:
-            ends = jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
+    ends = part_ends(seq_idx, b * segments)
     pad_l = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a
     state = (jnp.zeros((b, h, p, n), jnp.float32) if initial_state is None
              else initial_state.astype(jnp.float32))
