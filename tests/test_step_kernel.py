@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
+from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_shifted
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
@@ -71,6 +71,18 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
                                    state_ref.astype(jnp.float32)))))
 
 
+@pytest.mark.parametrize("block_p", [8, 32])
+def test_tiles_split_or_join_the_headdim_to_the_same_values(block_p):
+    # The default splits each head's p = 32 in two programs here; 8 rows a program and the
+    # whole head are the same arithmetic per row: bit for bit.
+    args = _inputs(np.random.default_rng(), b=2, h=8, p=32, g=4, n=32, k=4,
+                   window_dtype=jnp.bfloat16, state_dtype=jnp.bfloat16, bias=True)
+    default = mamba_step(**args, implementation="triton")
+    tiled = mamba_step(**args, implementation="triton", blocks=Blocks(block_p, num_warps=2))
+    for got, want in zip(tiled, default):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_unsupported_shapes_and_names_are_refused():
     rng = np.random.default_rng(0)
     args = _inputs(rng, b=1, h=2, p=12, g=1, n=16, k=4, window_dtype=jnp.float32,
@@ -79,3 +91,7 @@ def test_unsupported_shapes_and_names_are_refused():
         mamba_step(**args, implementation="triton")
     with pytest.raises(ValueError, match="implementation='cuda'"):
         mamba_step(**args, implementation="cuda")
+    args = _inputs(rng, b=1, h=2, p=32, g=1, n=16, k=4, window_dtype=jnp.float32,
+                   state_dtype=jnp.float32, bias=True)
+    with pytest.raises(ValueError, match=r"Blocks\(block_p=12\) must be a power of two"):
+        mamba_step(**args, implementation="triton", blocks=Blocks(block_p=12))

@@ -35,7 +35,8 @@ mamba_ssm's causal_conv1d_update.
 head's x channels and its group's B and C channels (mamba_step: shifting their window too,
 into a new buffer, since a group's programs read its old B and C columns while one of them
 stores the shifted ones), reads its [bp, n] of the state once and writes it in place; bp < p
-only where b * h is small; on a machine without a GPU it runs in Pallas's interpreter). A
+only where b * h is small, or as `blocks` (Blocks) sets; on a machine without a GPU it runs
+in Pallas's interpreter). A
 decode step at batch 1 is bound by its kernel count, not its bytes (BENCHMARKS.md,
 Generation): the window's shift and the projection's split are in kernels rather than XLA
 fusions of their own.
@@ -43,6 +44,7 @@ fusions of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -56,13 +58,23 @@ from pallas_kernels.ssd.reference import process_dt
 IMPLEMENTATIONS = ("xla", "triton")
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The kernel's tiles: headdim rows per program (block_p, a power of two dividing p) and
+    warps per program. None: chosen from the shapes (`_triton`: the whole headdim unless
+    batch x heads is small, 4 warps)."""
+    block_p: int | None = None
+    num_warps: int | None = None
+
+
 def mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
-               dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
+               dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla",
+               blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     _check(conv_state, state, implementation)
     if implementation == "triton":
         return _triton(conv_state, (xBC_in, 0), conv_w, conv_b, (dt, 0), A, D, dt_bias, state,
-                       dt_limit=dt_limit, y_dtype=y_dtype)
+                       dt_limit=dt_limit, y_dtype=y_dtype, blocks=blocks)
     y, window, state = reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state,
                                  dt_limit=dt_limit)
     return y.astype(y_dtype), window, state
@@ -70,7 +82,7 @@ def mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
 
 def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
                        dt_limit=(0.0, math.inf), y_dtype=jnp.float32, gate=False,
-                       implementation="xla"):
+                       implementation="xla", blocks=Blocks()):
     """mamba_step after the window's shift: window [b, e, k] already ends with this token's
     conv input (as norm_matmul.rms_norm_matmul(window=...) leaves it), dt is the last h
     columns of zxbcdt [b, N], read in place. Returns (y, the new state).
@@ -84,7 +96,7 @@ def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
     dt_at = zxbcdt.shape[1] - h
     if implementation == "triton":
         return _triton(window, None, conv_w, conv_b, (zxbcdt, dt_at), A, D, dt_bias, state,
-                       dt_limit=dt_limit, y_dtype=y_dtype, gate=gate)
+                       dt_limit=dt_limit, y_dtype=y_dtype, gate=gate, blocks=blocks)
     y, state = reference_shifted(window, conv_w, conv_b, zxbcdt[:, dt_at:], A, D, dt_bias,
                                  state, dt_limit=dt_limit)
     y = y.astype(y_dtype)
@@ -226,7 +238,7 @@ def _step_kernel(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
 
 
 def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype,
-            gate=False):
+            gate=False, blocks=Blocks()):
     """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it), xbc
     None for a window already shifted (then no window is returned)."""
     b, h, p, n = state.shape
@@ -234,7 +246,10 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     (xbc, xbc_at), (dt, dt_at) = xbc or (None, None), dt
     # Heads' headdim split over programs until there are about two waves of them on an
     # H200's 132 SMs (a batch-1 step has only h programs otherwise), down to 16 rows each.
-    bp = p // min(p // 16, 1 << max(0, math.ceil(math.log2(264 / (b * h)))))
+    bp = blocks.block_p or p // min(p // 16, 1 << max(0, math.ceil(math.log2(264 / (b * h)))))
+    if bp & (bp - 1) or p % bp:
+        raise ValueError(f"mamba_step: Blocks(block_p={bp}) must be a power of two dividing "
+                         f"headdim {p}")
     kernel = functools.partial(_step_kernel, p=p, bp=bp, n=n, r=h // g, g=g,
                                k=conv_state.shape[2], xbc_at=xbc_at, dt_at=dt_at,
                                has_bias=conv_b is not None, dt_limit=tuple(dt_limit),
@@ -250,5 +265,5 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
         kernel, grid=(b, h, p // bp), interpret=jax.default_backend() != "gpu",
         name="mamba_step", out_shape=out_shape,
         input_output_aliases={len(args) - 1: len(out_shape) - 1},
-        compiler_params=plgpu.CompilerParams(num_warps=4),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps or 4),
     )(*args)

@@ -1,0 +1,133 @@
+"""The decoding step's SSM kernel (pallas_kernels.ssd.step.mamba_step) on a GPU, against our
+XLA path for the same arithmetic, per tile setting.
+
+    python3 bench/step.py [--presets mamba2-370m,mamba2-1.3b] [--batch 64]
+                          [--ssm-state-dtype bfloat16] [--blocks 'BP,WARPS' ...]
+                          [--layers 48] [--repeats 10] [--reps 10]
+
+For each preset and each of --blocks (step.Blocks as 'block_p,num_warps'; '' is the
+default, 'auto'), one row: microseconds per layer of the kernel and of the XLA path (the
+window's shift, the conv, dt and the state update with its read-out, as `Mamba2Mixer.step`
+calls them), their ratio, and the state's bytes read and written over the time against the
+copy bandwidth measured in the same run. At batch 64 the step is bound by its state: 33.5
+MB a layer for mamba2-370m in bf16, read and written.
+
+Timing: one jitted call loops --repeats times over --layers layers, each with its own conv
+window and state carried through the loop (so no call can be hoisted, and the state is
+updated in place as in generate's decode loop), compiled as one CUDA graph
+(generate's DECODE_COMPILER_OPTIONS); the host clock from the call until its result is
+ready, median of --reps after 3 warm-up calls, divided by layers x repeats. Checks first,
+failing loudly: every blocks setting on the GPU against the reference on the CPU
+(checks.check_kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mamba_jax import Mamba2Config  # noqa: E402
+from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
+from pallas_kernels.ssd.step import Blocks, mamba_step  # noqa: E402
+from checks import check_kernel  # noqa: E402
+from timing import copy_bandwidth, median_time  # noqa: E402
+
+
+def step_inputs(cfg, batch, state_dtype, layers, rng):
+    """mamba_step's keyword arguments with conv_state and state lists of --layers each."""
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    h, p, n, e, k = cfg.nheads, cfg.headdim, cfg.d_state, cfg.conv_dim, cfg.d_conv
+    return dict(
+        conv_state=[arr(batch, e, k).astype(jnp.bfloat16) for _ in range(layers)],
+        xBC_in=arr(batch, e).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=0.1 * arr(e),
+        dt=arr(batch, h).astype(jnp.bfloat16),
+        A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
+        dt_bias=0.5 * arr(h),
+        state=[arr(batch, h, p, n).astype(state_dtype) for _ in range(layers)],
+        dt_limit=cfg.dt_limit, y_dtype=jnp.bfloat16)
+
+
+def parse_blocks(text):
+    if text in ("", "auto"):
+        return Blocks()
+    block_p, warps = (int(v) for v in text.split(","))
+    return Blocks(block_p, warps)
+
+
+def per_layer(kwargs, layers, repeats, reps, **kw):
+    """Seconds per layer's step: --repeats passes over --layers layers in one loop compiled
+    as one CUDA graph; each layer's window and state are the loop's carry."""
+    carried = {k: kwargs[k] for k in ("conv_state", "state")}
+    fixed = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kwargs.items() if k not in carried and k not in fixed}
+
+    def one_pass(_, c):
+        windows, states = [], []
+        for window, state in zip(c["conv_state"], c["state"]):
+            _, window, state = mamba_step(window, state=state, **fixed, **static, **kw)
+            windows.append(window)
+            states.append(state)
+        return {"conv_state": windows, "state": states}
+
+    run = jax.jit(lambda c: jax.lax.fori_loop(0, repeats, one_pass, c), donate_argnums=0,
+                  compiler_options=DECODE_COMPILER_OPTIONS)
+    state = [carried]
+
+    def call():  # each call donates the carry and keeps the next one
+        state[0] = run(state[0])
+        jax.block_until_ready(state[0])
+    return median_time(call, 3, reps) / (layers * repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ssm-state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--blocks", nargs="*", default=[""],
+                        help="step.Blocks as 'block_p,num_warps'; '' the default")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    copy_rate = copy_bandwidth(3, 10)
+    rows = []
+    for preset in args.presets.split(","):
+        cfg = Mamba2Config.preset(preset)
+        kwargs = step_inputs(cfg, args.batch, jnp.dtype(args.ssm_state_dtype), args.layers, rng)
+        state_bytes = 2 * kwargs["state"][0].nbytes  # read and written
+        first = {k: v[0] if isinstance(v, list) else v for k, v in kwargs.items()}
+        fresh = lambda: {k: [jnp.copy(a) for a in v] if isinstance(v, list) else v
+                        for k, v in kwargs.items()}  # each timing donates its own
+        xla = per_layer(fresh(), args.layers, args.repeats, args.reps, implementation="xla")
+        for text in args.blocks:
+            blocks = parse_blocks(text)
+            label = f"{preset} batch {args.batch} blocks {text or 'auto'}"
+            check_kernel(label, functools.partial(mamba_step, blocks=blocks), first)
+            ours = per_layer(fresh(), args.layers, args.repeats, args.reps,
+                             implementation="triton", blocks=blocks)
+            rows.append((preset, text or "auto", ours, xla, state_bytes))
+            print(f"{label}: {ours * 1e6:.1f} us, xla {xla * 1e6:.1f} us", flush=True)
+    print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+          f"batch {args.batch}, {args.ssm_state_dtype} states, {args.layers} layers a call; "
+          f"copy bandwidth {copy_rate / 1e12:.2f} TB/s")
+    print("| preset | blocks (bp,warps) | ours us | xla us | ours/xla | ours state GB/s | "
+          "ours/copy | xla/copy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset, text, ours, xla, state_bytes in rows:
+        print(f"| {preset} | {text} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | {ours / xla:.2f}x | "
+              f"{state_bytes / ours / 1e9:.0f} | {state_bytes / ours / copy_rate:.0%} | "
+              f"{state_bytes / xla / copy_rate:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
