@@ -121,18 +121,16 @@ def check_kernels(preset, cfg, batch):
     h, p, g, n, k, d = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state, cfg.d_conv,
                         cfg.d_model)
     e, hp = cfg.conv_dim, cfg.d_inner
+    zxbcdt = hp + e + h  # in_proj: z, xBC, dt
     cases = {"mamba_step": (mamba_step, dict(
         conv_state=arr(batch, e, k).astype(jnp.bfloat16),
-        xBC_in=arr(batch, e).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=None,
-        dt=arr(batch, h) - 1.0, A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
+        zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=None,
+        A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
         D=arr(h), dt_bias=0.5 * arr(h), state=arr(batch, h, p, n), y_dtype=jnp.bfloat16))}
     if uses_fused_step("triton", batch):
-        zxbcdt = hp + e + h  # in_proj: z, xBC, dt
-        shifted = {key: v for key, v in cases["mamba_step"][1].items()
-                   if key not in ("xBC_in", "dt", "conv_state")}
+        shifted = {key: v for key, v in cases["mamba_step"][1].items() if key != "conv_state"}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
-            shifted, window=arr(batch, e, k).astype(jnp.bfloat16),
-            zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16), gate=True))
+            shifted, window=arr(batch, e, k).astype(jnp.bfloat16), gate=True))
         # As fused_step calls it: the conv window shifted in place, xBC at column h*p.
         cases["rms_norm_matmul (in_proj)"] = (
             lambda conv_state, **kw: rms_norm_matmul(**kw, window=(conv_state, hp)), dict(

@@ -7,8 +7,8 @@ XLA path for the same arithmetic, per tile setting.
 
 For each preset and each of --blocks (step.Blocks as 'block_p,num_warps'; '' is the
 default, 'auto'), one row: microseconds per layer of the kernel and of the XLA path (the
-window's shift, the conv, dt and the state update with its read-out, as `Mamba2Mixer.step`
-calls them), their ratio, and the state's bytes read and written over the time against the
+window's shift, the conv, dt and the state update with its read-out, reading xBC and dt
+from the in-projection's output, as `Mamba2Mixer.step` calls them), their ratio, and the state's bytes read and written over the time against the
 copy bandwidth measured in the same run. At batch 64 the step is bound by its state: 33.5
 MB a layer for mamba2-370m in bf16, read and written.
 
@@ -47,8 +47,8 @@ def step_inputs(cfg, batch, state_dtype, layers, rng):
     h, p, n, e, k = cfg.nheads, cfg.headdim, cfg.d_state, cfg.conv_dim, cfg.d_conv
     return dict(
         conv_state=[arr(batch, e, k).astype(jnp.bfloat16) for _ in range(layers)],
-        xBC_in=arr(batch, e).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=0.1 * arr(e),
-        dt=arr(batch, h).astype(jnp.bfloat16),
+        zxbcdt=arr(batch, h * p + e + h).astype(jnp.bfloat16),  # in_proj: z, xBC, dt
+        conv_w=0.5 * arr(e, k), conv_b=0.1 * arr(e),
         A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
         dt_bias=0.5 * arr(h),
         state=[arr(batch, h, p, n).astype(state_dtype) for _ in range(layers)],

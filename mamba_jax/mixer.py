@@ -144,17 +144,23 @@ class Mamba2Mixer(nnx.Module):
 
     def project(self, u, in_proj=None):
         """u [..., d] -> z [..., h, p] and xBC [..., e] (the conv's channels x, B, C) in the
-        compute dtype, dt [..., h] float32 (before dt_bias and softplus).
+        compute dtype, dt [..., h] float32 (before dt_bias and softplus): project_packed's
+        output split."""
+        zxbcdt = self.project_packed(u, in_proj)
+        z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
+        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
+
+    def project_packed(self, u, in_proj=None):
+        """u [..., d] -> zxbcdt [..., h*p + e + h] in the compute dtype, mamba_ssm's in_proj
+        output order z, xBC, dt (the decoding step's kernels read xBC and dt from it in
+        place).
 
         One matmul over `in_proj()` (or the given one, StepWeights.in_proj): u is read once
         and the backward pass runs one matmul for du instead of five and their sum. dt
         leaves it in the compute dtype, as from mamba_ssm's in_proj."""
         w, bias = self.in_proj() if in_proj is None else in_proj
-        zxbcdt = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
-        z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
-        # mamba_ssm's in_proj order (ssd.step.mamba_step_shifted reads dt and z from it so)
-        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
-        return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
+        return dense(u, w, self.dtype, bias, out_dtype=self.dtype)
 
     def _conv_params(self):
         """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
@@ -261,9 +267,14 @@ class Mamba2Mixer(nnx.Module):
         bfloat16 as mamba_ssm's decoding cache of a bf16 model). implementation: of the
         conv and SSM update, pallas_kernels.ssd.step ("xla" or "triton")."""
         weights = self.step_weights() if weights is None else weights
-        z, xBC_in, dt = self.project(u, weights.in_proj)
-        y, cache = self._update(xBC_in, dt, cache, weights, implementation)
-        return self._output(y, z, weights.out_proj), cache
+        zxbcdt = self.project_packed(u, weights.in_proj)
+        # The window's shift, the conv and the SSM update, xBC and dt read from zxbcdt
+        y, conv_state, ssm_state = mamba_step(
+            cache.conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
+            cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+            implementation=implementation)
+        z = zxbcdt[:, :y.shape[1] * y.shape[2]].reshape(y.shape)  # its first h*p columns
+        return self._output(y, z, weights.out_proj), MambaCache(conv_state, ssm_state)
 
     def fused_step(self, residual, norm_weight, norm_eps, cache: MambaCache,
                    weights: StepWeights | None = None):
@@ -295,13 +306,3 @@ class Mamba2Mixer(nnx.Module):
             eps=self.cfg.norm_eps, ngroups=self.cfg.ngroups, bias=self._bias("out_bias"),
             residual=residual, w_transposed=True, implementation="triton")
         return residual, MambaCache(conv_state, ssm_state)
-
-    def _update(self, xBC_in, dt, cache: MambaCache, weights: StepWeights, implementation):
-        """The conv window's shift, the conv and the SSM update (mamba_step): xBC_in [b, e]
-        and dt [b, h] from the input projection -> (y [b, h, p] in the compute dtype, the
-        updated MambaCache)."""
-        y, conv_state, ssm_state = mamba_step(
-            cache.conv_state, xBC_in, *weights.conv, dt, weights.A, self.D[...],
-            self.dt_bias[...], cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
-            implementation=implementation)
-        return y, MambaCache(conv_state, ssm_state)

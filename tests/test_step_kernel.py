@@ -13,11 +13,13 @@ from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_shifted
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
+    """mamba_step's arguments: zxbcdt the in-projection's output [z, xBC, dt]."""
     e = h * p + 2 * g * n
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    return dict(conv_state=arr(b, e, k).astype(window_dtype), xBC_in=arr(b, e),
+    zxbcdt = jnp.concatenate([arr(b, h * p), arr(b, e), arr(b, h) - 1.0], axis=1)
+    return dict(conv_state=arr(b, e, k).astype(window_dtype), zxbcdt=zxbcdt,
                 conv_w=0.5 * arr(e, k),
-                conv_b=0.1 * arr(e) if bias else None, dt=arr(b, h) - 1.0,
+                conv_b=0.1 * arr(e) if bias else None,
                 A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
                 dt_bias=0.5 * arr(h), state=arr(b, h, p, n).astype(state_dtype))
 
@@ -35,12 +37,12 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
                    state_dtype=state_dtype, bias=bias)
     y_ref, window_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
     y, window, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")
-    # The same step over the window already shifted, dt read in place from a packed
-    # projection [z, xBC, dt]: bit for bit, in the kernel and in the reference.
+    # The same step over the window already shifted: bit for bit, in the kernel and in the
+    # reference.
     b, h, p = args["state"].shape[:3]
-    z = jnp.asarray(rng.standard_normal((b, h * p)), jnp.float32)
-    shifted = {k: v for k, v in args.items() if k not in ("xBC_in", "dt", "conv_state")}
-    shifted["zxbcdt"] = jnp.concatenate([z, args["xBC_in"], args["dt"]], axis=1)
+    e = args["conv_state"].shape[1]
+    z, xBC_in = args["zxbcdt"][:, :h * p], args["zxbcdt"][:, h * p:h * p + e]
+    shifted = {k: v for k, v in args.items() if k != "conv_state"}
     for implementation, (y_, state_) in (("triton", (y, state)), ("xla", (y_ref, state_ref))):
         y_shifted, state_shifted = mamba_step_shifted(
             window_ref, **shifted, dt_limit=dt_limit, implementation=implementation)
@@ -59,7 +61,7 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
     assert window.dtype == window_dtype
     np.testing.assert_array_equal(window, window_ref)
     np.testing.assert_array_equal(window[:, :, :-1], args["conv_state"][:, :, 1:])
-    np.testing.assert_array_equal(window[:, :, -1], args["xBC_in"].astype(window_dtype))
+    np.testing.assert_array_equal(window[:, :, -1], xBC_in.astype(window_dtype))
     assert np.all(np.isfinite(y)) and np.all(np.isfinite(state.astype(jnp.float32)))
     # The same float32 arithmetic in another order: 1e-5 relative to the largest value.
     scale = float(jnp.max(jnp.abs(y_ref)))

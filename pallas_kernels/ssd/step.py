@@ -2,7 +2,7 @@
 causal conv over it, dt, the SSM state update and its read-out (mamba_ssm's
 causal_conv1d_update and selective_state_update), in plain JAX and as one Pallas kernel.
 
-    y, conv_state, state = mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias,
+    y, conv_state, state = mamba_step(conv_state, zxbcdt, conv_w, conv_b, A, D, dt_bias,
                                       state, dt_limit=(0.0, inf), y_dtype=jnp.float32,
                                       implementation="xla")
     y, state = mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state,
@@ -12,18 +12,16 @@ Legend: b batch, h heads, p headdim, g groups, r = h // g heads per group, n d_s
 k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC order).
 
 conv_state [b, e, k]: the last k conv inputs before this token, newest last (the cache's
-window), in the compute dtype. xBC_in [b, e]: this token's conv input, from the input
-projection (any float dtype; kept rounded to conv_state's dtype, as the cache stores it).
-The conv sees conv_state shifted by one with xBC_in appended, which is also the conv_state
-returned. conv_w [e, k] and conv_b [e] (or None): the depthwise conv. dt [b, h] before
-dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, used in float32 (the
-in-projection's compute-dtype output may be passed as is). A [h] (negative), D [h],
-dt_bias [h] float32. state [b, h, p, n], float32 or bfloat16. `mamba_step_shifted` takes
-the window already shifted, with this token's input its last column (the batch-1 decoding
-step's in-projection kernel, norm_matmul's `window=`, shifts it in place), and dt as the last
-h columns of the in-projection's output zxbcdt [b, N] (mamba_ssm's in_proj order z, xBC, dt),
-read in place: no slicing kernel runs between the projection and the step, and no window
-copy after it.
+window), in the compute dtype. zxbcdt [b, h*p + e + h]: the input projection's output in
+mamba_ssm's in_proj order z, xBC, dt, read in place (no slicing kernel runs between the
+projection and the step), any float dtype. Its xBC [b, e] is this token's conv input (kept
+rounded to conv_state's dtype, as the cache stores it): the conv sees conv_state shifted by
+one with it appended, which is also the conv_state returned. Its dt [b, h] is used before
+dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, in float32. conv_w [e, k] and
+conv_b [e] (or None): the depthwise conv. A [h] (negative), D [h], dt_bias [h] float32.
+state [b, h, p, n], float32 or bfloat16. `mamba_step_shifted` takes the window already
+shifted, with this token's input its last column (the batch-1 decoding step's in-projection
+kernel, norm_matmul's `window=`, shifts it in place): no window copy after it.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
 in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state in state's
@@ -67,16 +65,18 @@ class Blocks:
     num_warps: int | None = None
 
 
-def mamba_step(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
+def mamba_step(conv_state, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
                dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla",
                blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     _check(conv_state, state, implementation)
+    e, (h, p) = conv_state.shape[1], state.shape[1:3]
+    xbc_at, dt_at = h * p, zxbcdt.shape[1] - h
     if implementation == "triton":
-        return _triton(conv_state, (xBC_in, 0), conv_w, conv_b, (dt, 0), A, D, dt_bias, state,
-                       dt_limit=dt_limit, y_dtype=y_dtype, blocks=blocks)
-    y, window, state = reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state,
-                                 dt_limit=dt_limit)
+        return _triton(conv_state, (zxbcdt, xbc_at), conv_w, conv_b, (zxbcdt, dt_at), A, D,
+                       dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype, blocks=blocks)
+    y, window, state = reference(conv_state, zxbcdt[:, xbc_at:xbc_at + e], conv_w, conv_b,
+                                 zxbcdt[:, dt_at:], A, D, dt_bias, state, dt_limit=dt_limit)
     return y.astype(y_dtype), window, state
 
 
@@ -131,7 +131,7 @@ def shift_window(conv_state, newest):
 
 def reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
               dt_limit=(0.0, math.inf)):
-    """mamba_step in plain JAX, y in float32."""
+    """mamba_step in plain JAX over zxbcdt's xBC_in [b, e] and dt [b, h], y in float32."""
     window = shift_window(conv_state, xBC_in)
     y, state = reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state,
                                  dt_limit=dt_limit)
