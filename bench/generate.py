@@ -3,7 +3,7 @@
     python3 bench/generate.py [--baseline .baseline] [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
                               [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
-                              [--step-implementations xla,triton]
+                              [--step-implementations auto,xla,triton]
 
 Random weights, bf16 compute, greedy. For each preset and batch: our prefill time and our
 decode time (the jitted prefill and the jitted decode loop, each timed from the call until
@@ -46,7 +46,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
 from mamba_jax.generate import _check, _decode, _prefill, generate, jit_decode  # noqa: E402,E501
-from mamba_jax.mixer import uses_fused_step  # noqa: E402
+from mamba_jax.mixer import step_implementation_for, uses_fused_step  # noqa: E402
 from pallas_kernels.norm_matmul import rms_norm_matmul  # noqa: E402
 from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted  # noqa: E402
 from baseline import import_mamba_lm, mamba_config  # noqa: E402
@@ -174,9 +174,10 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--ssm-state-dtypes", default="float32,bfloat16",
                         help="a row of ours per dtype the decoding cache stores states in")
-    parser.add_argument("--step-implementations", default="xla",
+    parser.add_argument("--step-implementations", default="auto",
                         help="a row of ours per implementation of the Mamba layers' conv and "
-                             "SSM update (generate's step_implementation): xla, triton")
+                             "SSM update (generate's step_implementation): auto (triton on a "
+                             "GPU), xla, triton")
     parser.add_argument("--command-buffers", default="on",
                         help="'on', 'off' or 'on,off': our decode loop compiled with "
                              "generate.DECODE_COMPILER_OPTIONS (on) or XLA's defaults (off)")
@@ -201,7 +202,9 @@ def main():
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         for batch in (int(b) for b in args.batches.split(",")):
-            if "triton" in implementations:
+            # "auto" as generate resolves it, named in the row as "auto (triton)"
+            resolved = {impl: step_implementation_for(impl, cfg) for impl in implementations}
+            if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)
             try:
                 p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
@@ -215,8 +218,9 @@ def main():
                     for graphs in settings:
                         p_ours, d_ours, tokens[impl, graphs] = ours(
                             model, batch, args.prompt, args.new, args.reps, dtype,
-                            graphs == "on", impl)
-                        row = _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours,
+                            graphs == "on", resolved[impl])
+                        label = impl if impl == resolved[impl] else f"{impl} ({resolved[impl]})"
+                        row = _row(cfg, preset, batch, dtype, label, graphs, p_ours, d_ours,
                                    p_theirs, d_theirs, steps, bandwidth)
                         print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
                     if len({tokens[impl, g].tobytes() for g in settings}) > 1:

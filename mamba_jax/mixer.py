@@ -26,10 +26,10 @@ from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
 from pallas_kernels.ssd.step import supports as step_supports
 
 # The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
-# step_implementation="triton". Measured on an H200 (BENCHMARKS.md, Generation): at batch 1
-# it took 0.44-0.45x the XLA step's time for mamba2-370m and 0.72-0.81x for mamba2-1.3b; at
-# batch 8 (an earlier version) 2.5x and 4.0x (its kernels unroll the rows: each row's
-# products are reduced apart).
+# step_implementation="triton" (larger batches take the step kernel alone between XLA's
+# projections). Measured on an H200 (BENCHMARKS.md, Generation): at batch 8 an earlier
+# fused_step took 2.5x and 4.0x the XLA step's time for mamba2-370m and mamba2-1.3b (its
+# norm-matmul kernels unroll the rows: each row's products are reduced apart).
 FUSED_STEP_MAX_BATCH = 1
 STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 
@@ -39,20 +39,20 @@ def uses_fused_step(implementation: str, batch: int) -> bool:
     return implementation == "triton" and batch <= FUSED_STEP_MAX_BATCH
 
 
-def step_implementation_for(implementation: str, cfg: Mamba2Config, batch: int,
+def step_implementation_for(implementation: str, cfg: Mamba2Config,
                             backend: str | None = None) -> str:
     """A decode step's implementation, "xla" or "triton", for one of STEP_IMPLEMENTATIONS.
 
-    "auto" is "triton" where the step runs as fused_step (batch <= FUSED_STEP_MAX_BATCH) on
-    a GPU and the step kernel takes the model's shapes, since that was faster than XLA's
-    step for every preset measured; "xla" otherwise (on a GPU at batch 64 the step kernel
-    alone was 0.90x-1.05x the XLA step's time, BENCHMARKS.md). backend: default
-    jax.default_backend()."""
+    "auto" is "triton" on a GPU where the step kernel takes the model's shapes, "xla"
+    otherwise. Measured on an H200 (BENCHMARKS.md, Generation): at batch 1 fused_step took
+    0.44-0.45x the XLA step's time for mamba2-370m and 0.72-0.81x for mamba2-1.3b; the step
+    kernel alone took 0.34-0.44x XLA's step at batch 8, 0.40-0.55x at 16 and 0.86-0.88x at
+    64 (bf16 states; bench/step.py). backend: default jax.default_backend()."""
     if implementation != "auto":
         return implementation
     on_gpu = (backend or jax.default_backend()) == "gpu"
-    return ("triton" if on_gpu and batch <= FUSED_STEP_MAX_BATCH
-            and step_supports(cfg.headdim, cfg.d_state, cfg.d_conv) else "xla")
+    return ("triton" if on_gpu and step_supports(cfg.headdim, cfg.d_state, cfg.d_conv)
+            else "xla")
 
 
 class MambaCache(NamedTuple):

@@ -115,14 +115,17 @@ def _largest_power_of_two_dividing(v, at_most):
 def _blocks(blocks, k, k_group, n, columns_divisor):
     """(bn, bk, warps): Blocks with its Nones filled. A matrix-vector product is bound by the
     bytes of w in flight, and each program loads its whole [bn, k] slab of w at once. So bn
-    keeps that slab within 32K elements (64 registers a thread at 8 warps, for bf16) and
-    gives at least two waves of programs over an H200's 132 SMs; bk is at most 2048. bn
-    divides columns_divisor (n, or where a window's columns start and end)."""
-    bn = blocks.block_n or min(4, 32768 // k, n // 264)
+    keeps that slab within 32K elements (128 registers a thread at 4 warps, for bf16) and
+    gives at least two waves of programs over an H200's 132 SMs, except that a long row
+    (k >= 4096) takes 8 rows: every program also reads all of x, so fewer programs read
+    less of it (mamba2-1.3b's out_proj, k 4096: 8.8-8.9 us at 8 rows and 4 warps against
+    10.1-10.5 at 4 rows and 8 warps, two runs; BENCHMARKS.md, Generation). bk is at most
+    2048. bn divides columns_divisor (n, or where a window's columns start and end)."""
+    bn = blocks.block_n or (min(8, 32768 // k) if k >= 4096 else min(4, n // 264))
     bk = blocks.block_k or 2048
     bn = _largest_power_of_two_dividing(columns_divisor, bn)
     bk = _largest_power_of_two_dividing(k_group, bk)
-    return bn, bk, blocks.num_warps or (8 if bn * k >= 16384 else 4)
+    return bn, bk, blocks.num_warps or 4
 
 
 def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bias,

@@ -263,8 +263,8 @@ def add_decode_arguments(parser):
                              "mamba_ssm's cache, half the bytes per step)")
     parser.add_argument("--step-implementation", choices=STEP_IMPLEMENTATIONS, default="auto",
                         help="the Mamba layers' decode step: XLA fusions or Pallas kernels "
-                             "(triton); auto: the kernels on a GPU at batch 1, where they "
-                             "were faster (BENCHMARKS.md)")
+                             "(triton); auto: the kernels on a GPU, where they were faster at "
+                             "every batch measured (BENCHMARKS.md)")
 
 
 def decode_options(args) -> dict:
@@ -299,9 +299,9 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     step_implementation: "auto" (the default), "xla" or "triton": the Mamba layers' conv and
     SSM update in each decode step as XLA fusions or as one Pallas kernel per layer
     (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is three
-    Pallas kernels (Mamba2Mixer.fused_step). "auto" takes "triton" on a GPU at batch 1 and
-    "xla" otherwise (mixer.step_implementation_for), by measurement (BENCHMARKS.md,
-    Generation).
+    Pallas kernels (Mamba2Mixer.fused_step). "auto" takes "triton" on a GPU (where the
+    kernel takes the model's headdim, d_state and d_conv) and "xla" otherwise
+    (mixer.step_implementation_for), by measurement (BENCHMARKS.md, Generation).
 
     Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
     used, eos_token_id, streaming or not, ssm_state_dtype, step_implementation); the
@@ -311,8 +311,7 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     settings, sampling, prompt_lengths, limits = _check(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
         max_new_tokens_per_row, ssm_state_dtype, step_implementation)
-    step_implementation = step_implementation_for(step_implementation, model.config,
-                                                  input_ids.shape[0])
+    step_implementation = step_implementation_for(step_implementation, model.config)
     graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
     cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None

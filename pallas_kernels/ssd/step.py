@@ -60,7 +60,8 @@ IMPLEMENTATIONS = ("xla", "triton")
 class Blocks:
     """The kernel's tiles: headdim rows per program (block_p, a power of two dividing p) and
     warps per program. None: chosen from the shapes (`_triton`: the whole headdim unless
-    batch x heads is small, 4 warps)."""
+    batch x heads is small; 2 warps for a [block_p, n] tile of 8192 elements or more, else
+    4)."""
     block_p: int | None = None
     num_warps: int | None = None
 
@@ -250,6 +251,9 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     if bp & (bp - 1) or p % bp:
         raise ValueError(f"mamba_step: Blocks(block_p={bp}) must be a power of two dividing "
                          f"headdim {p}")
+    # At batch 64 (bp = p = 64, n = 128) 2 warps took 0.87-0.88x the time of 4, and 8
+    # warps 4.2-4.8x; at bp = 32, 4 warps beat 2 (bench/step.py, BENCHMARKS.md, Generation).
+    warps = blocks.num_warps or (2 if bp * n >= 8192 else 4)
     kernel = functools.partial(_step_kernel, p=p, bp=bp, n=n, r=h // g, g=g,
                                k=conv_state.shape[2], xbc_at=xbc_at, dt_at=dt_at,
                                has_bias=conv_b is not None, dt_limit=tuple(dt_limit),
@@ -265,5 +269,5 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
         kernel, grid=(b, h, p // bp), interpret=jax.default_backend() != "gpu",
         name="mamba_step", out_shape=out_shape,
         input_output_aliases={len(args) - 1: len(out_shape) - 1},
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps or 4),
+        compiler_params=plgpu.CompilerParams(num_warps=warps),
     )(*args)
