@@ -55,7 +55,12 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
         assert y_gated.dtype == jnp.float32
         expected = (y_.astype(jnp.bfloat16).astype(jnp.float32)
                     * jax.nn.silu(z).reshape(b, h, p))
-        np.testing.assert_allclose(y_gated, expected, rtol=1e-6, atol=0)
+        # y of this compile and y_ are the same float32 arithmetic compiled apart: they may
+        # differ in the last bits of the terms y sums (1e-5 of the largest value, as below),
+        # and the rounding to bf16 can turn that into one bf16 ulp (at most 2**-7
+        # relative); a mismatch beyond one ulp hit about one run in 50 where y is small.
+        np.testing.assert_allclose(y_gated, expected, rtol=2.0 ** -7,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(expected))))
     assert y.dtype == jnp.float32 and state.dtype == state_dtype
     # The shifted window: the newest input appended in the window's dtype, bit for bit.
     assert window.dtype == window_dtype
