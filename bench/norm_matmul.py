@@ -37,7 +37,7 @@ from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul  # noqa: E402
 from checks import check_kernel  # noqa: E402
-from timing import copy_bandwidth, median_time  # noqa: E402
+from timing import add_loop_arguments, copy_bandwidth, median_time  # noqa: E402
 
 
 def projections(cfg, batch, layers, rng):
@@ -87,9 +87,7 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--blocks", nargs="*", default=[""],
                         help="norm_matmul.Blocks as 'block_n,block_k,num_warps'; '' the default")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=10)
+    add_loop_arguments(parser)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     copy_rate = copy_bandwidth(3, 10)

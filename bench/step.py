@@ -38,7 +38,7 @@ from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.ssd.step import Blocks, mamba_step  # noqa: E402
 from checks import check_kernel  # noqa: E402
-from timing import copy_bandwidth, median_time  # noqa: E402
+from timing import add_loop_arguments, copy_bandwidth, median_time  # noqa: E402
 
 
 def step_inputs(cfg, batch, state_dtype, layers, rng):
@@ -94,9 +94,7 @@ def main():
     parser.add_argument("--ssm-state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--blocks", nargs="*", default=[""],
                         help="step.Blocks as 'block_p,num_warps'; '' the default")
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=10)
+    add_loop_arguments(parser)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     copy_rate = copy_bandwidth(3, 10)
