@@ -34,10 +34,9 @@ head's x channels and its group's B and C channels (mamba_step: shifting their w
 into a new buffer, since a group's programs read its old B and C columns while one of them
 stores the shifted ones), reads its [bp, n] of the state once and writes it in place; bp < p
 only where b * h is small, or as `blocks` (Blocks) sets; on a machine without a GPU it runs
-in Pallas's interpreter). A
-decode step at batch 1 is bound by its kernel count, not its bytes (BENCHMARKS.md,
-Generation): the window's shift and the projection's split are in kernels rather than XLA
-fusions of their own.
+in Pallas's interpreter). A decode step at batch 1 is bound by its kernel count, not its
+bytes (BENCHMARKS.md, Generation): the window's shift and the projection's split are in
+kernels rather than XLA fusions of their own.
 """
 
 from __future__ import annotations
