@@ -201,9 +201,9 @@ def main():
     for preset in args.presets.split(","):
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+        # "auto" as generate resolves it, named in the rows as "auto (triton)"
+        resolved = {impl: step_implementation_for(impl, cfg) for impl in implementations}
         for batch in (int(b) for b in args.batches.split(",")):
-            # "auto" as generate resolves it, named in the row as "auto (triton)"
-            resolved = {impl: step_implementation_for(impl, cfg) for impl in implementations}
             if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)
             try:

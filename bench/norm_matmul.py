@@ -37,7 +37,7 @@ from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul  # noqa: E402
 from checks import check_kernel  # noqa: E402
-from timing import add_loop_arguments, copy_bandwidth, median_time  # noqa: E402
+from timing import add_sweep_arguments, copy_bandwidth, median_time, parse_blocks  # noqa: E402
 
 
 def projections(cfg, batch, layers, rng):
@@ -51,13 +51,6 @@ def projections(cfg, batch, layers, rng):
                         w_transposed=True),
         "out_proj": dict(x=arr(batch, hp), weight=arr(hp), w=weights(d, hp), eps=cfg.norm_eps,
                          ngroups=cfg.ngroups, residual=arr(batch, d), w_transposed=True)}
-
-
-def parse_blocks(text):
-    if text in ("", "auto"):
-        return Blocks()
-    bn, bk, warps = (int(v) for v in text.split(","))
-    return Blocks(bn, bk, warps)
 
 
 def per_call(kwargs, layers, repeats, reps, **kw):
@@ -83,11 +76,8 @@ def per_call(kwargs, layers, repeats, reps, **kw):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--blocks", nargs="*", default=[""],
-                        help="norm_matmul.Blocks as 'block_n,block_k,num_warps'; '' the default")
-    add_loop_arguments(parser)
+    add_sweep_arguments(parser, Blocks)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     copy_rate = copy_bandwidth(3, 10)
@@ -98,7 +88,8 @@ def main():
             w_bytes = kwargs["w"][0].nbytes
             xla = per_call(kwargs, args.layers, args.repeats, args.reps, implementation="xla")
             for text in args.blocks:
-                blocks, label = parse_blocks(text), f"{preset} {name} blocks {text or 'auto'}"
+                blocks = parse_blocks(Blocks, text)
+                label = f"{preset} {name} blocks {text or 'auto'}"
                 check_kernel(label, functools.partial(rms_norm_matmul, blocks=blocks),
                              {**kwargs, "w": kwargs["w"][0]})
                 ours = per_call(kwargs, args.layers, args.repeats, args.reps,

@@ -8,8 +8,9 @@ XLA path for the same arithmetic, per tile setting.
 For each preset and each of --blocks (step.Blocks as 'block_p,num_warps'; '' is the
 default, 'auto'), one row: microseconds per layer of the kernel and of the XLA path (the
 window's shift, the conv, dt and the state update with its read-out, reading xBC and dt
-from the in-projection's output, as `Mamba2Mixer.step` calls them), their ratio, and the state's bytes read and written over the time against the
-copy bandwidth measured in the same run. At batch 64 the step is bound by its state: 33.5
+from the in-projection's output, as `Mamba2Mixer.step` calls them), their ratio, and the
+state's bytes read and written over the time against the copy bandwidth measured in the
+same run. At batch 64 the step is bound by its state: 33.5
 MB a layer for mamba2-370m in bf16, read and written.
 
 Timing: one jitted call loops --repeats times over --layers layers, each with its own conv
@@ -38,7 +39,7 @@ from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.ssd.step import Blocks, mamba_step  # noqa: E402
 from checks import check_kernel  # noqa: E402
-from timing import add_loop_arguments, copy_bandwidth, median_time  # noqa: E402
+from timing import add_sweep_arguments, copy_bandwidth, median_time, parse_blocks  # noqa: E402
 
 
 def step_inputs(cfg, batch, state_dtype, layers, rng):
@@ -53,13 +54,6 @@ def step_inputs(cfg, batch, state_dtype, layers, rng):
         dt_bias=0.5 * arr(h),
         state=[arr(batch, h, p, n).astype(state_dtype) for _ in range(layers)],
         dt_limit=cfg.dt_limit, y_dtype=jnp.bfloat16)
-
-
-def parse_blocks(text):
-    if text in ("", "auto"):
-        return Blocks()
-    block_p, warps = (int(v) for v in text.split(","))
-    return Blocks(block_p, warps)
 
 
 def per_layer(kwargs, layers, repeats, reps, **kw):
@@ -89,12 +83,9 @@ def per_layer(kwargs, layers, repeats, reps, **kw):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ssm-state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--blocks", nargs="*", default=[""],
-                        help="step.Blocks as 'block_p,num_warps'; '' the default")
-    add_loop_arguments(parser)
+    add_sweep_arguments(parser, Blocks)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     copy_rate = copy_bandwidth(3, 10)
@@ -108,7 +99,7 @@ def main():
                         for k, v in kwargs.items()}  # each timing donates its own
         xla = per_layer(fresh(), args.layers, args.repeats, args.reps, implementation="xla")
         for text in args.blocks:
-            blocks = parse_blocks(text)
+            blocks = parse_blocks(Blocks, text)
             label = f"{preset} batch {args.batch} blocks {text or 'auto'}"
             check_kernel(label, functools.partial(mamba_step, blocks=blocks), first)
             ours = per_layer(fresh(), args.layers, args.repeats, args.reps,

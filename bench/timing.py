@@ -1,6 +1,7 @@
 """Timing helpers shared by the benchmark scripts (imported as `timing`: each script runs
 with bench/ first on sys.path)."""
 
+import dataclasses
 import statistics
 import time
 
@@ -27,10 +28,23 @@ def copy_bandwidth(warmup, reps):
     return 2 * big.nbytes / median_time(lambda: scale(big).block_until_ready(), warmup, reps)
 
 
-def add_loop_arguments(parser):
-    """The options of a benchmark that times a kernel in a loop over a decode step's layers,
+def add_sweep_arguments(parser, blocks):
+    """The options of a benchmark that sweeps a kernel's tiles (`blocks`, the kernel module's
+    Blocks dataclass) over presets, timing each in a loop over a decode step's layers
     compiled as one CUDA graph (bench/norm_matmul.py, bench/step.py)."""
+    fields = ",".join(field.name for field in dataclasses.fields(blocks))
+    parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
+    parser.add_argument("--blocks", nargs="*", default=[""],
+                        help=f"{blocks.__module__}.Blocks as '{fields}'; '' the default")
     parser.add_argument("--layers", type=int, default=48,
                         help="layers a pass, each with its own weights or state")
     parser.add_argument("--repeats", type=int, default=10, help="passes a timed call")
     parser.add_argument("--reps", type=int, default=10, help="timed calls (the median)")
+
+
+def parse_blocks(blocks, text):
+    """One --blocks value: `blocks` (the dataclass) from its comma-separated ints; '' or
+    'auto' its defaults."""
+    if text in ("", "auto"):
+        return blocks()
+    return blocks(*(int(v) for v in text.split(",")))

@@ -25,10 +25,11 @@ the same scan. For the kernels, which walk a row's chunks in order, it multiplie
 programs when batch x heads is too few for the GPU (one long sequence). The XLA path joins
 the parts with one einsum over x and B for their states (context_parallel.ssd_segmented);
 the kernels' custom_vjp joins them with one kernel over x and B in the forward and one over
-dy and C in the backward, whose kernels then carry the join's gradients (vjp.py). 1 scans each row whole. "auto" (the default, `auto_segments`): 8 where the
-kernels run, batch x heads x 8 is at most 512 programs and each part keeps at least 8192
-tokens, else 1: measured on an H200 at batch 1 x 65536 x 64 heads, 8 parts took 0.63-0.68x
-the whole row's time, and at batch 8 (512 rows) parts took 1.2-1.8x (BENCHMARKS.md).
+dy and C in the backward, whose kernels then carry the join's gradients (vjp.py). 1 scans
+each row whole. "auto" (the default, `auto_segments`): 8 where the kernels run, batch x
+heads x 8 is at most 512 programs and each part keeps at least 8192 tokens, else 1:
+measured on an H200 at batch 1 x 65536 x 64 heads, 8 parts took 0.63-0.68x the whole row's
+time, and at batch 8 (512 rows) parts took 1.2-1.8x (BENCHMARKS.md).
 """
 
 from __future__ import annotations
