@@ -150,6 +150,10 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
     w = [w_ref[columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
          else w_ref[tile, columns].T for tile in tiles]
     scale = [weight_ref[tile].astype(jnp.float32) for tile in tiles]
+    # The window's kept columns too: loaded here, they arrive with w, where loaded after the
+    # product they would add their latency to the program's.
+    kept = (None if window_at is None
+            else [_window_kept(window_ref, row, start - window_at, bn) for row in range(rows)])
     for row in range(rows):  # static, as the tiles: a few
         v = []  # [bk] float32 each: the row gated, not yet normalised
         for tile in tiles:
@@ -171,21 +175,29 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
         out = out.astype(out_ref.dtype)
         out_ref[row, columns] = out
         if window_at is not None:
-            _shift_in(window_ref, row, start - window_at, bn, out)
+            _shift_in(window_ref, row, kept[row], out)
 
 
-def _shift_in(window_ref, row, channel, bn, newest):
-    """Shift the window of channels [channel, channel + bn) of `row` by one and store
-    `newest` [bn] as its last column, if those channels are the window's (each program owns
-    its columns' channels, so nothing races). The window's columns are loaded and stored one
-    at a time: k - 1 of them is no block size Triton takes."""
+def _window_kept(window_ref, row, channel, bn):
+    """(whether channels [channel, channel + bn) of `row` are the window's, the channels
+    loaded, the window's last k - 1 columns [bn] of them). Each program owns its columns'
+    channels, so nothing races; a program that owns none loads channels clamped into the
+    window (a few bytes from L2) and stores nothing. The columns are loaded one at a time:
+    k - 1 of them is no block size Triton takes."""
     e, k = window_ref.shape[1:]
+    channels = pl.ds(pl.multiple_of(jnp.clip(channel, 0, e - bn), bn), bn)
+    return ((channel >= 0) & (channel < e), channels,
+            [window_ref[row, channels, j] for j in range(1, k)])
 
-    @pl.when((channel >= 0) & (channel < e))
+
+def _shift_in(window_ref, row, kept, newest):
+    """Shift the window of `row` by one over the channels of `kept` (_window_kept) and store
+    `newest` [bn] as its last column, where those channels are the window's."""
+    owned, channels, columns = kept
+
+    @pl.when(owned)
     def _():
-        channels = pl.ds(pl.multiple_of(channel, bn), bn)
-        kept = [window_ref[row, channels, j] for j in range(1, k)]
-        for j, column in enumerate(kept + [newest.astype(window_ref.dtype)]):
+        for j, column in enumerate(columns + [newest.astype(window_ref.dtype)]):
             window_ref[row, channels, j] = column
 
 
