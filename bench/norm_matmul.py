@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import sys
 
@@ -36,8 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul  # noqa: E402
-from checks import check_kernel  # noqa: E402
-from timing import add_sweep_arguments, copy_bandwidth, median_time, parse_blocks  # noqa: E402
+from timing import add_sweep_arguments, copy_bandwidth, median_time, sweep_blocks  # noqa: E402
 
 
 def projections(cfg, batch, layers, rng):
@@ -87,15 +85,11 @@ def main():
         for name, kwargs in projections(cfg, args.batch, args.layers, rng).items():
             w_bytes = kwargs["w"][0].nbytes
             xla = per_call(kwargs, args.layers, args.repeats, args.reps, implementation="xla")
-            for text in args.blocks:
-                blocks = parse_blocks(Blocks, text)
-                label = f"{preset} {name} blocks {text or 'auto'}"
-                check_kernel(label, functools.partial(rms_norm_matmul, blocks=blocks),
-                             {**kwargs, "w": kwargs["w"][0]})
-                ours = per_call(kwargs, args.layers, args.repeats, args.reps,
-                                implementation="triton", blocks=blocks)
-                rows.append((preset, name, text or "auto", ours, xla, w_bytes))
-                print(f"{label}: {ours * 1e6:.1f} us, xla {xla * 1e6:.1f} us", flush=True)
+            timed = sweep_blocks(Blocks, args.blocks, f"{preset} {name}", rms_norm_matmul,
+                                 {**kwargs, "w": kwargs["w"][0]}, lambda blocks: per_call(
+                                     kwargs, args.layers, args.repeats, args.reps,
+                                     implementation="triton", blocks=blocks), xla)
+            rows += [(preset, name, text, ours, xla, w_bytes) for text, ours in timed]
     print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"batch {args.batch}, {args.layers} layers a call; copy bandwidth "
           f"{copy_rate / 1e12:.2f} TB/s")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import sys
 
@@ -38,8 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mamba_jax import Mamba2Config  # noqa: E402
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
 from pallas_kernels.ssd.step import Blocks, mamba_step  # noqa: E402
-from checks import check_kernel  # noqa: E402
-from timing import add_sweep_arguments, copy_bandwidth, median_time, parse_blocks  # noqa: E402
+from timing import add_sweep_arguments, copy_bandwidth, median_time, sweep_blocks  # noqa: E402
 
 
 def step_inputs(cfg, batch, state_dtype, layers, rng):
@@ -98,14 +96,11 @@ def main():
         fresh = lambda: {k: [jnp.copy(a) for a in v] if isinstance(v, list) else v
                         for k, v in kwargs.items()}  # each timing donates its own
         xla = per_layer(fresh(), args.layers, args.repeats, args.reps, implementation="xla")
-        for text in args.blocks:
-            blocks = parse_blocks(Blocks, text)
-            label = f"{preset} batch {args.batch} blocks {text or 'auto'}"
-            check_kernel(label, functools.partial(mamba_step, blocks=blocks), first)
-            ours = per_layer(fresh(), args.layers, args.repeats, args.reps,
-                             implementation="triton", blocks=blocks)
-            rows.append((preset, text or "auto", ours, xla, state_bytes))
-            print(f"{label}: {ours * 1e6:.1f} us, xla {xla * 1e6:.1f} us", flush=True)
+        timed = sweep_blocks(Blocks, args.blocks, f"{preset} batch {args.batch}", mamba_step,
+                             first, lambda blocks: per_layer(
+                                 fresh(), args.layers, args.repeats, args.reps,
+                                 implementation="triton", blocks=blocks), xla)
+        rows += [(preset, text, ours, xla, state_bytes) for text, ours in timed]
     print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"batch {args.batch}, {args.ssm_state_dtype} states, {args.layers} layers a call; "
           f"copy bandwidth {copy_rate / 1e12:.2f} TB/s")

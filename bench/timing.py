@@ -2,11 +2,14 @@
 with bench/ first on sys.path)."""
 
 import dataclasses
+import functools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+
+from checks import check_kernel
 
 
 def median_time(fn, warmup, reps):
@@ -48,3 +51,19 @@ def parse_blocks(blocks, text):
     if text in ("", "auto"):
         return blocks()
     return blocks(*(int(v) for v in text.split(",")))
+
+
+def sweep_blocks(blocks, texts, label, kernel, inputs, time_kernel, xla_seconds):
+    """For each --blocks text: `kernel` with those tiles (`blocks`, the kernel module's Blocks
+    dataclass) checked on `inputs` against its reference (checks.check_kernel), then timed by
+    time_kernel(blocks) -> seconds; prints each against xla_seconds and returns
+    [(text or 'auto', seconds)]."""
+    timed = []
+    for text in texts:
+        tiles = parse_blocks(blocks, text)
+        name = f"{label} blocks {text or 'auto'}"
+        check_kernel(name, functools.partial(kernel, blocks=tiles), inputs)
+        seconds = time_kernel(tiles)
+        print(f"{name}: {seconds * 1e6:.1f} us, xla {xla_seconds * 1e6:.1f} us", flush=True)
+        timed.append((text or "auto", seconds))
+    return timed
