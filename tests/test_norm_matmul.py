@@ -107,11 +107,15 @@ def test_fused_decoding_step_matches_the_xla_step(batch):
     # bf16 activations: where the two sum float32 in another order a value may round to its
     # neighbouring bf16 value; logits of about 0.6 then move by well under 1e-2.
     np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-2)
-    for c, c_k in zip(new, new_k):  # bf16 windows: one ulp apart at most
-        np.testing.assert_allclose(c_k.conv_state.astype(float), c.conv_state.astype(float),
-                                   rtol=2.0 ** -7, atol=0)
-        np.testing.assert_allclose(c_k.ssm_state, c.ssm_state, rtol=0,
-                                   atol=1e-3 * float(jnp.max(jnp.abs(c.ssm_state))))
+    # The caches within four bf16 ulps of their largest value (2**-6 of it). Each kernel is
+    # within one (its own tests); here the first layer's dt, and every later layer's input,
+    # already differ by such roundings, which its window and state then carry (worst over 500
+    # runs: 2**-8 of the largest window value, 2.3e-3 of the largest state; an element-wise
+    # bound on the windows failed about 1 run in 150, where a sum cancels).
+    for c, c_k in zip(new, new_k):
+        for name in ("conv_state", "ssm_state"):
+            ref, ours = (np.asarray(getattr(a, name), np.float64) for a in (c, c_k))
+            np.testing.assert_allclose(ours, ref, rtol=0, atol=2.0 ** -6 * np.abs(ref).max())
 
 
 def test_bad_arguments_are_refused():
