@@ -4,6 +4,7 @@
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
                               [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
                               [--step-implementations auto,xla,triton]
+                              [--theirs-process child|same]
 
 Random weights, bf16 compute, greedy. For each preset and batch: our prefill time and our
 decode time (the jitted prefill and the jitted decode loop, each timed from the call until
@@ -24,7 +25,8 @@ the command-buffer settings generate the same tokens. Last, the share of each ro
 equal to the first row's of its group: other state dtypes and kernels round differently, and
 a random-weight model's greedy tokens part ways at the first flipped argmax.
 
-mamba_ssm is imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
+mamba_ssm runs in a child process of this script (--theirs-process same: in this one, before
+ours), imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
 decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
 and scan are its Triton kernels).
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import traceback
 
@@ -164,6 +167,22 @@ def theirs(cfg, batch, prompt, new, reps, baseline):
     return t_prefill, t_full - t_prefill
 
 
+def theirs_in_child(preset, batch, prompt, new, reps, baseline):
+    """theirs() run by this script in a child process (--theirs-child), so that neither
+    library's runtime shares a process with the other's, as neither does in use (our decode
+    timed right after mamba_ssm's in one process ran slower: BENCHMARKS.md, Generation,
+    twelfth session)."""
+    child = subprocess.run(
+        [sys.executable, __file__, "--theirs-child", "--presets", preset, "--batches",
+         str(batch), "--prompt", str(prompt), "--new", str(new), "--reps", str(reps),
+         "--baseline", baseline], capture_output=True, text=True)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("theirs ")]
+    if child.returncode or not lines:
+        raise RuntimeError(f"mamba_ssm's child process failed ({child.returncode}):\n"
+                           f"{child.stderr[-3000:]}")
+    return tuple(float(v) for v in lines[-1].split()[1:3])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", default=".baseline")
@@ -181,7 +200,16 @@ def main():
     parser.add_argument("--command-buffers", default="on",
                         help="'on', 'off' or 'on,off': our decode loop compiled with "
                              "generate.DECODE_COMPILER_OPTIONS (on) or XLA's defaults (off)")
+    parser.add_argument("--theirs-process", choices=("child", "same"), default="child",
+                        help="where mamba_ssm runs: a child process (the default) or this one, "
+                             "before ours")
+    parser.add_argument("--theirs-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.theirs_child:  # the child of theirs_in_child: one preset and batch
+        t_prefill, t_decode = theirs(Mamba2Config.preset(args.presets), int(args.batches),
+                                     args.prompt, args.new, args.reps, args.baseline)
+        print(f"theirs {t_prefill} {t_decode}")
+        return
 
     bandwidth = copy_bandwidth(1, 5)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
@@ -207,8 +235,12 @@ def main():
             if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)
             try:
-                p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
-                                            args.baseline)
+                if args.theirs_process == "child":
+                    p_theirs, d_theirs = theirs_in_child(preset, batch, args.prompt, args.new,
+                                                         args.reps, args.baseline)
+                else:
+                    p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
+                                                args.baseline)
             except Exception:  # still print our rows; the table marks theirs as failed
                 traceback.print_exc()
                 p_theirs = d_theirs = float("nan")
