@@ -147,10 +147,11 @@ def check_kernels(preset, cfg, batch):
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
 
 
-def theirs(cfg, batch, prompt, new, reps, baseline):
-    """(prefill s, decode s) of mamba_ssm's generate(..., cg=True)."""
+def theirs(preset, batch, prompt, new, reps, baseline):
+    """(prefill s, decode s) of mamba_ssm's generate(..., cg=True) for the named preset."""
     import torch
 
+    cfg = Mamba2Config.preset(preset)
     MambaConfig, MambaLMHeadModel = import_mamba_lm(baseline)
     config = mamba_config(cfg, MambaConfig)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
@@ -206,8 +207,8 @@ def main():
     parser.add_argument("--theirs-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.theirs_child:  # the child of theirs_in_child: one preset and batch
-        t_prefill, t_decode = theirs(Mamba2Config.preset(args.presets), int(args.batches),
-                                     args.prompt, args.new, args.reps, args.baseline)
+        t_prefill, t_decode = theirs(args.presets, int(args.batches), args.prompt, args.new,
+                                     args.reps, args.baseline)
         print(f"theirs {t_prefill} {t_decode}")
         return
 
@@ -235,12 +236,9 @@ def main():
             if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)
             try:
-                if args.theirs_process == "child":
-                    p_theirs, d_theirs = theirs_in_child(preset, batch, args.prompt, args.new,
-                                                         args.reps, args.baseline)
-                else:
-                    p_theirs, d_theirs = theirs(cfg, batch, args.prompt, args.new, args.reps,
-                                                args.baseline)
+                run = theirs_in_child if args.theirs_process == "child" else theirs
+                p_theirs, d_theirs = run(preset, batch, args.prompt, args.new, args.reps,
+                                         args.baseline)
             except Exception:  # still print our rows; the table marks theirs as failed
                 traceback.print_exc()
                 p_theirs = d_theirs = float("nan")
