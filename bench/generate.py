@@ -14,10 +14,11 @@ one of a single token (the prefill's), over the new - 1 steps between them. Thei
 generate(max_length=prompt+new) minus generate(max_length=prompt+1), with CUDA graphs;
 ours is our prefill and decode programs called back to back as generate calls them, for
 new tokens and for one. What a call costs once (dispatching a program of some 800 arrays
-from the host, casting the weights for the loop) cancels on both sides. The roofline: bytes one
-decode step must read (bf16 matmul weights, float32 conv weights and norms, the conv and SSM
-states read and written; mamba_ssm's cache keeps its states in bf16, ours in the row's
---ssm-state-dtypes) over the measured copy bandwidth. Median of --reps after one warm-up.
+from the host, casting the weights for the loop) cancels on both sides. The roofline: bytes
+one decode step must read (bf16 matmul weights, float32 conv weights and norms, the conv
+and SSM states read and written; mamba_ssm's cache keeps its states in bf16, ours in the
+row's --ssm-state-dtypes) over the measured copy bandwidth. Median of --reps after one
+warm-up.
 
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
 (generate's step_implementation) and command-buffer setting (on: the decode loop compiled
@@ -94,7 +95,7 @@ def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, impl
         first, cache = _prefill(graphdef, state, ids, lengths, key, settings,
                                 sampling=sampling, ssm_state_dtype=ssm_state_dtype)
         if not decode:
-            return jax.block_until_ready(first)
+            return jax.block_until_ready((first, cache))
         return jax.block_until_ready(decode_fn(
             graphdef, state, first, cache, key, settings, limits, np.int32(-1),
             max_new_tokens=n, sampling=sampling, eos_token_id=None, stream=False,
