@@ -84,7 +84,6 @@ def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, impl
     as mamba_ssm's is taken (theirs)."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
                                                         (batch, prompt)))
-    graphdef, state = nnx.split(model)
     key = jax.random.key(0)
     decode_fn = _decode if command_buffers else _DECODE_DEFAULT_BUFFERS
 
@@ -92,12 +91,12 @@ def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, impl
         """Our prefill, then (decode) the decode loop to n tokens; blocks until done."""
         settings, sampling, lengths, limits = _check(model, ids, n, 0.0, None, None, None,
                                                      None, ssm_state_dtype, implementation)
-        first, cache = _prefill(graphdef, state, ids, lengths, key, settings,
-                                sampling=sampling, ssm_state_dtype=ssm_state_dtype)
+        first, cache = _prefill(model, ids, lengths, key, settings, sampling=sampling,
+                                ssm_state_dtype=ssm_state_dtype)
         if not decode:
             return jax.block_until_ready((first, cache))
         return jax.block_until_ready(decode_fn(
-            graphdef, state, first, cache, key, settings, limits, np.int32(-1),
+            model, first, cache, key, settings, limits, np.int32(-1),
             max_new_tokens=n, sampling=sampling, eos_token_id=None, stream=False,
             step_implementation=implementation)[0])
 

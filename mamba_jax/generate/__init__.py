@@ -103,16 +103,15 @@ def _sample(logits, key, settings, sampling: Sampling):
                          top_p if sampling.top_p else None)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len",
-                                             "ssm_state_dtype"))
-def _prefill(graphdef, state, input_ids, prompt_lengths, key, settings, *, sampling,
-             cache_len=None, ssm_state_dtype="float32"):
+@functools.partial(jax.jit, static_argnames=("sampling", "cache_len", "ssm_state_dtype"))
+def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, cache_len=None,
+             ssm_state_dtype="float32"):
     """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], cache).
 
-    cache_len: the attention layers' KV slots (None for a model without attention, so its
-    prefill compiles once for any max_new_tokens). ssm_state_dtype: what the cache stores
-    the SSM states in (the decode steps keep that dtype)."""
-    model = nnx.merge(graphdef, state)
+    model: the Mamba2LM itself, a pytree (see generate). cache_len: the attention layers'
+    KV slots (None for a model without attention, so its prefill compiles once for any
+    max_new_tokens). ssm_state_dtype: what the cache stores the SSM states in (the decode
+    steps keep that dtype)."""
     seq_idx = None
     if prompt_lengths is not None:
         # Left padding is its own document: the conv and the scan restart at the prompt.
@@ -137,8 +136,8 @@ _STREAMS: dict[int, Callable[[int, np.ndarray], None]] = {}
 _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 
-def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id, *,
-                 max_new_tokens, sampling, eos_token_id, stream, step_implementation="xla"):
+def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_new_tokens,
+                 sampling, eos_token_id, stream, step_implementation="xla"):
     """first [b] (the prefill's token), limits [b] (tokens each row may generate, <= t) ->
     (tokens [b, t] int32, final cache).
 
@@ -147,7 +146,6 @@ def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id
     io_callback: one program still runs the whole decode (no per-segment dispatch, as a loop
     run in compiled segments would need), and the non-streaming program has no host sync.
     """
-    model = nnx.merge(graphdef, state)
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree_util.tree_map_with_path(
         lambda path, w: (w.astype(model.dtype)
@@ -183,7 +181,7 @@ def _decode_loop(graphdef, state, first, cache, key, settings, limits, stream_id
 def jit_decode(compiler_options):
     """The decode loop jitted with these XLA compiler options (the cache donated)."""
     return jax.jit(_decode_loop, donate_argnames=("cache",), compiler_options=compiler_options,
-                   static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_token_id",
+                   static_argnames=("max_new_tokens", "sampling", "eos_token_id",
                                     "stream", "step_implementation"))
 
 
@@ -312,10 +310,13 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
         max_new_tokens_per_row, ssm_state_dtype, step_implementation)
     step_implementation = step_implementation_for(step_implementation, model.config)
-    graphdef, state = nnx.split(model)
     key = jax.random.key(seed)
     cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None
-    first, cache = _prefill(graphdef, state, input_ids, prompt_lengths, key, settings,
+    # The model goes to both programs as the pytree it is (flax's Modules are pytrees): its
+    # structure keys the compile cache through a treedef that hashes in microseconds, where
+    # nnx.split and a static GraphDef cost ~11 ms and ~2 ms a call on the host for a
+    # 48-layer model (BENCHMARKS.md, Generation, thirteenth session), before the GPU starts.
+    first, cache = _prefill(model, input_ids, prompt_lengths, key, settings,
                             sampling=sampling, cache_len=cache_len,
                             ssm_state_dtype=ssm_state_dtype)
     stream_id = -1
@@ -323,7 +324,7 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
         stream_id = next(_STREAM_IDS)
         _STREAMS[stream_id] = on_token
     try:
-        out, _ = _decode(graphdef, state, first, cache, key, settings, limits,
+        out, _ = _decode(model, first, cache, key, settings, limits,
                          np.int32(stream_id), max_new_tokens=int(max_new_tokens),
                          sampling=sampling, eos_token_id=eos_token_id,
                          stream=on_token is not None, step_implementation=step_implementation)
