@@ -32,7 +32,8 @@ def small(preset: str) -> Mamba2Config:
     """The preset's layers at SMALL's widths."""
     cfg = Mamba2Config.preset(preset, **SMALL)
     if "*" in cfg.layers:
-        cfg = cfg.replace(attn_num_heads=4, attn_num_heads_kv=4, attn_head_dim=16, d_intermediate=128)
+        cfg = cfg.replace(attn_num_heads=4, attn_num_heads_kv=4, attn_head_dim=16,
+                          d_intermediate=128)
     return cfg
 
 

@@ -37,6 +37,23 @@ def test_decoding_compiles_once_for_any_prompt_content(model):
     assert (_prefill._cache_size(), _decode._cache_size()) == before
 
 
+def test_another_model_of_the_same_structure_reuses_the_programs_and_stays_as_it_was(model):
+    # The model reaches both programs as a pytree: its treedef keys their compile caches,
+    # and the decode loop's casts act on the traced copy only.
+    prompt = jnp.zeros((1, 5), jnp.int32)
+    mamba_jax.generate(model, prompt, max_new_tokens=4)
+    before = _prefill._cache_size(), _decode._cache_size()
+    other = Mamba2LM(model.config, rngs=nnx.Rngs(1))
+    params = [(np.asarray(v), v.dtype) for v in jax.tree_util.tree_leaves(nnx.state(other))]
+    out = mamba_jax.generate(other, prompt, max_new_tokens=4)
+    assert (_prefill._cache_size(), _decode._cache_size()) == before
+    after = jax.tree_util.tree_leaves(nnx.state(other))
+    assert all(v.dtype == dtype and np.array_equal(np.asarray(v), value)
+               for (value, dtype), v in zip(params, after))
+    np.testing.assert_array_equal(  # and it generated with its own weights
+        jnp.argmax(other(out[:, :-1])[:, 4:, :250], axis=-1), out[:, 5:])
+
+
 def test_sampling_is_seeded_and_never_picks_padding_rows(model):
     prompt = jnp.zeros((4, 3), jnp.int32)
     a = mamba_jax.generate(model, prompt, max_new_tokens=20, temperature=5.0, seed=3)
