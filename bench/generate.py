@@ -8,17 +8,16 @@
 
 Random weights, bf16 compute, greedy. For each preset and batch: our prefill time (the
 jitted prefill, timed from the call until its result is on the device), ms per decode step
-and decode tokens/s; mamba_ssm's the same; the ratio ours/theirs per step; and the
-roofline. Both sides' decode time is taken the same way: a generation of new tokens minus
-one of a single token (the prefill's), over the new - 1 steps between them. Theirs is
-generate(max_length=prompt+new) minus generate(max_length=prompt+1), with CUDA graphs;
-ours is our prefill and decode programs called back to back as generate calls them, for
-new tokens and for one. What a call costs once (dispatching a program of some 800 arrays
-from the host, casting the weights for the loop) cancels on both sides. The roofline: bytes
-one decode step must read (bf16 matmul weights, float32 conv weights and norms, the conv
-and SSM states read and written; mamba_ssm's cache keeps its states in bf16, ours in the
-row's --ssm-state-dtypes) over the measured copy bandwidth. Median of --reps after one
-warm-up.
+and decode tokens/s; mamba_ssm's the same; the ratio ours/theirs per step; and the roofline.
+Both sides' decode time is taken the same way: a generation of new tokens minus one of a
+single token (the prefill's), over the new - 1 steps between them. Theirs is
+generate(max_length=prompt+new) minus generate(max_length=prompt+1), with CUDA graphs; ours
+is mamba_jax.generate(max_new_tokens=new) minus generate(max_new_tokens=1). What a call
+costs once (the host's work to start the programs, casting the weights for the loop) cancels
+on both sides. The roofline: bytes one decode step must read (bf16 matmul weights, float32
+conv weights and norms, the conv and SSM states read and written; mamba_ssm's cache keeps
+its states in bf16, ours in the row's --ssm-state-dtypes) over the measured copy bandwidth.
+Median of --reps after one warm-up.
 
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
 (generate's step_implementation) and command-buffer setting (on: the decode loop compiled
@@ -78,33 +77,34 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
 
 
 def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
-    """(prefill s, decode s for new - 1 steps, tokens [batch, new]) of mamba_jax.generate's
-    two programs. The decode time is a generation of `new` tokens minus one of a single
-    token, each the prefill and the decode loop called back to back as generate calls them,
-    as mamba_ssm's is taken (theirs)."""
+    """(prefill s, decode s for new - 1 steps, tokens [batch, new]) of mamba_jax.generate.
+    The decode time is generate of `new` tokens minus generate of one token (the prefill's
+    alone), as mamba_ssm's is taken (theirs)."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
                                                         (batch, prompt)))
+    settings, sampling, lengths, _ = _check(model, ids, new, 0.0, None, None, None, None,
+                                            ssm_state_dtype, implementation)
     key = jax.random.key(0)
-    decode_fn = _decode if command_buffers else _DECODE_DEFAULT_BUFFERS
 
-    def run(n, decode=True):
-        """Our prefill, then (decode) the decode loop to n tokens; blocks until done."""
-        settings, sampling, lengths, limits = _check(model, ids, n, 0.0, None, None, None,
-                                                     None, ssm_state_dtype, implementation)
-        first, cache = _prefill(model, ids, lengths, key, settings, sampling=sampling,
-                                ssm_state_dtype=ssm_state_dtype)
-        if not decode:
-            return jax.block_until_ready((first, cache))
-        return jax.block_until_ready(decode_fn(
-            model, first, cache, key, settings, limits, np.int32(-1),
-            max_new_tokens=n, sampling=sampling, eos_token_id=None, stream=False,
-            step_implementation=implementation)[0])
+    def run(n):
+        return jax.block_until_ready(generate(model, ids, n, ssm_state_dtype=ssm_state_dtype,
+                                              step_implementation=implementation))
 
-    t_prefill = median_time(lambda: run(new, decode=False), 1, reps)
-    # Each length is its own program: all runs of one, then the other, as theirs.
-    t_full = median_time(lambda: run(new), 1, reps)
-    t_one = median_time(lambda: run(1), 1, reps)
-    return t_prefill, t_full - t_one, np.asarray(run(new))
+    t_prefill = median_time(lambda: jax.block_until_ready(_prefill(
+        model, ids, lengths, key, settings, sampling=sampling,
+        ssm_state_dtype=ssm_state_dtype)), 1, reps)
+    # generate calls the package's decode loop: --command-buffers off swaps in XLA's
+    # defaults for these runs. Each length is its own program: all runs of one, then the
+    # other, as theirs.
+    gen = sys.modules["mamba_jax.generate"]  # the package (mamba_jax.generate is the function)
+    gen._decode = _decode if command_buffers else _DECODE_DEFAULT_BUFFERS
+    try:
+        t_full = median_time(lambda: run(new), 1, reps)
+        t_one = median_time(lambda: run(1), 1, reps)
+        tokens = np.asarray(run(new))[:, prompt:]
+    finally:
+        gen._decode = _decode
+    return t_prefill, t_full - t_one, tokens
 
 
 def check_streaming():
