@@ -16,8 +16,13 @@ is mamba_jax.generate(max_new_tokens=new) minus generate(max_new_tokens=1). What
 costs once (the host's work to start the programs, casting the weights for the loop) cancels
 on both sides. The roofline: bytes one decode step must read (bf16 matmul weights, float32
 conv weights and norms, the conv and SSM states read and written; mamba_ssm's cache keeps
-its states in bf16, ours in the row's --ssm-state-dtypes) over the measured copy bandwidth.
-Median of --reps after one warm-up.
+its states in bf16, ours in the row's --ssm-state-dtypes; an attention layer's keys and
+values for the average context, prompt + (new - 1) / 2 tokens) over the measured copy
+bandwidth. Median of --reps after one warm-up.
+
+A preset with attention or MLP layers (megatron-hybrid-800m) gets our rows only:
+mamba_ssm's MambaLMHeadModel puts an MLP in every block, so it cannot spell such a layer
+pattern, and its attention decodes only with flash_attn.
 
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
 (generate's step_implementation) and command-buffer setting (on: the decode loop compiled
@@ -64,16 +69,23 @@ from timing import copy_bandwidth, median_time  # noqa: E402
 _DECODE_DEFAULT_BUFFERS = jit_decode({})
 
 
-def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int) -> int:
+def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int, context: float) -> int:
     """Bytes one decode step reads or writes at the least: every weight once (matmuls bf16,
-    the rest float32) and each row's conv window and SSM state read and written."""
+    the rest float32), each row's conv window and SSM state read and written, and an
+    attention layer's keys and values for `context` tokens read (bf16) and one token's
+    written."""
     d, h, p, g, n, k = (cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state,
                         cfg.d_conv)
     matmul = d * (2 * h * p + 2 * g * n + h) + h * p * d  # in projections, out_proj
     small = k * cfg.conv_dim + cfg.conv_dim + 4 * h + h * p + d  # conv, A, D, dt, norms
-    per_layer = 2 * matmul + 4 * small + batch * 2 * (2 * cfg.conv_dim * k
-                                                      + state_bytes * h * p * n)
-    return cfg.n_layer * per_layer + 2 * cfg.padded_vocab_size * d + 4 * d
+    mamba = 2 * matmul + 4 * small + batch * 2 * (2 * cfg.conv_dim * k
+                                                  + state_bytes * h * p * n)
+    q, kv = cfg.attn_num_heads * cfg.attn_head_dim, cfg.attn_num_heads_kv * cfg.attn_head_dim
+    attention = 2 * d * (2 * q + 2 * kv) + 4 * d + batch * 2 * 2 * kv * (context + 1)
+    mlp = 2 * d * cfg.d_intermediate * (3 if cfg.mlp_activation == "swiglu" else 2) + 4 * d
+    per_kind = {"M": mamba, "*": attention, "-": mlp}
+    return (sum(per_kind[kind] for kind in cfg.layers) + 2 * cfg.padded_vocab_size * d
+            + 4 * d)
 
 
 def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
@@ -242,13 +254,17 @@ def main():
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)
-            try:
-                run = theirs_in_child if args.theirs_process == "child" else theirs
-                p_theirs, d_theirs = run(preset, batch, args.prompt, args.new, args.reps,
-                                         args.baseline)
-            except Exception:  # still print our rows; the table marks theirs as failed
-                traceback.print_exc()
-                p_theirs = d_theirs = float("nan")
+            p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
+            if set(cfg.layers) != {"M"}:
+                print(f"{preset}: mamba_ssm not run (its blocks cannot spell the layer "
+                      f"pattern {cfg.layers}, and its attention decodes only with flash_attn)")
+            else:
+                try:
+                    run = theirs_in_child if args.theirs_process == "child" else theirs
+                    p_theirs, d_theirs = run(preset, batch, args.prompt, args.new, args.reps,
+                                             args.baseline)
+                except Exception:  # still print our rows; the table marks theirs as failed
+                    traceback.print_exc()
             for dtype in dtypes:
                 tokens = {}
                 for impl in implementations:
@@ -258,7 +274,7 @@ def main():
                             graphs == "on", resolved[impl])
                         label = impl if impl == resolved[impl] else f"{impl} ({resolved[impl]})"
                         row = _row(cfg, preset, batch, dtype, label, graphs, p_ours, d_ours,
-                                   p_theirs, d_theirs, steps, bandwidth)
+                                   p_theirs, d_theirs, args.prompt, steps, bandwidth)
                         print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
                     if len({tokens[impl, g].tobytes() for g in settings}) > 1:
                         raise SystemExit(f"{preset} batch {batch} {dtype} {impl}: the "
@@ -270,12 +286,13 @@ def main():
     print("\n".join(agreement))
 
 
-def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, steps,
-         bandwidth):
+def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, prompt,
+         steps, bandwidth):
     ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
-    floor_ours = 1e3 * step_bytes(cfg, batch, jnp.dtype(dtype).itemsize) / bandwidth
-    floor_theirs = 1e3 * step_bytes(cfg, batch, 2) / bandwidth
+    context = prompt + steps / 2  # the tokens an attention layer reads, on average
+    floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, state_bytes, context) / bandwidth
+                                for state_bytes in (jnp.dtype(dtype).itemsize, 2))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
             f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.2f}x",
             f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
