@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.norm_matmul import rms_norm_matmul
+
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
 def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
@@ -146,11 +148,42 @@ class MLP(nnx.Module):
     def hidden(self, u):
         """u [..., d] -> the activation [..., f] in the compute dtype (over a tensor-parallel
         shard of f, this rank's columns)."""
-        up = dense(u, self.up_proj[...], self.dtype)
+        gate = dense(u, self.gate_proj[...], self.dtype) if self.activation == "swiglu" else None
+        return self.activate(dense(u, self.up_proj[...], self.dtype), gate)
+
+    def activate(self, up, gate=None):
+        """The up (and, for swiglu, gate) projections [..., f] float32 -> the activation
+        [..., f] in the compute dtype."""
         if self.activation == "swiglu":
-            gate = dense(u, self.gate_proj[...], self.dtype)
             return (up * jax.nn.silu(gate)).astype(self.dtype)
         return jnp.square(jax.nn.relu(up)).astype(self.dtype)
+
+    def step_weights(self):
+        """(w_in, down): the weights a fused decoding step reads (fused_step), built once
+        before the decode loop. w_in [f, d], or [2f, d] for swiglu (up's rows, then gate's),
+        the input projections transposed (the kernel reads contiguous rows) in the compute
+        dtype; down_proj [f, d] in the compute dtype."""
+        w_in = self.up_proj[...]
+        if self.activation == "swiglu":
+            w_in = jnp.concatenate([w_in, self.gate_proj[...]], axis=1)
+        return w_in.T.astype(self.dtype), self.down_proj[...].astype(self.dtype)
+
+    def fused_step(self, residual, norm_weight, norm_eps, weights=None):
+        """residual [b, d] -> residual + MLP(rms_norm(residual)), in residual's dtype: the
+        layer's RMSNorm (norm_weight [d], norm_eps) and its input projections as one
+        pallas_kernels.norm_matmul kernel, where XLA runs a norm fusion and a matrix-vector
+        product; the activation and down_proj as before. The arithmetic of Block.step
+        (the projections' float32 results unrounded); for a decoding step of a few rows.
+        weights: step_weights(); None builds them here."""
+        w_in, down = self.step_weights() if weights is None else weights
+        f = down.shape[0]
+        projected = rms_norm_matmul(residual, norm_weight, w_in, eps=norm_eps,
+                                    w_transposed=True, out_dtype=jnp.float32,
+                                    implementation="triton")  # [b, f or 2f] float32
+        a = self.activate(projected[:, :f],
+                          projected[:, f:] if self.activation == "swiglu" else None)
+        out = dense(a, down, self.dtype).astype(self.dtype)
+        return residual + out.astype(residual.dtype)
 
     def out_proj_partial(self, a):
         """a [..., f] -> [..., d] float32: over a shard of f, one rank's share of the sum."""

@@ -35,7 +35,8 @@ STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 def uses_fused_step(implementation: str, batch: int) -> bool:
-    """Whether a decoding step of `batch` rows runs its Mamba blocks as fused_step."""
+    """Whether a decoding step of `batch` rows runs its Mamba blocks as fused_step (and its
+    MLP blocks as layers.MLP.fused_step)."""
     return implementation == "triton" and batch <= FUSED_STEP_MAX_BATCH
 
 

@@ -15,9 +15,9 @@ in the compute dtype. bias [n] or None. residual [b, n] or None.
 
 In float32: v = x (times silu(z)); v over the RMS of each of ngroups equal groups of its k
 columns, times weight; rounded to w's dtype; out = v @ w with float32 accumulation, plus
-bias, rounded to w's dtype (the model's norm-then-matmul arithmetic, layers.rms_norm /
-gated_rms_norm and layers.matmul). With residual: residual + out, in residual's dtype.
-Returns [b, n] in w's dtype, or residual's dtype.
+bias, rounded to out_dtype (default w's dtype; the model's norm-then-matmul arithmetic,
+layers.rms_norm / gated_rms_norm and layers.matmul). With residual: residual + out, in
+residual's dtype. Returns [b, n] in out_dtype, or residual's dtype.
 
 window: None, or (conv_state [b, e, k], at) with out's columns [at, at + e) the newest
 inputs of a causal conv's e channels (a Mamba block's in_proj output holds xBC there): then
@@ -63,13 +63,15 @@ class Blocks:
 
 
 def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual=None,
-                    w_transposed=False, window=None, implementation="xla", blocks=Blocks()):
+                    w_transposed=False, window=None, out_dtype=None, implementation="xla",
+                    blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"rms_norm_matmul: implementation={implementation!r} is not one of "
                          f"{IMPLEMENTATIONS}")
     k = x.shape[1]
     n = w.shape[0] if w_transposed else w.shape[1]
+    out_dtype = jnp.dtype(w.dtype if out_dtype is None else out_dtype)
     if (w.shape[1] if w_transposed else w.shape[0]) != k or k % ngroups:
         raise ValueError(f"rms_norm_matmul: x {x.shape} does not match w {w.shape} "
                          f"(w_transposed={w_transposed}) or ngroups={ngroups}")
@@ -80,16 +82,17 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     if implementation == "triton":
         return _triton(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias,
                        residual=residual, w_transposed=w_transposed, window=window,
-                       blocks=blocks)
+                       out_dtype=out_dtype, blocks=blocks)
     out = reference(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
-                    w_transposed=w_transposed)
+                    w_transposed=w_transposed, out_dtype=out_dtype)
     if window is None:
         return out
     conv_state, at = window
     return out, shift_window(conv_state, out[:, at:at + conv_state.shape[1]])
 
 
-def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
+def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed,
+              out_dtype=None):
     """rms_norm_matmul in plain JAX, without a window."""
     b, k = x.shape
     v = x.astype(jnp.float32)
@@ -103,7 +106,7 @@ def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed):
                      preferred_element_type=jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
-    out = out.astype(w.dtype)
+    out = out.astype(w.dtype if out_dtype is None else out_dtype)
     return out if residual is None else residual + out.astype(residual.dtype)
 
 
@@ -129,7 +132,7 @@ def _blocks(blocks, k, k_group, n, columns_divisor):
 
 
 def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bias,
-            has_residual, w_transposed, window_at):
+            has_residual, w_transposed, window_at, out_dtype):
     refs = list(refs)
     z_ref = refs.pop(0) if has_z else None
     bias_ref = refs.pop(0) if has_bias else None
@@ -169,7 +172,7 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
                   for ti, (wt, vt, st) in enumerate(zip(w, v, scale)))
         if has_bias:
             acc = acc + bias_ref[columns].astype(jnp.float32)
-        out = acc.astype(w_ref.dtype)
+        out = acc.astype(out_dtype)
         if has_residual:
             out = residual_ref[row, columns] + out.astype(residual_ref.dtype)
         out = out.astype(out_ref.dtype)
@@ -201,7 +204,8 @@ def _shift_in(window_ref, row, kept, newest):
             window_ref[row, channels, j] = column
 
 
-def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window, blocks):
+def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window, out_dtype,
+            blocks):
     b, k = x.shape
     n = w.shape[0] if w_transposed else w.shape[1]
     window_at = None if window is None else window[1]
@@ -210,10 +214,9 @@ def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, wind
     kernel = functools.partial(_kernel, eps=eps, ngroups=ngroups, bk=bk, bn=bn,
                                has_z=z is not None, has_bias=bias is not None,
                                has_residual=residual is not None, w_transposed=w_transposed,
-                               window_at=window_at)
+                               window_at=window_at, out_dtype=out_dtype)
     args = [x, weight, w] + [a for a in (z, bias, residual) if a is not None]
-    out_dtype = w.dtype if residual is None else residual.dtype
-    out_shape = jax.ShapeDtypeStruct((b, n), out_dtype)
+    out_shape = jax.ShapeDtypeStruct((b, n), out_dtype if residual is None else residual.dtype)
     if window is not None:  # updated in place
         args.append(window[0])
         out_shape = [out_shape, jax.ShapeDtypeStruct(window[0].shape, window[0].dtype)]

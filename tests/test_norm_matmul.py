@@ -3,6 +3,7 @@ reference through Pallas's interpreter on fresh random inputs, the reference aga
 model's own norm and matmul functions, and a decoding step through the fused kernels
 against the XLA step."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,23 +26,26 @@ def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
 
 # Each dtype meets each layout, gate/groups and bias/residual setting; k = 1536 is several
 # of the kernel's power-of-two feature tiles (3 of 512, or 6 of 256), n = 40 one-column
-# programs (the default blocks for so small an n) or five 8-column ones.
-@pytest.mark.parametrize("b,dtype,gate,ngroups,bias,residual,w_transposed,blocks", [
-    (1, jnp.float32, False, 1, False, False, False, Blocks()),
-    (3, jnp.bfloat16, True, 4, True, True, True, Blocks(8, 256, 4)),
-    (2, jnp.bfloat16, False, 1, False, False, True, Blocks()),
-    (2, jnp.float32, True, 2, True, True, False, Blocks(8, 256, 4))])
+# programs (the default blocks for so small an n) or five 8-column ones. The last case
+# keeps a bf16 product in float32 (out_dtype, as MLP.fused_step asks).
+@pytest.mark.parametrize("b,dtype,gate,ngroups,bias,residual,w_transposed,blocks,out_dtype", [
+    (1, jnp.float32, False, 1, False, False, False, Blocks(), None),
+    (3, jnp.bfloat16, True, 4, True, True, True, Blocks(8, 256, 4), None),
+    (2, jnp.bfloat16, False, 1, False, False, True, Blocks(), None),
+    (2, jnp.float32, True, 2, True, True, False, Blocks(8, 256, 4), None),
+    (1, jnp.bfloat16, False, 1, True, False, True, Blocks(), jnp.float32)])
 def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_transposed,
-                                     blocks):
+                                     blocks, out_dtype):
     rng = np.random.default_rng()  # fresh inputs every run
     args = _inputs(rng, b, 1536, 40, ngroups, dtype, gate, bias, residual, w_transposed)
-    ref = rms_norm_matmul(**args, eps=1e-5, implementation="xla")
-    out = rms_norm_matmul(**args, eps=1e-5, implementation="triton", blocks=blocks)
-    assert out.dtype == ref.dtype == (jnp.float32 if residual else dtype)
+    ref = rms_norm_matmul(**args, eps=1e-5, out_dtype=out_dtype, implementation="xla")
+    out = rms_norm_matmul(**args, eps=1e-5, out_dtype=out_dtype, implementation="triton",
+                          blocks=blocks)
+    assert out.dtype == ref.dtype == (jnp.float32 if residual else out_dtype or dtype)
     assert out.shape == (b, 40) and np.all(np.isfinite(out.astype(jnp.float32)))
     # The same float32 arithmetic summed in another order; a bf16 result may then round to
     # the neighbouring value, one ulp (2**-8 relative to the largest value).
-    tol = 2.0 ** -8 if dtype == jnp.bfloat16 else 1e-5
+    tol = 2.0 ** -8 if out.dtype == jnp.bfloat16 else 1e-5
     ref, out = (np.asarray(a.astype(jnp.float32)) for a in (ref, out))
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol * np.abs(ref).max())
 
@@ -116,6 +120,30 @@ def test_fused_decoding_step_matches_the_xla_step(batch):
         for name in ("conv_state", "ssm_state"):
             ref, ours = (np.asarray(getattr(a, name), np.float64) for a in (c, c_k))
             np.testing.assert_allclose(ours, ref, rtol=0, atol=2.0 ** -6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation):
+    """At batch 1 with step_implementation="triton" an MLP block's norm and input
+    projections are one kernel (MLP.fused_step; w_in [2f, d] for swiglu), among fused Mamba
+    blocks and an attention layer (XLA)."""
+    cfg = Mamba2Config(layer_pattern="M-*M-", n_layer=5, d_model=64, vocab_size=100,
+                       d_state=16, headdim=16, chunk_size=8, d_intermediate=96,
+                       attn_num_heads=4, attn_num_heads_kv=2, attn_head_dim=16,
+                       mlp_activation=activation)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (1, 9)))
+    _, cache = model.prefill(ids[:, :8], cache_len=12)
+    step = lambda implementation: model.step(ids[:, 8], cache, implementation=implementation)
+    # three kernels a Mamba block, one an MLP block
+    assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 2
+    (logits, new), (logits_k, new_k) = step("xla"), step("triton")
+    assert np.all(np.isfinite(logits_k))
+    # As in the Mamba-only step above: the same arithmetic, float32 sums in another order.
+    np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-2)
+    for ref, ours in zip(jax.tree.leaves(new), jax.tree.leaves(new_k)):
+        ref, ours = np.asarray(ref, np.float64), np.asarray(ours, np.float64)
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=2.0 ** -6 * np.abs(ref).max())
 
 
 def test_bad_arguments_are_refused():
