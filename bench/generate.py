@@ -162,11 +162,18 @@ def check_kernels(preset, cfg, batch):
         cases["rms_norm_matmul (out_proj)"] = (rms_norm_matmul, dict(  # y already gated
             x=arr(batch, hp), weight=arr(hp), w=(arr(d, hp) / hp ** 0.5).astype(jnp.bfloat16),
             eps=cfg.norm_eps, ngroups=g, residual=arr(batch, d), w_transposed=True))
-        if "-" in cfg.layers:  # an MLP block's norm and input projections (MLP.fused_step)
-            f = cfg.d_intermediate * (2 if cfg.mlp_activation == "swiglu" else 1)
-            cases["rms_norm_matmul (MLP)"] = (rms_norm_matmul, dict(
-                x=arr(batch, d), weight=arr(d), w=(arr(f, d) / d ** 0.5).astype(jnp.bfloat16),
+        if "-" in cfg.layers:  # an MLP block's two kernels (MLP.fused_step)
+            f = cfg.d_intermediate
+            swiglu = cfg.mlp_activation == "swiglu"
+            cases["rms_norm_matmul (MLP in)"] = (rms_norm_matmul, dict(
+                x=arr(batch, d), weight=arr(d),
+                w=(arr(2 * f if swiglu else f, d) / d ** 0.5).astype(jnp.bfloat16),
                 eps=cfg.norm_eps, w_transposed=True, out_dtype=jnp.float32))
+            cases["rms_norm_matmul (MLP down)"] = (rms_norm_matmul, dict(
+                x=arr(batch, f), weight=None, w=(arr(d, f) / f ** 0.5).astype(jnp.bfloat16),
+                eps=None, z=arr(batch, f) if swiglu else None,
+                activation=None if swiglu else cfg.mlp_activation, residual=arr(batch, d),
+                w_transposed=True))
     for name, (f, kwargs) in cases.items():
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
 

@@ -148,42 +148,42 @@ class MLP(nnx.Module):
     def hidden(self, u):
         """u [..., d] -> the activation [..., f] in the compute dtype (over a tensor-parallel
         shard of f, this rank's columns)."""
-        gate = dense(u, self.gate_proj[...], self.dtype) if self.activation == "swiglu" else None
-        return self.activate(dense(u, self.up_proj[...], self.dtype), gate)
-
-    def activate(self, up, gate=None):
-        """The up (and, for swiglu, gate) projections [..., f] float32 -> the activation
-        [..., f] in the compute dtype."""
+        up = dense(u, self.up_proj[...], self.dtype)
         if self.activation == "swiglu":
+            gate = dense(u, self.gate_proj[...], self.dtype)
             return (up * jax.nn.silu(gate)).astype(self.dtype)
         return jnp.square(jax.nn.relu(up)).astype(self.dtype)
 
     def step_weights(self):
         """(w_in, down): the weights a fused decoding step reads (fused_step), built once
-        before the decode loop. w_in [f, d], or [2f, d] for swiglu (up's rows, then gate's),
-        the input projections transposed (the kernel reads contiguous rows) in the compute
-        dtype; down_proj [f, d] in the compute dtype."""
+        before the decode loop, in the compute dtype and transposed (the kernels read
+        contiguous rows). w_in [f, d] (up_proj), or [2f, d] for swiglu (gate_proj's rows,
+        then up_proj's: the gate, which the down-projection's kernel reads as its z, first);
+        down [d, f] (down_proj)."""
         w_in = self.up_proj[...]
         if self.activation == "swiglu":
-            w_in = jnp.concatenate([w_in, self.gate_proj[...]], axis=1)
-        return w_in.T.astype(self.dtype), self.down_proj[...].astype(self.dtype)
+            w_in = jnp.concatenate([self.gate_proj[...], w_in], axis=1)
+        return w_in.T.astype(self.dtype), self.down_proj[...].T.astype(self.dtype)
 
     def fused_step(self, residual, norm_weight, norm_eps, weights=None):
-        """residual [b, d] -> residual + MLP(rms_norm(residual)), in residual's dtype: the
-        layer's RMSNorm (norm_weight [d], norm_eps) and its input projections as one
-        pallas_kernels.norm_matmul kernel, where XLA runs a norm fusion and a matrix-vector
-        product; the activation and down_proj as before. The arithmetic of Block.step
-        (the projections' float32 results unrounded); for a decoding step of a few rows.
-        weights: step_weights(); None builds them here."""
+        """residual [b, d] -> residual + MLP(rms_norm(residual)), in residual's dtype, as two
+        pallas_kernels.norm_matmul kernels: the layer's RMSNorm (norm_weight [d], norm_eps)
+        with the input projections, then the activation with down_proj and the residual add,
+        where XLA runs a norm fusion, two matrix-vector products and the elementwise work
+        between them. The arithmetic of Block.step (the input projections' float32 results
+        unrounded); for a decoding step of a few rows. weights: step_weights(); None builds
+        them here."""
         w_in, down = self.step_weights() if weights is None else weights
-        f = down.shape[0]
+        f = down.shape[1]
         projected = rms_norm_matmul(residual, norm_weight, w_in, eps=norm_eps,
                                     w_transposed=True, out_dtype=jnp.float32,
                                     implementation="triton")  # [b, f or 2f] float32
-        a = self.activate(projected[:, :f],
-                          projected[:, f:] if self.activation == "swiglu" else None)
-        out = dense(a, down, self.dtype).astype(self.dtype)
-        return residual + out.astype(residual.dtype)
+        if self.activation == "swiglu":  # up times silu(gate): the kernel's gate (z)
+            x, z, activation = projected[:, f:], projected, None
+        else:
+            x, z, activation = projected, None, self.activation
+        return rms_norm_matmul(x, None, down, eps=None, z=z, activation=activation,
+                               residual=residual, w_transposed=True, implementation="triton")
 
     def out_proj_partial(self, a):
         """a [..., f] -> [..., d] float32: over a shard of f, one rank's share of the sum."""

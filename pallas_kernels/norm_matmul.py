@@ -5,16 +5,19 @@ time: the projections of a one-token decoding step, each with its norm, as one k
     out = rms_norm_matmul(y, weight, w_t, eps=1e-5, z=z, ngroups=g,          # out_proj
                           residual=residual, w_transposed=True)
     out, conv_state = rms_norm_matmul(x, weight, w, eps=1e-5, window=(conv_state, at))
+    out = rms_norm_matmul(h, None, w_t, eps=None, activation="relu2",         # MLP down_proj
+                          residual=residual, w_transposed=True)
 
 Legend: b rows (a decoding batch), k input features, n output features.
 
 x [b, k], any float dtype. z [b, >= k] or None: the gate, its first k columns (so a fused
 projection's output can be passed whole); mamba_ssm's RMSNormGated(norm_before_gate=False).
-weight [k]: the norm's scale. w [k, n], or [n, k] with w_transposed (nn.Linear's layout),
-in the compute dtype. bias [n] or None. residual [b, n] or None.
+weight [k]: the norm's scale, or None for no norm. activation: None, or "relu2" (squared
+ReLU, applied to x first). w [k, n], or [n, k] with w_transposed (nn.Linear's layout), in
+the compute dtype. bias [n] or None. residual [b, n] or None.
 
-In float32: v = x (times silu(z)); v over the RMS of each of ngroups equal groups of its k
-columns, times weight; rounded to w's dtype; out = v @ w with float32 accumulation, plus
+In float32: v = x (its activation) (times silu(z)); v over the RMS of each of ngroups equal
+groups of its k columns, times weight (where weight is given); rounded to w's dtype; out = v @ w with float32 accumulation, plus
 bias, rounded to out_dtype (default w's dtype; the model's norm-then-matmul arithmetic,
 layers.rms_norm / gated_rms_norm and layers.matmul). With residual: residual + out, in
 residual's dtype. Returns [b, n] in out_dtype, or residual's dtype.
@@ -50,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ssd.step import shift_window
 
 IMPLEMENTATIONS = ("xla", "triton")
+ACTIVATIONS = (None, "relu2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +67,8 @@ class Blocks:
 
 
 def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual=None,
-                    w_transposed=False, window=None, out_dtype=None, implementation="xla",
-                    blocks=Blocks()):
+                    w_transposed=False, window=None, out_dtype=None, activation=None,
+                    implementation="xla", blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"rms_norm_matmul: implementation={implementation!r} is not one of "
@@ -72,6 +76,9 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     k = x.shape[1]
     n = w.shape[0] if w_transposed else w.shape[1]
     out_dtype = jnp.dtype(w.dtype if out_dtype is None else out_dtype)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"rms_norm_matmul: activation={activation!r} is not one of "
+                         f"{ACTIVATIONS}")
     if (w.shape[1] if w_transposed else w.shape[0]) != k or k % ngroups:
         raise ValueError(f"rms_norm_matmul: x {x.shape} does not match w {w.shape} "
                          f"(w_transposed={w_transposed}) or ngroups={ngroups}")
@@ -82,9 +89,9 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     if implementation == "triton":
         return _triton(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias,
                        residual=residual, w_transposed=w_transposed, window=window,
-                       out_dtype=out_dtype, blocks=blocks)
+                       out_dtype=out_dtype, activation=activation, blocks=blocks)
     out = reference(x, weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
-                    w_transposed=w_transposed, out_dtype=out_dtype)
+                    w_transposed=w_transposed, out_dtype=out_dtype, activation=activation)
     if window is None:
         return out
     conv_state, at = window
@@ -92,22 +99,29 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
 
 
 def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed,
-              out_dtype=None):
+              out_dtype=None, activation=None):
     """rms_norm_matmul in plain JAX, without a window."""
     b, k = x.shape
-    v = x.astype(jnp.float32)
+    v = _activate(x.astype(jnp.float32), activation)
     if z is not None:
         v = v * jax.nn.silu(z[:, :k].astype(jnp.float32))
-    grouped = v.reshape(b, ngroups, k // ngroups)
-    grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True)
-                                      + eps)
-    v = (grouped.reshape(b, k) * weight.astype(jnp.float32)).astype(w.dtype)
+    if weight is not None:
+        grouped = v.reshape(b, ngroups, k // ngroups)
+        grouped = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True)
+                                          + eps)
+        v = grouped.reshape(b, k) * weight.astype(jnp.float32)
+    v = v.astype(w.dtype)
     out = jnp.einsum("bk,nk->bn" if w_transposed else "bk,kn->bn", v, w,
                      preferred_element_type=jnp.float32)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     out = out.astype(w.dtype if out_dtype is None else out_dtype)
     return out if residual is None else residual + out.astype(residual.dtype)
+
+
+def _activate(v, activation):
+    """v float32 -> its activation (ACTIVATIONS)."""
+    return v if activation is None else jnp.square(jnp.maximum(v, 0.0))
 
 
 def _largest_power_of_two_dividing(v, at_most):
@@ -131,9 +145,11 @@ def _blocks(blocks, k, k_group, n, columns_divisor):
     return bn, bk, blocks.num_warps or 4
 
 
-def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bias,
-            has_residual, w_transposed, window_at, out_dtype):
+def _kernel(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
+            w_transposed, window_at, out_dtype, activation):
     refs = list(refs)
+    weight_ref = refs.pop(0) if has_weight else None
+    w_ref = refs.pop(0)
     z_ref = refs.pop(0) if has_z else None
     bias_ref = refs.pop(0) if has_bias else None
     residual_ref = refs.pop(0) if has_residual else None
@@ -152,7 +168,7 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
     # which bounds a decoding step's projection more than its bytes do).
     w = [w_ref[columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
          else w_ref[tile, columns].T for tile in tiles]
-    scale = [weight_ref[tile].astype(jnp.float32) for tile in tiles]
+    scale = [weight_ref[tile].astype(jnp.float32) if has_weight else 1.0 for tile in tiles]
     # The window's kept columns too: loaded here, they arrive with w, where loaded after the
     # product they would add their latency to the program's.
     kept = (None if window_at is None
@@ -160,13 +176,14 @@ def _kernel(x_ref, weight_ref, w_ref, *refs, eps, ngroups, bk, bn, has_z, has_bi
     for row in range(rows):  # static, as the tiles: a few
         v = []  # [bk] float32 each: the row gated, not yet normalised
         for tile in tiles:
-            vt = x_ref[row, tile].astype(jnp.float32)
+            vt = _activate(x_ref[row, tile].astype(jnp.float32), activation)
             if has_z:
                 vt = vt * jax.nn.silu(z_ref[row, tile].astype(jnp.float32))
             v.append(vt)
-        rstd = [jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
-                                                                  (gi + 1) * per_group])
-                              / (per_group * bk) + eps) for gi in range(ngroups)]
+        rstd = ([jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
+                                                                   (gi + 1) * per_group])
+                               / (per_group * bk) + eps) for gi in range(ngroups)]
+                if has_weight else [1.0] * ngroups)
         acc = sum(jnp.sum(wt.astype(jnp.float32) * (vt * rstd[ti // per_group] * st)
                           .astype(w_ref.dtype).astype(jnp.float32)[None, :], axis=1)
                   for ti, (wt, vt, st) in enumerate(zip(w, v, scale)))
@@ -205,17 +222,18 @@ def _shift_in(window_ref, row, kept, newest):
 
 
 def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window, out_dtype,
-            blocks):
+            activation, blocks):
     b, k = x.shape
     n = w.shape[0] if w_transposed else w.shape[1]
     window_at = None if window is None else window[1]
     columns_divisor = n if window is None else math.gcd(n, window_at, window[0].shape[1])
     bn, bk, warps = _blocks(blocks, k, k // ngroups, n, columns_divisor)
     kernel = functools.partial(_kernel, eps=eps, ngroups=ngroups, bk=bk, bn=bn,
-                               has_z=z is not None, has_bias=bias is not None,
-                               has_residual=residual is not None, w_transposed=w_transposed,
-                               window_at=window_at, out_dtype=out_dtype)
-    args = [x, weight, w] + [a for a in (z, bias, residual) if a is not None]
+                               has_weight=weight is not None, has_z=z is not None,
+                               has_bias=bias is not None, has_residual=residual is not None,
+                               w_transposed=w_transposed, window_at=window_at,
+                               out_dtype=out_dtype, activation=activation)
+    args = [a for a in (x, weight, w, z, bias, residual) if a is not None]
     out_shape = jax.ShapeDtypeStruct((b, n), out_dtype if residual is None else residual.dtype)
     if window is not None:  # updated in place
         args.append(window[0])

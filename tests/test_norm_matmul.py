@@ -50,6 +50,30 @@ def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+def test_without_a_norm_it_is_an_mlps_down_projection(activation):
+    """weight None: no norm. v = relu(x)**2 ("relu2"), or x * silu(z) (swiglu's up times
+    silu(gate)), rounded to w's dtype, then the product, rounded, plus the residual: the MLP
+    layer's arithmetic (layers.MLP), by the reference and the kernel."""
+    rng = np.random.default_rng()
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    up, gate, down, residual = arr(2, 512), arr(2, 512), arr(512, 40) / 512 ** 0.5, arr(2, 40)
+    down = down.astype(jnp.bfloat16)
+    if activation == "relu2":
+        kw, a = dict(activation="relu2"), jnp.square(jax.nn.relu(up))
+    else:
+        kw, a = dict(z=gate), up * jax.nn.silu(gate)
+    expected = residual + matmul("bf,fd->bd", a.astype(jnp.bfloat16), down, jnp.bfloat16,
+                                 jnp.bfloat16).astype(jnp.float32)
+    for implementation in ("xla", "triton"):
+        out = rms_norm_matmul(up, None, down.T, eps=None, residual=residual, w_transposed=True,
+                              implementation=implementation, **kw)
+        assert out.dtype == jnp.float32 and np.all(np.isfinite(out))
+        # float32 sums in another order: the bf16 product may round to its neighbour
+        np.testing.assert_allclose(out, expected, rtol=0, atol=2.0 ** -8 * float(
+            jnp.max(jnp.abs(expected - residual))))
+
+
 @pytest.mark.parametrize("window_dtype", [jnp.bfloat16, jnp.float32])
 def test_the_window_takes_the_outputs_columns(window_dtype):
     """window=(conv_state, at): conv_state shifted by one with out's columns [at, at + e)
@@ -124,9 +148,9 @@ def test_fused_decoding_step_matches_the_xla_step(batch):
 
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation):
-    """At batch 1 with step_implementation="triton" an MLP block's norm and input
-    projections are one kernel (MLP.fused_step; w_in [2f, d] for swiglu), among fused Mamba
-    blocks and an attention layer (XLA)."""
+    """At batch 1 with step_implementation="triton" an MLP block is two kernels
+    (MLP.fused_step: the norm and input projections, w_in [2f, d] for swiglu; the
+    activation, down_proj and residual), among fused Mamba blocks and an attention layer."""
     cfg = Mamba2Config(layer_pattern="M-*M-", n_layer=5, d_model=64, vocab_size=100,
                        d_state=16, headdim=16, chunk_size=8, d_intermediate=96,
                        attn_num_heads=4, attn_num_heads_kv=2, attn_head_dim=16,
@@ -135,8 +159,8 @@ def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation):
     ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (1, 9)))
     _, cache = model.prefill(ids[:, :8], cache_len=12)
     step = lambda implementation: model.step(ids[:, 8], cache, implementation=implementation)
-    # three kernels a Mamba block, one an MLP block
-    assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 2
+    # three kernels a Mamba block, two an MLP block
+    assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 2 * 2
     (logits, new), (logits_k, new_k) = step("xla"), step("triton")
     assert np.all(np.isfinite(logits_k))
     # As in the Mamba-only step above: the same arithmetic, float32 sums in another order.
@@ -153,3 +177,5 @@ def test_bad_arguments_are_refused():
         rms_norm_matmul(**args, eps=1e-5, implementation="cuda")
     with pytest.raises(ValueError, match="does not match w"):
         rms_norm_matmul(**{**args, "w_transposed": True}, eps=1e-5)
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        rms_norm_matmul(**args, eps=1e-5, activation="gelu")
