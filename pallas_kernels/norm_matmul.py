@@ -1,5 +1,6 @@
-"""An RMSNorm (optionally gated and grouped) feeding a matrix product, for a few rows at a
-time: the projections of a one-token decoding step, each with its norm, as one kernel.
+"""An RMSNorm (optionally gated and grouped), or an activation, feeding a matrix product, for
+a few rows at a time: the projections of a one-token decoding step, each with its norm or
+activation, as one kernel.
 
     out = rms_norm_matmul(x, weight, w, eps=1e-5)                            # in_proj
     out = rms_norm_matmul(y, weight, w_t, eps=1e-5, z=z, ngroups=g,          # out_proj
@@ -16,11 +17,12 @@ weight [k]: the norm's scale, or None for no norm. activation: None, or "relu2" 
 ReLU, applied to x first). w [k, n], or [n, k] with w_transposed (nn.Linear's layout), in
 the compute dtype. bias [n] or None. residual [b, n] or None.
 
-In float32: v = x (its activation) (times silu(z)); v over the RMS of each of ngroups equal
-groups of its k columns, times weight (where weight is given); rounded to w's dtype; out = v @ w with float32 accumulation, plus
-bias, rounded to out_dtype (default w's dtype; the model's norm-then-matmul arithmetic,
-layers.rms_norm / gated_rms_norm and layers.matmul). With residual: residual + out, in
-residual's dtype. Returns [b, n] in out_dtype, or residual's dtype.
+In float32: v = x, or its activation (times silu(z)); v over the RMS of each of ngroups
+equal groups of its k columns, times weight (where weight is given); rounded to w's dtype;
+out = v @ w with float32 accumulation, plus bias, rounded to out_dtype (default w's dtype;
+the model's norm-then-matmul arithmetic, layers.rms_norm / gated_rms_norm and
+layers.matmul, and the MLP's). With residual: residual + out, in residual's dtype. Returns
+[b, n] in out_dtype, or residual's dtype.
 
 window: None, or (conv_state [b, e, k], at) with out's columns [at, at + e) the newest
 inputs of a causal conv's e channels (a Mamba block's in_proj output holds xBC there): then
