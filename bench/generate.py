@@ -306,7 +306,7 @@ def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_th
     floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, state_bytes, context) / bandwidth
                                 for state_bytes in (jnp.dtype(dtype).itemsize, 2))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
-            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.2f}x",
+            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.3f}x",
             f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
             f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
 
