@@ -170,25 +170,27 @@ def _kernel(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has
     # which bounds a decoding step's projection more than its bytes do).
     w = [w_ref[columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
          else w_ref[tile, columns].T for tile in tiles]
-    scale = [weight_ref[tile].astype(jnp.float32) if has_weight else 1.0 for tile in tiles]
+    scale = [weight_ref[tile].astype(jnp.float32) for tile in tiles] if has_weight else None
     # The window's kept columns too: loaded here, they arrive with w, where loaded after the
     # product they would add their latency to the program's.
     kept = (None if window_at is None
             else [_window_kept(window_ref, row, start - window_at, bn) for row in range(rows)])
     for row in range(rows):  # static, as the tiles: a few
-        v = []  # [bk] float32 each: the row gated, not yet normalised
+        v = []  # [bk] float32 each: the row activated and gated, not yet normalised
         for tile in tiles:
             vt = _activate(x_ref[row, tile].astype(jnp.float32), activation)
             if has_z:
                 vt = vt * jax.nn.silu(z_ref[row, tile].astype(jnp.float32))
             v.append(vt)
-        rstd = ([jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
-                                                                   (gi + 1) * per_group])
-                               / (per_group * bk) + eps) for gi in range(ngroups)]
-                if has_weight else [1.0] * ngroups)
-        acc = sum(jnp.sum(wt.astype(jnp.float32) * (vt * rstd[ti // per_group] * st)
-                          .astype(w_ref.dtype).astype(jnp.float32)[None, :], axis=1)
-                  for ti, (wt, vt, st) in enumerate(zip(w, v, scale)))
+        if has_weight:  # the norm, applied tile by tile in the product below
+            rstd = [jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
+                                                                      (gi + 1) * per_group])
+                                  / (per_group * bk) + eps) for gi in range(ngroups)]
+        normed = ((lambda ti, vt: vt * rstd[ti // per_group] * scale[ti]) if has_weight
+                  else lambda ti, vt: vt)
+        acc = sum(jnp.sum(wt.astype(jnp.float32) * normed(ti, vt).astype(w_ref.dtype)
+                          .astype(jnp.float32)[None, :], axis=1)
+                  for ti, (wt, vt) in enumerate(zip(w, v)))
         if has_bias:
             acc = acc + bias_ref[columns].astype(jnp.float32)
         out = acc.astype(out_dtype)
