@@ -174,6 +174,17 @@ def check_kernels(preset, cfg, batch):
                 eps=None, z=arr(batch, f) if swiglu else None,
                 activation=None if swiglu else cfg.mlp_activation, residual=arr(batch, d),
                 w_transposed=True))
+        if "*" in cfg.layers:  # an attention block's two kernels (Attention.fused_step)
+            qkv = (cfg.attn_num_heads + 2 * cfg.attn_num_heads_kv) * cfg.attn_head_dim
+            o = cfg.attn_num_heads * cfg.attn_head_dim
+            cases["rms_norm_matmul (attention qkv)"] = (rms_norm_matmul, dict(
+                x=arr(batch, d), weight=arr(d), w=(arr(qkv, d) / d ** 0.5).astype(jnp.bfloat16),
+                eps=cfg.norm_eps, w_transposed=True))
+            cases["rms_norm_matmul (attention out)"] = (rms_norm_matmul, dict(
+                x=arr(batch, o).astype(jnp.bfloat16), weight=None,
+                w=(arr(d, o) / o ** 0.5).astype(jnp.bfloat16), eps=None,
+                bias=arr(d) if cfg.attn_out_bias else None, residual=arr(batch, d),
+                w_transposed=True))
     for name, (f, kwargs) in cases.items():
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import dense, matmul, uniform
+from pallas_kernels.norm_matmul import rms_norm_matmul
 from pallas_kernels.ssd import document_ids
 
 
@@ -176,7 +177,47 @@ class Attention(nnx.Module):
     def step(self, u, cache: AttentionCache):
         """One token: u [b, d] -> ([b, d], the updated AttentionCache). The cache must have
         a free slot (generate sizes it to the prompt plus the new tokens)."""
-        q, k, v = self.project(u[:, None])
+        o, cache = self._attend_step(*self.project(u[:, None]), cache)
+        return self._output(o), cache
+
+    def step_weights(self):
+        """(w_qkv, w_o): the weights a fused decoding step reads (fused_step), built once
+        before the decode loop, in the compute dtype and transposed (the kernels read
+        contiguous rows). w_qkv [(h + 2k) e, d]: q_proj's outputs, then k_proj's and
+        v_proj's; w_o [d, h e] (o_proj)."""
+        d = self.cfg.d_model
+        w_qkv = jnp.concatenate([w[...].reshape(d, -1)
+                                 for w in (self.q_proj, self.k_proj, self.v_proj)], axis=1)
+        return w_qkv.T.astype(self.dtype), self.o_proj[...].reshape(-1, d).T.astype(self.dtype)
+
+    def fused_step(self, residual, norm_weight, norm_eps, cache: AttentionCache,
+                   weights=None):
+        """residual [b, d] -> (residual + attention(rms_norm(residual)), the updated
+        AttentionCache), the projections as two pallas_kernels.norm_matmul kernels: the
+        layer's RMSNorm (norm_weight [d], norm_eps) with q, k and v's projections, then o_proj
+        with its bias and the residual add, where XLA runs a norm fusion, three matrix-vector
+        products, a fourth and the add. The arithmetic of Block.step over step(); for a
+        decoding step of a few rows. weights: step_weights(); None builds them here."""
+        c = self.cfg
+        w_qkv, w_o = self.step_weights() if weights is None else weights
+        b, e = residual.shape[0], c.attn_head_dim
+        qkv = rms_norm_matmul(residual, norm_weight, w_qkv, eps=norm_eps, w_transposed=True,
+                              implementation="triton")  # [b, (h + 2k) e], compute dtype
+        q, k, v = jnp.split(qkv, [c.attn_num_heads * e, (c.attn_num_heads
+                                                         + c.attn_num_heads_kv) * e], axis=1)
+        q, k, v = (x.reshape(b, 1, -1, e) for x in (q, k, v))
+        if c.attn_qkv_bias:  # after the rounding, as dense adds it
+            q, k, v = (x + getattr(self, name)[...].astype(x.dtype)
+                       for x, name in zip((q, k, v), ("q_bias", "k_bias", "v_bias")))
+        o, cache = self._attend_step(q, k, v, cache)
+        return rms_norm_matmul(o.reshape(b, -1), None, w_o, eps=None,
+                               bias=self.out_bias[...] if c.attn_out_bias else None,
+                               residual=residual, w_transposed=True,
+                               implementation="triton"), cache
+
+    def _attend_step(self, q, k, v, cache: AttentionCache):
+        """One token's q [b, 1, h, e], k, v [b, 1, k, e] -> (the attention o [b, h, e], the
+        AttentionCache with k and v written to its next slot)."""
         q, k = self.rotate(q, k, (cache.length - cache.start)[:, None])
         write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype),
                                                                    cache.length, axis=1)
@@ -184,5 +225,4 @@ class Attention(nnx.Module):
         index = jnp.arange(keys.shape[1], dtype=jnp.int32)
         mask = (index >= cache.start[:, None]) & (index <= cache.length)  # [b, s]
         o = attend(q, keys, values, self.scale, mask[:, None, None, :])
-        return self._output(o[:, 0]), AttentionCache(keys, values, cache.length + 1,
-                                                     cache.start)
+        return o[:, 0], AttentionCache(keys, values, cache.length + 1, cache.start)

@@ -35,8 +35,8 @@ STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 def uses_fused_step(implementation: str, batch: int) -> bool:
-    """Whether a decoding step of `batch` rows runs its Mamba blocks as fused_step (and its
-    MLP blocks as layers.MLP.fused_step)."""
+    """Whether a decoding step of `batch` rows runs its blocks as their mixers' fused_step
+    (Mamba2Mixer's, and an attention or MLP layer's)."""
     return implementation == "triton" and batch <= FUSED_STEP_MAX_BATCH
 
 

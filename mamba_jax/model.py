@@ -77,17 +77,16 @@ class Block(nnx.Module):
 
     def step(self, residual, cache, weights=None, implementation="xla"):
         """residual [b, d] -> (residual [b, d], the layer's updated cache). weights: a Mamba
-        layer's StepWeights, or with fused steps an MLP layer's step_weights(), built before
-        the decode loop (DecodeWeights); implementation: a Mamba layer's conv and SSM
-        update's (Mamba2Mixer.step); "triton" runs a block of up to
-        mixer.FUSED_STEP_MAX_BATCH rows as Mamba2Mixer.fused_step or MLP.fused_step."""
-        fused = uses_fused_step(implementation, residual.shape[0])
-        if self.kind == "mamba" and fused:
-            return self.mixer.fused_step(residual, self.norm.weight[...], self.norm.eps, cache,
-                                         weights)
-        if self.kind == "mlp" and fused:
-            return self.mixer.fused_step(residual, self.norm.weight[...], self.norm.eps,
-                                         weights), cache
+        layer's StepWeights, or with fused steps an attention or MLP layer's step_weights(),
+        built before the decode loop (DecodeWeights); implementation: a Mamba layer's conv
+        and SSM update's (Mamba2Mixer.step); "triton" runs a block of up to
+        mixer.FUSED_STEP_MAX_BATCH rows as its mixer's fused_step (Mamba2Mixer, Attention or
+        MLP), the norm inside its first kernel."""
+        if uses_fused_step(implementation, residual.shape[0]):
+            norm = self.norm.weight[...], self.norm.eps
+            if self.kind == "mlp":  # no cache
+                return self.mixer.fused_step(residual, *norm, weights), cache
+            return self.mixer.fused_step(residual, *norm, cache, weights)
         hidden = self.norm(residual).astype(self.mixer.dtype)
         if self.kind == "mlp":
             out = self.mixer(hidden)
@@ -104,8 +103,8 @@ class DecodeWeights(NamedTuple):
     token (the fused input projection is a copy of the layer's largest weights).
 
     head [v, d]: the LM head in the compute dtype; layers: per layer, a Mamba layer's
-    `Mamba2Mixer.step_weights()`, for fused steps an MLP layer's `MLP.step_weights()`, None
-    for other layers."""
+    `Mamba2Mixer.step_weights()`, for fused steps an attention or MLP layer's
+    `step_weights()`, else None."""
 
     head: jax.Array
     layers: tuple
@@ -189,12 +188,12 @@ class Mamba2LM(nnx.Module):
 
     def decode_weights(self, fused: bool = False) -> DecodeWeights:
         """The DecodeWeights of the current parameters (build them outside the decode loop);
-        fused: for steps whose Mamba and MLP blocks run as Mamba2Mixer.fused_step and
-        MLP.fused_step (mixer.uses_fused_step)."""
+        fused: for steps whose blocks run as their mixers' fused_step
+        (mixer.uses_fused_step)."""
         def layer_weights(layer):
             if layer.kind == "mamba":
                 return layer.mixer.step_weights(fused)
-            return layer.mixer.step_weights() if layer.kind == "mlp" and fused else None
+            return layer.mixer.step_weights() if fused else None
 
         return DecodeWeights(head=self.head_weight().astype(self.dtype),
                              layers=tuple(layer_weights(layer) for layer in self.layers))

@@ -146,21 +146,32 @@ def test_fused_decoding_step_matches_the_xla_step(batch):
             np.testing.assert_allclose(ours, ref, rtol=0, atol=2.0 ** -6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
-def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation):
+# The second case has biases on q, k, v and o_proj, and rotary on half of each head.
+@pytest.mark.parametrize("activation,attention_extras", [("relu2", False), ("swiglu", True)])
+def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation, attention_extras):
     """At batch 1 with step_implementation="triton" an MLP block is two kernels
     (MLP.fused_step: the norm and input projections, w_in [2f, d] for swiglu; the
-    activation, down_proj and residual), among fused Mamba blocks and an attention layer."""
+    activation, down_proj and residual), and so is an attention block (Attention.fused_step:
+    the norm with q, k and v's projections; o_proj and the residual), among fused Mamba
+    blocks."""
     cfg = Mamba2Config(layer_pattern="M-*M-", n_layer=5, d_model=64, vocab_size=100,
                        d_state=16, headdim=16, chunk_size=8, d_intermediate=96,
                        attn_num_heads=4, attn_num_heads_kv=2, attn_head_dim=16,
-                       mlp_activation=activation)
+                       mlp_activation=activation, attn_qkv_bias=attention_extras,
+                       attn_out_bias=attention_extras,
+                       attn_rotary_emb_dim=8 if attention_extras else 0)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (1, 9)))
+    rng = np.random.default_rng()
+    if attention_extras:  # the biases start at zero: make them count
+        attention = model.layers[2].mixer
+        for name in ("q_bias", "k_bias", "v_bias", "out_bias"):
+            bias = getattr(attention, name)
+            bias[...] = jnp.asarray(0.1 * rng.standard_normal(bias.shape), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)))
     _, cache = model.prefill(ids[:, :8], cache_len=12)
     step = lambda implementation: model.step(ids[:, 8], cache, implementation=implementation)
-    # three kernels a Mamba block, two an MLP block
-    assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 2 * 2
+    # three kernels a Mamba block, two an MLP or attention block
+    assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 3 * 2
     (logits, new), (logits_k, new_k) = step("xla"), step("triton")
     assert np.all(np.isfinite(logits_k))
     # As in the Mamba-only step above: the same arithmetic, float32 sums in another order.
