@@ -195,9 +195,9 @@ class Attention(nnx.Module):
         """residual [b, d] -> (residual + attention(rms_norm(residual)), the updated
         AttentionCache), the projections as two pallas_kernels.norm_matmul kernels: the
         layer's RMSNorm (norm_weight [d], norm_eps) with q, k and v's projections, then o_proj
-        with its bias and the residual add, where XLA runs a norm fusion, three matrix-vector
-        products, a fourth and the add. The arithmetic of Block.step over step(); for a
-        decoding step of a few rows. weights: step_weights(); None builds them here."""
+        with its bias and the residual add, where the XLA step runs the norm, the four
+        products and the add as XLA's kernels. The arithmetic of Block.step over step(); for
+        a decoding step of a few rows. weights: step_weights(); None builds them here."""
         c = self.cfg
         w_qkv, w_o = self.step_weights() if weights is None else weights
         b, e = residual.shape[0], c.attn_head_dim
