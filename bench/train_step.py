@@ -1,16 +1,17 @@
 """The trainer's sharded step on GPUs: float32 agreement between meshes, throughput per mesh,
 the longest sequence that trains, and mamba_ssm's training step beside ours.
 
-    python3 bench/train_step.py tiny --meshes dp=1 tp=2 cp=2
+    python3 bench/train_step.py tiny --meshes dp=1 tp=2 cp=2 [--set FIELD=VALUE ...]
     python3 bench/train_step.py throughput --preset mamba2-1.3b --seq-len 4096 --batch 4 \\
         --meshes dp=1 tp=2 dp=2
     python3 bench/train_step.py longest --preset mamba2-1.3b --meshes dp=1 cp=2
     python3 bench/train_step.py versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
         --baseline .baseline
 
-tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny preset, float32)
-  on the host CPU and under each mesh on the GPUs, at "highest" matmul precision, so that
-  the meshes can be compared within float32 rounding.
+tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny preset, float32;
+  --set changes its fields, e.g. to a hybrid: --set layer_pattern=M*-M n_layer=4 ...) on the
+  host CPU and under each mesh on the GPUs, at "highest" matmul precision, so that the
+  meshes can be compared within float32 rounding.
 throughput: one row per mesh, the same global batch: step time (median of --steps after two
   warm-up steps, the host clock around each step until its loss is ready), tokens/s, MFU
   and peak memory per device (the largest `peak_bytes_in_use` of the mesh's devices).
@@ -35,8 +36,11 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
 its own; ours with `--xla_gpu_enable_triton_gemm=false` added to XLA_FLAGS unless they set
-it (see in_process). Progress (compile, build and step times) goes to stderr. The
-parameters are one layer's init repeated (Steps.init_params), which builds in seconds. MFU:
+it (see in_process). A hybrid with MLP layers (megatron-hybrid-800m) then also needs
+`XLA_FLAGS=--xla_gpu_enable_cublaslt=false`: without it jax 0.11.2's compile failed on an
+H200 ("BlasLt is unavailable"; BENCHMARKS.md). Progress (compile, build and step times) goes
+to stderr. The parameters are one layer's init per layer kind, repeated
+(Steps.init_params), which builds in seconds. MFU:
 mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones included,
 forward x3; recomputation not counted) over the dense bf16 peak of the devices used
 (mamba_jax.metrics.device_peak_flops: 989 TFLOP/s per H200, NVIDIA's datasheet).
@@ -105,24 +109,24 @@ class Steps:
         self.state = None  # (params, opt_state) on the devices, once measure() built them
 
     def init_params(self):
-        """The parameters on the mesh: a one-layer model's, its layer repeated n_layer times.
-        Each tensor has Mamba2LM's init distribution (only the layers are equal), and the
-        init compiles in seconds: the whole model's jitted init took 129 s to compile for
-        the 1.3b preset on a CPU, per process and mesh."""
+        """The parameters on the mesh: those of a model with one layer of each kind (Mamba,
+        attention, MLP) that the preset has, each layer repeated wherever the preset has its
+        kind. Each tensor has Mamba2LM's init distribution (only the layers of a kind are
+        equal), and the init compiles in seconds: the whole model's jitted init took 129 s
+        to compile for the 1.3b preset on a CPU, per process and mesh."""
         import jax
         from flax import nnx
 
         from mamba_jax.model import Mamba2LM
 
         cfg = self.cfg
-        if len(set(cfg.layers)) != 1:
-            raise ValueError(f"bench/train_step.py builds presets of one layer kind; "
-                             f"{cfg.layers!r} mixes kinds")
-        one = cfg.replace(n_layer=1, layer_pattern=cfg.layer_pattern[:1])
+        kinds = "".join(dict.fromkeys(cfg.layers))  # each kind once, in order
+        one = cfg.replace(n_layer=len(kinds), layer_pattern=kinds, attn_layer_idx=())
 
         def build():
             pure = nnx.to_pure_dict(nnx.split(Mamba2LM(one, rngs=nnx.Rngs(0)))[1])
-            pure["layers"] = {i: pure["layers"][0] for i in range(cfg.n_layer)}
+            pure["layers"] = {i: pure["layers"][kinds.index(kind)]
+                              for i, kind in enumerate(cfg.layers)}
             state = jax.tree.map(lambda a: a, self.abstract)  # filled in place: a copy
             nnx.replace_by_pure_dict(state, pure)
             return state
@@ -398,7 +402,7 @@ def tiny(args):
     def losses(platform, mesh):
         with tempfile.TemporaryDirectory() as tmp:
             argv = ["--steps", "5", "--out", "none", "--metrics-file", f"{tmp}/m.jsonl",
-                    "--mesh", mesh]
+                    "--mesh", mesh, *itertools.chain(*(("--set", c) for c in args.set))]
             env = dict(os.environ, JAX_PLATFORMS=platform,
                        JAX_DEFAULT_MATMUL_PRECISION="highest",
                        CUDA_VISIBLE_DEVICES=gpus_for(mesh))
@@ -519,6 +523,9 @@ def main():
                                     "_theirs"))
     p.add_argument("child", nargs="?", choices=("measure", "longest", "batch"))
     p.add_argument("--meshes", nargs="+", default=["dp=1"])
+    p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="tiny: Mamba2Config fields of the tiny preset to change (mamba_jax.train's "
+                        "--set), e.g. a hybrid's layer_pattern")
     p.add_argument("--mesh", default="dp=1")
     p.add_argument("--preset", default="mamba2-1.3b")
     p.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
