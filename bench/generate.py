@@ -140,6 +140,7 @@ def check_kernels(preset, cfg, batch):
     the CPU, on random inputs (checks.check_kernel); exits on a miss."""
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    matrix = lambda n, k: (arr(n, k) / k ** 0.5).astype(jnp.bfloat16)  # a w [n, k]
     h, p, g, n, k, d = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state, cfg.d_conv,
                         cfg.d_model)
     e, hp = cfg.conv_dim, cfg.d_inner
@@ -156,21 +157,19 @@ def check_kernels(preset, cfg, batch):
         # As fused_step calls it: the conv window shifted in place, xBC at column h*p.
         cases["rms_norm_matmul (in_proj)"] = (
             lambda conv_state, **kw: rms_norm_matmul(**kw, window=(conv_state, hp)), dict(
-                x=arr(batch, d), weight=arr(d),
-                w=(arr(zxbcdt, d) / d ** 0.5).astype(jnp.bfloat16), eps=cfg.norm_eps,
+                x=arr(batch, d), weight=arr(d), w=matrix(zxbcdt, d), eps=cfg.norm_eps,
                 w_transposed=True, conv_state=arr(batch, e, k).astype(jnp.bfloat16)))
         cases["rms_norm_matmul (out_proj)"] = (rms_norm_matmul, dict(  # y already gated
-            x=arr(batch, hp), weight=arr(hp), w=(arr(d, hp) / hp ** 0.5).astype(jnp.bfloat16),
-            eps=cfg.norm_eps, ngroups=g, residual=arr(batch, d), w_transposed=True))
+            x=arr(batch, hp), weight=arr(hp), w=matrix(d, hp), eps=cfg.norm_eps, ngroups=g,
+            residual=arr(batch, d), w_transposed=True))
         if "-" in cfg.layers:  # an MLP block's two kernels (MLP.fused_step)
             f = cfg.d_intermediate
             swiglu = cfg.mlp_activation == "swiglu"
             cases["rms_norm_matmul (MLP in)"] = (rms_norm_matmul, dict(
-                x=arr(batch, d), weight=arr(d),
-                w=(arr(2 * f if swiglu else f, d) / d ** 0.5).astype(jnp.bfloat16),
+                x=arr(batch, d), weight=arr(d), w=matrix(2 * f if swiglu else f, d),
                 eps=cfg.norm_eps, w_transposed=True, out_dtype=jnp.float32))
             cases["rms_norm_matmul (MLP down)"] = (rms_norm_matmul, dict(
-                x=arr(batch, f), weight=None, w=(arr(d, f) / f ** 0.5).astype(jnp.bfloat16),
+                x=arr(batch, f), weight=None, w=matrix(d, f),
                 eps=None, z=arr(batch, f) if swiglu else None,
                 activation=None if swiglu else cfg.mlp_activation, residual=arr(batch, d),
                 w_transposed=True))
@@ -178,11 +177,10 @@ def check_kernels(preset, cfg, batch):
             qkv = (cfg.attn_num_heads + 2 * cfg.attn_num_heads_kv) * cfg.attn_head_dim
             o = cfg.attn_num_heads * cfg.attn_head_dim
             cases["rms_norm_matmul (attention qkv)"] = (rms_norm_matmul, dict(
-                x=arr(batch, d), weight=arr(d), w=(arr(qkv, d) / d ** 0.5).astype(jnp.bfloat16),
-                eps=cfg.norm_eps, w_transposed=True))
+                x=arr(batch, d), weight=arr(d), w=matrix(qkv, d), eps=cfg.norm_eps,
+                w_transposed=True))
             cases["rms_norm_matmul (attention out)"] = (rms_norm_matmul, dict(
-                x=arr(batch, o).astype(jnp.bfloat16), weight=None,
-                w=(arr(d, o) / o ** 0.5).astype(jnp.bfloat16), eps=None,
+                x=arr(batch, o).astype(jnp.bfloat16), weight=None, w=matrix(d, o), eps=None,
                 bias=arr(d) if cfg.attn_out_bias else None, residual=arr(batch, d),
                 w_transposed=True))
     for name, (f, kwargs) in cases.items():

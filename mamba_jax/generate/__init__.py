@@ -297,8 +297,8 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     step_implementation: "auto" (the default), "xla" or "triton": the Mamba layers' conv and
     SSM update in each decode step as XLA fusions or as one Pallas kernel per layer
     (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is three
-    Pallas kernels (Mamba2Mixer.fused_step), and a hybrid's MLP block two (MLP.fused_step).
-    "auto" takes "triton" on a GPU (where the kernel takes the model's headdim, d_state and
+    Pallas kernels (Mamba2Mixer.fused_step), and a hybrid's attention and MLP blocks two
+    each (Attention.fused_step, MLP.fused_step). "auto" takes "triton" on a GPU (where the kernel takes the model's headdim, d_state and
     d_conv) and "xla" otherwise (mixer.step_implementation_for), by measurement
     (BENCHMARKS.md, Generation).
 
