@@ -59,7 +59,7 @@ from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
 from mamba_jax.generate import _check, _decode, _prefill, generate, jit_decode  # noqa: E402,E501
 from mamba_jax.mixer import step_implementation_for, uses_fused_step  # noqa: E402
 from pallas_kernels.norm_matmul import rms_norm_matmul  # noqa: E402
-from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted  # noqa: E402
+from pallas_kernels.ssd.step import mamba_step, mamba_step_out, mamba_step_shifted  # noqa: E402
 from baseline import import_mamba_lm, mamba_config  # noqa: E402
 from checks import check_kernel  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
@@ -154,6 +154,12 @@ def check_kernels(preset, cfg, batch):
         shifted = {key: v for key, v in cases["mamba_step"][1].items() if key != "conv_state"}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
             shifted, window=arr(batch, e, k).astype(jnp.bfloat16), gate=True))
+        # With a counter, one cooperative kernel where the GPU holds its programs (the
+        # counter itself is not compared: only that kernel advances it)
+        cases["mamba_step_out"] = (lambda **kw: mamba_step_out(**kw)[:2], dict(
+            shifted, window=arr(batch, e, k).astype(jnp.bfloat16), residual=arr(batch, d),
+            norm_weight=arr(hp), w_out=matrix(d, hp), eps=cfg.norm_eps, ngroups=g,
+            sync=jnp.zeros((1,), jnp.int32)))
         # As fused_step calls it: the conv window shifted in place, xBC at column h*p.
         cases["rms_norm_matmul (in_proj)"] = (
             lambda conv_state, **kw: rms_norm_matmul(**kw, window=(conv_state, hp)), dict(

@@ -22,7 +22,7 @@ from mamba_jax.config import Mamba2Config
 from mamba_jax.layers import causal_conv1d, dense, gated_rms_norm, matmul, uniform
 from pallas_kernels.norm_matmul import rms_norm_matmul
 from pallas_kernels.ssd import document_ids, ssd
-from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
+from pallas_kernels.ssd.step import mamba_step, mamba_step_out
 from pallas_kernels.ssd.step import supports as step_supports
 
 # The largest batch whose decoding step takes `Mamba2Mixer.fused_step` under
@@ -60,11 +60,15 @@ class MambaCache(NamedTuple):
     """One Mamba layer's decoding state.
 
     conv_state [b, e, k]: the last k conv inputs, newest last (mamba_ssm's layout);
-    ssm_state [b, h, p, n] float32 (or bfloat16 where generate is asked to store it so).
+    ssm_state [b, h, p, n] float32 (or bfloat16 where generate is asked to store it so);
+    sync: None, or the int32 [1] counter of fused_step's cooperative kernel
+    (pallas_kernels.ssd.step.mamba_step_out), which generate's decode loop carries from token
+    to token.
     """
 
     conv_state: jax.Array
     ssm_state: jax.Array
+    sync: jax.Array | None = None
 
 
 class StepWeights(NamedTuple):
@@ -279,17 +283,19 @@ class Mamba2Mixer(nnx.Module):
 
     def fused_step(self, residual, norm_weight, norm_eps, cache: MambaCache,
                    weights: StepWeights | None = None):
-        """A whole Mamba block for one token in three Pallas kernels: residual [b, d] ->
-        (residual + mixer(rms_norm(residual)), the updated MambaCache).
+        """A whole Mamba block for one token in two or three Pallas kernels: residual [b, d]
+        -> (residual + mixer(rms_norm(residual)), the updated MambaCache).
 
         The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, which also
-        shifts the conv window in place, and the gated norm with out_proj and the residual
-        add, each one pallas_kernels.norm_matmul kernel; between them the conv, the SSM
-        update and the gate (pallas_kernels.ssd.step.mamba_step_shifted), which reads dt and
-        z from the projection's output in place. The arithmetic of Block.step over `step` in
-        a third of its kernels, for a decoding step at small batch (up to
-        FUSED_STEP_MAX_BATCH rows), which is bound by its kernel count (BENCHMARKS.md,
-        Generation). weights: step_weights(fused=True); None builds them here."""
+        shifts the conv window in place, as one pallas_kernels.norm_matmul kernel; then
+        pallas_kernels.ssd.step.mamba_step_out: the conv, the SSM update and the gate, which
+        read dt and z from the projection's output in place, then the gated norm with
+        out_proj and the residual add. With the cache's sync counter (generate's decode loop
+        gives one) that is one cooperative kernel on a GPU that holds its programs at once,
+        else two. The arithmetic of Block.step over `step` in a third of its kernels or
+        fewer, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows), which is
+        bound by its kernel count (BENCHMARKS.md, Generation). weights:
+        step_weights(fused=True); None builds them here."""
         weights = self.step_weights(fused=True) if weights is None else weights
         w, bias = weights.in_proj
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
@@ -297,13 +303,11 @@ class Mamba2Mixer(nnx.Module):
                                              w_transposed=True,
                                              window=(cache.conv_state, self.cfg.d_inner),
                                              implementation="triton")
-        # y times silu(z), float32: gated once here, not by every out_proj program
-        y, ssm_state = mamba_step_shifted(
+        # The step and the gate, then the gated norm, out_proj and the residual add
+        residual, ssm_state, sync = mamba_step_out(
             conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
-            cache.ssm_state, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype, gate=True,
-            implementation="triton")
-        residual = rms_norm_matmul(
-            y.reshape(y.shape[0], -1), self.norm[...].reshape(-1), weights.out_proj,
+            cache.ssm_state, residual, self.norm[...].reshape(-1), weights.out_proj,
             eps=self.cfg.norm_eps, ngroups=self.cfg.ngroups, bias=self._bias("out_bias"),
-            residual=residual, w_transposed=True, implementation="triton")
-        return residual, MambaCache(conv_state, ssm_state)
+            sync=cache.sync, dt_limit=self.cfg.dt_limit, y_dtype=self.dtype,
+            implementation="triton")
+        return residual, MambaCache(conv_state, ssm_state, sync)

@@ -52,8 +52,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ssd.step import shift_window
-
 IMPLEMENTATIONS = ("xla", "triton")
 ACTIVATIONS = (None, "relu2")
 
@@ -62,7 +60,7 @@ ACTIVATIONS = (None, "relu2")
 class Blocks:
     """The kernel's tiles: output columns per program (block_n), features per load (block_k;
     a power of two dividing k / ngroups) and warps per program. None: chosen from the shapes
-    (`_blocks`)."""
+    (`filled_blocks`)."""
     block_n: int | None = None
     block_k: int | None = None
     num_warps: int | None = None
@@ -100,6 +98,13 @@ def rms_norm_matmul(x, weight, w, *, eps, z=None, ngroups=1, bias=None, residual
     return out, shift_window(conv_state, out[:, at:at + conv_state.shape[1]])
 
 
+def shift_window(conv_state, newest):
+    """conv_state [b, e, k] shifted by one, newest [b, e] appended in its dtype: a causal
+    conv's window after one more input (`window=`)."""
+    return jnp.concatenate([conv_state[:, :, 1:], newest[:, :, None].astype(conv_state.dtype)],
+                           axis=-1)
+
+
 def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed,
               out_dtype=None, activation=None):
     """rms_norm_matmul in plain JAX, without a window."""
@@ -131,7 +136,7 @@ def _largest_power_of_two_dividing(v, at_most):
     return min(1 << (max(at_most, 1).bit_length() - 1), v & -v)
 
 
-def _blocks(blocks, k, k_group, n, columns_divisor):
+def filled_blocks(blocks, k, k_group, n, columns_divisor):
     """(bn, bk, warps): Blocks with its Nones filled. A matrix-vector product is bound by the
     bytes of w in flight, and each program loads its whole [bn, k] slab of w at once. So bn
     keeps that slab within 32K elements (128 registers a thread at 4 warps, for bf16) and
@@ -147,40 +152,68 @@ def _blocks(blocks, k, k_group, n, columns_divisor):
     return bn, bk, blocks.num_warps or 4
 
 
-def _kernel(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
-            w_transposed, window_at, out_dtype, activation):
+def _kernel(x_ref, *refs, bn, **kw):
+    _columns(x_ref, *refs, start=pl.multiple_of(pl.program_id(0) * bn, bn), bn=bn, **kw)
+
+
+def _columns(x_ref, *refs, start, after_load=None, **kw):
+    """The kernel's work for output columns [start, start + bn): `_slab` then `_product`, with
+    after_load() (if given) run between them, while the slab's loads are in flight."""
+    slab = _slab(x_ref, *refs, start=start, **kw)
+    if after_load is not None:
+        after_load()
+    _product(x_ref, *refs, start=start, slab=slab, **kw)
+
+
+def _refs(refs, has_weight, has_z, has_bias, has_residual, window_at):
+    """The kernel's refs after x_ref, by name."""
     refs = list(refs)
-    weight_ref = refs.pop(0) if has_weight else None
-    w_ref = refs.pop(0)
-    z_ref = refs.pop(0) if has_z else None
-    bias_ref = refs.pop(0) if has_bias else None
-    residual_ref = refs.pop(0) if has_residual else None
+    named = dict(weight=refs.pop(0) if has_weight else None, w=refs.pop(0),
+                 z=refs.pop(0) if has_z else None, bias=refs.pop(0) if has_bias else None,
+                 residual=refs.pop(0) if has_residual else None)
     if window_at is not None:
-        _, out_ref, window_ref = refs  # the window's input and output are one buffer
+        _, named["out"], named["window"] = refs  # the window's input and output are one buffer
     else:
-        (out_ref,) = refs
-    start = pl.multiple_of(pl.program_id(0) * bn, bn)
+        (named["out"],), named["window"] = refs, None
+    return named
+
+
+def _slab(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
+          w_transposed, window_at, out_dtype, activation, start):
+    """Issue the loads of the program's whole slab of w (and the norm's scale, and the window's
+    kept columns) -> what _product takes as `slab`."""
+    r = _refs(refs, has_weight, has_z, has_bias, has_residual, window_at)
     columns = pl.ds(start, bn)
     rows, k = x_ref.shape
     tiles = [pl.ds(first, bk) for first in range(0, k, bk)]  # static: k / bk of them
-    per_group = len(tiles) // ngroups  # bk divides k / ngroups
-
     # The program's whole slab of w is loaded first, so that its loads are in flight while
     # the rows' norms are computed (a pass over the rows before w can be used: a latency,
     # which bounds a decoding step's projection more than its bytes do).
-    w = [w_ref[columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
-         else w_ref[tile, columns].T for tile in tiles]
-    scale = [weight_ref[tile].astype(jnp.float32) for tile in tiles] if has_weight else None
+    w = [r["w"][columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
+         else r["w"][tile, columns].T for tile in tiles]
+    scale = [r["weight"][tile].astype(jnp.float32) for tile in tiles] if has_weight else None
     # The window's kept columns too: loaded here, they arrive with w, where loaded after the
     # product they would add their latency to the program's.
     kept = (None if window_at is None
-            else [_window_kept(window_ref, row, start - window_at, bn) for row in range(rows)])
+            else [_window_kept(r["window"], row, start - window_at, bn) for row in range(rows)])
+    return w, scale, kept
+
+
+def _product(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
+             w_transposed, window_at, out_dtype, activation, start, slab):
+    """The rows' norms, their products with the slab, and the stores."""
+    r = _refs(refs, has_weight, has_z, has_bias, has_residual, window_at)
+    w, scale, kept = slab
+    columns = pl.ds(start, bn)
+    rows, k = x_ref.shape
+    tiles = [pl.ds(first, bk) for first in range(0, k, bk)]
+    per_group = len(tiles) // ngroups  # bk divides k / ngroups
     for row in range(rows):  # static, as the tiles: a few
         v = []  # [bk] float32 each: the row activated and gated, not yet normalised
         for tile in tiles:
             vt = _activate(x_ref[row, tile].astype(jnp.float32), activation)
             if has_z:
-                vt = vt * jax.nn.silu(z_ref[row, tile].astype(jnp.float32))
+                vt = vt * jax.nn.silu(r["z"][row, tile].astype(jnp.float32))
             v.append(vt)
         if has_weight:  # the norm, applied tile by tile in the product below
             rstd = [jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
@@ -188,18 +221,18 @@ def _kernel(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has
                                   / (per_group * bk) + eps) for gi in range(ngroups)]
         normed = ((lambda ti, vt: vt * rstd[ti // per_group] * scale[ti]) if has_weight
                   else lambda ti, vt: vt)
-        acc = sum(jnp.sum(wt.astype(jnp.float32) * normed(ti, vt).astype(w_ref.dtype)
+        acc = sum(jnp.sum(wt.astype(jnp.float32) * normed(ti, vt).astype(r["w"].dtype)
                           .astype(jnp.float32)[None, :], axis=1)
                   for ti, (wt, vt) in enumerate(zip(w, v)))
         if has_bias:
-            acc = acc + bias_ref[columns].astype(jnp.float32)
+            acc = acc + r["bias"][columns].astype(jnp.float32)
         out = acc.astype(out_dtype)
         if has_residual:
-            out = residual_ref[row, columns] + out.astype(residual_ref.dtype)
-        out = out.astype(out_ref.dtype)
-        out_ref[row, columns] = out
+            out = r["residual"][row, columns] + out.astype(r["residual"].dtype)
+        out = out.astype(r["out"].dtype)
+        r["out"][row, columns] = out
         if window_at is not None:
-            _shift_in(window_ref, row, kept[row], out)
+            _shift_in(r["window"], row, kept[row], out)
 
 
 def _window_kept(window_ref, row, channel, bn):
@@ -225,18 +258,26 @@ def _shift_in(window_ref, row, kept, newest):
             window_ref[row, channels, j] = column
 
 
+def kernel_options(weight, *, eps, z, ngroups, bias, residual, w_transposed, window_at,
+                   out_dtype, activation, bk):
+    """The static options of the kernel's code (`_columns`) for these operands."""
+    return dict(eps=eps, ngroups=ngroups, bk=bk, has_weight=weight is not None,
+                has_z=z is not None, has_bias=bias is not None,
+                has_residual=residual is not None, w_transposed=w_transposed,
+                window_at=window_at, out_dtype=out_dtype, activation=activation)
+
+
 def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window, out_dtype,
             activation, blocks):
     b, k = x.shape
     n = w.shape[0] if w_transposed else w.shape[1]
     window_at = None if window is None else window[1]
     columns_divisor = n if window is None else math.gcd(n, window_at, window[0].shape[1])
-    bn, bk, warps = _blocks(blocks, k, k // ngroups, n, columns_divisor)
-    kernel = functools.partial(_kernel, eps=eps, ngroups=ngroups, bk=bk, bn=bn,
-                               has_weight=weight is not None, has_z=z is not None,
-                               has_bias=bias is not None, has_residual=residual is not None,
-                               w_transposed=w_transposed, window_at=window_at,
-                               out_dtype=out_dtype, activation=activation)
+    bn, bk, warps = filled_blocks(blocks, k, k // ngroups, n, columns_divisor)
+    kernel = functools.partial(_kernel, **kernel_options(
+        weight, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
+        w_transposed=w_transposed, window_at=window_at, out_dtype=out_dtype,
+        activation=activation, bk=bk), bn=bn)
     args = [a for a in (x, weight, w, z, bias, residual) if a is not None]
     out_shape = jax.ShapeDtypeStruct((b, n), out_dtype if residual is None else residual.dtype)
     if window is not None:  # updated in place

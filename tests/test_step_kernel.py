@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_shifted
+from pallas_kernels.ssd import step
+from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_out, mamba_step_shifted
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
@@ -93,6 +94,55 @@ def test_tiles_split_or_join_the_headdim_to_the_same_values(block_p):
     tiled = mamba_step(**args, implementation="triton", blocks=Blocks(block_p, num_warps=2))
     for got, want in zip(tiled, default):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("norm_groups,bias", [(1, False), (2, True)])
+def test_cooperative_kernel_computes_the_two_kernels_values(norm_groups, bias):
+    """mamba_step_out's cooperative kernel (the step, a grid-wide barrier, then out_proj, per
+    program) at one program: the interpreter runs programs one at a time, so one that waited
+    for another would never return; one program runs the same code as each of the GPU's.
+    Its residual and state equal the two kernels' (the step kernel, then the norm-matmul
+    kernel) bit for bit, and it adds one arrival to the counter from where it was."""
+    rng = np.random.default_rng()  # fresh inputs every run
+    h, p, n, d = 1, 32, 16, 8  # one head, one program of its 32 rows
+    args = _inputs(rng, b=1, h=h, p=p, g=1, n=n, k=4, window_dtype=jnp.bfloat16,
+                   state_dtype=jnp.float32, bias=bias)
+    window = args.pop("conv_state")
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    out_args = dict(residual=arr(1, d), norm_weight=arr(h * p),
+                    w_out=(arr(d, h * p) / (h * p) ** 0.5).astype(jnp.bfloat16))
+    kw = dict(eps=1e-5, ngroups=norm_groups, bias=0.1 * arr(d) if bias else None,
+              dt_limit=(0.0, math.inf), y_dtype=jnp.bfloat16)
+    two = mamba_step_out(window, **args, **out_args, **kw, implementation="triton")
+    assert two[2] is None  # no counter: the two kernels
+    for start in (0, 7):
+        sync = jnp.full((1,), start, jnp.int32)
+        residual, state, sync = step._cooperative(window, **args, **out_args, **kw, sync=sync,
+                                                  plan=(32, d, 1))
+        np.testing.assert_array_equal(residual, two[0])
+        np.testing.assert_array_equal(state, two[1])
+        assert int(sync[0]) == start + 1
+    assert np.all(np.isfinite(residual))
+
+
+def test_cooperative_kernel_runs_only_where_its_programs_fit(monkeypatch):
+    """The cooperative kernel's plan: mamba2-1.3b's shapes (64 heads of 64 rows, d_state 128,
+    out_proj [2048, 4096]) take 256 programs, each the step kernel's 16 rows of a head and 8
+    of out_proj's columns, on a GPU that holds 264 of them (an H200's 132 SMs, two each);
+    not on one that holds fewer, nor without a counter, nor at batch 2, nor where the
+    columns do not split evenly."""
+    state = jax.ShapeDtypeStruct((1, 64, 64, 128), jnp.float32)
+    w_out = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16)
+    sync = jnp.zeros((1,), jnp.int32)
+    monkeypatch.setattr(step, "cooperative_programs", lambda: 264)
+    assert step._cooperative_plan(state, w_out, sync) == (16, 8, 256)
+    assert step._cooperative_plan(state, w_out, None) is None
+    assert step._cooperative_plan(jax.ShapeDtypeStruct((2, 64, 64, 128), jnp.float32),
+                                  w_out, sync) is None
+    assert step._cooperative_plan(state, jax.ShapeDtypeStruct((2000, 4096), jnp.bfloat16),
+                                  sync) is None
+    monkeypatch.setattr(step, "cooperative_programs", lambda: 255)
+    assert step._cooperative_plan(state, w_out, sync) is None
 
 
 def test_unsupported_shapes_and_names_are_refused():

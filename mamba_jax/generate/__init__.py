@@ -150,7 +150,11 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     nnx.update(model, jax.tree_util.tree_map_with_path(
         lambda path, w: (w.astype(model.dtype)
                          if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), params))
-    weights = model.decode_weights(uses_fused_step(step_implementation, first.shape[0]))
+    fused = uses_fused_step(step_implementation, first.shape[0])
+    weights = model.decode_weights(fused)
+    if fused:  # the counters of the Mamba blocks' cooperative kernels (mamba_step_out)
+        cache = tuple(c._replace(sync=jnp.zeros((1,), jnp.int32))
+                      if isinstance(c, MambaCache) else c for c in cache)
     vocab = model.config.vocab_size
     stop = -1 if eos_token_id is None else eos_token_id
     pad = 0 if eos_token_id is None else eos_token_id
@@ -296,8 +300,9 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
 
     step_implementation: "auto" (the default), "xla" or "triton": the Mamba layers' conv and
     SSM update in each decode step as XLA fusions or as one Pallas kernel per layer
-    (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is three
-    Pallas kernels (Mamba2Mixer.fused_step), and a hybrid's attention and MLP blocks two
+    (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is two
+    Pallas kernels on a GPU that holds the second's programs at once, else three
+    (Mamba2Mixer.fused_step), and a hybrid's attention and MLP blocks two
     each (Attention.fused_step, MLP.fused_step). "auto" takes "triton" on a GPU (where the kernel takes the model's headdim, d_state and
     d_conv) and "xla" otherwise (mixer.step_implementation_for), by measurement
     (BENCHMARKS.md, Generation).
