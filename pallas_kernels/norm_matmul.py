@@ -54,6 +54,7 @@ from jax.experimental.pallas import triton as plgpu
 
 IMPLEMENTATIONS = ("xla", "triton")
 ACTIVATIONS = (None, "relu2")
+SLAB_ELEMENTS = 32768  # the most of w a program loads at once (filled_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,13 +140,13 @@ def _largest_power_of_two_dividing(v, at_most):
 def filled_blocks(blocks, k, k_group, n, columns_divisor):
     """(bn, bk, warps): Blocks with its Nones filled. A matrix-vector product is bound by the
     bytes of w in flight, and each program loads its whole [bn, k] slab of w at once. So bn
-    keeps that slab within 32K elements (128 registers a thread at 4 warps, for bf16) and
+    keeps that slab within SLAB_ELEMENTS (128 registers a thread at 4 warps, for bf16) and
     gives at least two waves of programs over an H200's 132 SMs, except that a long row
     (k >= 4096) takes 8 rows: every program also reads all of x, so fewer programs read
     less of it (mamba2-1.3b's out_proj, k 4096: 8.8-8.9 us at 8 rows and 4 warps against
     10.1-10.5 at 4 rows and 8 warps, two runs; BENCHMARKS.md, Generation). bk is at most
     2048. bn divides columns_divisor (n, or where a window's columns start and end)."""
-    bn = blocks.block_n or (min(8, 32768 // k) if k >= 4096 else min(4, n // 264))
+    bn = blocks.block_n or (min(8, SLAB_ELEMENTS // k) if k >= 4096 else min(4, n // 264))
     bk = blocks.block_k or 2048
     bn = _largest_power_of_two_dividing(columns_divisor, bn)
     bk = _largest_power_of_two_dividing(k_group, bk)
@@ -156,64 +157,43 @@ def _kernel(x_ref, *refs, bn, **kw):
     _columns(x_ref, *refs, start=pl.multiple_of(pl.program_id(0) * bn, bn), bn=bn, **kw)
 
 
-def _columns(x_ref, *refs, start, after_load=None, **kw):
-    """The kernel's work for output columns [start, start + bn): `_slab` then `_product`, with
-    after_load() (if given) run between them, while the slab's loads are in flight."""
-    slab = _slab(x_ref, *refs, start=start, **kw)
-    if after_load is not None:
-        after_load()
-    _product(x_ref, *refs, start=start, slab=slab, **kw)
-
-
-def _refs(refs, has_weight, has_z, has_bias, has_residual, window_at):
-    """The kernel's refs after x_ref, by name."""
+def _columns(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
+             w_transposed, window_at, out_dtype, activation, start, after_load=None):
+    """The kernel's work for output columns [start, start + bn); after_load() (if given) runs
+    once the loads of the slab of w are issued, while they are in flight."""
     refs = list(refs)
-    named = dict(weight=refs.pop(0) if has_weight else None, w=refs.pop(0),
-                 z=refs.pop(0) if has_z else None, bias=refs.pop(0) if has_bias else None,
-                 residual=refs.pop(0) if has_residual else None)
+    weight_ref = refs.pop(0) if has_weight else None
+    w_ref = refs.pop(0)
+    z_ref = refs.pop(0) if has_z else None
+    bias_ref = refs.pop(0) if has_bias else None
+    residual_ref = refs.pop(0) if has_residual else None
     if window_at is not None:
-        _, named["out"], named["window"] = refs  # the window's input and output are one buffer
+        _, out_ref, window_ref = refs  # the window's input and output are one buffer
     else:
-        (named["out"],), named["window"] = refs, None
-    return named
-
-
-def _slab(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
-          w_transposed, window_at, out_dtype, activation, start):
-    """Issue the loads of the program's whole slab of w (and the norm's scale, and the window's
-    kept columns) -> what _product takes as `slab`."""
-    r = _refs(refs, has_weight, has_z, has_bias, has_residual, window_at)
+        (out_ref,) = refs
     columns = pl.ds(start, bn)
     rows, k = x_ref.shape
     tiles = [pl.ds(first, bk) for first in range(0, k, bk)]  # static: k / bk of them
+    per_group = len(tiles) // ngroups  # bk divides k / ngroups
+
     # The program's whole slab of w is loaded first, so that its loads are in flight while
     # the rows' norms are computed (a pass over the rows before w can be used: a latency,
     # which bounds a decoding step's projection more than its bytes do).
-    w = [r["w"][columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
-         else r["w"][tile, columns].T for tile in tiles]
-    scale = [r["weight"][tile].astype(jnp.float32) for tile in tiles] if has_weight else None
+    w = [w_ref[columns, tile] if w_transposed  # [bn, bk], rows contiguous in k
+         else w_ref[tile, columns].T for tile in tiles]
+    scale = [weight_ref[tile].astype(jnp.float32) for tile in tiles] if has_weight else None
     # The window's kept columns too: loaded here, they arrive with w, where loaded after the
     # product they would add their latency to the program's.
     kept = (None if window_at is None
-            else [_window_kept(r["window"], row, start - window_at, bn) for row in range(rows)])
-    return w, scale, kept
-
-
-def _product(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
-             w_transposed, window_at, out_dtype, activation, start, slab):
-    """The rows' norms, their products with the slab, and the stores."""
-    r = _refs(refs, has_weight, has_z, has_bias, has_residual, window_at)
-    w, scale, kept = slab
-    columns = pl.ds(start, bn)
-    rows, k = x_ref.shape
-    tiles = [pl.ds(first, bk) for first in range(0, k, bk)]
-    per_group = len(tiles) // ngroups  # bk divides k / ngroups
+            else [_window_kept(window_ref, row, start - window_at, bn) for row in range(rows)])
+    if after_load is not None:
+        after_load()
     for row in range(rows):  # static, as the tiles: a few
         v = []  # [bk] float32 each: the row activated and gated, not yet normalised
         for tile in tiles:
             vt = _activate(x_ref[row, tile].astype(jnp.float32), activation)
             if has_z:
-                vt = vt * jax.nn.silu(r["z"][row, tile].astype(jnp.float32))
+                vt = vt * jax.nn.silu(z_ref[row, tile].astype(jnp.float32))
             v.append(vt)
         if has_weight:  # the norm, applied tile by tile in the product below
             rstd = [jax.lax.rsqrt(sum(jnp.sum(vt * vt) for vt in v[gi * per_group:
@@ -221,18 +201,18 @@ def _product(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, ha
                                   / (per_group * bk) + eps) for gi in range(ngroups)]
         normed = ((lambda ti, vt: vt * rstd[ti // per_group] * scale[ti]) if has_weight
                   else lambda ti, vt: vt)
-        acc = sum(jnp.sum(wt.astype(jnp.float32) * normed(ti, vt).astype(r["w"].dtype)
+        acc = sum(jnp.sum(wt.astype(jnp.float32) * normed(ti, vt).astype(w_ref.dtype)
                           .astype(jnp.float32)[None, :], axis=1)
                   for ti, (wt, vt) in enumerate(zip(w, v)))
         if has_bias:
-            acc = acc + r["bias"][columns].astype(jnp.float32)
+            acc = acc + bias_ref[columns].astype(jnp.float32)
         out = acc.astype(out_dtype)
         if has_residual:
-            out = r["residual"][row, columns] + out.astype(r["residual"].dtype)
-        out = out.astype(r["out"].dtype)
-        r["out"][row, columns] = out
+            out = residual_ref[row, columns] + out.astype(residual_ref.dtype)
+        out = out.astype(out_ref.dtype)
+        out_ref[row, columns] = out
         if window_at is not None:
-            _shift_in(r["window"], row, kept[row], out)
+            _shift_in(window_ref, row, kept[row], out)
 
 
 def _window_kept(window_ref, row, channel, bn):

@@ -343,8 +343,8 @@ def cooperative_programs():
 def _cooperative_plan(state, w_out, sync):
     """(block_p, block_n, programs) of the cooperative kernel, or None where it does not
     run (mamba_step_out): the step kernel's tiles at 4 warps, out_proj's columns split
-    evenly over its programs in a power of two of at most 32K weights each (norm_matmul's
-    bound), and no more programs than cooperative_programs()."""
+    evenly over its programs in a power of two of at most norm_matmul.SLAB_ELEMENTS
+    weights each, and no more programs than cooperative_programs()."""
     b, h, p, n = state.shape
     if sync is None or b != 1:
         return None
@@ -352,7 +352,7 @@ def _cooperative_plan(state, w_out, sync):
     programs = h * (p // bp)
     d, k = w_out.shape
     bn = d // programs
-    if (warps != 4 or d % programs or bn & (bn - 1) or bn * k > 32768
+    if (warps != 4 or d % programs or bn & (bn - 1) or bn * k > norm_matmul.SLAB_ELEMENTS
             or programs > cooperative_programs()):
         return None
     return bp, bn, programs
