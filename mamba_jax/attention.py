@@ -196,8 +196,9 @@ class Attention(nnx.Module):
         AttentionCache), the projections as two pallas_kernels.norm_matmul kernels: the
         layer's RMSNorm (norm_weight [d], norm_eps) with q, k and v's projections, then o_proj
         with its bias and the residual add, where the XLA step runs the norm, the four
-        products and the add as XLA's kernels. The arithmetic of Block.step over step(); for
-        a decoding step of a few rows. weights: step_weights(); None builds them here."""
+        products and the add as XLA's kernels. The arithmetic of Block.step over step(), but for
+        where the norm's operand is rounded (pallas_kernels.norm_matmul); for a decoding
+        step of a few rows. weights: step_weights(); None builds them here."""
         c = self.cfg
         w_qkv, w_o = self.step_weights() if weights is None else weights
         b, e = residual.shape[0], c.attn_head_dim

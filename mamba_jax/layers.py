@@ -171,8 +171,8 @@ class MLP(nnx.Module):
         with the input projections, then the activation with down_proj and the residual add,
         where XLA runs a norm fusion, two matrix-vector products and the elementwise work
         between them. The arithmetic of Block.step (the input projections' float32 results
-        unrounded); for a decoding step of a few rows. weights: step_weights(); None builds
-        them here."""
+        unrounded, the norm's operand rounded where pallas_kernels.norm_matmul says); for a
+        decoding step of a few rows. weights: step_weights(); None builds them here."""
         w_in, down = self.step_weights() if weights is None else weights
         f = down.shape[1]
         projected = rms_norm_matmul(residual, norm_weight, w_in, eps=norm_eps,

@@ -292,7 +292,8 @@ class Mamba2Mixer(nnx.Module):
         read dt and z from the projection's output in place, then the gated norm with
         out_proj and the residual add. With the cache's sync counter (generate's decode loop
         gives one) that is one cooperative kernel on a GPU that holds its programs at once,
-        else two. The arithmetic of Block.step over `step` in a third of its kernels or
+        else two. The arithmetic of Block.step over `step` (but for where the norms'
+        operands are rounded: pallas_kernels.norm_matmul) in a third of its kernels or
         fewer, for a decoding step at small batch (up to FUSED_STEP_MAX_BATCH rows), which is
         bound by its kernel count (BENCHMARKS.md, Generation). weights:
         step_weights(fused=True); None builds them here."""
