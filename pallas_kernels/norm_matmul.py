@@ -29,7 +29,7 @@ as mamba_ssm computes it) and the MLP's, except where the norm's operand is roun
 model rounds v * rstd * weight, this v * weight. One rounding of each term either way, so the
 two products differ by at most 2**-8 of the sum of the terms' magnitudes (tests). Applying
 rstd after the product lets the kernel reduce the sum of squares beside the product rather
-than before it: 40 us a token less for mamba2-1.3b at batch 1 on an H200 (BENCHMARKS.md,
+than before it: 40-50 us a token less for mamba2-1.3b at batch 1 on an H200 (BENCHMARKS.md,
 Generation).
 
 window: None, or (conv_state [b, e, k], at) with out's columns [at, at + e) the newest
