@@ -256,34 +256,41 @@ def _shift_in(window_ref, row, kept, newest):
             window_ref[row, channels, j] = column
 
 
-def kernel_options(weight, *, eps, z, ngroups, bias, residual, w_transposed, window_at,
-                   out_dtype, activation, bk):
-    """The static options of the kernel's code (`_columns`) for these operands."""
-    return dict(eps=eps, ngroups=ngroups, bk=bk, has_weight=weight is not None,
-                has_z=z is not None, has_bias=bias is not None,
-                has_residual=residual is not None, w_transposed=w_transposed,
-                window_at=window_at, out_dtype=out_dtype, activation=activation)
+def kernel_call(weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window,
+                out_dtype, activation, blocks):
+    """(the static options of the kernel's code, `_columns`, all but start; its operands
+    after x, in order; its warps) for rms_norm_matmul's arguments: what _triton launches, and
+    what a kernel that runs `_columns` inside its own (ssd.step's cooperative kernel) passes
+    it."""
+    k, n = (w.shape[1], w.shape[0]) if w_transposed else w.shape
+    window_at = None if window is None else window[1]
+    columns_divisor = n if window is None else math.gcd(n, window_at, window[0].shape[1])
+    bn, bk, warps = filled_blocks(blocks, k, k // ngroups, n, columns_divisor)
+    options = dict(eps=eps, ngroups=ngroups, bk=bk, bn=bn, has_weight=weight is not None,
+                   has_z=z is not None, has_bias=bias is not None,
+                   has_residual=residual is not None, w_transposed=w_transposed,
+                   window_at=window_at, out_dtype=out_dtype, activation=activation)
+    operands = [a for a in (weight, w, z, bias, residual) if a is not None]
+    if window is not None:  # updated in place: the last operand
+        operands.append(window[0])
+    return options, operands, warps
 
 
 def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window, out_dtype,
             activation, blocks):
-    b, k = x.shape
+    b = x.shape[0]
+    options, operands, warps = kernel_call(
+        weight, w, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
+        w_transposed=w_transposed, window=window, out_dtype=out_dtype, activation=activation,
+        blocks=blocks)
     n = w.shape[0] if w_transposed else w.shape[1]
-    window_at = None if window is None else window[1]
-    columns_divisor = n if window is None else math.gcd(n, window_at, window[0].shape[1])
-    bn, bk, warps = filled_blocks(blocks, k, k // ngroups, n, columns_divisor)
-    kernel = functools.partial(_kernel, **kernel_options(
-        weight, eps=eps, z=z, ngroups=ngroups, bias=bias, residual=residual,
-        w_transposed=w_transposed, window_at=window_at, out_dtype=out_dtype,
-        activation=activation, bk=bk), bn=bn)
-    args = [a for a in (x, weight, w, z, bias, residual) if a is not None]
+    args = [x, *operands]
     out_shape = jax.ShapeDtypeStruct((b, n), out_dtype if residual is None else residual.dtype)
-    if window is not None:  # updated in place
-        args.append(window[0])
+    if window is not None:
         out_shape = [out_shape, jax.ShapeDtypeStruct(window[0].shape, window[0].dtype)]
     return pl.pallas_call(
-        kernel, grid=(n // bn,), interpret=jax.default_backend() != "gpu",
-        name="rms_norm_matmul", out_shape=out_shape,
+        functools.partial(_kernel, **options), grid=(n // options["bn"],), name="rms_norm_matmul",
+        interpret=jax.default_backend() != "gpu", out_shape=out_shape,
         input_output_aliases={} if window is None else {len(args) - 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=warps),
     )(*args)

@@ -302,10 +302,10 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     SSM update in each decode step as XLA fusions or as one Pallas kernel per layer
     (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is two
     Pallas kernels on a GPU that holds the second's programs at once, else three
-    (Mamba2Mixer.fused_step), and a hybrid's attention and MLP blocks two
-    each (Attention.fused_step, MLP.fused_step). "auto" takes "triton" on a GPU (where the kernel takes the model's headdim, d_state and
-    d_conv) and "xla" otherwise (mixer.step_implementation_for), by measurement
-    (BENCHMARKS.md, Generation).
+    (Mamba2Mixer.fused_step), and a hybrid's attention and MLP blocks two each
+    (Attention.fused_step, MLP.fused_step). "auto" takes "triton" on a GPU (where the kernel
+    takes the model's headdim, d_state and d_conv) and "xla" otherwise
+    (mixer.step_implementation_for), by measurement (BENCHMARKS.md, Generation).
 
     Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
     used, eos_token_id, streaming or not, ssm_state_dtype, step_implementation); the

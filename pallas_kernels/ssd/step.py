@@ -382,7 +382,7 @@ def _arrive_and_wait(sync_ref, programs, threads):
         plgpu.debug_barrier()
 
 
-def _step_out_kernel(*refs, n_step, n_out, step_options, out_options, blocks_per_head, bn,
+def _step_out_kernel(*refs, n_step, n_out, step_options, out_options, blocks_per_head,
                      programs):
     step_in, out_in = refs[:n_step], refs[n_step:n_step + n_out]
     # after the inputs' counter (the same buffer as the output's)
@@ -395,7 +395,8 @@ def _step_out_kernel(*refs, n_step, n_out, step_options, out_options, blocks_per
                       **step_options)
         _arrive_and_wait(sync_ref, programs, jax.default_backend() == "gpu")
 
-    norm_matmul._columns(y_ref, *out_in, out_ref, start=pl.multiple_of(j * bn, bn), bn=bn,
+    bn = out_options["bn"]
+    norm_matmul._columns(y_ref, *out_in, out_ref, start=pl.multiple_of(j * bn, bn),
                          after_load=step, **out_options)
 
 
@@ -407,21 +408,19 @@ def _cooperative(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
     step_options, step_args = _step_call(window, None, conv_w, conv_b,
                                          (zxbcdt, zxbcdt.shape[1] - h), A, D, dt_bias, state,
                                          bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=True)
-    d, k = w_out.shape
-    _, bk, _ = norm_matmul.filled_blocks(norm_matmul.Blocks(block_n=bn), k, k // ngroups, d, d)
-    out_options = norm_matmul.kernel_options(
-        norm_weight, eps=eps, z=None, ngroups=ngroups, bias=bias, residual=residual,
-        w_transposed=True, window_at=None, out_dtype=w_out.dtype, activation=None, bk=bk)
-    out_args = tuple(a for a in (norm_weight, w_out, bias, residual) if a is not None)
+    out_options, out_args, _ = norm_matmul.kernel_call(
+        norm_weight, w_out, eps=eps, z=None, ngroups=ngroups, bias=bias, residual=residual,
+        w_transposed=True, window=None, out_dtype=w_out.dtype, activation=None,
+        blocks=norm_matmul.Blocks(block_n=bn))
     kernel = functools.partial(_step_out_kernel, n_step=len(step_args), n_out=len(out_args),
                                step_options=step_options, out_options=out_options,
-                               blocks_per_head=p // bp, bn=bn, programs=programs)
+                               blocks_per_head=p // bp, programs=programs)
     args = (*step_args, *out_args, sync)
     # y (gated, float32) goes through global memory from each program to all of them
     _, state, out, sync = pl.pallas_call(
         kernel, grid=(programs,), name="mamba_step_out",
         interpret=jax.default_backend() != "gpu",
-        out_shape=[jax.ShapeDtypeStruct((b, k), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((b, h * p), jnp.float32),
                    jax.ShapeDtypeStruct(state.shape, state.dtype),
                    jax.ShapeDtypeStruct(residual.shape, residual.dtype),
                    jax.ShapeDtypeStruct(sync.shape, sync.dtype)],
