@@ -1,4 +1,4 @@
-"""Tokenizers, prepared token datasets, and the batches the trainer reads.
+"""Prepared token datasets, and the batches the trainer reads.
 
     python -m mamba_jax.data prepare a.txt b.jsonl --tokenizer bytes --out data/corpus
 
@@ -28,49 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mamba_jax.tokenizer import byte_tokenizer, load_tokenizer
+
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "licenses.txt"
 FORMAT_VERSION = 1
-
-
-# ---------------------------------------------------------------- tokenizers
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (the ByteLevel alphabet)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def byte_tokenizer():
-    """A `tokenizers.Tokenizer` whose ids are the UTF-8 bytes of the text (vocab 256)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def load_tokenizer(spec):
-    """'bytes' -> byte_tokenizer(); a path -> tokenizers.Tokenizer.from_file(path)."""
-    from tokenizers import Tokenizer
-
-    if str(spec) == "bytes":
-        return byte_tokenizer()
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {path} not found: pass --tokenizer "
-                                "PATH/tokenizer.json, or --tokenizer bytes for byte-level models")
-    return Tokenizer.from_file(str(path))
 
 
 # ---------------------------------------------------------------- preparing

@@ -39,12 +39,13 @@ from mamba_jax import parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import save_pretrained
+from mamba_jax.data import DEFAULT_CORPUS, TokenDataset
 from mamba_jax.formats import config_dict, export_format
-from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, load_tokenizer
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
 from mamba_jax.model import Mamba2LM
 from mamba_jax.optim import SCHEDULES, init_opt_state, make_optimizer, make_train_step
+from mamba_jax.tokenizer import load_tokenizer
 
 
 def parse_overrides(pairs: list[str]) -> dict:

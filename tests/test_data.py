@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, byte_tokenizer, main, prepare
+from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, main, prepare
+from mamba_jax.tokenizer import byte_tokenizer
 
 
 @pytest.fixture

@@ -175,7 +175,7 @@ def test_bad_arguments_are_named(model, kwargs, match):
 
 
 def test_generate_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys):
-    from mamba_jax.data import byte_tokenizer
+    from mamba_jax.tokenizer import byte_tokenizer
     from mamba_jax.generate.__main__ import main
 
     byte_model = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16),

@@ -14,7 +14,7 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.data import byte_tokenizer
+from mamba_jax.tokenizer import byte_tokenizer
 from mamba_jax.serve import Limits, make_app
 
 LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16, max_batch=32, batch_window_s=0.02)

@@ -251,7 +251,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     from pathlib import Path
 
     from mamba_jax.convert import from_pretrained
-    from mamba_jax.data import load_tokenizer
+    from mamba_jax.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer or Path(checkpoint) / "tokenizer.json")
     model = from_pretrained(checkpoint, dtype=jnp.dtype(dtype))
