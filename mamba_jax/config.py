@@ -1,8 +1,20 @@
-"""Mamba2Config: every field mamba_ssm's Mamba2 / MambaLMHeadModel uses for published models,
-and the layer pattern and attention / MLP widths of hybrid models.
+"""Mamba2Config: the fields every model has, and one section per layer kind.
 
-Field names follow mamba_ssm (`ssm_cfg` entries flattened into the top level; `attn_cfg`
-entries as `attn_*`).
+    cfg = Mamba2Config(d_model=768, n_layer=24)                          # mamba2-130m
+    cfg = Mamba2Config(d_model=64, layer_pattern="M*-", n_layer=3,
+                       mamba2={"d_state": 16}, attention={"num_heads": 4},
+                       mlp={"d_intermediate": 256})
+    cfg.mamba2.d_state, cfg.attention.num_heads, cfg.mlp.activation
+    cfg = Mamba2Config.preset("tiny", **{"mamba2.d_state": 16})
+
+Each registered layer kind (mamba_jax.layers.registry) has its section, named after it
+(cfg.mamba2, cfg.attention, cfg.mlp), the kind's own frozen `Config` dataclass; its field
+names follow mamba_ssm (ssm_cfg's for Mamba2, attn_cfg's for attention). The config is
+frozen, hashable and validated on creation. Wherever a section's field is named (the
+constructor, `replace`, `preset`, `from_dict`, `--set`, recipes), the flat spelling configs
+had before sections is taken too (LEGACY_NAMES: d_state for mamba2.d_state, attn_num_heads
+for attention.num_heads, d_intermediate, ...), so older code, recipes and saved configs
+still load.
 """
 
 from __future__ import annotations
@@ -11,104 +23,71 @@ import dataclasses
 import math
 from typing import Any
 
+from mamba_jax.layers.registry import KINDS
 
-@dataclasses.dataclass(frozen=True)
-class Mamba2Config:
-    """A Mamba2 language model's shape and initialisation. Frozen; validated on creation.
 
-    `vocab_size` is the tokenizer's size; the embedding and logits have `padded_vocab_size`
-    rows (rounded up to `pad_vocab_size_multiple`, as mamba_ssm does).
-    """
+@dataclasses.dataclass(frozen=True, init=False)
+class ModelFields:
+    """The fields every model has. `vocab_size` is the tokenizer's size; the embedding and
+    logits have `padded_vocab_size` rows (rounded up to `pad_vocab_size_multiple`, as
+    mamba_ssm does).
+
+    The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
+    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP: the registry's symbols),
+    each its own pre-norm residual layer. Empty: mamba_ssm's form, n_layer blocks of a mixer
+    (attention where the block index is in attn_layer_idx, else Mamba2) each followed by an
+    MLP layer when mlp.d_intermediate > 0 (mamba_ssm's Block adds the mixer to the residual,
+    then runs norm2 + MLP: exactly two pre-norm layers)."""
 
     d_model: int = 768
     n_layer: int = 24
     vocab_size: int = 50277
     pad_vocab_size_multiple: int = 16
-    d_state: int = 128
-    d_conv: int = 4
-    expand: int = 2
-    headdim: int = 64
-    ngroups: int = 1
-    chunk_size: int = 256
-    dt_min: float = 0.001
-    dt_max: float = 0.1
-    dt_init_floor: float = 1e-4
-    dt_limit: tuple[float, float] = (0.0, math.inf)
-    A_init_range: tuple[float, float] = (1.0, 16.0)
-    conv_bias: bool = True
-    bias: bool = False
     norm_eps: float = 1e-5
     residual_in_fp32: bool = True
     tie_embeddings: bool = True
-    # Hybrid models. The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
-    # --hybrid-layer-pattern spells it: M Mamba2, * attention, - MLP, each its own pre-norm
-    # residual layer. Empty: mamba_ssm's form, n_layer blocks of a mixer (attention where
-    # the block index is in attn_layer_idx, else Mamba2) each followed by an MLP layer when
-    # d_intermediate > 0 (mamba_ssm's Block adds the mixer to the residual, then runs
-    # norm2 + MLP: exactly two pre-norm layers).
     layer_pattern: str = ""
     attn_layer_idx: tuple[int, ...] = ()
-    d_intermediate: int = 0  # the MLP's hidden width
-    mlp_activation: str = "swiglu"  # "swiglu" (mamba_ssm GatedMLP) or "relu2" (NemotronH)
-    attn_num_heads: int = 8
-    attn_num_heads_kv: int = 8  # grouped KV heads; must divide attn_num_heads
-    attn_head_dim: int = 64
-    attn_rotary_emb_dim: int = 0  # rotary on the first dims of each head; 0: none
-    attn_rotary_emb_base: float = 10000.0
-    attn_rotary_interleaved: bool = False  # pairs (2i, 2i+1) instead of halves (GPT-NeoX)
-    attn_qkv_bias: bool = False
-    attn_out_bias: bool = False
+
+    def __init__(self, **fields):
+        """Keyword arguments only: shared fields, sections (their Config, or a dict of their
+        fields), a section's fields as "section.field", or their flat LEGACY_NAMES."""
+        values = _merge({}, fields)
+        for field in dataclasses.fields(self):
+            if field.name in values:
+                value = values[field.name]
+            elif field.default is not dataclasses.MISSING:
+                value = field.default
+            else:
+                value = field.default_factory()
+            if field.name in SECTIONS and isinstance(value, dict):
+                value = _section(SECTIONS[field.name], value)
+            object.__setattr__(self, field.name, value)
+        self.__post_init__()
 
     def __post_init__(self):
-        # Lists from JSON become tuples, so configs stay hashable and compare equal.
-        object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
-        object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
         if any(float(i) != int(i) for i in self.attn_layer_idx):
             raise ValueError(f"Mamba2Config.attn_layer_idx={self.attn_layer_idx} must be block "
                              "indices (integers)")
         object.__setattr__(self, "attn_layer_idx", tuple(int(i) for i in self.attn_layer_idx))
-        positive = ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple", "d_state",
-                    "d_conv", "expand", "headdim", "ngroups", "chunk_size")
-        for name in positive:
+        for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"Mamba2Config.{name}={value!r} must be a positive integer")
-        for name in ("dt_min", "dt_max", "dt_init_floor", "norm_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Mamba2Config.{name}={getattr(self, name)!r} must be > 0")
-        if self.dt_min > self.dt_max:
-            raise ValueError(f"Mamba2Config.dt_min={self.dt_min} > dt_max={self.dt_max}: "
-                             "swap them")
-        lo, hi = self.dt_limit
-        if len(self.dt_limit) != 2 or not 0.0 <= lo < hi:
-            raise ValueError(f"Mamba2Config.dt_limit={self.dt_limit} must be (lo, hi) with "
-                             "0 <= lo < hi; (0.0, inf) means no limit")
-        a_lo, a_hi = self.A_init_range
-        if len(self.A_init_range) != 2 or not 0.0 < a_lo <= a_hi:
-            raise ValueError(f"Mamba2Config.A_init_range={self.A_init_range} must be (lo, hi) "
-                             "with 0 < lo <= hi")
-        if self.d_inner % self.headdim:
-            divisors = [d for d in range(1, self.d_inner + 1) if self.d_inner % d == 0]
-            nearby = [d for d in divisors if self.headdim // 2 <= d <= self.headdim * 2]
-            raise ValueError(
-                f"Mamba2Config: d_model*expand = {self.d_model}*{self.expand} = {self.d_inner} "
-                f"is not divisible by headdim={self.headdim}; choose headdim among {nearby} "
-                "or change d_model/expand")
-        if self.nheads % self.ngroups:
-            divisors = [d for d in range(1, self.nheads + 1) if self.nheads % d == 0]
-            raise ValueError(
-                f"Mamba2Config: nheads = d_inner/headdim = {self.nheads} is not divisible by "
-                f"ngroups={self.ngroups}; choose ngroups among {divisors}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"Mamba2Config.norm_eps={self.norm_eps!r} must be > 0")
         self._check_layers()
+        for symbol in sorted(set(self.layers)):
+            KINDS[symbol].check_config(self)
 
     def _check_layers(self):
         pattern = self.layer_pattern
         for i, symbol in enumerate(pattern):
-            if symbol not in LAYER_KINDS:
+            if symbol not in KINDS:
+                names = ", ".join(f"{s} ({k.name})" for s, k in KINDS.items())
                 raise ValueError(
                     f"Mamba2Config.layer_pattern={pattern!r}: unknown symbol {symbol!r} at "
-                    f"position {i}\n    {pattern}\n    {' ' * i}^\nuse M (Mamba2), * "
-                    "(attention) or - (MLP), one per layer")
+                    f"position {i}\n    {pattern}\n    {' ' * i}^\nuse {names}, one per layer")
         if pattern and len(pattern) != self.n_layer:
             raise ValueError(f"Mamba2Config: layer_pattern {pattern!r} has {len(pattern)} "
                              f"layers but n_layer={self.n_layer}; set n_layer={len(pattern)} "
@@ -120,49 +99,13 @@ class Mamba2Config:
         if bad:
             raise ValueError(f"Mamba2Config.attn_layer_idx has {bad}, outside the "
                              f"n_layer={self.n_layer} blocks 0..{self.n_layer - 1}")
-        kinds = self.layers
-        if "-" in kinds and self.d_intermediate <= 0:
-            raise ValueError(f"Mamba2Config: the layers {kinds!r} have MLP layers (-) but "
-                             f"d_intermediate={self.d_intermediate}; set the MLP width "
-                             "d_intermediate > 0")
-        if self.d_intermediate < 0:
-            raise ValueError(f"Mamba2Config.d_intermediate={self.d_intermediate} must be >= 0")
-        if self.mlp_activation not in MLP_ACTIVATIONS:
-            raise ValueError(f"Mamba2Config.mlp_activation={self.mlp_activation!r}; use one of "
-                             f"{MLP_ACTIVATIONS}")
-        if "*" in kinds:
-            for name in ("attn_num_heads", "attn_num_heads_kv", "attn_head_dim"):
-                value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                    raise ValueError(f"Mamba2Config.{name}={value!r} must be a positive integer")
-            if self.attn_num_heads % self.attn_num_heads_kv:
-                raise ValueError(f"Mamba2Config: attn_num_heads_kv={self.attn_num_heads_kv} "
-                                 f"does not divide attn_num_heads={self.attn_num_heads}; each "
-                                 "KV head serves an equal group of query heads")
-            r = self.attn_rotary_emb_dim
-            if r < 0 or r % 2 or r > self.attn_head_dim:
-                raise ValueError(f"Mamba2Config.attn_rotary_emb_dim={r} must be even and in "
-                                 f"[0, attn_head_dim={self.attn_head_dim}] (0: no rotary)")
-
-    @property
-    def d_inner(self) -> int:
-        return self.expand * self.d_model
-
-    @property
-    def nheads(self) -> int:
-        return self.d_inner // self.headdim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal conv: x, then B, then C (mamba_ssm's xBC order)."""
-        return self.d_inner + 2 * self.ngroups * self.d_state
 
     @property
     def layers(self) -> str:
-        """One symbol per layer (M, *, -): layer_pattern, or mamba_ssm's blocks spelt out."""
+        """One symbol per layer: layer_pattern, or mamba_ssm's blocks spelt out."""
         if self.layer_pattern:
             return self.layer_pattern
-        mlp = "-" if self.d_intermediate > 0 else ""
+        mlp = "-" if self.mlp.d_intermediate > 0 else ""
         return "".join(("*" if i in self.attn_layer_idx else "M") + mlp
                        for i in range(self.n_layer))
 
@@ -173,28 +116,115 @@ class Mamba2Config:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Mamba2Config":
-        """A named configuration ("mamba2-130m" ... "mamba2-2.7b", "tiny") with overrides."""
+        """A named configuration (PRESETS) with overrides (as `replace` takes them)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets are {sorted(PRESETS)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        return PRESETS[name].replace(**overrides)
 
     def replace(self, **changes: Any) -> "Mamba2Config":
-        return dataclasses.replace(self, **changes)
+        """A copy with changes: shared fields by name, a section's fields as "section.field"
+        (replace(**{"mamba2.d_state": 64})), by their flat LEGACY_NAMES, or as a dict merged
+        into the section (replace(mamba2={"d_state": 64}))."""
+        return type(self)(**_merge(self.to_dict(), changes))
 
     def to_dict(self) -> dict[str, Any]:
+        """The shared fields, and each section as a dict under its name."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Mamba2Config":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ValueError(f"Mamba2Config has no fields {unknown}; fields are {sorted(fields)}")
+        """to_dict's form, or the flat spelling of configs saved before sections."""
         return cls(**d)
 
+    @classmethod
+    def field_default(cls, name: str):
+        """The default value of a field named as `replace` takes it (so a command line can
+        parse a value to its type); a ValueError listing the names otherwise."""
+        section, field = _resolve(name)
+        holder = getattr(cls(), section) if section else cls()
+        return getattr(holder, field)
 
-LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
-MLP_ACTIVATIONS = ("swiglu", "relu2")
+
+# The flat names section fields had before the config had sections: old name -> (section,
+# field). Recipes, --set and the configs saved with checkpoints may still use them.
+LEGACY_NAMES = {
+    **{name: ("mamba2", name) for name in (
+        "d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "dt_min", "dt_max",
+        "dt_init_floor", "dt_limit", "A_init_range", "conv_bias", "bias")},
+    **{f"attn_{name}": ("attention", name) for name in (
+        "num_heads", "num_heads_kv", "head_dim", "rotary_emb_dim", "rotary_emb_base",
+        "rotary_interleaved", "qkv_bias", "out_bias")},
+    "d_intermediate": ("mlp", "d_intermediate"),
+    "mlp_activation": ("mlp", "activation"),
+}
+
+
+def _section(kind, values: dict):
+    """A kind's section from a dict, naming unknown fields."""
+    fields = {f.name for f in dataclasses.fields(kind.Config)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"Mamba2Config.{kind.name} has no fields {unknown}; its fields are "
+                         f"{sorted(fields)}")
+    return kind.Config(**values)
+
+
+SECTIONS = {kind.name: kind for kind in KINDS.values()}  # section name -> layer kind
+
+
+def _resolve(name: str) -> tuple[str | None, str]:
+    """A field's name as `replace` takes it -> (its section or None, its field)."""
+    sections = SECTIONS
+    shared = {f.name for f in dataclasses.fields(ModelFields)}
+    if name in LEGACY_NAMES:
+        return LEGACY_NAMES[name]
+    section, dot, field = name.partition(".")
+    if dot and section in sections:
+        fields = sorted(f.name for f in dataclasses.fields(sections[section].Config))
+        if field not in fields:
+            raise ValueError(f"Mamba2Config.{section} has no field {field!r}; its fields are "
+                             f"{fields}")
+        return section, field
+    if not dot and name in shared:
+        return None, name
+    raise ValueError(f"Mamba2Config has no field {name!r}; fields are {sorted(shared)} and "
+                     f"each section's as SECTION.FIELD, sections {sorted(sections)}")
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    """base (to_dict's form) with changes applied: whole sections first (a dict merged into
+    the section, a section object replacing it), then single fields by any name `_resolve`
+    takes."""
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
+    sections = SECTIONS
+    for name, value in changes.items():
+        if name in sections:
+            if dataclasses.is_dataclass(value):
+                value = dataclasses.asdict(value)
+            if not isinstance(value, dict):
+                raise ValueError(f"Mamba2Config.{name} must be a dict of its fields, got "
+                                 f"{value!r}")
+            out[name] = {**out.get(name, {}), **value}
+    for name, value in changes.items():
+        if name in sections:
+            continue
+        section, field = _resolve(name)
+        if section is None:
+            out[field] = value
+        else:
+            out[section] = {**out.get(section, {}), field: value}
+    return out
+
+
+Mamba2Config = dataclasses.make_dataclass(
+    "Mamba2Config",
+    [(kind.name, kind.Config, dataclasses.field(default_factory=kind.Config))
+     for kind in KINDS.values()],
+    bases=(ModelFields,), frozen=True, init=False, module=__name__)
+Mamba2Config.__doc__ = (
+    "A language model's shape and initialisation: ModelFields' shared fields, and one "
+    "section per layer kind (" + ", ".join(f"{k.name}: {k.__name__}'s" for k in KINDS.values())
+    + "), each the kind's Config. Frozen; validated on creation.")
 
 
 # Megatron-LM's hybrid Mamba layouts (examples/mamba/train.sh and its hybrid layer
@@ -205,9 +235,8 @@ MLP_ACTIVATIONS = ("swiglu", "relu2")
 # squared ReLU (Nemotron-H's; the example's default GeLU is not offered). dt clamped
 # below at dt_min, as HF NemotronH runs it, so the model exports as NemotronHForCausalLM.
 # Vocabulary: the report's 256K SentencePiece; set vocab_size to your tokenizer's.
-_MEGATRON_HYBRID = dict(vocab_size=256000, pad_vocab_size_multiple=128, ngroups=8,
-                        chunk_size=128, dt_limit=(0.001, math.inf), tie_embeddings=False,
-                        mlp_activation="relu2", attn_num_heads_kv=8)
+_MEGATRON_HYBRID = dict(vocab_size=256000, pad_vocab_size_multiple=128, tie_embeddings=False)
+_MEGATRON_MAMBA = dict(ngroups=8, chunk_size=128, dt_limit=(0.001, math.inf))
 
 # The published state-spaces/mamba2-* checkpoints: mamba_ssm's Mamba2 defaults (d_state 128,
 # d_conv 4, expand 2, headdim 64, ngroups 1, chunk 256), GPT-NeoX vocabulary padded to 16,
@@ -221,12 +250,14 @@ PRESETS: dict[str, Mamba2Config] = {
     "megatron-hybrid-800m": Mamba2Config(
         **_MEGATRON_HYBRID, d_model=1024, n_layer=48,
         layer_pattern="M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-",
-        d_intermediate=4096, attn_num_heads=16, attn_head_dim=64),
+        mamba2=_MEGATRON_MAMBA, attention=dict(num_heads=16, num_heads_kv=8, head_dim=64),
+        mlp=dict(d_intermediate=4096, activation="relu2")),
     "megatron-hybrid-8b": Mamba2Config(
         **_MEGATRON_HYBRID, d_model=4096, n_layer=56,
         layer_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
-        d_intermediate=16384, attn_num_heads=32, attn_head_dim=128),
+        mamba2=_MEGATRON_MAMBA, attention=dict(num_heads=32, num_heads_kv=8, head_dim=128),
+        mlp=dict(d_intermediate=16384, activation="relu2")),
     # Byte-level, small enough to train on a laptop CPU in minutes.
-    "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, d_state=32, headdim=32,
-                         chunk_size=64),
+    "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
+                         mamba2=dict(d_state=32, headdim=32, chunk_size=64)),
 }

@@ -30,15 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mamba_jax.config import LAYER_KINDS, Mamba2Config
+from mamba_jax.config import Mamba2Config
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
                                mamba_ssm_blocks)
+from mamba_jax.layers import checkpoint_keys
+from mamba_jax.layers.registry import KINDS
 from mamba_jax.model import Mamba2LM, param_name
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")
 _EMBEDDING_KEY = {"hf": "backbone.embeddings.weight", "mamba_ssm": "backbone.embedding.weight",
                   "nemotron_h": "backbone.embeddings.weight"}
-
 
 
 def load_config(path) -> tuple[Mamba2Config, str]:
@@ -91,16 +92,6 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
                             "pytorch_model.bin")
 
 
-def _in_proj_sizes(cfg: Mamba2Config):
-    gn = cfg.ngroups * cfg.d_state
-    return [cfg.d_inner, cfg.d_inner, gn, gn, cfg.nheads]  # z, x, B, C, dt
-
-
-def _conv_sizes(cfg: Mamba2Config):
-    gn = cfg.ngroups * cfg.d_state
-    return [cfg.d_inner, gn, gn]  # x, B, C
-
-
 def _layer_keys(cfg: Mamba2Config, fmt: str) -> list[tuple[str, str]]:
     """Per layer of ours: (its norm's key, the prefix of its mixer's keys) in fmt."""
     if fmt != "mamba_ssm":
@@ -115,106 +106,19 @@ def _layer_keys(cfg: Mamba2Config, fmt: str) -> list[tuple[str, str]]:
     return keys
 
 
-def _mamba_from_torch(take, src, cfg: Mamba2Config) -> dict:
-    h, p, g, n, d, k = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state, cfg.d_model,
-                        cfg.d_conv)
-    w = take(src + "in_proj.weight", (sum(_in_proj_sizes(cfg)), d)).T
-    z, x, B, C, dt = np.split(w, np.cumsum(_in_proj_sizes(cfg))[:-1], axis=1)
-    out = {"z_proj": z.reshape(d, h, p), "x_proj": x.reshape(d, h, p),
-           "B_proj": B.reshape(d, g, n), "C_proj": C.reshape(d, g, n), "dt_proj": dt.reshape(d, h)}
-    if cfg.bias:
-        bias = take(src + "in_proj.bias", (sum(_in_proj_sizes(cfg)),))
-        z, x, B, C, dt = np.split(bias, np.cumsum(_in_proj_sizes(cfg))[:-1])
-        out.update({"z_bias": z.reshape(h, p), "x_bias": x.reshape(h, p),
-                    "B_bias": B.reshape(g, n), "C_bias": C.reshape(g, n), "dt_proj_bias": dt,
-                    "out_bias": take(src + "out_proj.bias", (d,))})
-    conv = take(src + "conv1d.weight", (cfg.conv_dim, 1, k))[:, 0].T  # [k, e]
-    x, B, C = np.split(conv, np.cumsum(_conv_sizes(cfg))[:-1], axis=1)
-    out.update({"x_conv": x.reshape(k, h, p), "B_conv": B.reshape(k, g, n),
-                "C_conv": C.reshape(k, g, n)})
-    if cfg.conv_bias:
-        x, B, C = np.split(take(src + "conv1d.bias", (cfg.conv_dim,)),
-                           np.cumsum(_conv_sizes(cfg))[:-1])
-        out.update({"x_conv_bias": x.reshape(h, p), "B_conv_bias": B.reshape(g, n),
-                    "C_conv_bias": C.reshape(g, n)})
-    for name in ("dt_bias", "A_log", "D"):
-        out[name] = take(src + name, (h,))
-    out["norm"] = take(src + "norm.weight", (cfg.d_inner,)).reshape(h, p)
-    out["out_proj"] = take(src + "out_proj.weight", (d, cfg.d_inner)).T.reshape(h, p, d)
-    return out
+def _key_table(symbol: str, fmt: str) -> dict:
+    """The checkpoint keys of a layer kind in fmt (Mixer.checkpoint_keys)."""
+    kind = KINDS[symbol]
+    if fmt not in kind.checkpoint_keys:
+        raise ValueError(f"format {fmt!r} has no {kind.name} layers; use one of "
+                         f"{sorted(kind.checkpoint_keys)}")
+    return kind.checkpoint_keys[fmt]
 
 
-def _mamba_to_torch(params, cfg: Mamba2Config) -> dict:
-    d, k = cfg.d_model, cfg.d_conv
-    flat = lambda name, lead: params[name].reshape(lead, -1)
-    out = {"in_proj.weight": np.concatenate(
-        [flat(r + "_proj", d) for r in ("z", "x", "B", "C", "dt")], axis=1).T}
-    if cfg.bias:
-        out["in_proj.bias"] = np.concatenate(
-            [params[r].reshape(-1) for r in ("z_bias", "x_bias", "B_bias", "C_bias",
-                                             "dt_proj_bias")])
-        out["out_proj.bias"] = params["out_bias"]
-    out["conv1d.weight"] = np.concatenate(
-        [flat(r + "_conv", k) for r in ("x", "B", "C")], axis=1).T[:, None, :]
-    if cfg.conv_bias:
-        out["conv1d.bias"] = np.concatenate(
-            [params[r + "_conv_bias"].reshape(-1) for r in ("x", "B", "C")])
-    for name in ("dt_bias", "A_log", "D"):
-        out[name] = params[name]
-    out["norm.weight"] = params["norm"].reshape(-1)
-    out["out_proj.weight"] = params["out_proj"].reshape(cfg.d_inner, d).T
-    return out
-
-
-def _attention_from_torch(take, src, cfg: Mamba2Config, fmt: str) -> dict:
-    d, h, kv, e = cfg.d_model, cfg.attn_num_heads, cfg.attn_num_heads_kv, cfg.attn_head_dim
-    sizes = [h * e, kv * e, kv * e]
-    if fmt == "nemotron_h":
-        q, k, v = (take(src + f"{r}_proj.weight", (size, d)).T
-                   for r, size in zip("qkv", sizes))
-        o = take(src + "o_proj.weight", (d, h * e))
-    else:  # mamba_ssm's MHA: in_proj [q | k | v]
-        q, k, v = np.split(take(src + "in_proj.weight", (sum(sizes), d)).T,
-                           np.cumsum(sizes)[:-1], axis=1)
-        o = take(src + "out_proj.weight", (d, h * e))
-    out = {"q_proj": q.reshape(d, h, e), "k_proj": k.reshape(d, kv, e),
-           "v_proj": v.reshape(d, kv, e), "o_proj": o.T.reshape(h, e, d)}
-    if cfg.attn_qkv_bias:
-        q, k, v = np.split(take(src + "in_proj.bias", (sum(sizes),)), np.cumsum(sizes)[:-1])
-        out.update(q_bias=q.reshape(h, e), k_bias=k.reshape(kv, e), v_bias=v.reshape(kv, e))
-    if cfg.attn_out_bias:
-        out["out_bias"] = take(src + "out_proj.bias", (d,))
-    return out
-
-
-def _attention_to_torch(params, cfg: Mamba2Config, fmt: str) -> dict:
-    d = cfg.d_model
-    q, k, v = (params[r + "_proj"].reshape(d, -1).T for r in "qkv")
-    o = params["o_proj"].reshape(-1, d).T
-    if fmt == "nemotron_h":
-        return {"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "o_proj.weight": o}
-    out = {"in_proj.weight": np.concatenate([q, k, v]), "out_proj.weight": o}
-    if cfg.attn_qkv_bias:
-        out["in_proj.bias"] = np.concatenate([params[r + "_bias"].reshape(-1) for r in "qkv"])
-    if cfg.attn_out_bias:
-        out["out_proj.bias"] = params["out_bias"]
-    return out
-
-
-def _mlp_from_torch(take, src, cfg: Mamba2Config, fmt: str) -> dict:
-    d, f = cfg.d_model, cfg.d_intermediate
-    if fmt == "nemotron_h":
-        return {"up_proj": take(src + "up_proj.weight", (f, d)).T,
-                "down_proj": take(src + "down_proj.weight", (d, f)).T}
-    up, gate = np.split(take(src + "fc1.weight", (2 * f, d)).T, 2, axis=1)  # GatedMLP's chunk
-    return {"up_proj": up, "gate_proj": gate, "down_proj": take(src + "fc2.weight", (d, f)).T}
-
-
-def _mlp_to_torch(params, cfg: Mamba2Config, fmt: str) -> dict:
-    if fmt == "nemotron_h":
-        return {"up_proj.weight": params["up_proj"].T, "down_proj.weight": params["down_proj"].T}
-    return {"fc1.weight": np.concatenate([params["up_proj"], params["gate_proj"]], axis=1).T,
-            "fc2.weight": params["down_proj"].T}
+def _layer_params(flat: dict, i: int) -> dict:
+    """Of {flat parameter name: value}, layer i's mixer's, by their names in the mixer."""
+    prefix = f"layers.{i}.mixer."
+    return {name[len(prefix):]: value for name, value in flat.items() if name.startswith(prefix)}
 
 
 def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
@@ -226,7 +130,7 @@ def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.
     # NemotronH's keys are `model.` in memory (what a state_dict gives) and `backbone.` on disk.
     tensors = {("backbone." + key[6:] if fmt == "nemotron_h" and key.startswith("model.")
                 else key): value for key, value in tensors.items()}
-    d = cfg.d_model
+    shapes = param_shapes(cfg)
 
     def take(key, shape):
         if key not in tensors:
@@ -237,28 +141,26 @@ def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.
                              f"{tuple(shape)} for this config")
         return t
 
-    v = cfg.padded_vocab_size
-    out = {"embedding": take(_EMBEDDING_KEY[fmt], (v, d)),
-           "norm_f.weight": take("backbone.norm_f.weight", (d,))}
+    out = {"embedding": take(_EMBEDDING_KEY[fmt], shapes["embedding"]),
+           "norm_f.weight": take("backbone.norm_f.weight", shapes["norm_f.weight"])}
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)  # mamba_ssm's state_dict lists the tied head too
     elif "lm_head.weight" not in tensors:
         raise ValueError("checkpoint is missing 'lm_head.weight' and the config says the "
                          "embeddings are not tied")
     else:
-        out["lm_head"] = take("lm_head.weight", (v, d))
+        out["lm_head"] = take("lm_head.weight", shapes["lm_head"])
     for i, (symbol, (norm_key, src)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
-        out[f"layers.{i}.norm.weight"] = take(norm_key, (d,))
-        kind = LAYER_KINDS[symbol]
-        if kind == "mamba":
-            mixer = _mamba_from_torch(take, src, cfg)
-        elif kind == "attention":
-            mixer = _attention_from_torch(take, src, cfg, fmt)
-        else:
-            mixer = _mlp_from_torch(take, src, cfg, fmt)
+        out[f"layers.{i}.norm.weight"] = take(norm_key, shapes[f"layers.{i}.norm.weight"])
+        mixer = checkpoint_keys.from_torch(_key_table(symbol, fmt),
+                                           lambda key, shape: take(src + key, shape),
+                                           _layer_params(shapes, i))
         out.update({f"layers.{i}.mixer.{name}": value for name, value in mixer.items()})
     if tensors:
         raise ValueError(f"checkpoint has tensors this config does not use: {sorted(tensors)}")
+    missing = sorted(set(shapes) - set(out))
+    if missing:
+        raise ValueError(f"format {fmt!r} holds no tensor for our parameters {missing}")
     return out
 
 
@@ -273,21 +175,25 @@ def params_to_torch(params: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.n
         out["lm_head.weight"] = params["embedding"]
     for i, (symbol, (norm_key, dst)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
         out[norm_key] = params[f"layers.{i}.norm.weight"]
-        src = f"layers.{i}.mixer."
-        mine = {name[len(src):]: value for name, value in params.items()
-                if name.startswith(src)}
-        kind = LAYER_KINDS[symbol]
-        if kind == "mamba":
-            mixer = _mamba_to_torch(mine, cfg)
-        elif kind == "attention":
-            mixer = _attention_to_torch(mine, cfg, fmt)
-        else:
-            mixer = _mlp_to_torch(mine, cfg, fmt)
-        out.update({dst + name: value for name, value in mixer.items()})
+        mine = _layer_params(params, i)
+        table = _key_table(symbol, fmt)
+        held = {p for entry in table.values() for p in entry.params}
+        if set(mine) - held:
+            raise ValueError(f"format {fmt!r} cannot hold layer {i}'s parameters "
+                             f"{sorted(set(mine) - held)}")
+        out.update({dst + key: value
+                    for key, value in checkpoint_keys.to_torch(table, mine).items()})
     return {key: np.ascontiguousarray(value, np.float32) for key, value in out.items()}
 
 
 # ---------------------------------------------------------------- models
+
+
+def param_shapes(cfg: Mamba2Config) -> dict[str, tuple]:
+    """The shapes of a model of cfg's parameters by flat name, without building one."""
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return {param_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def flat_params(model: Mamba2LM) -> dict[str, np.ndarray]:

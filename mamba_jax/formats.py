@@ -12,6 +12,7 @@ import math
 import re
 
 from mamba_jax.config import Mamba2Config
+from mamba_jax.layers import mamba2
 
 # mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this (multiple_of=128).
 GATED_MLP_MULTIPLE = 128
@@ -44,7 +45,7 @@ def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
              "norm_before_gate=True is not supported (Mamba2 checkpoints use False)")
     _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     limit = d.get("time_step_limit", (0.0, math.inf))
-    return Mamba2Config(
+    return Mamba2Config.from_dict(dict(
         d_model=d_model, n_layer=d["num_hidden_layers"], vocab_size=d["vocab_size"],
         pad_vocab_size_multiple=1, d_state=d.get("state_size", 128),
         d_conv=d.get("conv_kernel", 4), expand=expand, headdim=headdim,
@@ -55,7 +56,7 @@ def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
         conv_bias=d.get("use_conv_bias", True), bias=d.get("use_bias", False),
         norm_eps=d.get("layer_norm_epsilon", 1e-5),
         residual_in_fp32=d.get("residual_in_fp32", True),
-        tie_embeddings=d.get("tie_word_embeddings", True))
+        tie_embeddings=d.get("tie_word_embeddings", True)))
 
 
 def _attn_from_mamba_ssm(d: dict, path) -> dict:
@@ -98,11 +99,11 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     _require(ssm.pop("d_ssm", None) is None, path, "ssm_cfg.d_ssm is not supported")
     if "dt_limit" in ssm:
         ssm["dt_limit"] = _decode_limit(ssm["dt_limit"])
-    return Mamba2Config(
+    return Mamba2Config.from_dict(dict(
         d_model=d["d_model"], n_layer=d["n_layer"], vocab_size=d["vocab_size"],
         pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
         residual_in_fp32=d.get("residual_in_fp32", True),
-        tie_embeddings=d.get("tie_embeddings", True), **ssm, **hybrid)
+        tie_embeddings=d.get("tie_embeddings", True), **ssm, **hybrid))
 
 
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
@@ -132,7 +133,7 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
              "multi-token prediction layers (num_nextn_predict_layers) are not supported")
     dt_min = get("time_step_min", "mamba_dt_min", 0.001)
     attn_heads = d.get("num_attention_heads", 32)
-    return Mamba2Config(
+    return Mamba2Config.from_dict(dict(
         d_model=d_model, n_layer=len(pattern), layer_pattern=pattern,
         vocab_size=d["vocab_size"], pad_vocab_size_multiple=1,
         d_state=d.get("ssm_state_size", 128), d_conv=get("conv_kernel", "mamba_d_conv", 4),
@@ -147,7 +148,7 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
         d_intermediate=d.get("intermediate_size", 0) if "-" in pattern else 0,
         mlp_activation="relu2", attn_num_heads=attn_heads,
         attn_num_heads_kv=d.get("num_key_value_heads") or attn_heads,
-        attn_head_dim=d.get("head_dim") or d_model // attn_heads)
+        attn_head_dim=d.get("head_dim") or d_model // attn_heads))
 
 
 def detect_format(d: dict) -> str:
@@ -175,16 +176,15 @@ def export_format(cfg: Mamba2Config, fmt: str) -> str:
 
 
 def hf_config_dict(cfg: Mamba2Config) -> dict:
-    v = cfg.padded_vocab_size
+    v, m = cfg.padded_vocab_size, cfg.mamba2
     return {
         "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "vocab_size": v,
-        "state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "expand": cfg.expand,
-        "head_dim": cfg.headdim, "num_heads": cfg.nheads, "n_groups": cfg.ngroups,
-        "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min,
-        "time_step_max": cfg.dt_max, "time_step_floor": cfg.dt_init_floor,
-        "time_step_limit": _encode_limit(cfg.dt_limit),
-        "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias,
+        "state_size": m.d_state, "conv_kernel": m.d_conv, "expand": m.expand,
+        "head_dim": m.headdim, "num_heads": mamba2.dims(cfg).h, "n_groups": m.ngroups,
+        "chunk_size": m.chunk_size, "time_step_min": m.dt_min, "time_step_max": m.dt_max,
+        "time_step_floor": m.dt_init_floor, "time_step_limit": _encode_limit(m.dt_limit),
+        "use_conv_bias": m.conv_bias, "use_bias": m.bias,
         "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "rescale_prenorm_residual": False, "dtype": "float32",
@@ -205,27 +205,24 @@ def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
 
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
-    ssm = {"layer": "Mamba2", "d_state": cfg.d_state, "d_conv": cfg.d_conv,
-           "expand": cfg.expand, "headdim": cfg.headdim, "ngroups": cfg.ngroups,
-           "chunk_size": cfg.chunk_size, "dt_min": cfg.dt_min, "dt_max": cfg.dt_max,
-           "dt_init_floor": cfg.dt_init_floor,
-           "dt_limit": _encode_limit(cfg.dt_limit),
-           "A_init_range": list(cfg.A_init_range), "conv_bias": cfg.conv_bias,
-           "bias": cfg.bias}
+    m, a = cfg.mamba2, cfg.attention
+    ssm = {"layer": "Mamba2", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
+           "headdim": m.headdim, "ngroups": m.ngroups, "chunk_size": m.chunk_size,
+           "dt_min": m.dt_min, "dt_max": m.dt_max, "dt_init_floor": m.dt_init_floor,
+           "dt_limit": _encode_limit(m.dt_limit), "A_init_range": list(m.A_init_range),
+           "conv_bias": m.conv_bias, "bias": m.bias}
     mixers, mlp = mamba_ssm_blocks(cfg)
-    if mlp and (cfg.mlp_activation != "swiglu" or cfg.d_intermediate % GATED_MLP_MULTIPLE):
+    if mlp and (cfg.mlp.activation != "swiglu" or cfg.mlp.d_intermediate % GATED_MLP_MULTIPLE):
         raise ValueError(f"format='mamba_ssm': GatedMLP is SwiGLU with a width that is a "
-                         f"multiple of {GATED_MLP_MULTIPLE}; this model has mlp_activation="
-                         f"{cfg.mlp_activation!r}, d_intermediate={cfg.d_intermediate}")
+                         f"multiple of {GATED_MLP_MULTIPLE}; this model has mlp.activation="
+                         f"{cfg.mlp.activation!r}, mlp.d_intermediate={cfg.mlp.d_intermediate}")
     attn_layer_idx = [i for i, symbol in enumerate(mixers) if symbol == "*"]
     attn = {} if not attn_layer_idx else {
-        "num_heads": cfg.attn_num_heads, "num_heads_kv": cfg.attn_num_heads_kv,
-        "head_dim": cfg.attn_head_dim, "rotary_emb_dim": cfg.attn_rotary_emb_dim,
-        "rotary_emb_base": cfg.attn_rotary_emb_base,
-        "rotary_emb_interleaved": cfg.attn_rotary_interleaved,
-        "qkv_proj_bias": cfg.attn_qkv_bias, "out_proj_bias": cfg.attn_out_bias,
-        "causal": True}
-    return {"d_model": cfg.d_model, "d_intermediate": cfg.d_intermediate if mlp else 0,
+        "num_heads": a.num_heads, "num_heads_kv": a.num_heads_kv, "head_dim": a.head_dim,
+        "rotary_emb_dim": a.rotary_emb_dim, "rotary_emb_base": a.rotary_emb_base,
+        "rotary_emb_interleaved": a.rotary_interleaved, "qkv_proj_bias": a.qkv_bias,
+        "out_proj_bias": a.out_bias, "causal": True}
+    return {"d_model": cfg.d_model, "d_intermediate": cfg.mlp.d_intermediate if mlp else 0,
             "n_layer": len(mixers), "vocab_size": cfg.vocab_size, "ssm_cfg": ssm,
             "attn_layer_idx": attn_layer_idx, "attn_cfg": attn, "rms_norm": True,
             "residual_in_fp32": cfg.residual_in_fp32,
@@ -234,17 +231,17 @@ def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
 
 
 def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
-    layers = cfg.layers
+    layers, m, a = cfg.layers, cfg.mamba2, cfg.attention
     problems = [text for bad, text in (
-        ("-" in layers and cfg.mlp_activation != "relu2",
-         f"mlp_activation={cfg.mlp_activation!r} (NemotronH's MLP is relu2)"),
-        ("*" in layers and cfg.attn_rotary_emb_dim > 0,
-         f"attn_rotary_emb_dim={cfg.attn_rotary_emb_dim} (NemotronH has no rotary)"),
-        ("*" in layers and (cfg.attn_qkv_bias or cfg.attn_out_bias),
+        ("-" in layers and cfg.mlp.activation != "relu2",
+         f"mlp.activation={cfg.mlp.activation!r} (NemotronH's MLP is relu2)"),
+        ("*" in layers and a.rotary_emb_dim > 0,
+         f"attention.rotary_emb_dim={a.rotary_emb_dim} (NemotronH has no rotary)"),
+        ("*" in layers and (a.qkv_bias or a.out_bias),
          "attention biases (NemotronH has none)"),
-        (cfg.dt_limit != (cfg.dt_min, math.inf),
-         f"dt_limit={cfg.dt_limit} (NemotronH clamps dt at time_step_min: set dt_limit="
-         f"({cfg.dt_min}, inf))")) if bad]
+        (m.dt_limit != (m.dt_min, math.inf),
+         f"mamba2.dt_limit={m.dt_limit} (NemotronH clamps dt at time_step_min: set dt_limit="
+         f"({m.dt_min}, inf))")) if bad]
     if problems:
         raise ValueError("format='nemotron_h' cannot express " + "; ".join(problems)
                          + "; use format='mamba_ssm' where it fits")
@@ -253,15 +250,15 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
         "hidden_size": cfg.d_model, "vocab_size": cfg.padded_vocab_size,
         "layers_block_type": [_NEMOTRON_NAMES[s] for s in layers],
         "hybrid_override_pattern": layers, "num_hidden_layers": len(layers),
-        "ssm_state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "expand": cfg.expand,
-        "mamba_num_heads": cfg.nheads, "mamba_head_dim": cfg.headdim, "n_groups": cfg.ngroups,
-        "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_min, "time_step_max": cfg.dt_max,
-        "time_step_floor": cfg.dt_init_floor,
-        "time_step_limit": _encode_limit(cfg.dt_limit),
-        "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias, "mamba_proj_bias": cfg.bias,
-        "mamba_hidden_act": "silu", "num_attention_heads": cfg.attn_num_heads,
-        "num_key_value_heads": cfg.attn_num_heads_kv, "head_dim": cfg.attn_head_dim,
-        "attention_bias": False, "intermediate_size": cfg.d_intermediate,
+        "ssm_state_size": m.d_state, "conv_kernel": m.d_conv, "expand": m.expand,
+        "mamba_num_heads": mamba2.dims(cfg).h, "mamba_head_dim": m.headdim,
+        "n_groups": m.ngroups, "chunk_size": m.chunk_size, "time_step_min": m.dt_min,
+        "time_step_max": m.dt_max, "time_step_floor": m.dt_init_floor,
+        "time_step_limit": _encode_limit(m.dt_limit), "use_conv_bias": m.conv_bias,
+        "use_bias": m.bias, "mamba_proj_bias": m.bias, "mamba_hidden_act": "silu",
+        "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_heads_kv,
+        "head_dim": a.head_dim,
+        "attention_bias": False, "intermediate_size": cfg.mlp.d_intermediate,
         "mlp_hidden_act": "relu2", "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
         "residual_in_fp32": cfg.residual_in_fp32,
         "tie_word_embeddings": cfg.tie_embeddings, "rescale_prenorm_residual": False,

@@ -1,20 +1,10 @@
 """What the trainer reports: a progress line, model FLOPs and MFU, JSON lines, TensorBoard.
 
-Model FLOPs per token of a training step (forward + backward = 3x forward), counting
-matmuls only (2 FLOPs a multiply-add), for seqlen l and chunk q:
-  Mamba2 layer (M)
-              2*d*(2*h*p + 2*g*n + h)    in_proj (z, x, B, C, dt)
-            + 2*h*p*d                     out_proj
-            + 2*q*(g*n + h*p)             SSD within each chunk: C B^T per group, then x
-            + 4*h*p*n                     SSD chunk states, and states read out through C
-  attention layer (*), a query heads, k KV heads, head dim e
-              2*d*(a + 2*k)*e + 2*a*e*d   q, k, v and out projections
-            + 2*a*e*l                     Q K^T and P V under the causal mask (l/2 keys on
-                                          average, 2 matmuls)
-  MLP layer (-), width f
-              2*d*f*(3 if SwiGLU else 2)  fc1 (gate and up for SwiGLU), fc2
-  once        2*d*v                       LM head
-MFU = that x tokens/s / (the devices' peak dense matmul FLOP/s x device count).
+Model FLOPs per token of a training step: forward + backward = 3x the forward's, counting
+matmuls only (2 FLOPs a multiply-add): each layer's kind's `flops_per_token` (its
+projections, and a Mamba layer's chunked SSD matmuls or an attention layer's scores), and
+once the LM head, 2*d*v. MFU = that x tokens/s / (the devices' peak dense matmul FLOP/s x
+device count).
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ import sys
 import jax
 
 from mamba_jax.config import Mamba2Config
+from mamba_jax.layers.registry import KINDS
 
 # Dense bf16 matmul peaks (vendor datasheets, FLOP/s) by device kind; float32 runs use the
 # TF32 peak, half of it. Devices not listed (CPUs) report no MFU.
@@ -33,17 +24,8 @@ _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
 
 
 def train_flops_per_token(cfg: Mamba2Config, seq_len: int) -> float:
-    d, h, p, g, n = cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
-    q = min(cfg.chunk_size, seq_len)
-    a, k, e = cfg.attn_num_heads, cfg.attn_num_heads_kv, cfg.attn_head_dim
-    per_kind = {
-        "M": (2 * d * (2 * h * p + 2 * g * n + h) + 2 * h * p * d + 2 * q * (g * n + h * p)
-              + 4 * h * p * n),
-        "*": 2 * d * (a + 2 * k) * e + 2 * a * e * d + 2 * a * e * seq_len,
-        "-": 2 * d * cfg.d_intermediate * (3 if cfg.mlp_activation == "swiglu" else 2),
-    }
-    layers = sum(per_kind[kind] for kind in cfg.layers)
-    return 3.0 * (layers + 2 * d * cfg.padded_vocab_size)
+    layers = sum(KINDS[symbol].flops_per_token(cfg, seq_len) for symbol in cfg.layers)
+    return 3.0 * (layers + 2 * cfg.d_model * cfg.padded_vocab_size)
 
 
 def device_peak_flops(device_kind: str, dtype_name: str = "bfloat16") -> float | None:

@@ -1,13 +1,21 @@
-"""Mamba2LM: embedding, pre-norm residual layers, final norm, LM head.
+"""Mamba2LM: embedding, pre-norm residual layers, final norm, LM head; its loss, prefill and
+one-token step.
 
 Legend: b batch, l sequence, d d_model, v padded vocabulary.
 
 The residual stream follows mamba_ssm's Block(fused_add_norm, prenorm): r = embedding;
 r = r + mixer(norm(r)) per layer; logits = lm_head(norm_f(r)); r is float32 when
-`residual_in_fp32`, else the compute dtype. A layer's mixer is a Mamba2Mixer, an Attention
-or an MLP, by its symbol in `cfg.layers` (M, *, -); every layer keeps the names
+`residual_in_fp32`, else the compute dtype. A layer's mixer is the registered kind of its
+symbol in `cfg.layers` (mamba_jax.layers.registry); every layer keeps the names
 `layers.{i}.norm` and `layers.{i}.mixer`, as Megatron and NemotronH name them. mamba_ssm's
 Block of mixer + MLP (r += mixer(norm(r)); r += mlp(norm2(r))) is two such layers.
+
+One forward for every mesh: the trainer runs `loss` (or `__call__`) inside `jax.shard_map`
+with a ParallelContext (mamba_jax.sharding), where each device holds its shard of the
+parameters and of the tokens; on one device the context is SINGLE_DEVICE and every
+collective is the identity. Under tensor parallelism the vocabulary is split over tp (the
+embedding, the LM head and the cross-entropy: no device holds [b, l, v] logits); under
+sequence parallelism the residual stream between layers is [b, l/tp, d].
 """
 
 from __future__ import annotations
@@ -18,11 +26,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
-from mamba_jax.attention import Attention
-from mamba_jax.config import LAYER_KINDS, Mamba2Config
-from mamba_jax.layers import MLP, RMSNorm, matmul, uniform
-from mamba_jax.mixer import Mamba2Mixer, uses_fused_step
+from mamba_jax.layers.common import RMSNorm, matmul, param, uniform
+from mamba_jax.layers.registry import KINDS
+from mamba_jax.sharding import SINGLE_DEVICE, GATHERED, ParallelContext
+
+REMAT = ("none", "block", "full")
 
 
 def param_name(path) -> str:
@@ -37,64 +47,79 @@ def param_name(path) -> str:
     return ".".join(parts)
 
 
-def make_mixer(kind: str, cfg: Mamba2Config, *, rngs: nnx.Rngs, dtype):
-    """The mixer of one layer: kind "mamba", "attention" or "mlp" (LAYER_KINDS' values)."""
-    if kind == "mamba":
-        return Mamba2Mixer(cfg, rngs=rngs, dtype=dtype)
-    if kind == "attention":
-        return Attention(cfg, rngs=rngs, dtype=dtype)
-    return MLP(cfg.d_model, cfg.d_intermediate, cfg.mlp_activation, rngs=rngs,
-               n_residuals=len(cfg.layers), dtype=dtype)
+def remat_policy(remat: str, fsdp: bool):
+    """The jax.checkpoint policy around each layer, or None for no checkpoint.
+
+    "block" keeps the layer's matmul outputs and recomputes the rest (norms, conv, scan)
+    in the backward pass; "full" keeps only the layer's input. Gathered FSDP weights are
+    never kept: the backward pass gathers them again, so that a device holds one layer's
+    full weights at a time."""
+    if remat not in REMAT:
+        raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
+    if remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if remat == "block":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint_policies.save_anything_except_these_names(GATHERED) if fsdp else None
+
+
+def cross_entropy(logits, targets, ctx: ParallelContext = SINGLE_DEVICE):
+    """logits [..., v] float32 (this tp rank's slice of the vocabulary, [..., v/tp], under
+    tp), targets [...] -> per-token -log softmax(logits)[target] [...], from three
+    [...]-sized reductions over tp."""
+    v_loc = logits.shape[-1]
+    # The max only steadies exp; its gradient cancels, so it stays out of the graph.
+    top = ctx.pmax_tp(lax.stop_gradient(logits.max(-1)))
+    sum_exp = ctx.psum_tp(jnp.exp(logits - top[..., None]).sum(-1))
+    local = targets - ctx.tp_index() * v_loc
+    mine = (local >= 0) & (local < v_loc)
+    picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], -1)[..., 0]
+    target_logit = ctx.psum_tp(jnp.where(mine, picked, 0.0))
+    return jnp.log(sum_exp) + top - target_logit
+
+
+def _runs(layers: str):
+    """(first, end) of each run of consecutive layers of one kind."""
+    starts = [i for i in range(len(layers)) if i == 0 or layers[i] != layers[i - 1]]
+    return list(zip(starts, starts[1:] + [len(layers)]))
 
 
 class Block(nnx.Module):
-    """norm -> mixer (Mamba2, attention or MLP), added to the residual stream.
+    """norm -> mixer (the registered kind of `symbol`), added to the residual stream."""
 
-    The decoding cache of a layer is a MambaCache, an AttentionCache, or None (MLP)."""
-
-    def __init__(self, cfg: Mamba2Config, kind: str = "mamba", *, rngs: nnx.Rngs,
-                 dtype=jnp.float32):
-        self.kind = kind
+    def __init__(self, cfg, symbol: str, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = make_mixer(kind, cfg, rngs=rngs, dtype=dtype)
+        self.mixer = KINDS[symbol](cfg, rngs=rngs, dtype=dtype)
 
-    def __call__(self, residual, seq_idx=None, return_cache=False, cache_len=None):
-        """residual [b, l, d] -> residual [b, l, d] (and the layer's cache; an attention
-        layer's has cache_len slots)."""
-        hidden = self.norm(residual).astype(self.mixer.dtype)
-        cache = None
-        if self.kind == "mlp":
-            out = self.mixer(hidden)
-        elif self.kind == "attention":
-            out = self.mixer(hidden, seq_idx=seq_idx, return_cache=return_cache,
-                             cache_len=cache_len)
-        else:
-            out = self.mixer(hidden, seq_idx=seq_idx, return_cache=return_cache)
-        if return_cache and self.kind != "mlp":
-            out, cache = out
-        residual = residual + out.astype(residual.dtype)
-        return (residual, cache) if return_cache else residual
+    def __call__(self, residual, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
+                 cache_len=None):
+        """residual [b, l, d] ([b, l/tp, d] under sequence parallel) -> (the same shape, the
+        layer's cache: None unless cache_len; Mixer.__call__)."""
+        hidden = ctx.layer_input(self.norm(residual).astype(self.mixer.dtype))
+        out, cache = self.mixer(hidden, seq_idx, ctx=ctx, cache_len=cache_len)
+        return self._add(residual, ctx.layer_output(out, self.mixer.dtype)), cache
 
-    def step(self, residual, cache, weights=None, implementation="xla"):
-        """residual [b, d] -> (residual [b, d], the layer's updated cache). weights: a Mamba
-        layer's StepWeights, or with fused steps an attention or MLP layer's step_weights(),
-        built before the decode loop (DecodeWeights); implementation: a Mamba layer's conv
-        and SSM update's (Mamba2Mixer.step); "triton" runs a block of up to
-        mixer.FUSED_STEP_MAX_BATCH rows as its mixer's fused_step (Mamba2Mixer, Attention or
-        MLP), the norm inside its first kernel."""
-        if uses_fused_step(implementation, residual.shape[0]):
-            norm = self.norm.weight[...], self.norm.eps
-            if self.kind == "mlp":  # no cache
-                return self.mixer.fused_step(residual, *norm, weights), cache
-            return self.mixer.fused_step(residual, *norm, cache, weights)
+    def _add(self, residual, out):
+        """residual + the mixer's output (float32, or under tp its ranks' shares summed in
+        the compute dtype) with its bias, rounded to the compute dtype."""
+        bias = self.mixer.output_bias()
+        if bias is not None:
+            out = out + bias
+        return residual + out.astype(self.mixer.dtype).astype(residual.dtype)
+
+    def step(self, residual, cache, weights=None, how="xla"):
+        """One token: residual [b, d] -> (residual [b, d], the layer's updated cache).
+        weights: the mixer's step_weights(how), built before the decode loop; how: "xla",
+        "kernel" (the mixer's step kernel) or "fused" (the whole layer as its mixer's
+        fused_step, the norm inside its first kernel)."""
+        if weights is None:
+            weights = self.mixer.step_weights(how)
+        if how == "fused":
+            return self.mixer.fused_step(residual, self.norm.weight[...], self.norm.eps, cache,
+                                         weights)
         hidden = self.norm(residual).astype(self.mixer.dtype)
-        if self.kind == "mlp":
-            out = self.mixer(hidden)
-        elif self.kind == "attention":
-            out, cache = self.mixer.step(hidden, cache)
-        else:
-            out, cache = self.mixer.step(hidden, cache, weights, implementation)
-        return residual + out.astype(residual.dtype), cache
+        out, cache = self.mixer.step(hidden, cache, weights, how)
+        return self._add(residual, out), cache
 
 
 class DecodeWeights(NamedTuple):
@@ -102,115 +127,185 @@ class DecodeWeights(NamedTuple):
     the decode loop: XLA does not hoist it out of a while_loop, and would rebuild it at every
     token (the fused input projection is a copy of the layer's largest weights).
 
-    head [v, d]: the LM head in the compute dtype; layers: per layer, a Mamba layer's
-    `Mamba2Mixer.step_weights()`, for fused steps an attention or MLP layer's
-    `step_weights()`, else None."""
+    head [v, d]: the LM head in the compute dtype; layers: per layer, its mixer's
+    step_weights."""
 
     head: jax.Array
     layers: tuple
 
 
 class Mamba2LM(nnx.Module):
-    """A Mamba2 language model (mamba_ssm's MambaLMHeadModel / HF Mamba2ForCausalLM).
+    """A Mamba2 language model (mamba_ssm's MambaLMHeadModel / HF Mamba2ForCausalLM), or a
+    hybrid of the registered layer kinds (NemotronHForCausalLM).
 
     Parameters are float32. `dtype` is the compute dtype (jnp.bfloat16 on GPUs); A_log, dt,
     D and the SSM state stay float32, and logits are returned in float32.
     """
 
-    def __init__(self, cfg: Mamba2Config, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = cfg
         self.dtype = dtype
         v, d = cfg.padded_vocab_size, cfg.d_model
-        self.embedding = nnx.Param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32))
-        self.layers = nnx.List([Block(cfg, LAYER_KINDS[symbol], rngs=rngs, dtype=dtype)
+        self.embedding = param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32),
+                               "vocab", "embed")
+        self.layers = nnx.List([Block(cfg, symbol, rngs=rngs, dtype=dtype)
                                 for symbol in cfg.layers])
         self.norm_f = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             # Stored [v, d] like the embedding (torch's nn.Linear layout).
-            self.lm_head = nnx.Param(uniform(rngs, (v, d), 1.0 / math.sqrt(d)))
+            self.lm_head = param(uniform(rngs, (v, d), 1.0 / math.sqrt(d)), "vocab", "embed")
 
     @property
     def residual_dtype(self):
         return jnp.float32 if self.config.residual_in_fp32 else self.dtype
 
-    def head_weight(self):
-        """The LM head as [v, d] (the embedding when tied)."""
-        return (self.embedding if self.config.tie_embeddings else self.lm_head)[...]
+    # ------------------------------------------------------------ the forward
 
-    def embed(self, input_ids):
-        """input_ids [b, l] int -> residual stream [b, l, d]."""
-        return jnp.take(self.embedding[...], input_ids, axis=0).astype(self.residual_dtype)
+    def __call__(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
+                 remat="none"):
+        """input_ids [b, l] -> logits [b, l, v] float32 ([b, l, v/tp] under tp: this rank's
+        slice of the vocabulary). seq_idx [b, l]: packed documents (no state crosses a
+        document start)."""
+        return self._vocab(self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat),
+                           self.head_weight(ctx))
 
-    def logits(self, residual, head=None):
-        """residual [..., d] -> float32 logits [..., v] through norm_f and the LM head.
+    def hidden(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
+               remat="none"):
+        """input_ids [b, l] -> the final norm's output [b, l, d] in the compute dtype (every
+        position of this device's part, whatever the sequence parallelism). remat: "none",
+        "block" or "full" activation checkpointing of each layer (remat_policy)."""
+        residual, _ = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat)
+        return self._final(residual, ctx)
 
-        head [v, d]: the LM head already in the compute dtype (DecodeWeights); None uses
-        head_weight()."""
-        hidden = self.norm_f(residual).astype(self.dtype)
-        head = self.head_weight() if head is None else head
+    def loss(self, input_ids, targets, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
+             remat="none", loss_chunk=None):
+        """Per-token next-token cross-entropy [b, l] float32 (nats) of targets [b, l].
+
+        loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
+        backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l,
+        v/tp] (at 64K tokens and a 50K vocabulary that is 13 GB of float32 per row)."""
+        hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat)
+        head = self.head_weight(ctx)
+        b, l, _ = hidden.shape
+        if loss_chunk is None or loss_chunk >= l:
+            return cross_entropy(self._vocab(hidden, head), targets, ctx)
+
+        @jax.checkpoint
+        def piece(_, xs):
+            return None, cross_entropy(self._vocab(xs[0], head), xs[1], ctx)
+        pieces = lambda a: a.reshape(b, l // loss_chunk, loss_chunk, *a.shape[2:]).swapaxes(0, 1)
+        _, losses = lax.scan(piece, None, (pieces(hidden), pieces(targets)))
+        return losses.swapaxes(0, 1).reshape(b, l)
+
+    def embed(self, input_ids, ctx: ParallelContext = SINGLE_DEVICE):
+        """input_ids [b, l] int -> residual stream [b, l, d] ([b, l/tp, d] under sequence
+        parallel). Under tp each rank holds v/tp rows: it looks the ids up in its rows,
+        zeros elsewhere, and the sum over tp completes every row."""
+        table = ctx.gather_params(self.embedding)[...]
+        if ctx.tp == 1:
+            rows = jnp.take(table, input_ids, axis=0)
+        else:
+            v_loc = table.shape[0]
+            local = input_ids - ctx.tp_index() * v_loc
+            mine = (local >= 0) & (local < v_loc)
+            rows = jnp.where(mine[..., None], jnp.take(table, jnp.where(mine, local, 0), axis=0),
+                             0.0)
+            rows = ctx.layer_output(rows)
+        return rows.astype(self.residual_dtype)
+
+    def head_weight(self, ctx: ParallelContext = SINGLE_DEVICE):
+        """The LM head [v, d] (this rank's [v/tp, d] under tp; the embedding when tied)."""
+        head = self.embedding if self.config.tie_embeddings else self.lm_head
+        return ctx.gather_params(head)[...]
+
+    def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None):
+        """Every layer: residual [b, l(/tp), d] -> (residual, per layer its cache or None).
+
+        One scan per run of consecutive layers of one kind, not a copy of the layer per
+        layer: compile time and program size stay those of one layer per run (48 unrolled
+        1.3b layers took minutes to compile). An all-Mamba model is one run, one scan; a
+        hybrid pattern such as Megatron's "M-M-M*-..." alternates kinds, so most of its runs
+        are a single layer, called directly. A run's weights are stacked for its scan, a
+        copy of this device's shards."""
+        policy = remat_policy(remat, ctx.fsdp > 1)
+        caches = []
+        for first, end in _runs(self.config.layers):
+            graphdef = nnx.graphdef(self.layers[first])  # the same in the whole run
+
+            def layer(residual, state, graphdef=graphdef):
+                block = nnx.merge(graphdef, ctx.gather_params(state))
+                return block(residual, seq_idx, ctx=ctx, cache_len=cache_len)
+            if policy is not None:
+                layer = jax.checkpoint(layer, policy=policy)
+            states = [nnx.state(self.layers[i]) for i in range(first, end)]
+            if len(states) == 1:
+                residual, cache = layer(residual, states[0])
+                caches.append(cache)
+            else:
+                residual, stacked = lax.scan(layer, residual,
+                                             jax.tree.map(lambda *ws: jnp.stack(ws), *states))
+                caches.extend(jax.tree.map(lambda c, i=i: c[i], stacked)
+                              for i in range(end - first))
+        return residual, tuple(caches)
+
+    def _final(self, residual, ctx: ParallelContext = SINGLE_DEVICE):
+        """residual [b, l(/tp), d] -> norm_f's output [b, l, d] in the compute dtype."""
+        return ctx.layer_input(ctx.gathered(self.norm_f)(residual).astype(self.dtype))
+
+    def _vocab(self, hidden, head):
+        """hidden [..., d] -> float32 logits [..., v] through head [v, d]."""
         return matmul("...d,vd->...v", hidden, head, self.dtype)
 
-    def __call__(self, input_ids, seq_idx=None):
-        """input_ids [b, l] -> logits [b, l, v] float32. seq_idx [b, l]: packed documents."""
-        residual = self.embed(input_ids)
-        for layer in self.layers:
-            residual = layer(residual, seq_idx=seq_idx)
-        return self.logits(residual)
+    # ------------------------------------------------------------ decoding
 
     @property
-    def has_attention(self) -> bool:
-        return "*" in self.config.layers
+    def cache_grows(self) -> bool:
+        """Whether the decoding cache has a slot per token (an attention layer's keys)."""
+        return any(layer.mixer.cache_grows for layer in self.layers)
 
     def init_cache(self, batch_size: int, cache_len: int = 0) -> tuple:
-        """An empty decoding cache: per layer a MambaCache, an AttentionCache of cache_len
-        slots, or None (MLP)."""
-        def empty(layer):
-            if layer.kind == "mamba":
-                return layer.mixer.init_cache(batch_size)
-            if layer.kind == "attention":
-                return layer.mixer.init_cache(batch_size, cache_len)
-            return None
-        return tuple(empty(layer) for layer in self.layers)
+        """An empty decoding cache: per layer its mixer's (None for an MLP), cache_len slots
+        where it grows with the tokens."""
+        return tuple(layer.mixer.init_cache(batch_size, cache_len) for layer in self.layers)
 
     def prefill(self, input_ids, seq_idx=None, cache_len=None):
         """input_ids [b, l] -> (logits [b, l, v], cache after the last token).
 
         seq_idx [b, l]: the cache holds only the last document of each row (so left padding
-        given its own seq_idx leaves no trace in the state). cache_len: the attention
-        layers' KV slots (the prompt and every token to come; default l)."""
-        residual = self.embed(input_ids)
-        cache = []
-        for layer in self.layers:
-            residual, layer_cache = layer(residual, seq_idx=seq_idx, return_cache=True,
-                                          cache_len=cache_len)
-            cache.append(layer_cache)
-        return self.logits(residual), tuple(cache)
+        given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
+        that grow with the tokens (the prompt and every token to come; default l)."""
+        cache_len = cache_len or input_ids.shape[1]
+        residual, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
+                                       cache_len=cache_len)
+        return self._vocab(self._final(residual), self.head_weight()), cache
 
-    def decode_weights(self, fused: bool = False) -> DecodeWeights:
-        """The DecodeWeights of the current parameters (build them outside the decode loop);
-        fused: for steps whose blocks run as their mixers' fused_step
-        (mixer.uses_fused_step)."""
-        def layer_weights(layer):
-            if layer.kind == "mamba":
-                return layer.mixer.step_weights(fused)
-            return layer.mixer.step_weights() if fused else None
+    def cache_for_decoding(self, cache, steps, ssm_state_dtype="float32") -> tuple:
+        """The prefill's cache as the decode loop carries it (Mixer.cache_for_decoding), for
+        the layers' step implementations `steps`."""
+        return tuple(layer.mixer.cache_for_decoding(c, how, ssm_state_dtype)
+                     for layer, c, how in zip(self.layers, cache, steps))
 
+    def decode_weights(self, steps=None) -> DecodeWeights:
+        """The DecodeWeights of the current parameters (build them outside the decode loop)
+        for the layers' step implementations `steps` (default: "xla" for every layer)."""
+        steps = steps or ("xla",) * len(self.layers)
         return DecodeWeights(head=self.head_weight().astype(self.dtype),
-                             layers=tuple(layer_weights(layer) for layer in self.layers))
+                             layers=tuple(layer.mixer.step_weights(how)
+                                          for layer, how in zip(self.layers, steps)))
 
-    def step(self, token_ids, cache, weights: DecodeWeights | None = None,
-             implementation="xla"):
+    def step(self, token_ids, cache, weights: DecodeWeights | None = None, steps=None):
         """One decoding step: token_ids [b] -> (logits [b, v], the updated cache).
 
-        weights: `decode_weights()`, built once before a decode loop; None builds them here.
-        implementation: of the Mamba layers' conv and SSM update, pallas_kernels.ssd.step's
-        ("xla" or "triton")."""
+        steps: each layer's step implementation ("xla", "kernel", "fused"; the decode plan,
+        mamba_jax.generate.plan); default "xla" for every layer. weights:
+        `decode_weights(steps)`, built once before a decode loop; None builds them here."""
+        steps = steps or ("xla",) * len(self.layers)
         if weights is None:
-            weights = self.decode_weights(uses_fused_step(implementation, token_ids.shape[0]))
+            weights = self.decode_weights(steps)
         residual = self.embed(token_ids)
         new_cache = []
-        for layer, layer_cache, layer_weights in zip(self.layers, cache, weights.layers):
-            residual, layer_cache = layer.step(residual, layer_cache, layer_weights,
-                                                  implementation)
+        for layer, layer_cache, layer_weights, how in zip(self.layers, cache, weights.layers,
+                                                          steps):
+            residual, layer_cache = layer.step(residual, layer_cache, layer_weights, how)
             new_cache.append(layer_cache)
-        return self.logits(residual, weights.head), tuple(new_cache)
+        return self._vocab(self._final(residual), weights.head), tuple(new_cache)

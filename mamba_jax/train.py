@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import signal
@@ -43,21 +42,24 @@ from mamba_jax.data import DEFAULT_CORPUS, TokenDataset
 from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
-from mamba_jax.model import Mamba2LM
+from mamba_jax.model import REMAT, Mamba2LM
 from mamba_jax.optim import SCHEDULES, init_opt_state, make_optimizer, make_train_step
 from mamba_jax.tokenizer import load_tokenizer
 
 
 def parse_overrides(pairs: list[str]) -> dict:
-    """["ngroups=2", "dt_limit=0.001,0.1"] -> {"ngroups": 2, "dt_limit": (0.001, 0.1)}."""
-    fields = {f.name: f for f in dataclasses.fields(Mamba2Config)}
+    """["mamba2.ngroups=2", "mamba2.dt_limit=0.001,0.1"] -> {"mamba2.ngroups": 2,
+    "mamba2.dt_limit": (0.001, 0.1)}: names as Mamba2Config.replace takes them (a section's
+    field as SECTION.FIELD, or its flat name: ngroups=2), values parsed to the field's type."""
     out = {}
     for pair in pairs:
         name, sep, text = pair.partition("=")
-        if not sep or name not in fields:
-            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD one of "
-                             f"{sorted(fields)}")
-        default = getattr(Mamba2Config(), name)
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE, e.g. mamba2.ngroups=2")
+        try:
+            default = Mamba2Config.field_default(name)
+        except ValueError as error:
+            raise SystemExit(f"--set {pair!r}: {error}") from None
         try:
             if isinstance(default, bool):
                 if text.lower() not in ("true", "false", "1", "0"):
@@ -82,7 +84,9 @@ def build_parser():
                         "overrides under [model]; flags on the command line win")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a Mamba2Config field (repeatable), e.g. --set ngroups=2")
+                   help="override a Mamba2Config field (repeatable): a shared one, e.g. "
+                        "--set d_model=512, or a layer kind's as SECTION.FIELD, e.g. --set "
+                        "mamba2.ngroups=2 --set attention.num_heads=16")
     p.add_argument("--data", default=str(DEFAULT_CORPUS),
                    help="a dataset dir made by `python -m mamba_jax.data prepare`, or a UTF-8 "
                         "text file (byte-level; default: the bundled corpus)")
@@ -103,7 +107,7 @@ def build_parser():
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--remat", choices=parallel.REMAT, default="none",
+    p.add_argument("--remat", choices=REMAT, default="none",
                    help="activation checkpointing per block: block keeps matmul outputs, "
                         "full keeps only each block's input")
     p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
@@ -232,7 +236,7 @@ def main(argv=None):
     # first, and every process builds the same values from the seed.
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
-    specs = parallel.param_specs(abstract_params, cfg, mesh)
+    specs = parallel.param_specs(abstract_params, mesh)
     param_shardings = parallel.shardings(mesh, specs)
     params = jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings)()
     tx, lr_at = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
@@ -250,7 +254,7 @@ def main(argv=None):
                              "another directory")
 
         def same_model(step, meta):
-            if meta["config"]["model"] != json.loads(json.dumps(effective["model"])):
+            if Mamba2Config.from_dict(meta["config"]["model"]) != cfg:
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
                                  f"model ({meta['config']['model']}); use its --preset/--set "
                                  "or another --checkpoint-dir")

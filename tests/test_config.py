@@ -16,24 +16,26 @@ def test_config_is_frozen_and_hashable():
     assert hash(cfg) == hash(Mamba2Config.preset("tiny"))
 
 
-@pytest.mark.parametrize("field,value", [("d_model", 0), ("n_layer", -1), ("d_state", 0),
-                                         ("headdim", 0), ("chunk_size", 0), ("ngroups", 0)])
+@pytest.mark.parametrize("field,value", [("d_model", 0), ("n_layer", -1), ("mamba2.d_state", 0),
+                                         ("mamba2.headdim", 0), ("mamba2.chunk_size", 0),
+                                         ("mamba2.ngroups", 0)])
 def test_non_positive_size_names_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"{field}={value}"):
+    with pytest.raises(ValueError, match=rf"Mamba2Config.{field}={value}"):
         Mamba2Config.preset("tiny", **{field: value})
 
 
 def test_headdim_not_dividing_d_inner_names_values_and_fix():
-    with pytest.raises(ValueError, match=r"128\*2 = 256 is not divisible by headdim=48.*"
+    with pytest.raises(ValueError, match=r"128\*2 = 256 is not divisible by mamba2.headdim=48.*"
                                          r"choose headdim among \[32, 64\]"):
-        Mamba2Config.preset("tiny", headdim=48)
+        Mamba2Config.preset("tiny", **{"mamba2.headdim": 48})
 
 
 def test_ngroups_not_dividing_nheads_names_values_and_fix():
     # tiny: nheads = 256 / 32 = 8
     with pytest.raises(ValueError, match=r"nheads = d_inner/headdim = 8 is not divisible by "
-                                         r"ngroups=3; choose ngroups among \[1, 2, 4, 8\]"):
-        Mamba2Config.preset("tiny", ngroups=3)
+                                         r"mamba2.ngroups=3; choose ngroups among "
+                                         r"\[1, 2, 4, 8\]"):
+        Mamba2Config.preset("tiny", **{"mamba2.ngroups": 3})
 
 
 def test_unknown_preset_lists_the_presets():
@@ -42,9 +44,35 @@ def test_unknown_preset_lists_the_presets():
 
 
 def test_json_lists_become_tuples():
-    cfg = Mamba2Config.from_dict({**Mamba2Config.preset("tiny").to_dict(),
-                                  "dt_limit": [0.0, math.inf], "A_init_range": [1, 16]})
-    assert cfg == Mamba2Config.preset("tiny")
+    d = Mamba2Config.preset("tiny").to_dict()
+    d["mamba2"].update(dt_limit=[0.0, math.inf], A_init_range=[1, 16])
+    assert Mamba2Config.from_dict(d) == Mamba2Config.preset("tiny")
+
+
+def test_sections_round_trip_through_dicts_and_take_their_old_flat_names():
+    cfg = Mamba2Config(d_model=64, n_layer=3, layer_pattern="M*-", mamba2={"d_state": 16},
+                       attention={"num_heads": 4, "num_heads_kv": 2},
+                       mlp={"d_intermediate": 96, "activation": "relu2"})
+    assert (cfg.mamba2.d_state, cfg.attention.num_heads, cfg.mlp.d_intermediate) == (16, 4, 96)
+    assert Mamba2Config.from_dict(cfg.to_dict()) == cfg
+    # The flat spelling of configs saved before sections, and SECTION.FIELD, say the same.
+    old = dict(d_model=64, n_layer=3, layer_pattern="M*-", d_state=16, attn_num_heads=4,
+               attn_num_heads_kv=2, d_intermediate=96, mlp_activation="relu2")
+    assert Mamba2Config.from_dict(old) == Mamba2Config(**old) == cfg
+    assert cfg.replace(**{"attention.num_heads": 8}).attention.num_heads == 8
+    assert cfg.replace(attention={"head_dim": 32}).attention == dataclasses.replace(
+        cfg.attention, head_dim=32)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(d_stat=3), r"no field 'd_stat'; fields are .* sections \['attention', 'mamba2', "
+                     r"'mlp'\]"),
+    ({"mamba2.d_stat": 3}, r"Mamba2Config.mamba2 has no field 'd_stat'; its fields are"),
+    (dict(mlp={"width": 3}), r"Mamba2Config.mlp has no fields \['width'\]"),
+])
+def test_unknown_fields_are_named_with_the_ones_there_are(changes, match):
+    with pytest.raises(ValueError, match=match):
+        Mamba2Config.preset("tiny", **changes)
 
 
 def _n_params(cfg):
@@ -57,6 +85,7 @@ def _n_params(cfg):
                                             ("mamba2-2.7b", 2.7e9)])
 def test_presets_have_the_published_sizes(name, published):
     cfg = PRESETS[name]
-    assert cfg.padded_vocab_size == 50288 and cfg.d_state == 128 and cfg.headdim == 64
+    assert cfg.padded_vocab_size == 50288
+    assert cfg.mamba2.d_state == 128 and cfg.mamba2.headdim == 64
     # The names round the parameter counts; within 10% of the name.
     assert abs(_n_params(cfg) - published) / published < 0.1

@@ -1,6 +1,6 @@
 """Context parallelism (the sequence split over `cp`) equals one device, on 8 fake CPU devices.
 
-The model-level cases reuse tests/test_parallel.py's comparison and tolerances (float32:
+The model-level cases use tests/mesh_check.py's comparison and tolerances (float32:
 logits and loss within 1e-5 absolute, gradients within 1e-5 + 1e-4 relative), on 64 tokens
 of packed documents whose boundaries fall inside parts and exactly on part edges. The
 scan-level case holds the split scan to the naive recurrence within 2e-5 (float32, O(1)
@@ -19,12 +19,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import parallel
+from mamba_jax.layers import mamba2
 from mamba_jax.train import main
+from mesh_check import (FAST_COMPILE, LOSS_RTOL, assert_matches_single_device, mamba_config,
+                        model_and_batch, packed_seq_idx, single_device_train_losses,
+                        tiny_config, train_losses)
 from pallas_kernels.ssd import auto_segments, ssd
 from pallas_kernels.ssd.reference import ssd_naive
-from test_parallel import (FAST_COMPILE, LOSS_RTOL, assert_matches_single_device,
-                           model_and_batch, packed_seq_idx, single_device_train_losses,
-                           tiny_config, train_losses)
 
 SEQ_CP = 64
 SCAN_ATOL, SCAN_GRAD_TOL = 2e-5, 1e-4
@@ -138,7 +139,7 @@ def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementa
     ("dp=2,cp=2,tp=2", False),
 ])
 def test_cp_logits_loss_and_gradients_over_packed_documents_match_single_device(spec, sp):
-    assert_matches_single_device(spec, sp, seq_len=SEQ_CP, packed=True)
+    assert_matches_single_device(mamba_config(), spec, sp, seq_len=SEQ_CP, packed=True)
 
 
 def test_fsdp2_cp2_tp2_five_training_steps_with_grad_accum_give_the_single_device_losses():
@@ -150,9 +151,9 @@ def collective_bytes_over_cp(seq_len):
     """Bytes of the collectives over cp in the compiled cp=2 loss+gradient step, by kind
     (the all-gathers, all-reduces and reduce-scatters whose replica groups include cp, and
     every collective-permute: on this mesh only the conv halo permutes)."""
-    cfg, graphdef, params, batch = model_and_batch(seq_len=seq_len, packed=True)
+    graphdef, params, batch = model_and_batch(mamba_config(), seq_len=seq_len, packed=True)
     mesh = parallel.make_mesh("cp=2,dp=4")
-    specs = parallel.param_specs(params, cfg, mesh)
+    specs = parallel.param_specs(params, mesh)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
     batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
     loss = parallel.make_loss_fn(graphdef, specs, mesh)
@@ -177,8 +178,8 @@ def test_cp_bytes_per_step_do_not_grow_with_the_sequence():
     # The exchange is there: the scan's state all-gather (forward) and the conv halo.
     assert short["collective-permute"] > 0 and short["all-gather"] > 0
     # Per Mamba layer the all-gathered states are [cp, b/dp, h, p, n] floats: 16 KiB here.
-    cfg = tiny_config()
-    state = 2 * 1 * cfg.nheads * cfg.headdim * cfg.d_state * 4
+    d = mamba2.dims(tiny_config())
+    state = 2 * 1 * d.h * d.p * d.n * 4
     assert short["all-gather"] >= state  # in the body of the scan over layers
 
 

@@ -74,7 +74,7 @@ def test_hf_config_reads_both_infinity_spellings(tmp_path):
     assert "Infinity" in text
     (tmp_path / "config.json").write_text(text)
     cfg, _ = load_config(tmp_path)
-    assert cfg.dt_limit == (0.0, float("inf"))
+    assert cfg.mamba2.dt_limit == (0.0, float("inf"))
 
 
 def _copy_fixture(tmp_path, case="hf_ngroups1_untied"):

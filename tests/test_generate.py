@@ -6,8 +6,14 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.generate import _decode, _prefill, sample_logits
-from mamba_jax.mixer import step_implementation_for
+from mamba_jax.generate import DECODE_COMPILER_OPTIONS, _jit_decode, _prefill, sample_logits
+from mamba_jax.generate.plan import decode_plan, resolve_implementation
+
+
+def compiled():
+    """How many programs generate's prefill and decode loop have compiled."""
+    decode = _jit_decode(tuple(sorted(DECODE_COMPILER_OPTIONS.items())))
+    return _prefill._cache_size(), decode._cache_size()
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +36,11 @@ def test_greedy_equals_repeated_argmax_of_the_full_forward(model):
 def test_decoding_compiles_once_for_any_prompt_content(model):
     prompt = jnp.zeros((1, 5), jnp.int32)
     mamba_jax.generate(model, prompt, max_new_tokens=6, temperature=0.7, seed=1)
-    before = _prefill._cache_size(), _decode._cache_size()
+    before = compiled()
     for seed in range(3):
         mamba_jax.generate(model, prompt + seed, max_new_tokens=6, temperature=0.7 + seed,
                            seed=seed)
-    assert (_prefill._cache_size(), _decode._cache_size()) == before
+    assert compiled() == before
 
 
 def test_another_model_of_the_same_structure_reuses_the_programs_and_stays_as_it_was(model):
@@ -42,11 +48,11 @@ def test_another_model_of_the_same_structure_reuses_the_programs_and_stays_as_it
     # and the decode loop's casts act on the traced copy only.
     prompt = jnp.zeros((1, 5), jnp.int32)
     mamba_jax.generate(model, prompt, max_new_tokens=4)
-    before = _prefill._cache_size(), _decode._cache_size()
+    before = compiled()
     other = Mamba2LM(model.config, rngs=nnx.Rngs(1))
     params = [(np.asarray(v), v.dtype) for v in jax.tree_util.tree_leaves(nnx.state(other))]
     out = mamba_jax.generate(other, prompt, max_new_tokens=4)
-    assert (_prefill._cache_size(), _decode._cache_size()) == before
+    assert compiled() == before
     after = jax.tree_util.tree_leaves(nnx.state(other))
     assert all(v.dtype == dtype and np.array_equal(np.asarray(v), value)
                for (value, dtype), v in zip(params, after))
@@ -143,7 +149,7 @@ def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model)
     assert out.shape == (2, 9)
 
 
-# batch 1: the fused step (mixer.FUSED_STEP_MAX_BATCH); batch 2: the step kernel alone
+# batch 1: the fused step (plan.FUSED_STEP_MAX_BATCH); batch 2: the step kernel alone
 @pytest.mark.parametrize("batch", [1, 2])
 def test_the_step_kernels_generate_what_the_xla_step_does(model, batch):
     prompt = jnp.asarray(np.random.default_rng(7).integers(0, 250, (batch, 5)))
@@ -152,13 +158,18 @@ def test_the_step_kernels_generate_what_the_xla_step_does(model, batch):
 
 
 def test_auto_takes_the_step_kernels_on_a_gpu_only():
-    cfg = Mamba2Config.preset("tiny")
-    assert step_implementation_for("auto", cfg, backend="gpu") == "triton"
-    assert step_implementation_for("auto", cfg, backend="cpu") == "xla"
+    model = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0)))
+    assert resolve_implementation("auto", model, backend="gpu") == "triton"
+    assert resolve_implementation("auto", model, backend="cpu") == "xla"
     # A headdim the step kernel cannot take (not a power of two): XLA's step.
-    odd = Mamba2Config.preset("tiny", d_model=48, headdim=24)
-    assert step_implementation_for("auto", odd, backend="gpu") == "xla"
-    assert step_implementation_for("triton", cfg, backend="cpu") == "triton"
+    odd = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("tiny", d_model=48, headdim=24),
+                                          rngs=nnx.Rngs(0)))
+    assert resolve_implementation("auto", odd, backend="gpu") == "xla"
+    assert resolve_implementation("triton", model, backend="cpu") == "triton"
+    # The plan: every layer fused at batch 1, the step kernel at batch 2, XLA under "xla".
+    assert decode_plan(model, 1, "triton").steps == ("fused", "fused")
+    assert decode_plan(model, 2, "triton").steps == ("kernel", "kernel")
+    assert decode_plan(model, 1, "auto", backend="cpu").steps == ("xla", "xla")
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.attention import rotary
+from mamba_jax.layers.attention import rotary
 from mamba_jax.convert import flat_params, load_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -32,8 +32,8 @@ def hybrid_config(**changes):
 
 def test_layer_pattern_gives_one_layer_per_symbol_named_as_megatron():
     model = Mamba2LM(hybrid_config(layer_pattern="M*-M-"), rngs=nnx.Rngs(0))
-    assert [layer.kind for layer in model.layers] == ["mamba", "attention", "mlp", "mamba",
-                                                      "mlp"]
+    assert [layer.mixer.name for layer in model.layers] == ["mamba2", "attention", "mlp",
+                                                            "mamba2", "mlp"]
     names = set(flat_params(model))
     assert {"layers.0.mixer.A_log", "layers.1.mixer.q_proj", "layers.2.mixer.gate_proj",
             "layers.4.norm.weight"} <= names
@@ -49,12 +49,13 @@ def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
 @pytest.mark.parametrize("changes,match", [
     (dict(layer_pattern="M-E*"), r"unknown symbol 'E' at position 2\n    M-E\*\n      \^"),
     (dict(layer_pattern="M*", n_layer=3), r"'M\*' has 2 layers but n_layer=3; set n_layer=2"),
-    (dict(layer_pattern="M-", n_layer=2, d_intermediate=0), r"MLP layers .* d_intermediate=0"),
+    (dict(layer_pattern="M-", n_layer=2, d_intermediate=0),
+     r"MLP layers .* mlp.d_intermediate=0"),
     (dict(layer_pattern="M*", n_layer=2, attn_layer_idx=[1]), "not both"),
-    (dict(layer_pattern="*", n_layer=1, attn_num_heads_kv=3), r"attn_num_heads_kv=3 does not "
-                                                              r"divide attn_num_heads=4"),
-    (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=5), "attn_rotary_emb_dim=5"),
-    (dict(layer_pattern="-", n_layer=1, mlp_activation="gelu"), "mlp_activation='gelu'"),
+    (dict(layer_pattern="*", n_layer=1, attn_num_heads_kv=3),
+     r"attention.num_heads_kv=3 does not divide attention.num_heads=4"),
+    (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=5), "attention.rotary_emb_dim=5"),
+    (dict(layer_pattern="-", n_layer=1, mlp_activation="gelu"), "mlp.activation='gelu'"),
 ])
 def test_bad_layer_settings_name_the_value_and_the_fix(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -179,9 +180,9 @@ def test_megatron_pattern_round_trips_through_mamba_ssm_blocks(tmp_path):
 
 @pytest.mark.parametrize("fmt,changes,match", [
     ("mamba_ssm", dict(layer_pattern="M--*"), "not mamba_ssm Blocks"),
-    ("mamba_ssm", dict(layer_pattern="M-"), r"multiple of 128;.* d_intermediate=48"),
-    ("nemotron_h", dict(layer_pattern="M*"), r"attn_rotary_emb_dim=4"),
-    ("hf", dict(layer_pattern="M-"), r"mlp_activation='swiglu' .* dt_limit="),
+    ("mamba_ssm", dict(layer_pattern="M-"), r"multiple of 128;.* mlp.d_intermediate=48"),
+    ("nemotron_h", dict(layer_pattern="M*"), r"attention.rotary_emb_dim=4"),
+    ("hf", dict(layer_pattern="M-"), r"mlp.activation='swiglu' .* dt_limit="),
 ])
 def test_a_layout_that_cannot_express_the_model_says_what_does_not_fit(tmp_path, fmt, changes,
                                                                         match):

@@ -1,78 +1,21 @@
 """Hybrid models (Mamba2, attention and MLP layers) on a mesh equal one device, on 8 fake CPU
-devices: logits, loss and every gradient, with tests/test_parallel.py's tolerances (float32:
+devices: logits, loss and every gradient, with tests/mesh_check.py's tolerances (float32:
 logits and loss within 1e-5 absolute, gradients within 1e-5 + 1e-4 relative)."""
 
-import functools
-
-import jax
-import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import NamedSharding
 
-from mamba_jax import Mamba2LM, parallel
-from test_parallel import (BATCH, FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOGIT_ATOL,
-                           packed_seq_idx, reference_loss, tiny_config)
+from mamba_jax import parallel
+from mesh_check import assert_matches_single_device, tiny_config
 
-SEQ = 32
 # Attention, a run of two MLPs (one scan), Mamba; 8 query heads over 2 KV heads (fewer than
-# tp=4: replicated, each rank reads its group's), rotary on half of each head, biases.
+# tp=4: replicated, each rank reads its group's), rotary on half of each head, biases (made
+# nonzero by mesh_check).
 HYBRID = dict(n_layer=5, layer_pattern="M*--*", d_intermediate=64, attn_num_heads=8,
               attn_num_heads_kv=2, attn_head_dim=8, attn_rotary_emb_dim=4,
               attn_qkv_bias=True, attn_out_bias=True)
-
-
-@functools.cache
-def model_and_batch(packed=False):
-    cfg = tiny_config(**HYBRID)
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
-    # Non-zero biases, so a bias added on every rank (instead of once) would show.
-    for layer in model.layers:
-        for name in ("q_bias", "k_bias", "v_bias", "out_bias"):
-            if hasattr(layer.mixer, name):
-                p = getattr(layer.mixer, name)
-                p[...] = 0.1 * jax.random.normal(jax.random.key(hash(name) % 97), p.shape)
-    graphdef, params = nnx.split(model)
-    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (BATCH, SEQ + 1))
-    batch = (ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32))
-    return cfg, graphdef, params, batch + ((packed_seq_idx(SEQ),) if packed else ())
-
-
-@functools.cache
-def single_device(packed=False):
-    cfg, graphdef, params, batch = model_and_batch(packed)
-
-    def run(params, batch):
-        return (jax.value_and_grad(reference_loss(graphdef))(params, *batch),
-                nnx.merge(graphdef, params)(batch[0]))
-    out = jax.jit(run, compiler_options=FAST_COMPILE)(params, batch)
-    assert np.all(np.isfinite(out[1]))
-    return out
-
-
-def assert_matches_single_device(spec, sp, packed=False):
-    cfg, graphdef, params, batch = model_and_batch(packed)
-    mesh = parallel.make_mesh(spec)
-    parallel.check_layout(cfg, mesh, batch_size=BATCH, seq_len=SEQ, sequence_parallel=sp)
-    specs = parallel.param_specs(params, cfg, mesh)
-    params = jax.device_put(params, parallel.shardings(mesh, specs))
-    batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
-    loss = parallel.make_loss_fn(graphdef, specs, mesh, sequence_parallel=sp)
-    logits = parallel.make_logits_fn(graphdef, specs, mesh, sequence_parallel=sp)
-
-    def run(params, batch):
-        return jax.value_and_grad(loss)(params, *batch), logits(params, batch[0])
-    (value, grads), got = jax.jit(run, compiler_options=FAST_COMPILE)(params, batch)
-    (ref_value, ref_grads), ref_logits = single_device(packed)
-    np.testing.assert_allclose(got, ref_logits, rtol=0, atol=LOGIT_ATOL)
-    np.testing.assert_allclose(value, ref_value, rtol=0, atol=LOGIT_ATOL)
-    ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
-    flat = jax.tree_util.tree_leaves_with_path(grads)
-    assert len(flat) == len(ref)
-    for path, g in flat:
-        np.testing.assert_allclose(g, ref[path], rtol=GRAD_RTOL, atol=GRAD_ATOL,
-                                   err_msg=jax.tree_util.keystr(path))
-    return specs
+# 6 query heads over 3 KV heads at tp=2: each rank's 3 query heads read KV heads 0, 0, 1 and
+# 1, 2, 2 (jnp.take of the replicated KV heads, not one slice).
+GQA_UNEVEN = dict(HYBRID, attn_num_heads=6, attn_num_heads_kv=3)
 
 
 @pytest.mark.parametrize("spec,sp", [
@@ -83,7 +26,7 @@ def assert_matches_single_device(spec, sp, packed=False):
     ("fsdp=2,tp=2,dp=2", False),
 ])
 def test_hybrid_logits_loss_and_gradients_match_single_device(spec, sp):
-    specs = assert_matches_single_device(spec, sp)
+    specs = assert_matches_single_device(tiny_config(**HYBRID), spec, sp)
     attn = specs["layers"][1]["mixer"]
     tp = parallel.make_mesh(spec).shape["tp"]
     spec_of = lambda v: v.get_value()  # a Variable holding a PartitionSpec
@@ -96,17 +39,23 @@ def test_hybrid_logits_loss_and_gradients_match_single_device(spec, sp):
 @pytest.mark.parametrize("spec", ["cp=2,dp=4", "dp=2,cp=2,tp=2"])
 def test_hybrid_cp_over_packed_documents_matches_single_device(spec):
     # Keys and values all-gathered over cp; document boundaries inside and on part edges.
-    assert_matches_single_device(spec, True, packed=True)
+    assert_matches_single_device(tiny_config(**HYBRID), spec, True, packed=True)
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no_sp"])
+def test_query_heads_read_their_own_kv_heads_where_tp_does_not_divide_them(sp):
+    assert_matches_single_device(tiny_config(**GQA_UNEVEN), "tp=2,dp=4", sp)
 
 
 def test_attention_heads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
     cfg = tiny_config(**{**HYBRID, "attn_num_heads": 6, "attn_num_heads_kv": 3})
-    with pytest.raises(ValueError, match=r"tp=4 does not divide attn_num_heads=6; .* use tp "
-                                         r"in \[1, 2, 3, 6\]"):
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the 6 heads of "
+                                         r"layers\.1\.mixer\..* use tp in "
+                                         r"\[1, 2, 3, 6\]"):
         parallel.check_layout(cfg, parallel.make_mesh("dp=2,tp=4"))
     cfg = tiny_config(**{**HYBRID, "d_intermediate": 30})
-    with pytest.raises(ValueError, match=r"tp=4 does not divide the MLP width "
-                                         r"d_intermediate=30"):
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the 30 mlp of "
+                                         r"layers\.2\.mixer\..*the MLP width"):
         parallel.check_layout(cfg, parallel.make_mesh("dp=2,tp=4"))
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from mamba_jax import layers
-from mamba_jax.layers import causal_conv1d, gated_rms_norm, rms_norm
+from mamba_jax.layers import common as layers
+from mamba_jax.layers.common import causal_conv1d, gated_rms_norm, rms_norm
+from mamba_jax.model import remat_policy
 
 
 def test_causal_conv1d_matches_direct_convolution():
@@ -104,8 +105,6 @@ def test_matmul_gradient_runs_in_the_compute_dtype(spec, a_shape, b_shape):
 def test_block_remat_keeps_the_matmul_results_and_recomputes_the_rest():
     # remat "block" saves what the matmuls return (their dots are visible to its policy
     # through matmul's custom JVP); the backward pass recomputes the elementwise sin.
-    from mamba_jax.parallel import _remat_policy
-
     def f(x, w1, w2):
         h = jnp.sin(layers.matmul("bd,df->bf", x, w1, jnp.bfloat16, jnp.bfloat16))
         return layers.matmul("bd,df->bf", h, w2, jnp.bfloat16).sum()
@@ -113,7 +112,7 @@ def test_block_remat_keeps_the_matmul_results_and_recomputes_the_rest():
     def saved(remat):  # print_saved_residuals' lines: "bf16[8,16] output of dot_general ..."
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            print_saved_residuals(jax.checkpoint(f, policy=_remat_policy(remat, fsdp=False)),
+            print_saved_residuals(jax.checkpoint(f, policy=remat_policy(remat, fsdp=False)),
                                   jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 16)),
                                   jnp.ones((16, 16)))
         return [line.split()[0] for line in out.getvalue().splitlines()

@@ -18,15 +18,16 @@ def test_initialisation_follows_mamba_ssm():
     cfg = Mamba2Config.preset("tiny", d_model=256, n_layer=4, headdim=8)  # 64 heads
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
     mixer = model.layers[0].mixer
+    m = cfg.mamba2
     dt = jax.nn.softplus(mixer.dt_bias[...])
-    assert jnp.all(dt >= cfg.dt_min * 0.999) and jnp.all(dt <= cfg.dt_max * 1.001)
+    assert jnp.all(dt >= m.dt_min * 0.999) and jnp.all(dt <= m.dt_max * 1.001)
     # log-uniform: the median sits near the geometric mean of the range
-    assert abs(math.log(float(jnp.median(dt))) - math.log(math.sqrt(cfg.dt_min * cfg.dt_max))) < 0.7
+    assert abs(math.log(float(jnp.median(dt))) - math.log(math.sqrt(m.dt_min * m.dt_max))) < 0.7
     A = jnp.exp(mixer.A_log[...])
     assert jnp.all(A >= 1.0) and jnp.all(A <= 16.0) and float(A.max() - A.min()) > 8
     np.testing.assert_array_equal(mixer.D[...], 1.0)
     # out_proj: U(+-1/sqrt(d_inner)) / sqrt(n_layer)
-    bound = 1 / math.sqrt(cfg.d_inner) / math.sqrt(cfg.n_layer)
+    bound = 1 / math.sqrt(m.expand * cfg.d_model) / math.sqrt(cfg.n_layer)
     assert float(jnp.abs(mixer.out_proj[...]).max()) <= bound
     assert float(jnp.abs(mixer.out_proj[...]).max()) > 0.9 * bound
     assert abs(float(jnp.std(model.embedding[...])) - 0.02) < 0.002

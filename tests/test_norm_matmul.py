@@ -1,4 +1,4 @@
-"""The norm-then-projection kernel (pallas_kernels.norm_matmul) against its plain-JAX
+"""The norm-then-projection kernel (pallas_kernels.decode.norm_matmul) against its plain-JAX
 reference through Pallas's interpreter on fresh random inputs, the reference against the
 model's own norm and matmul functions, and a decoding step through the fused kernels
 against the XLA step."""
@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.layers import dense, gated_rms_norm, matmul, rms_norm
-from mamba_jax.mixer import FUSED_STEP_MAX_BATCH
-from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul
+from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, decode_plan
+from mamba_jax.layers.common import dense, gated_rms_norm, matmul, rms_norm
+from pallas_kernels.decode.norm_matmul import Blocks, rms_norm_matmul
 
 
 def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
@@ -138,8 +138,8 @@ def test_fused_decoding_step_matches_the_xla_step(batch):
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (batch, 9)))
     _, cache = model.prefill(ids[:, :8])
-    logits, new = model.step(ids[:, 8], cache, implementation="xla")
-    logits_k, new_k = model.step(ids[:, 8], cache, implementation="triton")
+    logits, new = model.step(ids[:, 8], cache)
+    logits_k, new_k = model.step(ids[:, 8], cache, steps=decode_plan(model, batch, "triton").steps)
     assert np.all(np.isfinite(logits_k))
     # bf16 activations: where the two sum float32 in another order a value may round to its
     # neighbouring bf16 value; logits of about 0.6 then move by well under 1e-2.
@@ -178,7 +178,8 @@ def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation, attent
             bias[...] = jnp.asarray(0.1 * rng.standard_normal(bias.shape), jnp.float32)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)))
     _, cache = model.prefill(ids[:, :8], cache_len=12)
-    step = lambda implementation: model.step(ids[:, 8], cache, implementation=implementation)
+    step = lambda implementation: model.step(
+        ids[:, 8], cache, steps=decode_plan(model, 1, implementation).steps)
     # three kernels a Mamba block, two an MLP or attention block
     assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 3 * 2
     (logits, new), (logits_k, new_k) = step("xla"), step("triton")

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ssd import step
-from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_out, mamba_step_shifted
+from pallas_kernels import hardware
+from pallas_kernels.decode import step_out
+from pallas_kernels.decode.step_out import mamba_step_out
+from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_shifted
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
@@ -117,8 +119,8 @@ def test_cooperative_kernel_computes_the_two_kernels_values(norm_groups, bias):
     assert two[2] is None  # no counter: the two kernels
     for start in (0, 7):
         sync = jnp.full((1,), start, jnp.int32)
-        residual, state, sync = step._cooperative(window, **args, **out_args, **kw, sync=sync,
-                                                  plan=(32, d, 1))
+        residual, state, sync = step_out._cooperative(window, **args, **out_args, **kw,
+                                                      sync=sync, plan=(32, d, 1))
         np.testing.assert_array_equal(residual, two[0])
         np.testing.assert_array_equal(state, two[1])
         assert int(sync[0]) == start + 1
@@ -134,15 +136,15 @@ def test_cooperative_kernel_runs_only_where_its_programs_fit(monkeypatch):
     state = jax.ShapeDtypeStruct((1, 64, 64, 128), jnp.float32)
     w_out = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16)
     sync = jnp.zeros((1,), jnp.int32)
-    monkeypatch.setattr(step, "cooperative_programs", lambda: 264)
-    assert step._cooperative_plan(state, w_out, sync) == (16, 8, 256)
-    assert step._cooperative_plan(state, w_out, None) is None
-    assert step._cooperative_plan(jax.ShapeDtypeStruct((2, 64, 64, 128), jnp.float32),
-                                  w_out, sync) is None
-    assert step._cooperative_plan(state, jax.ShapeDtypeStruct((2000, 4096), jnp.bfloat16),
-                                  sync) is None
-    monkeypatch.setattr(step, "cooperative_programs", lambda: 255)
-    assert step._cooperative_plan(state, w_out, sync) is None
+    monkeypatch.setattr(hardware, "cooperative_programs", lambda: 264)
+    assert step_out._cooperative_plan(state, w_out, sync) == (16, 8, 256)
+    assert step_out._cooperative_plan(state, w_out, None) is None
+    assert step_out._cooperative_plan(jax.ShapeDtypeStruct((2, 64, 64, 128), jnp.float32),
+                                      w_out, sync) is None
+    assert step_out._cooperative_plan(state, jax.ShapeDtypeStruct((2000, 4096), jnp.bfloat16),
+                                      sync) is None
+    monkeypatch.setattr(hardware, "cooperative_programs", lambda: 255)
+    assert step_out._cooperative_plan(state, w_out, sync) is None
 
 
 def test_unsupported_shapes_and_names_are_refused():

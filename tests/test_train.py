@@ -1,4 +1,3 @@
-import dataclasses
 import json
 
 import jax
@@ -8,10 +7,10 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.tokenizer import load_tokenizer
 from mamba_jax.model import param_name
 from mamba_jax.optim import make_schedule, weight_decay_mask
-from mamba_jax.train import main, parse_overrides
+from mamba_jax.tokenizer import load_tokenizer
+from mamba_jax.train import main, parse_args, parse_overrides
 
 
 def test_default_run_trains_tiny_with_a_falling_loss_and_saves_a_checkpoint(tmp_path):
@@ -32,17 +31,22 @@ def test_default_run_trains_tiny_with_a_falling_loss_and_saves_a_checkpoint(tmp_
 
 
 def test_set_overrides_config_fields(tmp_path):
-    assert parse_overrides(["ngroups=2", "dt_limit=0.001,0.2", "tie_embeddings=false",
-                            "norm_eps=1e-6"]) == {"ngroups": 2, "dt_limit": (0.001, 0.2),
-                                                  "tie_embeddings": False, "norm_eps": 1e-6}
-    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "ngroups=2",
+    assert parse_overrides(["mamba2.ngroups=2", "mamba2.dt_limit=0.001,0.2",
+                            "tie_embeddings=false", "norm_eps=1e-6", "attn_num_heads=4"]) == {
+        "mamba2.ngroups": 2, "mamba2.dt_limit": (0.001, 0.2), "tie_embeddings": False,
+        "norm_eps": 1e-6, "attn_num_heads": 4}  # the flat spelling of a section field too
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "mamba2.ngroups=2",
           "--set", "tie_embeddings=false", "--out", str(tmp_path)])
-    assert mamba_jax.from_pretrained(tmp_path).config.ngroups == 2
+    cfg = mamba_jax.from_pretrained(tmp_path).config
+    assert cfg.mamba2.ngroups == 2 and not cfg.tie_embeddings
 
 
-@pytest.mark.parametrize("arg,match", [("nope=1", "FIELD=VALUE with FIELD one of"),
-                                       ("ngroups=two", "'two' is not a valid int for ngroups"),
-                                       ("bias=maybe", "not a valid bool")])
+@pytest.mark.parametrize("arg,match", [
+    ("nope=1", r"no field 'nope'; fields are .* sections \['attention', 'mamba2', 'mlp'\]"),
+    ("mamba2.nope=1", r"Mamba2Config.mamba2 has no field 'nope'; its fields are"),
+    ("ngroups", "expected FIELD=VALUE"),
+    ("mamba2.ngroups=two", "'two' is not a valid int for mamba2.ngroups"),
+    ("bias=maybe", "not a valid bool")])
 def test_bad_overrides_are_named(arg, match):
     with pytest.raises(SystemExit, match=match):
         parse_overrides([arg])
@@ -54,7 +58,7 @@ def test_missing_data_file_is_a_clear_error(tmp_path):
 
 
 def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
-    cfg = Mamba2Config.preset("tiny", bias=True, tie_embeddings=False)
+    cfg = Mamba2Config.preset("tiny", tie_embeddings=False, **{"mamba2.bias": True})
     _, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     mask = {param_name(p): v for p, v in
             jax.tree_util.tree_leaves_with_path(weight_decay_mask(params))}
@@ -75,13 +79,19 @@ def test_wsd_schedule_warms_up_holds_then_decays():
 def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('steps = 50\nbatch_size = 8\nseq_len = 32\nlr = 1e-3\n'
-                      '[model]\nd_model = 64\nheaddim = 16\nd_state = 16\n')
+                      '[model]\nd_model = 64\n[model.mamba2]\nheaddim = 16\nd_state = 16\n')
     out = tmp_path / "out"
-    main(["--config", str(recipe), "--steps", "2", "--set", "n_layer=1", "--out", str(out)])
+    main(["--config", str(recipe), "--steps", "2", "--set", "n_layer=1",
+          "--set", "mamba2.d_state=32", "--out", str(out)])
     effective = json.loads((out / "train_config.json").read_text())
     assert effective["train"]["steps"] == 2 and effective["train"]["lr"] == 1e-3
     assert effective["model"]["d_model"] == 64 and effective["model"]["n_layer"] == 1
-    assert mamba_jax.from_pretrained(out).config.d_state == 16
+    assert effective["model"]["mamba2"]["headdim"] == 16
+    assert mamba_jax.from_pretrained(out).config.mamba2.d_state == 32
+    # A recipe in the flat spelling of configs before sections still loads.
+    recipe.write_text('[model]\nd_model = 64\nheaddim = 16\nattn_num_heads = 4\n')
+    _, cfg = parse_args(["--config", str(recipe)])
+    assert (cfg.mamba2.headdim, cfg.attention.num_heads) == (16, 4)
     recipe.write_text("stepz = 3\n")
     with pytest.raises(SystemExit, match=r"unknown keys \['stepz'\]"):
         main(["--config", str(recipe)])
@@ -90,7 +100,6 @@ def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
 def test_every_recipe_in_train_dir_parses_to_its_preset():
     from pathlib import Path
 
-    from mamba_jax.train import parse_args
     recipes = sorted((Path(__file__).parents[1] / "train").glob("*.toml"))
     assert {r.stem for r in recipes} == {"tiny", "mamba2-130m", "mamba2-370m", "mamba2-780m",
                                          "mamba2-1.3b", "mamba2-2.7b", "megatron-hybrid-800m",
@@ -114,8 +123,7 @@ def test_model_flops_count_each_layer_kind_by_its_own_weights():
                                        for name in names)
     attention = 2 * weights(1, ("q_proj", "k_proj", "v_proj", "o_proj")) + 2 * 4 * 16 * seq_len
     mlp = 2 * weights(2, ("up_proj", "gate_proj", "down_proj"))
-    mamba_layer = (train_flops_per_token(mamba, seq_len)
-                   - train_flops_per_token(dataclasses.replace(mamba, n_layer=2, layer_pattern="MM"),
-                                           seq_len)) / 3
+    two = mamba.replace(n_layer=2, layer_pattern="MM")
+    mamba_layer = (train_flops_per_token(mamba, seq_len) - train_flops_per_token(two, seq_len)) / 3
     expected = train_flops_per_token(mamba, seq_len) + 3 * (attention + mlp - 2 * mamba_layer)
     np.testing.assert_allclose(train_flops_per_token(hybrid, seq_len), expected, rtol=1e-12)

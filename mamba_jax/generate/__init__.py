@@ -6,16 +6,15 @@
 
 Legend: b batch, l prompt length (after left padding), t max_new_tokens, v vocabulary.
 
-Two programs per call. `_prefill` runs the prompt through the chunked SSD scan (and, in a
+Two programs per call. `prefill` runs the prompt through the chunked SSD scan (and, in a
 hybrid model, attention, whose KV cache it sizes for the prompt and every new token) and
-samples the first token. `_decode` is the whole rest (every layer, sampling, per-row
+samples the first token. `decode` is the whole rest (every layer, sampling, per-row
 stopping) as one `lax.while_loop`, on a GPU one CUDA graph (DECODE_COMPILER_OPTIONS): no
-Python loop, no host round trip and no recompilation per token. Its
-cache argument is donated, so XLA updates the conv windows and SSM states in place. Before
-the loop it casts the matmul weights to the compute dtype once (every token then reads them
-at 2 bytes a value instead of reading float32 and converting; the same values either way) and
-builds the model's DecodeWeights (the fused input projections, the LM head), which XLA would
-otherwise rebuild inside the loop at every token.
+Python loop, no host round trip and no recompilation per token. Its cache argument is
+donated, so XLA updates the conv windows and SSM states in place. Before the loop it builds
+the model's DecodeWeights (each layer's step weights in the compute dtype, the fused input
+projections, the LM head), which XLA would otherwise rebuild inside the loop at every token.
+Which implementation each layer's step runs is the decode plan's choice (plan.py).
 
 Sampling settings are traced values, one per row, so requests with different temperatures
 share a batch and a compiled program; only which filters exist at all (greedy-only, top-k,
@@ -31,18 +30,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import io_callback
 
-from mamba_jax.mixer import (STEP_IMPLEMENTATIONS, MambaCache, step_implementation_for,
-                             uses_fused_step)
-from mamba_jax.model import param_name
-
-# Parameters that attention and MLP layers cast to the compute dtype at every use: casting
-# them once before the loop changes no value. (A Mamba layer's and the LM head's matmul
-# weights reach the loop through Mamba2LM.decode_weights, cast there.)
-_MATMUL_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "gate_proj",
-                             "down_proj"})
+from mamba_jax.generate.plan import STEP_IMPLEMENTATIONS, DecodePlan, decode_plan
 
 # The decode loop as one CUDA graph: XLA's command buffers with the while loop itself a
 # conditional graph node (XLA's default leaves the loop to the host, which launches its
@@ -103,23 +93,24 @@ def _sample(logits, key, settings, sampling: Sampling):
                          top_p if sampling.top_p else None)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "cache_len", "ssm_state_dtype"))
-def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, cache_len=None,
-             ssm_state_dtype="float32"):
-    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], cache).
+@functools.partial(jax.jit, static_argnames=("sampling", "plan", "cache_len",
+                                             "ssm_state_dtype"))
+def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan: DecodePlan,
+             cache_len=None, ssm_state_dtype="float32"):
+    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], the cache as the
+    decode loop of `plan` carries it).
 
-    model: the Mamba2LM itself, a pytree (see generate). cache_len: the attention layers'
-    KV slots (None for a model without attention, so its prefill compiles once for any
-    max_new_tokens). ssm_state_dtype: what the cache stores the SSM states in (the decode
-    steps keep that dtype)."""
+    model: the Mamba2LM itself, a pytree (see generate). cache_len: the slots of the caches
+    that grow with the tokens (None for a model without them, so its prefill compiles once
+    for any max_new_tokens). ssm_state_dtype: what the cache stores the SSM states in (the
+    decode steps keep that dtype)."""
     seq_idx = None
     if prompt_lengths is not None:
         # Left padding is its own document: the conv and the scan restart at the prompt.
         l = input_ids.shape[1]
         seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
     logits, cache = model.prefill(input_ids, seq_idx=seq_idx, cache_len=cache_len)
-    cache = tuple(c._replace(ssm_state=c.ssm_state.astype(ssm_state_dtype))
-                  if isinstance(c, MambaCache) else c for c in cache)
+    cache = model.cache_for_decoding(cache, plan.steps, ssm_state_dtype)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
     first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling)
     return first, cache
@@ -137,7 +128,7 @@ _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 
 def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_new_tokens,
-                 sampling, eos_token_id, stream, step_implementation="xla"):
+                 sampling, eos_token_id, stream, plan: DecodePlan):
     """first [b] (the prefill's token), limits [b] (tokens each row may generate, <= t) ->
     (tokens [b, t] int32, final cache).
 
@@ -146,15 +137,7 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     io_callback: one program still runs the whole decode (no per-segment dispatch, as a loop
     run in compiled segments would need), and the non-streaming program has no host sync.
     """
-    params = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree_util.tree_map_with_path(
-        lambda path, w: (w.astype(model.dtype)
-                         if param_name(path).split(".")[-1] in _MATMUL_WEIGHTS else w), params))
-    fused = uses_fused_step(step_implementation, first.shape[0])
-    weights = model.decode_weights(fused)
-    if fused:  # the counters of the Mamba blocks' cooperative kernels (mamba_step_out)
-        cache = tuple(c._replace(sync=jnp.zeros((1,), jnp.int32))
-                      if isinstance(c, MambaCache) else c for c in cache)
+    weights = model.decode_weights(plan.steps)
     vocab = model.config.vocab_size
     stop = -1 if eos_token_id is None else eos_token_id
     pad = 0 if eos_token_id is None else eos_token_id
@@ -169,7 +152,7 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
 
     def body(carry):
         i, token, cache, done, out = carry
-        logits, cache = model.step(token, cache, weights, step_implementation)
+        logits, cache = model.step(token, cache, weights, plan.steps)
         token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling)
         token = jnp.where(done, pad, token)
         if stream:
@@ -182,14 +165,14 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     return out, cache
 
 
-def jit_decode(compiler_options):
-    """The decode loop jitted with these XLA compiler options (the cache donated)."""
-    return jax.jit(_decode_loop, donate_argnames=("cache",), compiler_options=compiler_options,
+@functools.cache
+def _jit_decode(compiler_options: tuple):
+    """The decode loop jitted with these XLA compiler options ((name, value) pairs; the
+    cache donated), one jit (and so one compile cache) per set of options."""
+    return jax.jit(_decode_loop, donate_argnames=("cache",),
+                   compiler_options=dict(compiler_options),
                    static_argnames=("max_new_tokens", "sampling", "eos_token_id",
-                                    "stream", "step_implementation"))
-
-
-_decode = jit_decode(DECODE_COMPILER_OPTIONS)
+                                    "stream", "plan"))
 
 
 def _per_row(name, value, b, dtype, off):
@@ -275,6 +258,69 @@ def decode_options(args) -> dict:
                 step_implementation=args.step_implementation)
 
 
+class Prepared(NamedTuple):
+    """A generate call's validated arguments, as its two programs take them (prepare)."""
+
+    settings: tuple  # temperature, top_k, top_p [b] each
+    sampling: Sampling
+    prompt_lengths: np.ndarray | None
+    limits: np.ndarray  # new tokens each row may generate [b]
+    max_new_tokens: int
+    plan: DecodePlan
+    cache_len: int | None  # slots of the caches that grow with the tokens, if any
+    ssm_state_dtype: str
+
+
+def prepare(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, *,
+            prompt_lengths=None, max_new_tokens_per_row=None, ssm_state_dtype="float32",
+            step_implementation="auto") -> Prepared:
+    """generate's arguments validated (a ValueError naming the one that is wrong) and its
+    decode plan chosen (mamba_jax.generate.plan)."""
+    input_ids = jnp.asarray(input_ids)
+    settings, sampling, prompt_lengths, limits = _check(
+        model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
+        max_new_tokens_per_row, ssm_state_dtype, step_implementation)
+    b, l = input_ids.shape
+    return Prepared(settings, sampling, prompt_lengths, limits, int(max_new_tokens),
+                    decode_plan(model, b, step_implementation),
+                    l + max_new_tokens if model.cache_grows else None, ssm_state_dtype)
+
+
+def prefill(model, input_ids, prepared: Prepared, seed=0):
+    """The first program: the prompt input_ids [b, l] -> (the first new token [b], the cache
+    after the prompt, as the decode loop carries it)."""
+    # The model goes to both programs as the pytree it is (flax's Modules are pytrees): its
+    # structure keys the compile cache through a treedef that hashes in microseconds, where
+    # nnx.split and a static GraphDef cost ~11 ms and ~2 ms a call on the host for a
+    # 48-layer model (BENCHMARKS.md), before the GPU starts.
+    p = prepared
+    return _prefill(model, jnp.asarray(input_ids), p.prompt_lengths, jax.random.key(seed),
+                    p.settings, sampling=p.sampling, plan=p.plan, cache_len=p.cache_len,
+                    ssm_state_dtype=p.ssm_state_dtype)
+
+
+def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *,
+           on_token=None, compiler_options=DECODE_COMPILER_OPTIONS):
+    """The second program: prefill's (first, cache) -> the new tokens [b, max_new_tokens]
+    int32 (generate's stopping and streaming). The cache is donated. compiler_options: the
+    decode loop's XLA options (DECODE_COMPILER_OPTIONS: one CUDA graph on a GPU)."""
+    p = prepared
+    stream_id = -1
+    if on_token is not None:
+        stream_id = next(_STREAM_IDS)
+        _STREAMS[stream_id] = on_token
+    try:
+        out, _ = _jit_decode(tuple(sorted(compiler_options.items())))(
+            model, first, cache, jax.random.key(seed), p.settings, p.limits,
+            np.int32(stream_id), max_new_tokens=p.max_new_tokens, sampling=p.sampling,
+            eos_token_id=eos_token_id, stream=on_token is not None, plan=p.plan)
+        if on_token is not None:
+            jax.effects_barrier()  # every callback has run before the stream is dropped
+    finally:
+        _STREAMS.pop(stream_id, None)
+    return out
+
+
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
              on_token=None, ssm_state_dtype="float32", step_implementation="auto"):
@@ -298,44 +344,23 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     which at large batches are mostly states (bench/generate.py), and rounds the state at
     every token.
 
-    step_implementation: "auto" (the default), "xla" or "triton": the Mamba layers' conv and
-    SSM update in each decode step as XLA fusions or as one Pallas kernel per layer
-    (pallas_kernels.ssd.step.mamba_step); with "triton" at batch 1 each Mamba block is two
-    Pallas kernels on a GPU that holds the second's programs at once, else three
-    (Mamba2Mixer.fused_step), and a hybrid's attention and MLP blocks two each
-    (Attention.fused_step, MLP.fused_step). "auto" takes "triton" on a GPU (where the kernel
-    takes the model's headdim, d_state and d_conv) and "xla" otherwise
-    (mixer.step_implementation_for), by measurement (BENCHMARKS.md, Generation).
+    step_implementation: "auto" (the default), "xla" or "triton": each layer's one-token
+    step as XLA fusions, or as Pallas kernels: at batch 1 every layer as its fused kernels
+    (a Mamba block in two kernels on a GPU that holds the second's programs at once, else
+    three; an attention or MLP block in two), at larger batches a Mamba layer's conv and
+    SSM update as one kernel between XLA's projections. "auto" takes "triton" on a GPU
+    where the kernels take the model's shapes, by measurement (mamba_jax.generate.plan).
 
-    Compiled once per (model structure, shapes, max_new_tokens, which sampling filters are
-    used, eos_token_id, streaming or not, ssm_state_dtype, step_implementation); the
+    Two programs, prefill then decode (`prepare`, `prefill` and `decode` run them one at a
+    time), each compiled once per (model structure, shapes, max_new_tokens, which sampling
+    filters are used, eos_token_id, streaming or not, ssm_state_dtype, decode plan); the
     settings' values and the prompts are data.
     """
     input_ids = jnp.asarray(input_ids)
-    settings, sampling, prompt_lengths, limits = _check(
-        model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-        max_new_tokens_per_row, ssm_state_dtype, step_implementation)
-    step_implementation = step_implementation_for(step_implementation, model.config)
-    key = jax.random.key(seed)
-    cache_len = input_ids.shape[1] + max_new_tokens if model.has_attention else None
-    # The model goes to both programs as the pytree it is (flax's Modules are pytrees): its
-    # structure keys the compile cache through a treedef that hashes in microseconds, where
-    # nnx.split and a static GraphDef cost ~11 ms and ~2 ms a call on the host for a
-    # 48-layer model (BENCHMARKS.md, Generation, thirteenth session), before the GPU starts.
-    first, cache = _prefill(model, input_ids, prompt_lengths, key, settings,
-                            sampling=sampling, cache_len=cache_len,
-                            ssm_state_dtype=ssm_state_dtype)
-    stream_id = -1
-    if on_token is not None:
-        stream_id = next(_STREAM_IDS)
-        _STREAMS[stream_id] = on_token
-    try:
-        out, _ = _decode(model, first, cache, key, settings, limits,
-                         np.int32(stream_id), max_new_tokens=int(max_new_tokens),
-                         sampling=sampling, eos_token_id=eos_token_id,
-                         stream=on_token is not None, step_implementation=step_implementation)
-        if on_token is not None:
-            jax.effects_barrier()  # every callback has run before the stream is dropped
-    finally:
-        _STREAMS.pop(stream_id, None)
+    prepared = prepare(model, input_ids, max_new_tokens, temperature, top_k, top_p,
+                       prompt_lengths=prompt_lengths,
+                       max_new_tokens_per_row=max_new_tokens_per_row,
+                       ssm_state_dtype=ssm_state_dtype, step_implementation=step_implementation)
+    first, cache = prefill(model, input_ids, prepared, seed)
+    out = decode(model, first, cache, prepared, seed, eos_token_id, on_token=on_token)
     return jnp.concatenate([input_ids.astype(jnp.int32), out], axis=1)

@@ -37,9 +37,9 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 
+from pallas_kernels import hardware
 from pallas_kernels.ssd import reference, triton, vjp
 from pallas_kernels.ssd.context_parallel import ssd_context_parallel, ssd_segmented
 from pallas_kernels.ssd.reference import document_ids, process_dt
@@ -100,12 +100,9 @@ def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, **options):
 
 
 def _triton_is_faster(x, B):
-    # Measured on an H200 only (compute capability 9.0); ROCm devices report "gfx..." and
-    # keep the XLA path.
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", ""))
-    return (device.platform == "gpu" and capability.replace(".", "", 1).isdigit()
-            and float(capability) >= 9.0
+    # Measured on an H200 only (compute capability 9.0); other GPUs keep the XLA path.
+    capability = hardware.compute_capability()
+    return (capability is not None and capability >= 9.0
             and x.dtype in (jnp.float32, jnp.bfloat16) and triton.supports(x, B))
 
 

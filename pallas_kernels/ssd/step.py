@@ -7,9 +7,6 @@ causal_conv1d_update and selective_state_update), in plain JAX and as one Pallas
                                       implementation="xla")
     y, state = mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state,
                                   ...)
-    residual, state, sync = mamba_step_out(window, zxbcdt, conv_w, conv_b, A, D, dt_bias,
-                                           state, residual, norm_weight, w_out, eps=1e-5,
-                                           ngroups=g, sync=sync, ...)
 
 Legend: b batch, h heads, p headdim, g groups, r = h // g heads per group, n d_state,
 k d_conv, e = h*p + 2*g*n conv channels (x, then B, then C: mamba_ssm's xBC order).
@@ -32,16 +29,15 @@ dtype, computed in float32. x, B and C leave the conv rounded to the window's dt
 mamba_ssm's causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
-"triton" (`_step_kernel`, grid (b, h, p / bp), one kernel: each program convolves bp of its
+"triton" (`step_program`, grid (b, h, p / bp), one kernel: each program convolves bp of its
 head's x channels and its group's B and C channels (mamba_step: shifting their window too,
 into a new buffer, since a group's programs read its old B and C columns while one of them
 stores the shifted ones), reads its [bp, n] of the state once and writes it in place; bp < p
 only where b * h is small, or as `blocks` (Blocks) sets; on a machine without a GPU it runs
 in Pallas's interpreter). A decode step at batch 1 is bound by its kernel count, not its
 bytes (BENCHMARKS.md, Generation): the window's shift and the projection's split are in
-kernels rather than XLA fusions of their own. `mamba_step_out` goes on through the
-out-projection, at batch 1 in the same kernel where it can (a cooperative launch, its
-docstring).
+kernels rather than XLA fusions of their own. pallas_kernels.decode.step_out goes on
+through the out-projection, at batch 1 in the same kernel where it can.
 """
 
 from __future__ import annotations
@@ -55,8 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import norm_matmul
-from pallas_kernels.norm_matmul import shift_window
+from pallas_kernels import hardware
+from pallas_kernels.decode.norm_matmul import shift_window
 from pallas_kernels.ssd.reference import process_dt
 
 IMPLEMENTATIONS = ("xla", "triton")
@@ -176,11 +172,11 @@ def _softplus(v):
 
 
 def _step_kernel(conv_ref, *refs, **kw):
-    _step_program(conv_ref, *refs, ids=(pl.program_id(0), pl.program_id(1), pl.program_id(2)),
+    step_program(conv_ref, *refs, ids=(pl.program_id(0), pl.program_id(1), pl.program_id(2)),
                   **kw)
 
 
-def _step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit,
+def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit,
                   y_dtype, gate, ids, flat_y=False):
     """The kernel's work for program ids (bi, hi, pi); flat_y: y_ref is [b, h*p]."""
     shifts = xbc_at is not None  # else the window already ends with this token's input
@@ -247,11 +243,12 @@ def _step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, d
     new_ref[bi, hi, rows, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
 
 
-def _filled_blocks(blocks, b, h, p, n):
+def filled_blocks(blocks, b, h, p, n):
     """(block_p, warps) of the step kernel: Blocks with its Nones filled."""
-    # Heads' headdim split over programs until there are about two waves of them on an
-    # H200's 132 SMs (a batch-1 step has only h programs otherwise), down to 16 rows each.
-    bp = blocks.block_p or p // min(p // 16, 1 << max(0, math.ceil(math.log2(264 / (b * h)))))
+    # Heads' headdim split over programs until there are about two waves of them over the
+    # SMs (a batch-1 step has only h programs otherwise), down to 16 rows each.
+    waves = hardware.two_waves() / (b * h)
+    bp = blocks.block_p or p // min(p // 16, 1 << max(0, math.ceil(math.log2(waves))))
     if bp & (bp - 1) or p % bp:
         raise ValueError(f"mamba_step: Blocks(block_p={bp}) must be a power of two dividing "
                          f"headdim {p}")
@@ -260,7 +257,7 @@ def _filled_blocks(blocks, b, h, p, n):
     return bp, blocks.num_warps or (2 if bp * n >= 8192 else 4)
 
 
-def _step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, bp, dt_limit,
+def step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, bp, dt_limit,
                y_dtype, gate):
     """(the static options of `_step_program`, its operands in order) for _triton's
     arguments."""
@@ -281,8 +278,8 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it), xbc
     None for a window already shifted (then no window is returned)."""
     b, h, p, n = state.shape
-    bp, warps = _filled_blocks(blocks, b, h, p, n)
-    options, args = _step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state,
+    bp, warps = filled_blocks(blocks, b, h, p, n)
+    options, args = step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state,
                                bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=gate)
     # The state is updated in place; a shifted window is a new buffer (module docstring).
     window = [] if xbc is None else [jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)]
@@ -294,137 +291,3 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
         input_output_aliases={len(args) - 1: len(out_shape) - 1},
         compiler_params=plgpu.CompilerParams(num_warps=warps),
     )(*args)
-
-
-def mamba_step_out(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
-                   norm_weight, w_out, *, eps, ngroups, bias=None, sync=None,
-                   dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla"):
-    """The rest of a Mamba block's one-token step after its in-projection:
-    mamba_step_shifted(gate=True), then the gated RMSNorm (norm_weight [h*p], eps, ngroups
-    groups), out_proj (w_out [d, h*p], nn.Linear's layout, bias [d] or None) and the
-    residual add (residual [b, d]) as norm_matmul.rms_norm_matmul computes them. Returns
-    (residual [b, d], the new state, sync).
-
-    sync: None, or an int32 [1] counter that only this function updates (zeros at first;
-    carry it from one call to the next). On a GPU at batch 1 with it, "triton" runs both as
-    one cooperative kernel: program j runs the step's program j and then out_proj's columns
-    [j * bn, (j + 1) * bn); it issues the loads of its out_proj weights first, so that they
-    are in flight through the latency-bound step, and between the two it waits at a grid-wide
-    barrier (an atomic counter in sync) until every program's y is written. Its programs
-    must all be resident at once, so it runs only where there are no more of them than the
-    GPU holds (cooperative_programs); elsewhere, and in Pallas's interpreter (which runs
-    programs one at a time), "triton" runs the step kernel and the norm-matmul kernel, one
-    after the other, the same code per program."""
-    b = state.shape[0]
-    planned = _cooperative_plan(state, w_out, sync) if implementation == "triton" else None
-    if planned is None:
-        y, state = mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state,
-                                      dt_limit=dt_limit, y_dtype=y_dtype, gate=True,
-                                      implementation=implementation)
-        out = norm_matmul.rms_norm_matmul(
-            y.reshape(b, -1), norm_weight, w_out, eps=eps, ngroups=ngroups, bias=bias,
-            residual=residual, w_transposed=True, implementation=implementation)
-        return out, state, sync
-    return _cooperative(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
-                        norm_weight, w_out, eps=eps, ngroups=ngroups, bias=bias, sync=sync,
-                        dt_limit=dt_limit, y_dtype=y_dtype, plan=planned)
-
-
-def cooperative_programs():
-    """How many programs of 4 warps the GPU holds at once, at least: two an SM (a thread has
-    at most 255 registers, so two programs take at most 2 x 128 x 255 of an SM's 65536; the
-    kernel keeps nothing in shared memory but Triton's scratch for its reductions, and on an
-    H200 256 programs of mamba2-1.3b's shapes, 1.94 an SM, ran 500 launches without a stall:
-    BENCHMARKS.md, Generation); 0 off a GPU."""
-    devices = jax.local_devices(backend="gpu") if jax.default_backend() == "gpu" else []
-    return 2 * devices[0].core_count if devices else 0
-
-
-def _cooperative_plan(state, w_out, sync):
-    """(block_p, block_n, programs) of the cooperative kernel, or None where it does not
-    run (mamba_step_out): the step kernel's tiles at 4 warps, out_proj's columns split
-    evenly over its programs in a power of two of at most norm_matmul.SLAB_ELEMENTS
-    weights each, and no more programs than cooperative_programs()."""
-    b, h, p, n = state.shape
-    if sync is None or b != 1:
-        return None
-    bp, warps = _filled_blocks(Blocks(), b, h, p, n)
-    programs = h * (p // bp)
-    d, k = w_out.shape
-    bn = d // programs
-    if (warps != 4 or d % programs or bn & (bn - 1) or bn * k > norm_matmul.SLAB_ELEMENTS
-            or programs > cooperative_programs()):
-        return None
-    return bp, bn, programs
-
-
-def _arrive_and_wait(sync_ref, programs, threads):
-    """A grid-wide barrier on an int32 counter that only grows. Each program adds one once its
-    threads' stores are done (a barrier of its threads, then the atomic: acquire-release at
-    GPU scope, CUTLASS's semaphore pattern), then reads the counter with the same atomic
-    (adding 0) until every program of the launch has arrived. A launch starts with the
-    counter at a multiple of `programs`, and at most programs - 1 arrive before a program's
-    own add, so the value it finds there says which multiple ends the launch. threads: off
-    in Pallas's interpreter, which has none to hold at a barrier."""
-    if threads:
-        plgpu.debug_barrier()
-    zero = jnp.zeros((), jnp.int32)  # the counter's index, and what a read adds
-    arrived = plgpu.atomic_add(sync_ref, zero, zero + 1)
-    target = (arrived // programs + 1) * programs
-    # Polled by the atomic, not by plain (volatile) loads and an acquire after them: that
-    # took about 30 us a token more in mamba2-1.3b (BENCHMARKS.md, Generation). carry[1] * 0
-    # is a zero made in the loop: Pallas's interpreter takes no constant array there.
-    jax.lax.while_loop(lambda carry: carry[0] < carry[1],
-                       lambda carry: (plgpu.atomic_add(sync_ref, carry[1] * 0, carry[1] * 0),
-                                      carry[1]),
-                       (arrived + 1, target))
-    if threads:
-        plgpu.debug_barrier()
-
-
-def _step_out_kernel(*refs, n_step, n_out, step_options, out_options, blocks_per_head,
-                     programs):
-    step_in, out_in = refs[:n_step], refs[n_step:n_step + n_out]
-    # after the inputs' counter (the same buffer as the output's)
-    y_ref, state_ref, out_ref, sync_ref = refs[n_step + n_out + 1:]
-    j = pl.program_id(0)
-
-    def step():
-        _step_program(*step_in, y_ref, state_ref,
-                      ids=(0, j // blocks_per_head, j % blocks_per_head), flat_y=True,
-                      **step_options)
-        _arrive_and_wait(sync_ref, programs, jax.default_backend() == "gpu")
-
-    bn = out_options["bn"]
-    norm_matmul._columns(y_ref, *out_in, out_ref, start=pl.multiple_of(j * bn, bn),
-                         after_load=step, **out_options)
-
-
-def _cooperative(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual, norm_weight,
-                 w_out, *, eps, ngroups, bias, sync, dt_limit, y_dtype, plan):
-    """The cooperative kernel of mamba_step_out for plan (_cooperative_plan)."""
-    b, h, p, n = state.shape
-    bp, bn, programs = plan
-    step_options, step_args = _step_call(window, None, conv_w, conv_b,
-                                         (zxbcdt, zxbcdt.shape[1] - h), A, D, dt_bias, state,
-                                         bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=True)
-    out_options, out_args, _ = norm_matmul.kernel_call(
-        norm_weight, w_out, eps=eps, z=None, ngroups=ngroups, bias=bias, residual=residual,
-        w_transposed=True, window=None, out_dtype=w_out.dtype, activation=None,
-        blocks=norm_matmul.Blocks(block_n=bn))
-    kernel = functools.partial(_step_out_kernel, n_step=len(step_args), n_out=len(out_args),
-                               step_options=step_options, out_options=out_options,
-                               blocks_per_head=p // bp, programs=programs)
-    args = (*step_args, *out_args, sync)
-    # y (gated, float32) goes through global memory from each program to all of them
-    _, state, out, sync = pl.pallas_call(
-        kernel, grid=(programs,), name="mamba_step_out",
-        interpret=jax.default_backend() != "gpu",
-        out_shape=[jax.ShapeDtypeStruct((b, h * p), jnp.float32),
-                   jax.ShapeDtypeStruct(state.shape, state.dtype),
-                   jax.ShapeDtypeStruct(residual.shape, residual.dtype),
-                   jax.ShapeDtypeStruct(sync.shape, sync.dtype)],
-        input_output_aliases={len(step_args) - 1: 1, len(args) - 1: 3},  # state, counter
-        compiler_params=plgpu.CompilerParams(num_warps=4),
-    )(*args)
-    return out, state, sync

@@ -40,6 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import hardware
+
 _HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots for float32 inputs (not TF32)
 
 
@@ -78,10 +80,10 @@ def supports(x, B):
 def _block_p(config, b, h, p):
     if config.block_p is not None:
         return min(config.block_p, p)
-    # Fewer (batch, head) programs than about two waves of an H200's 132 multiprocessors
-    # leaves it half idle; halving headdim doubles the programs at the cost of recomputing
-    # C B^T once more.
-    return p // 2 if b * h < 264 and p >= 32 else p
+    # Fewer (batch, head) programs than about two waves of the multiprocessors leaves the
+    # GPU half idle; halving headdim doubles the programs at the cost of recomputing C B^T
+    # once more.
+    return p // 2 if b * h < hardware.two_waves() and p >= 32 else p
 
 
 def _dot(a, b, contract=(1, 0)):

@@ -60,6 +60,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import hardware
+
 IMPLEMENTATIONS = ("xla", "triton")
 ACTIVATIONS = (None, "relu2")
 SLAB_ELEMENTS = 32768  # the most of w a program loads at once (filled_blocks)
@@ -155,12 +157,13 @@ def filled_blocks(blocks, k, k_group, n, columns_divisor):
     """(bn, bk, warps): Blocks with its Nones filled. A matrix-vector product is bound by the
     bytes of w in flight, and each program loads its whole [bn, k] slab of w at once. So bn
     keeps that slab within SLAB_ELEMENTS (128 registers a thread at 4 warps, for bf16) and
-    gives at least two waves of programs over an H200's 132 SMs, except that a long row
-    (k >= 4096) takes 8 rows: every program also reads all of x, so fewer programs read
+    gives at least two waves of programs over the SMs (hardware.two_waves), except that a
+    long row (k >= 4096) takes 8 rows: every program also reads all of x, so fewer programs read
     less of it (mamba2-1.3b's out_proj, k 4096: 8.8-8.9 us at 8 rows and 4 warps against
     10.1-10.5 at 4 rows and 8 warps, two runs; BENCHMARKS.md, Generation). bk is at most
     2048. bn divides columns_divisor (n, or where a window's columns start and end)."""
-    bn = blocks.block_n or (min(8, SLAB_ELEMENTS // k) if k >= 4096 else min(4, n // 264))
+    bn = blocks.block_n or (min(8, SLAB_ELEMENTS // k) if k >= 4096
+                            else min(4, n // hardware.two_waves()))
     bk = blocks.block_k or 2048
     bn = _largest_power_of_two_dividing(columns_divisor, bn)
     bk = _largest_power_of_two_dividing(k_group, bk)
@@ -168,11 +171,12 @@ def filled_blocks(blocks, k, k_group, n, columns_divisor):
 
 
 def _kernel(x_ref, *refs, bn, **kw):
-    _columns(x_ref, *refs, start=pl.multiple_of(pl.program_id(0) * bn, bn), bn=bn, **kw)
+    compute_columns(x_ref, *refs, start=pl.multiple_of(pl.program_id(0) * bn, bn), bn=bn, **kw)
 
 
-def _columns(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias, has_residual,
-             w_transposed, window_at, out_dtype, activation, start, after_load=None):
+def compute_columns(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_bias,
+                    has_residual, w_transposed, window_at, out_dtype, activation, start,
+                    after_load=None):
     """The kernel's work for output columns [start, start + bn); after_load() (if given) runs
     once the loads of the slab of w are issued, while they are in flight."""
     refs = list(refs)
@@ -258,9 +262,9 @@ def _shift_in(window_ref, row, kept, newest):
 
 def kernel_call(weight, w, *, eps, z, ngroups, bias, residual, w_transposed, window,
                 out_dtype, activation, blocks):
-    """(the static options of the kernel's code, `_columns`, all but start; its operands
+    """(the static options of the kernel's code, `compute_columns`, all but start; its operands
     after x, in order; its warps) for rms_norm_matmul's arguments: what _triton launches, and
-    what a kernel that runs `_columns` inside its own (ssd.step's cooperative kernel) passes
+    what a kernel that runs `compute_columns` inside its own (ssd.step's cooperative kernel) passes
     it."""
     k, n = (w.shape[1], w.shape[0]) if w_transposed else w.shape
     window_at = None if window is None else window[1]

@@ -1,0 +1,68 @@
+"""The decode plan: which implementation each layer's one-token step runs, for a model, a
+batch size and a device. The one place that decides it; generate and the server ask it.
+
+    plan = decode_plan(model, batch_size, "auto")
+    plan.steps   # per layer: "xla", "kernel" or "fused"
+
+"xla": the step as XLA fusions. "kernel": the layer's step kernel between XLA's projections
+(a Mamba layer's conv and SSM update, pallas_kernels.ssd.step). "fused": the whole layer, its
+norm and projections included, as fused kernels (pallas_kernels.decode), for a few rows.
+A layer kind says which it has (Mixer.step_kernels) and whether its kernels take the model's
+shapes (Mixer.kernels_support).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
+# The largest batch whose step runs its layers "fused" under "triton" (larger batches take
+# the step kernels alone between XLA's projections). Measured on an H200 (BENCHMARKS.md): at
+# batch 8 an earlier fused Mamba step took 2.5x and 4.0x the XLA step's time for mamba2-370m
+# and mamba2-1.3b (the norm-matmul kernels unroll the rows: each row's products are reduced
+# apart).
+FUSED_STEP_MAX_BATCH = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Per layer, its step implementation: "xla", "kernel" or "fused"."""
+
+    steps: tuple[str, ...]
+
+
+def resolve_implementation(implementation: str, model, backend: str | None = None) -> str:
+    """"xla" or "triton" for one of STEP_IMPLEMENTATIONS. "auto" is "triton" on a GPU where
+    every layer's step kernels take the model's shapes, "xla" otherwise: measured on an H200
+    (BENCHMARKS.md), at batch 1 the fused steps took 0.44-0.45x the XLA step's time for
+    mamba2-370m and 0.72-0.81x for mamba2-1.3b; the step kernel alone took 0.34-0.44x XLA's
+    step at batch 8, 0.40-0.55x at 16 and 0.86-0.88x at 64 (bf16 states). backend: default
+    jax.default_backend()."""
+    if implementation not in STEP_IMPLEMENTATIONS:
+        raise ValueError(f"step_implementation={implementation!r}; use one of "
+                         f"{STEP_IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    kinds = {type(layer.mixer) for layer in model.layers}
+    on_gpu = (backend or jax.default_backend()) == "gpu"
+    return ("triton" if on_gpu and all(k.kernels_support(model.config) for k in kinds)
+            else "xla")
+
+
+def decode_plan(model, batch_size: int, implementation: str = "auto",
+                backend: str | None = None) -> DecodePlan:
+    """The DecodePlan of `model` at `batch_size` rows for a step implementation of
+    STEP_IMPLEMENTATIONS: under "triton", each layer "fused" where its kind has it and the
+    batch is at most FUSED_STEP_MAX_BATCH, else "kernel" where its kind has one, else
+    "xla"; under "xla", every layer "xla"."""
+    kernels = resolve_implementation(implementation, model, backend) == "triton"
+
+    def step(mixer):
+        if kernels and batch_size <= FUSED_STEP_MAX_BATCH and "fused" in mixer.step_kernels:
+            return "fused"
+        if kernels and "kernel" in mixer.step_kernels:
+            return "kernel"
+        return "xla"
+    return DecodePlan(tuple(step(layer.mixer) for layer in model.layers))

@@ -1,0 +1,234 @@
+"""Building blocks the layer kinds share: the compute-dtype matmul, parameters with logical
+axes, RMSNorm, the gated per-group RMSNorm, the causal depthwise conv1d, and `Mixer`, the
+interface every layer kind implements.
+
+Legend: b batch, l sequence, d model width, k conv width, h heads, p head dim, g groups,
+"..." channel axes (e.g. h p).
+Norms compute in float32 and return the input's dtype, as mamba_ssm's Triton norms do.
+The norms and the conv are rematerialised (jax.checkpoint): the backward pass recomputes
+their cheap elementwise float32 intermediates from the inputs instead of keeping them, as
+mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b layer).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
+def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
+    """jnp.einsum(spec, a, b) with both operands cast to the compute dtype, float32
+    accumulation and an out_dtype result, for every weight matmul of the model (b the
+    weight). A result that is cast to the compute dtype anyway is asked for in it
+    (out_dtype=dtype): the matmul writes half the bytes, as torch's autocast Linear does.
+
+    Its derivative runs in the compute dtype, as torch's autocast backward does: the custom
+    JVP takes the tangent matmuls in dtype, so the transposed (backward) matmuls take the
+    cotangent in dtype. Differentiated as is, each backward matmul would mix a float32
+    cotangent with a bf16 operand, which XLA runs as a float32 (TF32) matmul, about 2x
+    slower (a third of the 1.3b train step's time, bench/profile_step.py). The weight's
+    gradient is rounded to dtype before it is widened to b's dtype, as before the cast.
+    A JVP rather than a VJP keeps the matmuls visible to jax.checkpoint policies (a
+    custom_vjp's residuals are saved whatever the policy). spec: two operands, e.g.
+    "...d,df->...f"."""
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
+
+
+@matmul.defjvp
+def _matmul_jvp(spec, dtype, out_dtype, primals, tangents):
+    (a, b), (ta, tb) = primals, tangents
+    a_c, b_c = a.astype(dtype), b.astype(dtype)
+    y = jnp.einsum(spec, a_c, b_c, preferred_element_type=out_dtype)
+    t = (jnp.einsum(spec, ta.astype(dtype), b_c, preferred_element_type=dtype)
+         + jnp.einsum(spec, a_c, tb.astype(dtype), preferred_element_type=dtype))
+    return y, t.astype(out_dtype)
+
+
+def dense(u, w, dtype, bias=None, out_dtype=jnp.float32):
+    """u [..., d] times w [d, ...] -> [..., ...] out_dtype (plus bias [...]): the
+    projections' matmul (see matmul). Over a tensor-parallel shard of w's output axes, this
+    rank's outputs; over a shard of d (a row-parallel input), this rank's share of the sum."""
+    y = matmul("...d,df->...f", u, w.reshape(w.shape[0], -1), dtype, out_dtype)
+    y = y.reshape(*u.shape[:-1], *w.shape[1:])
+    return y if bias is None else y + bias.astype(out_dtype)
+
+
+def uniform(rngs: nnx.Rngs, shape, bound):
+    """A float32 value drawn from U(-bound, bound): torch nn.Linear's and nn.Conv1d's default
+    init with bound 1/sqrt(fan_in)."""
+    return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
+
+
+def param(value, *axes: str) -> nnx.Param:
+    """A parameter with one logical axis name per axis of value, which
+    mamba_jax.sharding.RULES places on the mesh (e.g. param(w, "embed", "heads", "head_dim"))."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"param: {len(axes)} axis names {axes} for a value of shape "
+                         f"{value.shape}")
+    return nnx.Param(value, axes=axes)
+
+
+def rms_norm(x, weight, eps):
+    """x [..., d], weight [d] -> x / rms(x) * weight, in float32, cast back to x.dtype."""
+    @jax.checkpoint
+    def norm(x, weight):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    return norm(x, weight)
+
+
+def gated_rms_norm(y, z, weight, eps, ngroups, ctx: ParallelContext = SINGLE_DEVICE):
+    """mamba_ssm's RMSNormGated(norm_before_gate=False, group_size=d_inner/ngroups): y *
+    silu(z) normalised over each of the layer's ngroups groups of heads, times weight.
+
+    y, z [..., h, p] (this tp rank's heads, h of the layer's h*tp), weight [h, p]. Where tp
+    splits a group over ranks (ngroups % tp != 0), each rank sums the squares of its part of
+    every group and one psum over tp completes them: [..., ngroups] floats, not activations.
+    """
+    tp = ctx.tp
+
+    @jax.checkpoint
+    def norm(y, z, weight):
+        *lead, h, p = y.shape
+        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        if ngroups % tp == 0:  # this rank holds whole groups
+            g = ngroups // tp
+            grouped = gated.reshape(*lead, g, (h // g) * p)
+            inv_rms = jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + eps)
+            normed = (grouped * inv_rms).reshape(*lead, h, p)
+        else:
+            heads = ctx.tp_index() * h + jnp.arange(h)
+            member = (heads[:, None] // (h * tp // ngroups)
+                      == jnp.arange(ngroups)).astype(jnp.float32)  # [h, ngroups]
+            sum_sq = ctx.psum_tp(jnp.einsum("...hp,hg->...g", gated * gated, member))
+            inv_rms = jax.lax.rsqrt(sum_sq / (h * tp * p // ngroups) + eps) @ member.T
+            normed = gated * inv_rms[..., None]
+        return (normed * weight.astype(jnp.float32)).astype(y.dtype)
+    return norm(y, z, weight)
+
+
+def groups_of_local_heads(x, heads: int, groups: int, ctx: ParallelContext):
+    """x [b, l, groups, n], every group (kept whole on each tp rank: tp does not divide them)
+    -> the groups this rank's heads read: [b, l, 1, n] when they all read one, else one per
+    head, [b, l, heads/tp, n]. Mamba's B and C by group, or attention's keys and values by
+    KV head; heads: the layer's, over all ranks."""
+    local, per_group = heads // ctx.tp, heads // groups
+    first = ctx.tp_index() * local
+    if per_group % local == 0:
+        return jax.lax.dynamic_slice_in_dim(x, first // per_group, 1, axis=2)
+    return jnp.take(x, (first + jnp.arange(local)) // per_group, axis=2)
+
+
+@jax.checkpoint
+def causal_conv1d(x, weight, bias=None, doc=None):
+    """Depthwise causal conv along l followed by SiLU, as mamba_ssm's causal_conv1d.
+
+    x [b, l, ...], weight [k, ...], bias [...] or None, doc [b, l] document ids or None
+    (no tap reads across a document start). Float32 accumulation; returns x.dtype.
+    y_t = silu(bias + sum_j weight[j] * x_{t-k+1+j}).
+    """
+    k = weight.shape[0]
+    l = x.shape[1]
+    pad = [(0, 0), (k - 1, 0)] + [(0, 0)] * (x.ndim - 2)
+    xp = jnp.pad(x.astype(jnp.float32), pad)
+    w = weight.astype(jnp.float32)
+    y = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(
+        bias.astype(jnp.float32), x.shape)
+    if doc is not None:
+        docp = jnp.pad(doc, ((0, 0), (k - 1, 0)), constant_values=-1)
+    for j in range(k):
+        tap = xp[:, j:j + l] * w[j]
+        if doc is not None:
+            same = docp[:, j:j + l] == doc
+            tap = jnp.where(same.reshape(same.shape + (1,) * (x.ndim - 2)), tap, 0.0)
+        y = y + tap
+    return jax.nn.silu(y).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; weight [d] float32, initialised to ones."""
+
+    def __init__(self, d: int, eps: float):
+        self.weight = param(jnp.ones((d,), jnp.float32), "embed")
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Mixer(nnx.Module):
+    """The interface of a layer kind: the mixer of a pre-norm residual layer (model.Block
+    adds its output to the residual stream). mamba_jax.layers.registry maps each
+    layer_pattern symbol to one subclass.
+
+    A subclass declares, as class attributes: `symbol` (its layer_pattern symbol), `name`
+    (its config section, cfg.<name>), `Config` (that section's frozen dataclass),
+    `checkpoint_keys` (per checkpoint format, its torch tensors as
+    mamba_jax.layers.checkpoint_keys entries over its parameters), `step_kernels` (the
+    decode step implementations it has beside "xla": "kernel", a kernel between XLA's
+    projections, and "fused", the whole layer as fused kernels) and `cache_grows` (its
+    cache holds a slot per token, sized by cache_len). Its parameters declare their
+    logical axes (`param`). Parameters are float32; `dtype` is the compute dtype.
+
+    Legend: b batch, l sequence (this device's part under cp), d d_model. Every kind
+    implements:
+
+    - `__call__(u, seq_idx=None, *, ctx=SINGLE_DEVICE, cache_len=None)`: u [b, l, d] in the
+      compute dtype (every token of this device's part) -> (this tp rank's share of the
+      output [b, l, d] float32, before output_bias; the decoding cache after the last token,
+      or None when cache_len is None). seq_idx [b, l] or None: packed documents, each mixed
+      as if alone. cache_len: slots of a cache that grows with the tokens, at least l. ctx:
+      the parallel context (mamba_jax.sharding), whose collectives are the identity on one
+      device: the same code runs there and inside the trainer's shard_map.
+    - `step_weights(how)`: what the one-token step reads that derives from the parameters,
+      in the compute dtype, built once before the decode loop (XLA would rebuild it inside
+      the loop at every token).
+    - `step(u, cache, weights, how)`: one token, u [b, d] in the compute dtype -> (the output
+      [b, d] float32 before output_bias, the updated cache); how: "xla", or "kernel" where
+      step_kernels has it.
+    - `fused_step(residual, norm_weight, norm_eps, cache, weights)`, where step_kernels has
+      "fused": the whole layer for one token as fused kernels, residual [b, d] -> (residual +
+      the layer's output for rms_norm(residual) * norm_weight, the updated cache).
+    - `flops_per_token(cfg, seq_len)` (a classmethod): forward matmul FLOPs per token, 2 a
+      multiply-add, for MFU.
+    """
+
+    symbol: ClassVar[str]
+    name: ClassVar[str]
+    Config: ClassVar[type]
+    checkpoint_keys: ClassVar[dict[str, dict[str, Any]]]
+    step_kernels: ClassVar[tuple[str, ...]] = ()
+    cache_grows: ClassVar[bool] = False
+    dtype: Any
+
+    def output_bias(self):
+        """[d] or None: added once after the tp ranks' shares are summed."""
+        return None
+
+    def init_cache(self, batch_size: int, cache_len: int):
+        """An empty decoding cache (None: the layer keeps nothing between tokens)."""
+        return None
+
+    def cache_for_decoding(self, cache, how: str, ssm_state_dtype: str):
+        """The prefill's cache as the decode loop carries it: its states stored in
+        ssm_state_dtype, and what a step implementation `how` needs added."""
+        return cache
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise a ValueError naming the field, its value and the fix where this kind's
+        section is invalid or does not fit cfg's shared fields; Mamba2Config runs it for
+        each kind its layers use."""
+
+    @classmethod
+    def kernels_support(cls, cfg) -> bool:
+        """Whether this kind's step kernels take cfg's shapes."""
+        return True

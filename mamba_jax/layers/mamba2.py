@@ -1,0 +1,410 @@
+"""The Mamba2 layer (layer_pattern symbol M): in_proj -> causal conv -> SSD -> gated norm ->
+out_proj, as mamba_ssm's Mamba2; its config section (cfg.mamba2), decoding cache and
+one-token steps, checkpoint keys and FLOPs.
+
+Legend: b batch, l sequence, d d_model, h nheads, p headdim, g ngroups, n d_state,
+k d_conv, e conv_dim = h*p + 2*g*n (x, B, C channels in mamba_ssm's order).
+
+mamba_ssm fuses the projections into one `in_proj` [z, x, B, C, dt]; we keep one parameter
+per role, shaped by head or group, so a tensor-parallel shard is a slice of one axis and
+conversion is a fixed split/concatenate (checkpoint_keys), and concatenate this rank's
+weights into one matmul when projecting.
+
+Tensor parallel (ctx.tp > 1): the projections, conv, SSD and gated norm run on this rank's
+heads (and groups, or every group where tp does not divide them: each rank then reads the
+groups its heads use), out_proj is row-parallel. Context parallel (ctx.cp > 1): the conv
+reads the previous device's last d_conv - 1 inputs, and the scan carries its state across
+devices (pallas_kernels.ssd).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
+from mamba_jax.layers.common import (Mixer, causal_conv1d, dense, gated_rms_norm,
+                                     groups_of_local_heads, matmul, param, uniform)
+from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels.decode.norm_matmul import rms_norm_matmul
+from pallas_kernels.decode.step_out import mamba_step_out
+from pallas_kernels.ssd import document_ids, ssd
+from pallas_kernels.ssd.step import mamba_step
+from pallas_kernels.ssd.step import supports as step_supports
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2Section:
+    """cfg.mamba2: mamba_ssm's Mamba2 arguments (its ssm_cfg), with its defaults."""
+
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    ngroups: int = 1
+    chunk_size: int = 256
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    A_init_range: tuple[float, float] = (1.0, 16.0)
+    conv_bias: bool = True
+    bias: bool = False
+
+    def __post_init__(self):
+        # Lists from JSON become tuples, so configs stay hashable and compare equal.
+        object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
+        object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
+
+
+class Dims(NamedTuple):
+    """A Mamba2 layer's sizes (legend above): e = conv_dim, d_inner = h*p."""
+
+    d: int
+    d_inner: int
+    h: int
+    p: int
+    g: int
+    n: int
+    k: int
+    e: int
+
+
+def dims(cfg) -> Dims:
+    m = cfg.mamba2
+    d_inner = m.expand * cfg.d_model
+    return Dims(cfg.d_model, d_inner, d_inner // m.headdim, m.headdim, m.ngroups, m.d_state,
+                m.d_conv, d_inner + 2 * m.ngroups * m.d_state)
+
+
+class MambaCache(NamedTuple):
+    """One Mamba layer's decoding state.
+
+    conv_state [b, e, k]: the last k conv inputs, newest last (mamba_ssm's layout);
+    ssm_state [b, h, p, n] float32 (or bfloat16 where generate is asked to store it so);
+    sync: None, or the int32 [1] counter of the cooperative step kernel
+    (pallas_kernels.decode.step_out), carried from token to token by a "fused" decode.
+    """
+
+    conv_state: jax.Array
+    ssm_state: jax.Array
+    sync: jax.Array | None = None
+
+
+class StepWeights(NamedTuple):
+    """A Mamba layer's matmul weights as a decoding step reads them.
+
+    in_proj: `Mamba2Mixer.in_proj()` with w in the compute dtype, [d, N] for `step` and
+    transposed to [N, d] for `fused_step` (its kernel reads contiguous rows); conv: the conv
+    weight [e, k] and bias [e] or None over the fused x, B, C channels, float32; out_proj
+    [d, h*p] in the compute dtype, transposed (see out_proj_partial); A [h] = -exp(A_log),
+    float32."""
+
+    in_proj: tuple
+    conv: tuple
+    out_proj: jax.Array
+    A: jax.Array
+
+
+_KEYS = {"in_proj.weight": Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_proj"),
+         "in_proj.bias": Flat("z_bias", "x_bias", "B_bias", "C_bias", "dt_proj_bias"),
+         "conv1d.weight": Conv("x_conv", "B_conv", "C_conv"),
+         "conv1d.bias": Flat("x_conv_bias", "B_conv_bias", "C_conv_bias"),
+         "dt_bias": Flat("dt_bias"), "A_log": Flat("A_log"), "D": Flat("D"),
+         "norm.weight": Flat("norm"),
+         "out_proj.weight": Linear("out_proj", inputs=2), "out_proj.bias": Flat("out_bias")}
+
+
+class Mamba2Mixer(Mixer):
+    """The Mamba2 mixer. Parameters are float32; `dtype` is the compute dtype of the matmuls,
+    the conv and the SSD operands; dt, A, D and the SSM state stay float32."""
+
+    symbol = "M"
+    name = "mamba2"
+    Config = Mamba2Section
+    # HF Mamba2ForCausalLM, mamba_ssm and NemotronH name a Mamba2 layer's tensors alike.
+    checkpoint_keys = {"hf": _KEYS, "mamba_ssm": _KEYS, "nemotron_h": _KEYS}
+    step_kernels = ("kernel", "fused")
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        d, _, h, p, g, n, k, _ = dims(cfg)
+        m = cfg.mamba2
+        self.cfg = cfg
+        self.dtype = dtype
+        # nn.Linear's default init, U(+-1/sqrt(fan_in)); biases zero (mamba_ssm _init_weights).
+        in_bound = 1.0 / math.sqrt(d)
+        self.z_proj = param(uniform(rngs, (d, h, p), in_bound), "embed", "heads", "head_dim")
+        self.x_proj = param(uniform(rngs, (d, h, p), in_bound), "embed", "heads", "head_dim")
+        self.B_proj = param(uniform(rngs, (d, g, n), in_bound), "embed", "groups", "state")
+        self.C_proj = param(uniform(rngs, (d, g, n), in_bound), "embed", "groups", "state")
+        self.dt_proj = param(uniform(rngs, (d, h), in_bound), "embed", "heads")
+        if m.bias:
+            self.z_bias = param(jnp.zeros((h, p), jnp.float32), "heads", "head_dim")
+            self.x_bias = param(jnp.zeros((h, p), jnp.float32), "heads", "head_dim")
+            self.B_bias = param(jnp.zeros((g, n), jnp.float32), "groups", "state")
+            self.C_bias = param(jnp.zeros((g, n), jnp.float32), "groups", "state")
+            self.dt_proj_bias = param(jnp.zeros((h,), jnp.float32), "heads")
+            self.out_bias = param(jnp.zeros((d,), jnp.float32), "embed")
+        # nn.Conv1d's default init: fan_in = d_conv for a depthwise conv.
+        conv_bound = 1.0 / math.sqrt(k)
+        self.x_conv = param(uniform(rngs, (k, h, p), conv_bound), "conv", "heads", "head_dim")
+        self.B_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
+        self.C_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
+        if m.conv_bias:
+            self.x_conv_bias = param(uniform(rngs, (h, p), conv_bound), "heads", "head_dim")
+            self.B_conv_bias = param(uniform(rngs, (g, n), conv_bound), "groups", "state")
+            self.C_conv_bias = param(uniform(rngs, (g, n), conv_bound), "groups", "state")
+        # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
+        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
+                                    math.log(m.dt_min), math.log(m.dt_max))
+        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
+        self.dt_bias = param(dt + jnp.log(-jnp.expm1(-dt)), "heads")
+        self.A_log = param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
+                                                      *m.A_init_range)), "heads")
+        self.D = param(jnp.ones((h,), jnp.float32), "heads")
+        self.norm = param(jnp.ones((h, p), jnp.float32), "heads", "head_dim")
+        # Rescaled by 1/sqrt(residual layers) (mamba_ssm's rescale_prenorm_residual: n_layer
+        # without MLPs, 2*n_layer with them).
+        self.out_proj = param(uniform(rngs, (h, p, d), 1.0 / math.sqrt(h * p))
+                              / math.sqrt(len(cfg.layers)), "heads", "head_dim", "embed")
+
+    # ------------------------------------------------------------ the forward
+
+    def __call__(self, u, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
+                 cache_len=None):
+        """Mixer.__call__: u [b, l, d] -> (this rank's share of out_proj [b, l, d] float32,
+        a MambaCache or None). seq_idx [b, l]: packed documents; the conv and the SSM state
+        restart where it changes."""
+        z, xBC_in, dt = self.project(u)
+        x, B, C = self.conv(xBC_in, seq_idx, ctx)
+        m = self.cfg.mamba2
+        if m.ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
+            B, C = (groups_of_local_heads(t, dims(self.cfg).h, m.ngroups, ctx) for t in (B, C))
+        y, ssm_state = self.scan(x, dt, B, C, seq_idx, ctx)
+        out = self.out_proj_partial(gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps,
+                                                   m.ngroups, ctx))
+        if cache_len is None:
+            return out, None
+        # The conv's window holds the last k inputs; zeros stand before the first token and
+        # in place of inputs of an earlier document (e.g. left padding), which the next
+        # token's conv must not read.
+        if seq_idx is not None:
+            doc = document_ids(seq_idx)
+            xBC_in = jnp.where((doc == doc[:, -1:])[..., None], xBC_in, 0)
+        k, l = m.d_conv, u.shape[1]
+        window = jnp.pad(xBC_in, ((0, 0), (max(k - l, 0), 0), (0, 0)))[:, -k:]
+        return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
+
+    def output_bias(self):
+        return self.out_bias[...] if self.cfg.mamba2.bias else None
+
+    def in_proj(self):
+        """The five input projections side by side, in mamba_ssm's in_proj order: w [d, h*p
+        (z) + e (x, B, C) + h (dt)] and bias [same] or None, in the weights' dtype."""
+        roles = (self.z_proj, self.x_proj, self.B_proj, self.C_proj, self.dt_proj)
+        w = jnp.concatenate([r[...].reshape(r.shape[0], -1) for r in roles], axis=1)
+        if not self.cfg.mamba2.bias:
+            return w, None
+        biases = (self.z_bias, self.x_bias, self.B_bias, self.C_bias, self.dt_proj_bias)
+        return w, jnp.concatenate([b[...].reshape(-1) for b in biases])
+
+    def project(self, u, in_proj=None):
+        """u [..., d] -> z [..., h, p] and xBC [..., e] (the conv's channels x, B, C) in the
+        compute dtype, dt [..., h] float32 (before dt_bias and softplus): project_packed's
+        output split."""
+        zxbcdt = self.project_packed(u, in_proj)
+        z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
+        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
+
+    def project_packed(self, u, in_proj=None):
+        """u [..., d] -> zxbcdt [..., h*p + e + h] in the compute dtype, mamba_ssm's in_proj
+        output order z, xBC, dt (the decoding step's kernels read xBC and dt from it in
+        place).
+
+        One matmul over `in_proj()` (or the given one, StepWeights.in_proj): u is read once
+        and the backward pass runs one matmul for du instead of five and their sum. dt
+        leaves it in the compute dtype, as from mamba_ssm's in_proj."""
+        w, bias = self.in_proj() if in_proj is None else in_proj
+        return dense(u, w, self.dtype, bias, out_dtype=self.dtype)
+
+    def _conv_params(self):
+        """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
+        k = self.cfg.mamba2.d_conv
+        w = jnp.concatenate([c[...].reshape(k, -1)
+                             for c in (self.x_conv, self.B_conv, self.C_conv)], axis=-1)
+        if not self.cfg.mamba2.conv_bias:
+            return w, None
+        return w, jnp.concatenate([b[...].reshape(-1) for b in
+                                   (self.x_conv_bias, self.B_conv_bias, self.C_conv_bias)])
+
+    def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
+        """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]
+        (this rank's heads and groups: the split follows the conv weights' shapes). Under
+        cp the first d_conv - 1 outputs read the previous device's last inputs, with their
+        seq_idx, so that no tap reads across a document start."""
+        w, bias = self._conv_params()
+        width, l = self.cfg.mamba2.d_conv - 1, xBC.shape[1]
+        doc = None
+        if seq_idx is not None:
+            doc = document_ids(ctx.with_previous_tokens(seq_idx, width))
+        out = causal_conv1d(ctx.with_previous_tokens(xBC, width), w, bias, doc)[:, -l:]
+        (_, h, p), (_, g, n) = self.x_conv.shape, self.B_conv.shape
+        x, B, C = jnp.split(out, [h * p, h * p + g * n], axis=-1)
+        return x.reshape(*x.shape[:-1], h, p), B.reshape(*B.shape[:-1], g, n), \
+            C.reshape(*C.shape[:-1], g, n)
+
+    def scan(self, x, dt, B, C, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
+        """The SSD with D skip: x [b, l, h, p], dt [b, l, h] (before bias and softplus),
+        B, C [b, l, g, n] -> (y [b, l, h, p], final state [b, h, p, n] float32). Under cp
+        the state is carried across the devices (pallas_kernels.ssd)."""
+        m = self.cfg.mamba2
+        return ssd(x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=m.chunk_size,
+                   D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
+                   dt_limit=m.dt_limit, seq_idx=seq_idx, return_final_state=True,
+                   sequence_axis=ctx.sequence_axis)
+
+    def out_proj_partial(self, y, out_proj=None):
+        """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the
+        heads this is one tensor-parallel rank's share of the sum. out_proj: [d, h*p]
+        (StepWeights.out_proj); None reads the parameter."""
+        if out_proj is None:
+            return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype)
+        # A one-token step: XLA rewrites a matrix-vector product as a product and a sum,
+        # which against [h, p, d] it ran as an elementwise product [h*p, d] written out in
+        # float32 and summed over columns, 3x the weight's bytes (bench/profile_step.py).
+        # Against [d, h*p] the sum runs over each contiguous row.
+        return matmul("...e,de->...d", y.reshape(*y.shape[:-2], -1), out_proj, self.dtype)
+
+    # ------------------------------------------------------------ decoding
+
+    def init_cache(self, batch_size: int, cache_len: int = 0) -> MambaCache:
+        _, _, h, p, _, n, k, e = dims(self.cfg)
+        return MambaCache(jnp.zeros((batch_size, e, k), self.dtype),
+                          jnp.zeros((batch_size, h, p, n), jnp.float32))
+
+    def cache_for_decoding(self, cache: MambaCache, how: str, ssm_state_dtype: str):
+        """The SSM state stored in ssm_state_dtype; a "fused" step's cooperative kernel gets
+        its counter (zeros)."""
+        sync = jnp.zeros((1,), jnp.int32) if how == "fused" else None
+        return cache._replace(ssm_state=cache.ssm_state.astype(ssm_state_dtype), sync=sync)
+
+    def step_weights(self, how: str = "xla") -> StepWeights:
+        """The StepWeights of the current parameters (build them outside the decode loop),
+        for `fused_step` if how is "fused", else for `step`."""
+        w, bias = self.in_proj()
+        w = w.T if how == "fused" else w
+        out = self.out_proj[...]
+        conv_w, conv_b = self._conv_params()
+        return StepWeights((w.astype(self.dtype), bias), (conv_w.T, conv_b),
+                           out.reshape(-1, out.shape[-1]).T.astype(self.dtype),
+                           -jnp.exp(self.A_log[...]))
+
+    def step(self, u, cache: MambaCache, weights: StepWeights | None = None, how="xla"):
+        """One token: u [b, d] -> (out_proj's output [b, d] float32 before its bias, the
+        updated MambaCache).
+
+        weights: `step_weights()`, built before the decode loop; None builds them here. The
+        new SSM state is computed in float32 and stored in the cache's dtype (float32, or
+        bfloat16 as mamba_ssm's decoding cache of a bf16 model). how: the conv and SSM
+        update as XLA fusions ("xla") or as one Pallas kernel, pallas_kernels.ssd.step
+        ("kernel")."""
+        weights = self.step_weights() if weights is None else weights
+        zxbcdt = self.project_packed(u, weights.in_proj)
+        # The window's shift, the conv and the SSM update, xBC and dt read from zxbcdt
+        y, conv_state, ssm_state = mamba_step(
+            cache.conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
+            cache.ssm_state, dt_limit=self.cfg.mamba2.dt_limit, y_dtype=self.dtype,
+            implementation="triton" if how == "kernel" else "xla")
+        z = zxbcdt[:, :y.shape[1] * y.shape[2]].reshape(y.shape)  # its first h*p columns
+        y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.mamba2.ngroups)
+        return (self.out_proj_partial(y, weights.out_proj),
+                MambaCache(conv_state, ssm_state, cache.sync))
+
+    def fused_step(self, residual, norm_weight, norm_eps, cache: MambaCache,
+                   weights: StepWeights | None = None):
+        """A whole Mamba block for one token in two or three Pallas kernels: residual [b, d]
+        -> (residual + mixer(rms_norm(residual)), the updated MambaCache).
+
+        The block's RMSNorm (norm_weight [d], norm_eps) with the input projection, which also
+        shifts the conv window in place, as one pallas_kernels.decode.norm_matmul kernel;
+        then pallas_kernels.decode.step_out: the conv, the SSM update and the gate, which
+        read dt and z from the projection's output in place, then the gated norm with
+        out_proj and the residual add. With the cache's sync counter (cache_for_decoding
+        gives one) that is one cooperative kernel on a GPU that holds its programs at once,
+        else two. The arithmetic of Block.step over `step` (but for where the norms'
+        operands are rounded: pallas_kernels.decode.norm_matmul) in a third of its kernels
+        or fewer, for a decoding step at small batch, which is bound by its kernel count
+        (BENCHMARKS.md). weights: step_weights("fused"); None builds them here."""
+        weights = self.step_weights("fused") if weights is None else weights
+        w, bias = weights.in_proj
+        # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
+        zxbcdt, conv_state = rms_norm_matmul(
+            residual, norm_weight, w, eps=norm_eps, bias=bias, w_transposed=True,
+            window=(cache.conv_state, dims(self.cfg).d_inner), implementation="triton")
+        # The step and the gate, then the gated norm, out_proj and the residual add
+        m = self.cfg.mamba2
+        residual, ssm_state, sync = mamba_step_out(
+            conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
+            cache.ssm_state, residual, self.norm[...].reshape(-1), weights.out_proj,
+            eps=self.cfg.norm_eps, ngroups=m.ngroups, bias=self.output_bias(),
+            sync=cache.sync, dt_limit=m.dt_limit, y_dtype=self.dtype, implementation="triton")
+        return residual, MambaCache(conv_state, ssm_state, sync)
+
+    # ------------------------------------------------------------ the kind
+
+    @classmethod
+    def check_config(cls, cfg):
+        m = cfg.mamba2
+        for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
+            value = getattr(m, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Mamba2Config.mamba2.{name}={value!r} must be a positive "
+                                 "integer")
+        for name in ("dt_min", "dt_max", "dt_init_floor"):
+            if not getattr(m, name) > 0:
+                raise ValueError(f"Mamba2Config.mamba2.{name}={getattr(m, name)!r} must "
+                                 "be > 0")
+        if m.dt_min > m.dt_max:
+            raise ValueError(f"Mamba2Config.mamba2.dt_min={m.dt_min} > dt_max="
+                             f"{m.dt_max}: swap them")
+        if len(m.dt_limit) != 2 or not 0.0 <= m.dt_limit[0] < m.dt_limit[1]:
+            raise ValueError(f"Mamba2Config.mamba2.dt_limit={m.dt_limit} must be (lo, hi) "
+                             "with 0 <= lo < hi; (0.0, inf) means no limit")
+        if len(m.A_init_range) != 2 or not 0.0 < m.A_init_range[0] <= m.A_init_range[1]:
+            raise ValueError(f"Mamba2Config.mamba2.A_init_range={m.A_init_range} must be "
+                             "(lo, hi) with 0 < lo <= hi")
+        d_inner = m.expand * cfg.d_model
+        if d_inner % m.headdim:
+            divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
+            nearby = [v for v in divisors if m.headdim // 2 <= v <= m.headdim * 2]
+            raise ValueError(
+                f"Mamba2Config: d_model*mamba2.expand = {cfg.d_model}*{m.expand} = {d_inner} "
+                f"is not divisible by mamba2.headdim={m.headdim}; choose headdim among "
+                f"{nearby} or change d_model/expand")
+        nheads = d_inner // m.headdim
+        if nheads % m.ngroups:
+            divisors = [v for v in range(1, nheads + 1) if nheads % v == 0]
+            raise ValueError(
+                f"Mamba2Config: nheads = d_inner/headdim = {nheads} is not divisible by "
+                f"mamba2.ngroups={m.ngroups}; choose ngroups among {divisors}")
+
+    @classmethod
+    def kernels_support(cls, cfg) -> bool:
+        m = cfg.mamba2
+        return step_supports(m.headdim, m.d_state, m.d_conv)
+
+    @classmethod
+    def flops_per_token(cls, cfg, seq_len: int) -> float:
+        """in_proj (z, x, B, C, dt) and out_proj; the SSD's chunked matmuls at chunk q: C B^T
+        per group and its product with x inside each chunk, the chunk states and their
+        read-out through C."""
+        d, _, h, p, g, n, _, _ = dims(cfg)
+        q = min(cfg.mamba2.chunk_size, seq_len)
+        return (2 * d * (2 * h * p + 2 * g * n + h) + 2 * h * p * d + 2 * q * (g * n + h * p)
+                + 4 * h * p * n)

@@ -1,0 +1,206 @@
+"""Where parameters and activations live on the mesh: one table of logical axis -> mesh axis
+rules, and the parallel context a layer's forward calls for its collectives.
+
+    specs = param_specs(abstract_params, mesh)   # PartitionSpecs from each Param's axes
+    ctx = ParallelContext.for_mesh(mesh)          # inside jax.shard_map
+    logits = model(input_ids, ctx=ctx)            # the same forward as on one device
+
+Every parameter declares its logical axes where it is created, `nnx.Param(value,
+axes=("embed", "heads", "head_dim"))` (mamba_jax.layers.common.param); RULES places each name
+on a mesh axis. A parameter without axes, or with a name RULES lacks, is an error: nothing
+falls back to replicated unnoticed.
+
+Mesh axes (mamba_jax.parallel.make_mesh): `dp` batch rows; `fsdp` batch rows and the
+"embed" axis of every parameter (ZeRO-3: gathered where a layer runs, re-gathered in the
+backward pass); `cp` the sequence, for the whole model; `tp` heads, groups, KV heads, the
+MLP width and the vocabulary, and (sequence parallel) the residual stream's sequence between
+layers.
+
+The parallel context is the only thing a layer knows of the mesh. On one device it is
+SINGLE_DEVICE, whose collectives are the identity, so one forward serves both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+# Logical axis -> mesh axis (None: never split). One table for every layer kind.
+RULES = {
+    "vocab": "tp",      # the embedding's and LM head's rows (vocabulary-parallel)
+    "embed": "fsdp",    # d_model: the axis FSDP shards every large parameter on
+    "heads": "tp",      # Mamba heads, attention query heads
+    "kv_heads": "tp",   # attention KV heads
+    "groups": "tp",     # Mamba B/C groups
+    "mlp": "tp",        # the MLP's hidden width
+    "head_dim": None,
+    "state": None,      # Mamba's d_state
+    "conv": None,       # a causal conv's taps
+}
+# Axes kept whole on every rank where their mesh axis does not divide them: each rank then
+# reads the groups or KV heads its own heads use (the published Mamba2 checkpoints have one
+# B/C group, and GQA models fewer KV heads than tp). Every other axis must divide.
+REPLICATED_WHEN_UNEVEN = frozenset({"groups", "kv_heads"})
+GATHERED = "fsdp_gathered"  # checkpoint name of gathered weights: recomputed, never saved
+
+# What a size that does not divide means to a user, and what to change.
+_AXIS_HELP = {
+    "vocab": "the padded vocabulary; set pad_vocab_size_multiple to a multiple of {size}",
+    "embed": "d_model",
+    "heads": "heads; tensor parallelism splits whole heads",
+    "mlp": "the MLP width (mlp.d_intermediate)",
+}
+
+
+def is_param(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_axes(variable, name: str = "parameter") -> tuple:
+    """A Param's declared logical axes; an error naming it when it has none."""
+    axes = variable.get_metadata().get("axes")
+    if axes is None or len(axes) != variable.ndim:
+        raise ValueError(f"{name} {tuple(variable.shape)} declares logical axes {axes}: give "
+                         f"one name per axis where it is created, nnx.Param(value, axes=...), "
+                         f"from {sorted(RULES)}")
+    unknown = [a for a in axes if a not in RULES]
+    if unknown:
+        raise ValueError(f"{name} has logical axes {unknown} that mamba_jax.sharding.RULES "
+                         f"does not place; use names from {sorted(RULES)} or add a rule")
+    return tuple(axes)
+
+
+def param_specs(params, mesh):
+    """A PartitionSpec per parameter: a pytree shaped like params (an nnx.State whose
+    Variables hold specs; params' leaves may be abstract), each axis on RULES' mesh axis. An axis whose mesh axis does not divide it is
+    replicated if REPLICATED_WHEN_UNEVEN says so, else a ValueError naming the parameter,
+    the sizes, and the mesh sizes that would work."""
+    def spec(path, variable):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        axes = logical_axes(variable, name)
+        placed = []
+        for axis, dim in zip(axes, variable.shape):
+            mesh_axis = RULES[axis]
+            size = 1 if mesh_axis is None else mesh.shape[mesh_axis]
+            if size == 1:
+                placed.append(None)
+            elif dim % size == 0:
+                placed.append(mesh_axis)
+            elif axis in REPLICATED_WHEN_UNEVEN:
+                placed.append(None)
+            else:
+                works = [s for s in range(1, dim + 1) if dim % s == 0]
+                what = _AXIS_HELP.get(axis, axis).format(size=size)
+                raise ValueError(f"{mesh_axis}={size} does not divide the {dim} {axis} of "
+                                 f"{name} {tuple(variable.shape)} ({what}): use {mesh_axis} "
+                                 f"in {works}")
+        return jax.tree.map(lambda _: P(*placed), variable)  # the Variable, holding its spec
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_param)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """The mesh as a layer's forward sees it from inside `jax.shard_map`: the sizes of the
+    tp, cp and fsdp axes and whether the residual stream is sequence-parallel, and the
+    collectives over them. Every method is the identity where its axis has size 1, so
+    SINGLE_DEVICE runs the one-device forward with no collective at all.
+
+    Legend: b batch, l this device's tokens, d d_model.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    fsdp: int = 1
+    sequence_parallel: bool = False  # the residual stream [b, l/tp, d] between layers
+
+    @classmethod
+    def for_mesh(cls, mesh, sequence_parallel: bool = True) -> "ParallelContext":
+        tp = mesh.shape["tp"]
+        return cls(tp=tp, cp=mesh.shape["cp"], fsdp=mesh.shape["fsdp"],
+                   sequence_parallel=sequence_parallel and tp > 1)
+
+    # ------------------------------------------------------------ tensor parallel
+
+    def tp_index(self):
+        """This device's rank in tp (0 on one device)."""
+        return lax.axis_index("tp") if self.tp > 1 else 0
+
+    def psum_tp(self, x):
+        return lax.psum(x, "tp") if self.tp > 1 else x
+
+    def pmax_tp(self, x):
+        return lax.pmax(x, "tp") if self.tp > 1 else x
+
+    def layer_input(self, x):
+        """A layer's normed input [b, l/tp, d] under sequence parallel -> [b, l, d]: the
+        all-gather before a column-parallel projection (else x itself)."""
+        return lax.all_gather(x, "tp", axis=1, tiled=True) if self.sequence_parallel else x
+
+    def layer_output(self, x, dtype=None):
+        """The tp ranks' shares of a row-parallel output [b, l, d] -> their sum: [b, l/tp, d]
+        scattered on the sequence under sequence parallel (half the bytes of an all-reduce,
+        and the output already split), else all-reduced; x itself on one device. dtype: the
+        shares are summed in it (the compute dtype, as mamba_ssm's RowParallelLinear sums
+        them); None keeps x's."""
+        if self.tp == 1:
+            return x
+        x = x if dtype is None else x.astype(dtype)
+        if self.sequence_parallel:
+            return lax.psum_scatter(x, "tp", scatter_dimension=1, tiled=True)
+        return lax.psum(x, "tp")
+
+    # ------------------------------------------------------------ context parallel
+
+    @property
+    def sequence_axis(self) -> str | None:
+        """The mesh axis the sequence is split over, for the scan's state passing."""
+        return "cp" if self.cp > 1 else None
+
+    def cp_index(self):
+        return lax.axis_index("cp") if self.cp > 1 else 0
+
+    def all_gather_cp(self, x, axis: int = 1):
+        """This device's part of the sequence -> the whole sequence (x itself on one cp)."""
+        return lax.all_gather(x, "cp", axis=axis, tiled=True) if self.cp > 1 else x
+
+    def with_previous_tokens(self, x, width: int):
+        """x [b, l, ...] -> [b, width + l, ...]: the previous cp device's last `width` tokens
+        before this device's (zeros on the first device), for a causal conv's window across
+        the cut; x itself on one cp."""
+        if self.cp == 1 or width == 0:
+            return x
+        halo = lax.ppermute(x[:, -width:], "cp", [(i, i + 1) for i in range(self.cp - 1)])
+        return jnp.concatenate([halo, x], axis=1)
+
+    # ------------------------------------------------------------ fsdp
+
+    def gather_params(self, tree):
+        """Parameters (a module's state, or one Variable) with their fsdp shards all-gathered
+        along their "embed" axis, named so that remat policies recompute them (GATHERED)
+        rather than keep them; the tree itself without fsdp."""
+        if self.fsdp == 1:
+            return tree
+
+        def gather(variable):
+            axes = logical_axes(variable)
+            if "embed" not in axes:
+                return variable
+            full = lax.all_gather(variable[...], "fsdp", axis=axes.index("embed"), tiled=True)
+            return variable.copy(checkpoint_name(full, GATHERED))
+        return jax.tree.map(gather, tree, is_leaf=is_param)
+
+    def gathered(self, module):
+        """module with its parameters gathered (gather_params); module itself without fsdp."""
+        if self.fsdp == 1:
+            return module
+        graphdef, state = nnx.split(module)
+        return nnx.merge(graphdef, self.gather_params(state))
+
+
+SINGLE_DEVICE = ParallelContext()
