@@ -1,6 +1,7 @@
 """Decoding speed on a GPU: mamba_jax.generate against mamba_ssm's generate(..., cg=True).
 
-    python3 -m bench.generate [--baseline .baseline] [--presets mamba2-370m,mamba2-1.3b]
+    python3 -m bench.generate [--baseline .baseline] [--allow-slow-baseline]
+                              [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
                               [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
                               [--step-implementations auto,xla,triton]
@@ -34,9 +35,10 @@ equal to the first row's of its group: other state dtypes and kernels round diff
 a random-weight model's greedy tokens part ways at the first flipped argmax.
 
 mamba_ssm runs in a child process of this script (--theirs-process same: in this one, before
-ours), imported from --baseline (bench.baseline); `causal_conv1d` is absent, so its
-decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
-and scan are its Triton kernels).
+ours), imported from --baseline (bench.baseline), on its fast path: causal_conv1d_fn in the
+prefill, causal_conv1d_update and its Triton selective_state_update in each step. The table's
+header names the path that runs; without the causal_conv1d extension the script prints no
+ratio (bench.baseline.guard) unless --allow-slow-baseline, which marks them.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def theirs_in_child(preset, batch, prompt, new, reps, copy):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default=".baseline")
+    baseline.add_arguments(parser, "decode")
     parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--prompt", type=int, default=128)
@@ -236,11 +238,20 @@ def main(argv=None):
         result({"prefill_s": t_prefill, "decode_s": t_decode})
         return
 
+    presets = args.presets.split(",")
+    # mamba_ssm runs for the presets of Mamba layers alone: its path checked before any
+    # timing, in the process it will run in
+    versus = None
+    if any(set(Mamba2Config.preset(preset).layers) == {"M"} for preset in presets):
+        versus = baseline.comparison(args.baseline, "decode", args.allow_slow_baseline,
+                                     in_child=args.theirs_process == "child")
     bandwidth = copy_bandwidth(1, 5)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; prompt {args.prompt}, {args.new} new tokens, bf16, "
           "greedy")
     check_streaming()
+    if versus:
+        print(versus.line)
     header = ("preset", "batch", "our SSM state", "step", "command buffers", "prefill ours ms",
               "prefill theirs ms", "ms/step ours", "ms/step theirs", "ours/theirs",
               "tok/s ours", "tok/s theirs", "ours/theirs tok/s", "floor ms ours",
@@ -250,7 +261,7 @@ def main(argv=None):
     dtypes, implementations, settings = (args.ssm_state_dtypes.split(","),
                                          args.step_implementations.split(","),
                                          args.command_buffers.split(","))
-    for preset in args.presets.split(","):
+    for preset in presets:
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         # "auto" as generate resolves it, named in the rows as "auto (triton)"
@@ -261,9 +272,11 @@ def main(argv=None):
                 check_kernels(preset, cfg, batch)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
             if set(cfg.layers) != {"M"}:
+                ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
                 print(f"{preset}: mamba_ssm not run (its blocks cannot spell the layer "
                       f"pattern {cfg.layers}, and its attention decodes only with flash_attn)")
             else:
+                ratio = versus.ratio
                 try:
                     run = theirs_in_child if args.theirs_process == "child" else theirs
                     p_theirs, d_theirs = run(preset, batch, args.prompt, args.new, args.reps,
@@ -279,7 +292,7 @@ def main(argv=None):
                             graphs == "on", resolved[impl])
                         label = impl if impl == resolved[impl] else f"{impl} ({resolved[impl]})"
                         row = _row(cfg, preset, batch, dtype, label, graphs, p_ours, d_ours,
-                                   p_theirs, d_theirs, args.prompt, steps, bandwidth)
+                                   p_theirs, d_theirs, args.prompt, steps, bandwidth, ratio)
                         print(table_row(row), flush=True)
                     if len({tokens[impl, g].tobytes() for g in settings}) > 1:
                         raise SystemExit(f"{preset} batch {batch} {dtype} {impl}: the "
@@ -292,15 +305,16 @@ def main(argv=None):
 
 
 def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, prompt,
-         steps, bandwidth):
+         steps, bandwidth, ratio):
+    """A table row; ratio(ours, theirs, spec) formats ours/theirs (baseline.Comparison)."""
     ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
     context = prompt + steps / 2  # the tokens an attention layer reads, on average
     floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, state_bytes, context) / bandwidth
                                 for state_bytes in (jnp.dtype(dtype).itemsize, 2))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
-            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.3f}x",
-            f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
+            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", ratio(ms_ours, ms_theirs, ".3f"),
+            f"{tps_ours:.0f}", f"{tps_theirs:.0f}", ratio(tps_ours, tps_theirs, ".2f"),
             f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
 
 

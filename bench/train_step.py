@@ -6,7 +6,7 @@ the longest sequence that trains, and mamba_ssm's training step beside ours.
         --meshes dp=1 tp=2 dp=2
     python3 -m bench.train_step longest --preset mamba2-1.3b --meshes dp=1 cp=2
     python3 -m bench.train_step versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
-        --baseline .baseline
+        --baseline .baseline [--allow-slow-baseline]
 
 tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny preset, float32;
   --set changes its fields, e.g. to a hybrid: --set layer_pattern=M*-M n_layer=4 ...) on the
@@ -30,8 +30,11 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
   doubled until out of memory, then bisected), tokens/s and MFU of our step and of
   mamba_ssm's MambaLMHeadModel + torch.optim.AdamW (bf16 autocast over float32 weights, the
   same optimizer settings) in the same run, each on its own GPU (CUDA_VISIBLE_DEVICES).
-  mamba_ssm comes from --baseline (a git-ignored copy of its Python, bench.baseline); without
-  the causal_conv1d extension it runs its use_mem_eff_path=False path (printed).
+  mamba_ssm comes from --baseline (a git-ignored copy of its Python, bench.baseline) and
+  trains on its fast path, use_mem_eff_path=True (mamba_split_conv1d_scan_combined, with
+  causal_conv1d's conv), named in the table's header. Without that extension the table
+  prints no ratio unless --allow-slow-baseline, which runs use_mem_eff_path=False and marks
+  them.
 
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
@@ -312,10 +315,9 @@ def theirs(args):
 
     cfg = Mamba2Config.preset(args.preset)
     MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(args.baseline)
-    import mamba_ssm.modules.mamba2 as mamba2
-    mem_eff = mamba2.causal_conv1d_fn is not None
-    print(f"  mamba_ssm {args.preset}: use_mem_eff_path={mem_eff} "
-          f"(causal_conv1d {'found' if mem_eff else 'absent'})", file=sys.stderr, flush=True)
+    # Its fast path wherever it can run here; the parent's guard refused a run without it
+    # or marks its ratios.
+    mem_eff = not baseline.probe(args.baseline).slow("train")
     config = baseline.mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.float32)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
@@ -456,9 +458,11 @@ def longest(args):
 
 
 def versus(args):
+    compared = baseline.comparison(args.baseline, "train", args.allow_slow_baseline)
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
           f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next, at "
           "the same time")
+    print(compared.line)
     print(table_header(("model", "ours batch", "ours tokens/s", "ours MFU", "ours peak GiB",
                         "theirs batch", "theirs tokens/s", "theirs MFU", "theirs peak GiB",
                         "ours/theirs tokens/s")), flush=True)
@@ -481,7 +485,7 @@ def versus(args):
         print(table_row((preset, m["batch"], f"{m['tokens_s']:,.0f}", f"{100 * m['mfu']:.1f}%",
                          f"{m['peak_gib']:.1f}", t["batch"], f"{t['tokens_s']:,.0f}",
                          f"{100 * t['mfu']:.1f}%", f"{t['peak_gib']:.1f}",
-                         f"{m['tokens_s'] / t['tokens_s']:.2f}x")), flush=True)
+                         compared.ratio(m["tokens_s"], t["tokens_s"]))), flush=True)
         print(f"  ours: next batch planned {m['next_planned_gib']:.1f} GiB > "
               f"{m['limit_gib']:.1f}; theirs: out of memory at batch {t['first_oom_batch']}, "
               f"use_mem_eff_path={t['use_mem_eff_path']}", flush=True)
@@ -507,7 +511,7 @@ def main(argv=None):
     p.add_argument("--granule", type=int, default=None,
                    help="step of the largest-batch / longest-sequence search")
     p.add_argument("--timeout", type=float, default=540)
-    p.add_argument("--baseline", default=".baseline")
+    baseline.add_arguments(p, "train")
     p.add_argument("--xla-variants", nargs="+", default=[""], metavar="FLAGS",
                    help="throughput: run each mesh once per entry, XLA flags without their "
                         "leading dashes ('' for none)")
