@@ -1,34 +1,81 @@
-"""mamba_ssm, the baseline, imported from a git-ignored copy of its Python (`--baseline`,
-mamba_ssm v2.3.2.post1's package): never a dependency of mamba_jax.
+"""mamba_ssm, the baseline: its import, the code path it runs here, and the ratio guard.
 
-Its __init__ is bypassed and the compiled `selective_scan_cuda` (Mamba1 only, never called
-here) stubbed, so only its pure-Python Triton kernels and torch code run; without the
-`causal_conv1d` package its Mamba2 takes its torch fallbacks for the conv.
+    python3 -m bench.baseline [--baseline .baseline]
+
+prints what mamba_ssm runs here (a `RESULT {json}` line, read back by probe_in_child) and,
+for each kind of table, the guard's verdict: a check of the install before a device run.
+
+mamba_ssm is imported from a git-ignored copy of its Python (`--baseline`, the folder that
+holds mamba_ssm v2.3.2.post1's package), never a dependency of mamba_jax. Its __init__ is
+bypassed and the compiled `selective_scan_cuda` (Mamba1 only, never called here) stubbed,
+so its Triton kernels and torch code run without its own CUDA extension. Its Mamba2 runs as
+its users run it only with the `causal_conv1d` extension: training takes
+use_mem_eff_path=True (mamba_split_conv1d_scan_combined, whose conv is causal_conv1d's) and
+decoding causal_conv1d_fn in the prefill and causal_conv1d_update in each step. Without it
+mamba_ssm falls back to torch code nobody runs for speed, so a ratio against it is not a
+result: comparison() refuses one unless --allow-slow-baseline, and then marks it.
+
+Where that extension comes from (a build for the GPU machine; measurement only):
+    here:   mkdir -p .baseline && cp ../shared/baseline/* .baseline/
+    device: sh .baseline/install.sh && export PYTHONPATH=/tmp/site:$PYTHONPATH
 """
 
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
 import os
+import re
 import sys
 import types
 
+from bench import harness
 
-def _bypass_init(baseline):
+INSTALL = ("mkdir -p .baseline && cp ../shared/baseline/* .baseline/ here, then on the GPU "
+           "machine: sh .baseline/install.sh && export PYTHONPATH=/tmp/site:$PYTHONPATH")
+SLOW = " (slow baseline)"
+
+# What each table times of mamba_ssm: the names its modules bind to causal_conv1d's (or, for
+# the step's SSM update, its own Triton) functions, which must not be None for its fast
+# path; that path; and the path it falls back to without them.
+USES = {
+    "train": (("ssd_combined.causal_conv1d_fwd_function",
+               "ssd_combined.causal_conv1d_bwd_function"),
+              "Mamba2 training: use_mem_eff_path=True (mamba_split_conv1d_scan_combined)",
+              "Mamba2 training: use_mem_eff_path=False (a torch conv1d, then "
+              "mamba_chunk_scan_combined)"),
+    "decode": (("mamba2.causal_conv1d_fn", "mamba2.causal_conv1d_update",
+                "mamba2.selective_state_update"),
+               "Mamba2 generate(cg=True): causal_conv1d_fn in the prefill, "
+               "causal_conv1d_update and selective_state_update in each step",
+               "Mamba2 generate(cg=True) on its torch fallbacks"),
+    # The SSD op alone calls no conv: the same Triton kernels as both training paths.
+    "scan": ((), "mamba_chunk_scan_combined (its Triton SSD kernels, which both Mamba2 "
+                 "training paths run; it calls no causal_conv1d)", None),
+}
+MODULES = {"mamba2": "mamba_ssm.modules.mamba2",
+           "ssd_combined": "mamba_ssm.ops.triton.ssd_combined"}
+
+
+def _use_copy(baseline):
     """Make `mamba_ssm` the package folder at `baseline`, its __init__ not run."""
     package = types.ModuleType("mamba_ssm")
     package.__path__ = [os.path.join(baseline, "mamba_ssm")]
     sys.modules["mamba_ssm"] = package
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
 
 
 def import_mamba_chunk_scan(baseline):
     """mamba_ssm's mamba_chunk_scan_combined (its SSD Triton kernels) from the copy."""
-    _bypass_init(baseline)
+    _use_copy(baseline)
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     return mamba_chunk_scan_combined
 
 
 def import_mamba_lm(baseline):
     """(MambaConfig, MambaLMHeadModel) from the copy at `baseline`."""
-    _bypass_init(baseline)
-    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    _use_copy(baseline)
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
     return MambaConfig, MambaLMHeadModel
@@ -43,3 +90,133 @@ def mamba_config(cfg, MambaConfig, **ssm_cfg):
                        rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
                        pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
                        tie_embeddings=cfg.tie_embeddings)
+
+
+# ---- which path runs ----
+
+def causal_conv1d_version() -> tuple[str, str]:
+    """(causal_conv1d's version, '') where it and its CUDA extension import, else ('', why
+    not). torch first: the extension links against its libraries."""
+    try:
+        import torch  # noqa: F401
+        import causal_conv1d
+        import causal_conv1d_cuda  # noqa: F401
+    except (ImportError, OSError) as error:
+        return "", f"{type(error).__name__}: {error}"
+    return causal_conv1d.__version__, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Install:
+    """What decides mamba_ssm's path here: its version, causal_conv1d's ('' where it does not
+    import, and why in `missing`), and for each name in USES whether mamba_ssm's module
+    bound it."""
+
+    mamba_ssm: str
+    causal_conv1d: str
+    missing: str
+    bound: dict[str, bool]
+
+    def slow(self, use: str) -> str:
+        """Why `use` (a key of USES) of mamba_ssm runs a slow path here, or '' where it
+        runs the fast one."""
+        names = USES[use][0]
+        if names and not self.causal_conv1d:
+            return f"without causal_conv1d ({self.missing})"
+        unbound = [name for name in names if not self.bound.get(name)]
+        return (f"causal_conv1d {self.causal_conv1d} imports, but mamba_ssm bound None to "
+                f"{', '.join(unbound)}" if unbound else "")
+
+
+def probe(baseline) -> Install:
+    """The Install of the copy at `baseline`, read in this process: it imports torch, triton and
+    mamba_ssm's Mamba2 and SSD modules, and reads what they bound at import."""
+    _use_copy(baseline)
+    with open(os.path.join(baseline, "mamba_ssm", "__init__.py")) as f:
+        version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+    conv, missing = causal_conv1d_version()
+    modules = {short: importlib.import_module(name) for short, name in MODULES.items()}
+
+    def is_bound(name):  # "mamba2.causal_conv1d_update": that module's global
+        module, attribute = name.split(".")
+        return getattr(modules[module], attribute) is not None
+    bound = {name: is_bound(name) for names, _, _ in USES.values() for name in names}
+    return Install(version, conv, missing, bound)
+
+
+def probe_in_child(baseline) -> Install:
+    """probe() in a child process (`python -m bench.baseline`), so that this one does not
+    load torch beside its JAX."""
+    reported = harness.run_module("baseline", ["--baseline", baseline])[-1]
+    if "error" in reported:
+        raise SystemExit(f"mamba_ssm from {baseline!r} did not import: {reported['error']}")
+    return Install(**reported)
+
+
+# ---- the guard ----
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How a table speaks of mamba_ssm: `line`, its header line (the path that runs), and
+    ratio(), ours/theirs marked SLOW where that path is mamba_ssm's slow one."""
+
+    line: str
+    marker: str = ""
+
+    def ratio(self, ours, theirs, spec=".2f", unit="x") -> str:
+        return f"{ours / theirs:{spec}}{unit}{self.marker}"
+
+
+def guard(install: Install, use: str, allow_slow: bool) -> Comparison:
+    """What a table that times `use` (a key of USES) of mamba_ssm may print. On its fast
+    path, its ratios; on a slow one, none (SystemExit, saying how to install
+    causal_conv1d) unless allow_slow, and then every ratio marked SLOW."""
+    _, fast, fallback = USES[use]
+    why = install.slow(use)
+    version = install.mamba_ssm
+    if not why:
+        conv = (f"causal_conv1d {install.causal_conv1d}" if install.causal_conv1d
+                else "causal_conv1d absent")
+        return Comparison(f"mamba_ssm {version} {fast}, {conv} (fast path)")
+    if not allow_slow:
+        raise SystemExit(f"mamba_ssm {version} would run its slow path, {why}: no ours/theirs "
+                         f"ratio against it. Install causal_conv1d: {INSTALL}; or pass "
+                         f"--allow-slow-baseline to mark every such ratio{SLOW}.")
+    return Comparison(f"mamba_ssm {version} {fallback}, {why}: every ratio against it is "
+                      f"marked{SLOW}", SLOW)
+
+
+def comparison(baseline, use: str, allow_slow: bool, in_child: bool = True) -> Comparison:
+    """guard() for `use` of the copy at `baseline`, probed in a child process (in this one
+    where in_child is False: a script that loads torch anyway). Called before any timing, so
+    that a refusal costs none; the script prints its line in the table's header."""
+    install = probe_in_child(baseline) if in_child else probe(baseline)
+    return guard(install, use, allow_slow)
+
+
+def add_arguments(parser, use: str):
+    """The options of a script that times `use` (a key of USES) of mamba_ssm: where its
+    copy is, and where that use has a slow path, the guard's."""
+    parser.add_argument("--baseline", default=".baseline",
+                        help="the folder holding mamba_ssm's Python package (mamba_ssm/)")
+    if USES[use][0]:
+        parser.add_argument("--allow-slow-baseline", action="store_true",
+                            help="without causal_conv1d, run mamba_ssm's slow path anyway and "
+                                 f"mark every ratio against it{SLOW}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default=".baseline")
+    args = parser.parse_args(argv)
+    install = probe(args.baseline)
+    harness.result(dataclasses.asdict(install))
+    for use in USES:
+        try:
+            print(f"{use}: {guard(install, use, allow_slow=False).line}")
+        except SystemExit as refused:
+            print(f"{use}: {refused}")
+
+
+if __name__ == "__main__":
+    main()

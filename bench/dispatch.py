@@ -1,7 +1,7 @@
 """generate()'s cost a call on the host: the work to start its two programs, which the GPU
 waits for before the prefill begins.
 
-    python3 bench/dispatch.py [--presets mamba2-1.3b,megatron-hybrid-800m] [--reps 20]
+    python3 -m bench.dispatch [--presets mamba2-1.3b,megatron-hybrid-800m] [--reps 20]
 
 For each preset, a model of the preset's layers (so its number of arrays) at small widths,
 so that the programs themselves take little time: the arrays in the model, and the median
@@ -13,16 +13,13 @@ is mostly the host's; the widths make the programs' own work a small part of it.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mamba_jax import Mamba2Config, Mamba2LM, generate  # noqa: E402
-from timing import median_time  # noqa: E402
+from bench.harness import median_time, table_header, table_row
+from mamba_jax import Mamba2Config, Mamba2LM, generate
 
 # Small widths that every preset's layer pattern accepts (attention and MLP layers too).
 SMALL = dict(d_model=64, d_state=16, headdim=16, chunk_size=16, vocab_size=256)
@@ -37,21 +34,21 @@ def small(preset: str) -> Mamba2Config:
     return cfg
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", default="mamba2-1.3b,megatron-hybrid-800m")
     parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print("| preset (small widths) | layers | arrays | ms per generate(max_new_tokens=1) |")
-    print("|---|---|---|---|")
+    print(table_header(("preset (small widths)", "layers", "arrays",
+                        "ms per generate(max_new_tokens=1)")))
     for preset in args.presets.split(","):
         cfg = small(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         ids = jnp.zeros((1, 8), jnp.int32)
         t = median_time(lambda: generate(model, ids, 1).block_until_ready(), 2, args.reps)
         arrays = len(jax.tree_util.tree_leaves(nnx.state(model)))
-        print(f"| {preset} | {cfg.n_layer} | {arrays} | {1e3 * t:.2f} |", flush=True)
+        print(table_row((preset, cfg.n_layer, arrays, f"{1e3 * t:.2f}")), flush=True)
 
 
 if __name__ == "__main__":

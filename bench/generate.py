@@ -1,6 +1,7 @@
 """Decoding speed on a GPU: mamba_jax.generate against mamba_ssm's generate(..., cg=True).
 
-    python3 bench/generate.py [--baseline .baseline] [--presets mamba2-370m,mamba2-1.3b]
+    python3 -m bench.generate [--baseline .baseline] [--allow-slow-baseline]
+                              [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
                               [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
                               [--step-implementations auto,xla,triton]
@@ -34,17 +35,16 @@ equal to the first row's of its group: other state dtypes and kernels round diff
 a random-weight model's greedy tokens part ways at the first flipped argmax.
 
 mamba_ssm runs in a child process of this script (--theirs-process same: in this one, before
-ours), imported from --baseline (bench/baseline.py); `causal_conv1d` is absent, so its
-decode step uses mamba_ssm's own torch fallback for the conv update (the SSM update, norms
-and scan are its Triton kernels).
+ours), imported from --baseline (bench.baseline), on its fast path: causal_conv1d_fn in the
+prefill, causal_conv1d_update and its Triton selective_state_update in each step. The table's
+header names the path that runs; without the causal_conv1d extension the script prints no
+ratio (bench.baseline.guard) unless --allow-slow-baseline, which marks them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -54,19 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mamba_jax import Mamba2Config, Mamba2LM  # noqa: E402
-from mamba_jax.generate import _check, _decode, _prefill, generate, jit_decode  # noqa: E402,E501
-from mamba_jax.mixer import step_implementation_for, uses_fused_step  # noqa: E402
-from pallas_kernels.norm_matmul import rms_norm_matmul  # noqa: E402
-from pallas_kernels.ssd.step import mamba_step, mamba_step_out, mamba_step_shifted  # noqa: E402
-from baseline import import_mamba_lm, mamba_config  # noqa: E402
-from checks import check_kernel  # noqa: E402
-from timing import copy_bandwidth, median_time  # noqa: E402
-
-# The decode loop under XLA's default command buffers (--command-buffers off), jitted once so
-# that its programs are cached like generate's.
-_DECODE_DEFAULT_BUFFERS = jit_decode({})
+from bench import baseline, internals
+from bench.harness import (check_kernel, copy_bandwidth, median_time, result, run_module,
+                           table_header, table_row)
+from mamba_jax import Mamba2Config, Mamba2LM, generate
+from pallas_kernels.norm_matmul import rms_norm_matmul
+from pallas_kernels.ssd.step import mamba_step, mamba_step_out, mamba_step_shifted
 
 
 def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int, context: float) -> int:
@@ -94,28 +87,18 @@ def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, impl
     alone), as mamba_ssm's is taken (theirs)."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
                                                         (batch, prompt)))
-    settings, sampling, lengths, _ = _check(model, ids, new, 0.0, None, None, None, None,
-                                            ssm_state_dtype, implementation)
-    key = jax.random.key(0)
 
     def run(n):
         return jax.block_until_ready(generate(model, ids, n, ssm_state_dtype=ssm_state_dtype,
                                               step_implementation=implementation))
 
-    t_prefill = median_time(lambda: jax.block_until_ready(_prefill(
-        model, ids, lengths, key, settings, sampling=sampling,
-        ssm_state_dtype=ssm_state_dtype)), 1, reps)
-    # generate calls the package's decode loop: --command-buffers off swaps in XLA's
-    # defaults for these runs. Each length is its own program: all runs of one, then the
-    # other, as theirs.
-    gen = sys.modules["mamba_jax.generate"]  # the package (mamba_jax.generate is the function)
-    gen._decode = _decode if command_buffers else _DECODE_DEFAULT_BUFFERS
-    try:
+    t_prefill = median_time(internals.prefill(model, ids, new, ssm_state_dtype,
+                                              implementation), 1, reps)
+    # Each length is its own program: all runs of one, then the other, as theirs.
+    with internals.decode_loop(command_buffers):
         t_full = median_time(lambda: run(new), 1, reps)
         t_one = median_time(lambda: run(1), 1, reps)
         tokens = np.asarray(run(new))[:, prompt:]
-    finally:
-        gen._decode = _decode
     return t_prefill, t_full - t_one, tokens
 
 
@@ -137,7 +120,7 @@ def check_streaming():
 def check_kernels(preset, cfg, batch):
     """Our decoding kernels (pallas_kernels.ssd.step and .norm_matmul, as a step of this
     preset at this batch calls them) on the GPU against their plain-JAX references run on
-    the CPU, on random inputs (checks.check_kernel); exits on a miss."""
+    the CPU, on random inputs (harness.check_kernel); exits on a miss."""
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     matrix = lambda n, k: (arr(n, k) / k ** 0.5).astype(jnp.bfloat16)  # a w [n, k]
@@ -150,7 +133,7 @@ def check_kernels(preset, cfg, batch):
         zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=None,
         A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
         D=arr(h), dt_bias=0.5 * arr(h), state=arr(batch, h, p, n), y_dtype=jnp.bfloat16))}
-    if uses_fused_step("triton", batch):
+    if internals.uses_fused_step("triton", batch):
         shifted = {key: v for key, v in cases["mamba_step"][1].items() if key != "conv_state"}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
             shifted, window=arr(batch, e, k).astype(jnp.bfloat16), gate=True))
@@ -193,13 +176,14 @@ def check_kernels(preset, cfg, batch):
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
 
 
-def theirs(preset, batch, prompt, new, reps, baseline):
-    """(prefill s, decode s) of mamba_ssm's generate(..., cg=True) for the named preset."""
+def theirs(preset, batch, prompt, new, reps, copy):
+    """(prefill s, decode s) of mamba_ssm's generate(..., cg=True) for the named preset, its
+    copy at the folder `copy` (--baseline)."""
     import torch
 
     cfg = Mamba2Config.preset(preset)
-    MambaConfig, MambaLMHeadModel = import_mamba_lm(baseline)
-    config = mamba_config(cfg, MambaConfig)
+    MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(copy)
+    config = baseline.mamba_config(cfg, MambaConfig)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
 
@@ -214,25 +198,21 @@ def theirs(preset, batch, prompt, new, reps, baseline):
     return t_prefill, t_full - t_prefill
 
 
-def theirs_in_child(preset, batch, prompt, new, reps, baseline):
+def theirs_in_child(preset, batch, prompt, new, reps, copy):
     """theirs() run by this script in a child process (--theirs-child), so that neither
     library's runtime shares a process with the other's, as neither does in use (our decode
-    timed right after mamba_ssm's in one process ran slower: BENCHMARKS.md, Generation,
-    twelfth session)."""
-    child = subprocess.run(
-        [sys.executable, __file__, "--theirs-child", "--presets", preset, "--batches",
-         str(batch), "--prompt", str(prompt), "--new", str(new), "--reps", str(reps),
-         "--baseline", baseline], capture_output=True, text=True)
-    lines = [line for line in child.stdout.splitlines() if line.startswith("theirs ")]
-    if child.returncode or not lines:
-        raise RuntimeError(f"mamba_ssm's child process failed ({child.returncode}):\n"
-                           f"{child.stderr[-3000:]}")
-    return tuple(float(v) for v in lines[-1].split()[1:3])
+    timed right after mamba_ssm's in one process ran slower: BENCHMARKS.md, Generation)."""
+    reported = run_module("generate", [
+        "--theirs-child", "--presets", preset, "--batches", str(batch), "--prompt",
+        str(prompt), "--new", str(new), "--reps", str(reps), "--baseline", copy])[-1]
+    if "error" in reported:
+        raise RuntimeError(f"mamba_ssm's child process failed: {reported['error']}")
+    return reported["prefill_s"], reported["decode_s"]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default=".baseline")
+    baseline.add_arguments(parser, "decode")
     parser.add_argument("--presets", default="mamba2-370m,mamba2-1.3b")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--prompt", type=int, default=128)
@@ -251,41 +231,52 @@ def main():
                         help="where mamba_ssm runs: a child process (the default) or this one, "
                              "before ours")
     parser.add_argument("--theirs-child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.theirs_child:  # the child of theirs_in_child: one preset and batch
         t_prefill, t_decode = theirs(args.presets, int(args.batches), args.prompt, args.new,
                                      args.reps, args.baseline)
-        print(f"theirs {t_prefill} {t_decode}")
+        result({"prefill_s": t_prefill, "decode_s": t_decode})
         return
 
+    presets = args.presets.split(",")
+    # mamba_ssm runs for the presets of Mamba layers alone: its path checked before any
+    # timing, in the process it will run in
+    versus = None
+    if any(set(Mamba2Config.preset(preset).layers) == {"M"} for preset in presets):
+        versus = baseline.comparison(args.baseline, "decode", args.allow_slow_baseline,
+                                     in_child=args.theirs_process == "child")
     bandwidth = copy_bandwidth(1, 5)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{bandwidth / 1e12:.2f} TB/s; prompt {args.prompt}, {args.new} new tokens, bf16, "
           "greedy")
     check_streaming()
+    if versus:
+        print(versus.line)
     header = ("preset", "batch", "our SSM state", "step", "command buffers", "prefill ours ms",
               "prefill theirs ms", "ms/step ours", "ms/step theirs", "ours/theirs",
               "tok/s ours", "tok/s theirs", "ours/theirs tok/s", "floor ms ours",
               "floor ms theirs", "ours/floor")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print(table_header(header))
     steps, agreement = args.new - 1, []
     dtypes, implementations, settings = (args.ssm_state_dtypes.split(","),
                                          args.step_implementations.split(","),
                                          args.command_buffers.split(","))
-    for preset in args.presets.split(","):
+    for preset in presets:
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         # "auto" as generate resolves it, named in the rows as "auto (triton)"
-        resolved = {impl: step_implementation_for(impl, cfg) for impl in implementations}
+        resolved = {impl: internals.step_implementation_for(impl, cfg)
+                    for impl in implementations}
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
             if set(cfg.layers) != {"M"}:
+                ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
                 print(f"{preset}: mamba_ssm not run (its blocks cannot spell the layer "
                       f"pattern {cfg.layers}, and its attention decodes only with flash_attn)")
             else:
+                ratio = versus.ratio
                 try:
                     run = theirs_in_child if args.theirs_process == "child" else theirs
                     p_theirs, d_theirs = run(preset, batch, args.prompt, args.new, args.reps,
@@ -301,8 +292,8 @@ def main():
                             graphs == "on", resolved[impl])
                         label = impl if impl == resolved[impl] else f"{impl} ({resolved[impl]})"
                         row = _row(cfg, preset, batch, dtype, label, graphs, p_ours, d_ours,
-                                   p_theirs, d_theirs, args.prompt, steps, bandwidth)
-                        print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
+                                   p_theirs, d_theirs, args.prompt, steps, bandwidth, ratio)
+                        print(table_row(row), flush=True)
                     if len({tokens[impl, g].tobytes() for g in settings}) > 1:
                         raise SystemExit(f"{preset} batch {batch} {dtype} {impl}: the "
                                          "command-buffer settings generated different tokens")
@@ -314,15 +305,16 @@ def main():
 
 
 def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, prompt,
-         steps, bandwidth):
+         steps, bandwidth, ratio):
+    """A table row; ratio(ours, theirs, spec) formats ours/theirs (baseline.Comparison)."""
     ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
     context = prompt + steps / 2  # the tokens an attention layer reads, on average
     floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, state_bytes, context) / bandwidth
                                 for state_bytes in (jnp.dtype(dtype).itemsize, 2))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
-            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", f"{ms_ours / ms_theirs:.3f}x",
-            f"{tps_ours:.0f}", f"{tps_theirs:.0f}", f"{tps_ours / tps_theirs:.2f}x",
+            f"{ms_ours:.3f}", f"{ms_theirs:.3f}", ratio(ms_ours, ms_theirs, ".3f"),
+            f"{tps_ours:.0f}", f"{tps_theirs:.0f}", ratio(tps_ours, tps_theirs, ".2f"),
             f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")
 
 

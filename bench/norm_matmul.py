@@ -1,7 +1,7 @@
 """The norm-then-projection kernel (pallas_kernels.norm_matmul) on a GPU, against our XLA
 path for the same arithmetic (a norm fusion and a cuBLAS matrix-vector product).
 
-    python3 bench/norm_matmul.py [--presets mamba2-370m,mamba2-1.3b] [--batch 1]
+    python3 -m bench.norm_matmul [--presets mamba2-370m,mamba2-1.3b] [--batch 1]
                                  [--blocks 'BN,BK,WARPS' ...] [--layers 48] [--repeats 10]
                                  [--reps 10]
 
@@ -17,25 +17,19 @@ weight as a decode step does (48 of them exceed the H200's 50 MB L2, so w comes 
 compiled as one CUDA graph as generate's decode loop is; the host clock from the call until
 its result is ready, median of --reps after 3 warm-up calls, divided by layers x repeats.
 Checks first, failing loudly: every blocks setting on the GPU against the reference on the
-CPU (checks.check_kernel).
+CPU (harness.check_kernel).
 """
 
 from __future__ import annotations
-
-import argparse
-import datetime
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mamba_jax import Mamba2Config  # noqa: E402
-from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
-from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul  # noqa: E402
-from timing import add_sweep_arguments, copy_bandwidth, median_time, sweep_blocks  # noqa: E402
+from bench.harness import copy_bandwidth, median_time, print_sweep, sweep_blocks, sweep_parser
+from bench.internals import DECODE_COMPILER_OPTIONS
+from mamba_jax import Mamba2Config
+from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul
 
 
 def projections(cfg, batch, layers, rng):
@@ -72,11 +66,8 @@ def per_call(kwargs, layers, repeats, reps, **kw):
     return median_time(lambda: run(args).block_until_ready(), 3, reps) / (layers * repeats)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=1)
-    add_sweep_arguments(parser, Blocks)
-    args = parser.parse_args()
+def main(argv=None):
+    args = sweep_parser(__doc__, Blocks, batch=1).parse_args(argv)
     rng = np.random.default_rng(0)
     copy_rate = copy_bandwidth(3, 10)
     rows = []
@@ -90,16 +81,8 @@ def main():
                                      kwargs, args.layers, args.repeats, args.reps,
                                      implementation="triton", blocks=blocks), xla)
             rows += [(preset, name, text, ours, xla, w_bytes) for text, ours in timed]
-    print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"batch {args.batch}, {args.layers} layers a call; copy bandwidth "
-          f"{copy_rate / 1e12:.2f} TB/s")
-    print("| preset | projection | blocks (bn,bk,warps) | ours us | xla us | ours/xla | "
-          "ours GB/s | ours/copy | xla/copy |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for preset, name, text, ours, xla, w_bytes in rows:
-        print(f"| {preset} | {name} | {text} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | "
-              f"{ours / xla:.2f}x | {w_bytes / ours / 1e9:.0f} | "
-              f"{w_bytes / ours / copy_rate:.0%} | {w_bytes / xla / copy_rate:.0%} |")
+    print_sweep(f"batch {args.batch}, {args.layers} layers a call",
+                ("preset", "projection", "blocks (bn,bk,warps)"), "ours GB/s", rows, copy_rate)
 
 
 if __name__ == "__main__":

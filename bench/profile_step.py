@@ -1,11 +1,11 @@
 """Where the GPU time of our train step goes: a jax.profiler trace of a few steps, its
 device kernels summed by name and by kind. With --decode NEW, the same for generation.
 
-    python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 2048 --batch 8 --out DIR
-    python3 bench/profile_step.py --preset mamba2-1.3b --seq-len 128 --batch 1 --decode 256 \
+    python3 -m bench.profile_step --preset mamba2-1.3b --seq-len 2048 --batch 8 --out DIR
+    python3 -m bench.profile_step --preset mamba2-1.3b --seq-len 128 --batch 1 --decode 256 \\
         [--step-implementation triton] [--ssm-state-dtype bfloat16] --out DIR
 
-Builds and compiles the step as bench/train_step.py does (Steps: same mesh, remat and
+Builds and compiles the step as bench.train_step does (Steps: same mesh, remat and
 parameters), runs two warm-up steps, traces --steps steps, and prints the step time, GPU
 time per step by kind (matmul, SSD Pallas kernels, collectives, copies, other fusions) and
 the --top kernels by GPU time per step, each with the HLO ops that launched it (the trace's
@@ -30,11 +30,10 @@ import gzip
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 
-from train_step import Steps  # this script's folder is on sys.path
+from bench.train_step import Steps
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
     ("matmul", r"gemm|cublas|cutlass|sm90_xmma|nvjet|dot"),
@@ -134,23 +133,21 @@ def profile_decode(args):
     import numpy as np
     from flax import nnx
 
-    from mamba_jax import Mamba2Config, Mamba2LM
-
-    gen = sys.modules["mamba_jax.generate"]  # the package (mamba_jax.generate is the function)
-
-    # XLA's default command buffers: the profiler does not see the kernels of a decode loop
-    # that runs as a CUDA graph (generate's DECODE_COMPILER_OPTIONS), so it times this one.
-    gen._decode = gen.jit_decode({})
+    from bench.internals import decode_loop
+    from mamba_jax import Mamba2Config, Mamba2LM, generate
 
     cfg = Mamba2Config.preset(args.preset)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
                                                         (args.batch, args.seq_len)))
-    run = lambda: jax.block_until_ready(gen.generate(
+    run = lambda: jax.block_until_ready(generate(
         model, ids, max_new_tokens=args.decode, step_implementation=args.step_implementation,
         ssm_state_dtype=args.ssm_state_dtype))
-    run()  # compiles the prefill and the decode loop
-    times, trace = traced(run, args.out, 1)
+    # XLA's default command buffers: the profiler does not see the kernels of a decode loop
+    # that runs as a CUDA graph (generate's DECODE_COMPILER_OPTIONS), so it times this one.
+    with decode_loop(command_buffers=False):
+        run()  # compiles the prefill and the decode loop
+        times, trace = traced(run, args.out, 1)
     steps = args.decode - 1
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} generate: batch {args.batch}, prompt {args.seq_len}, "
@@ -161,8 +158,8 @@ def profile_decode(args):
               what="decode step")
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="mamba2-1.3b")
     p.add_argument("--mesh", default="dp=1")
     p.add_argument("--batch", type=int, default=8)
@@ -178,7 +175,7 @@ def main():
                    help="with --decode: generate's step_implementation")
     p.add_argument("--ssm-state-dtype", default="float32",
                    help="with --decode: generate's ssm_state_dtype")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
         return profile_decode(args)
@@ -203,5 +200,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()

@@ -1,11 +1,11 @@
 """SSD scan on a GPU: our Pallas kernels and our XLA path against mamba_ssm's Triton kernels.
 
-    python3 bench/ssd.py [--baseline .baseline] [--warmup 5] [--reps 30]
+    python3 -m bench.ssd [--baseline .baseline] [--warmup 5] [--reps 30]
                          [--float32-states] [--segments N [N ...]]
                          [--groups 1 8] [--shapes 8x2048 8x8192 1x65536]
-    python3 bench/ssd.py --breakdown [CONFIG ...] [--shapes ...]
+    python3 -m bench.ssd --breakdown [CONFIG ...] [--shapes ...]
 
-(Device run: PYTHONUNBUFFERED=1 python3 bench/ssd.py 2>&1 | tee $OUT/log, carrying .baseline;
+(Device run: PYTHONUNBUFFERED=1 python3 -m bench.ssd 2>&1 | tee $OUT/log, carrying .baseline;
 a filter between python and tee must be line-buffered, or a timed-out run returns nothing.)
 
 Checks first, failing loudly: on fresh random inputs our kernels' values and every gradient
@@ -30,16 +30,16 @@ device (`block_until_ready`, `torch.cuda.synchronize`): what a training step pay
 launches and host overhead included. Median of --reps calls after --warmup calls.
 
 mamba_ssm is not a dependency: its pure-Python Triton ops are imported from the folder
---baseline (bench/baseline.py), with the package's __init__ bypassed so that none of its
-compiled extensions is needed.
+--baseline (bench.baseline), with the package's __init__ bypassed so that none of its
+compiled extensions is needed. mamba_chunk_scan_combined calls no causal_conv1d: it is the
+SSD of both Mamba2 training paths, so the table's ratios stand with or without that
+extension (the header names the path).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -48,11 +48,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pallas_kernels.ssd import ssd  # noqa: E402
-from pallas_kernels.ssd import reference, triton as kernels, vjp  # noqa: E402
-from baseline import import_mamba_chunk_scan  # noqa: E402
-from timing import copy_bandwidth, median_time  # noqa: E402
+from bench import baseline
+from bench.harness import (copy_bandwidth, device_line, median_time, table_header,
+                           table_row)
+from pallas_kernels.ssd import ssd
+from pallas_kernels.ssd import reference, triton as kernels, vjp
 
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 H, P, N, CHUNK = 64, 64, 128, 256
@@ -149,9 +149,9 @@ def measure_ceilings():
     return matmul, copy_bandwidth(3, 10)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", default=".baseline")
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    baseline.add_arguments(parser, "scan")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--breakdown", nargs="*", metavar="CONFIG",
@@ -165,7 +165,7 @@ def main():
                         help="batch x seqlen, e.g. 8x8192")
     parser.add_argument("--segments", type=int, nargs="*", default=[],
                         help="a column for each N: rows scanned in N segments at once")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(int(time.time()))
     start = time.perf_counter()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
@@ -173,10 +173,12 @@ def main():
         configs = [parse_config(text) for text in args.breakdown or [""]]
         check_against_naive(rng, configs, dtypes=(jnp.bfloat16,))  # what is timed
         return breakdown(rng, shapes, configs, args.warmup, args.reps)
+    versus = baseline.comparison(args.baseline, "scan", allow_slow=False, in_child=False)
+    print(versus.line, flush=True)
     import torch
     check_against_naive(rng)
     print(f"checks took {time.perf_counter() - start:.0f} s", flush=True)
-    mamba_chunk_scan_combined = import_mamba_chunk_scan(args.baseline)
+    mamba_chunk_scan_combined = baseline.import_mamba_chunk_scan(args.baseline)
     matmul_rate, copy_rate = measure_ceilings()
     print(f"ceilings: bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s, copy "
           f"{copy_rate / 1e12:.2f} TB/s", flush=True)
@@ -242,7 +244,7 @@ def main():
                                args.warmup, args.reps)
             times["mamba_ssm"] = (t_fwd, t_fb)
             rows.append((g, b, l, times))
-            print_row(g, b, l, times, matmul_rate, copy_rate)
+            print_row(g, b, l, times, matmul_rate, copy_rate, versus.ratio)
             print(f"elapsed {time.perf_counter() - start:.0f} s", flush=True)
 
             if (b, l) == (8, 8192):
@@ -259,13 +261,14 @@ def main():
                 memory.append((g, ours_mem, theirs_mem))
                 del leaves
 
-    print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"torch {torch.__version__}; heads {H}, headdim {P}, d_state {N}, chunk {CHUNK}, "
-          f"bf16 x/B/C, D, dt_bias, softplus; median of {args.reps} after {args.warmup}")
+    print(f"\n{device_line()}, torch {torch.__version__}; heads {H}, headdim {P}, d_state {N}, "
+          f"chunk {CHUNK}, bf16 x/B/C, D, dt_bias, softplus; median of {args.reps} after "
+          f"{args.warmup}")
     print(f"ceilings measured: bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s, "
           f"copy {copy_rate / 1e12:.2f} TB/s")
+    print(versus.line)
     for i, (g, b, l, times) in enumerate(rows):
-        print_row(g, b, l, times, matmul_rate, copy_rate, header=i == 0)
+        print_row(g, b, l, times, matmul_rate, copy_rate, versus.ratio, header=i == 0)
     for g, ours_mem, theirs_mem in memory:
         print(f"peak temporary memory, forward+backward, g={g}, (8, 8192): "
               + ", ".join(f"ours ({name}) {v / 2**30:.2f} GiB" for name, v in ours_mem.items())
@@ -286,22 +289,24 @@ def implementations(args):
         yield ours(f"triton, {n} segments", implementation="triton", segments=n)
 
 
-def print_row(g, b, l, times, matmul_rate, copy_rate, header=False):
+def print_row(g, b, l, times, matmul_rate, copy_rate, ratio, header=False):
+    """A shape's two rows (and the header first); ratio(ours, theirs, spec, unit) formats a
+    ratio to mamba_ssm's time (baseline.Comparison)."""
     variants = [k for k in times if k not in ("triton", "xla", "mamba_ssm")]
     if header:
-        print("| g | batch x seqlen | pass | ours triton ms | ours xla ms | mamba_ssm ms | "
-              "ours/theirs | ours TFLOP/s | floor ms |"
-              + "".join(f" ours {k} ms | its ratio to theirs |" for k in variants))
-        print("|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(variants))
+        print(table_header(["g", "batch x seqlen", "pass", "ours triton ms", "ours xla ms",
+                            "mamba_ssm ms", "ours/theirs", "ours TFLOP/s", "floor ms"]
+                           + [c for k in variants for c in (f"ours {k} ms",
+                                                            "its ratio to theirs")]))
     for i, pass_ in enumerate(("fwd", "fwd+bwd")):
         f = flops(b, l, g) * (1 if i == 0 else 3)
         floor = max(f / matmul_rate, io_bytes(b, l, g, i == 1) / copy_rate)
         ours, xla, theirs = (times[k][i] for k in ("triton", "xla", "mamba_ssm"))
-        extra = "".join(f" {times[k][i] * 1e3:.3f} | {times[k][i] / theirs:.2f} |"
-                        for k in variants)
-        print(f"| {g} | {b} x {l} | {pass_} | {ours * 1e3:.3f} | {xla * 1e3:.3f} | "
-              f"{theirs * 1e3:.3f} | {ours / theirs:.2f} | {f / ours / 1e12:.0f} | "
-              f"{floor * 1e3:.3f} |" + extra, flush=True)
+        extra = [c for k in variants for c in (f"{times[k][i] * 1e3:.3f}",
+                                               ratio(times[k][i], theirs, ".2f", ""))]
+        print(table_row([g, f"{b} x {l}", pass_, f"{ours * 1e3:.3f}", f"{xla * 1e3:.3f}",
+                         f"{theirs * 1e3:.3f}", ratio(ours, theirs, ".2f", ""),
+                         f"{f / ours / 1e12:.0f}", f"{floor * 1e3:.3f}", *extra]), flush=True)
 
 
 def parse_config(text):

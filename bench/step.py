@@ -1,7 +1,7 @@
 """The decoding step's SSM kernel (pallas_kernels.ssd.step.mamba_step) on a GPU, against our
 XLA path for the same arithmetic, per tile setting.
 
-    python3 bench/step.py [--presets mamba2-370m,mamba2-1.3b] [--batch 64]
+    python3 -m bench.step [--presets mamba2-370m,mamba2-1.3b] [--batch 64]
                           [--ssm-state-dtype bfloat16] [--blocks 'BP,WARPS' ...]
                           [--layers 48] [--repeats 10] [--reps 10]
 
@@ -19,25 +19,19 @@ updated in place as in generate's decode loop), compiled as one CUDA graph
 (generate's DECODE_COMPILER_OPTIONS); the host clock from the call until its result is
 ready, median of --reps after 3 warm-up calls, divided by layers x repeats. Checks first,
 failing loudly: every blocks setting on the GPU against the reference on the CPU
-(checks.check_kernel).
+(harness.check_kernel).
 """
 
 from __future__ import annotations
-
-import argparse
-import datetime
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mamba_jax import Mamba2Config  # noqa: E402
-from mamba_jax.generate import DECODE_COMPILER_OPTIONS  # noqa: E402
-from pallas_kernels.ssd.step import Blocks, mamba_step  # noqa: E402
-from timing import add_sweep_arguments, copy_bandwidth, median_time, sweep_blocks  # noqa: E402
+from bench.harness import copy_bandwidth, median_time, print_sweep, sweep_blocks, sweep_parser
+from bench.internals import DECODE_COMPILER_OPTIONS
+from mamba_jax import Mamba2Config
+from pallas_kernels.ssd.step import Blocks, mamba_step
 
 
 def step_inputs(cfg, batch, state_dtype, layers, rng):
@@ -79,12 +73,10 @@ def per_layer(kwargs, layers, repeats, reps, **kw):
     return median_time(call, 3, reps) / (layers * repeats)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
+def main(argv=None):
+    parser = sweep_parser(__doc__, Blocks, batch=64)
     parser.add_argument("--ssm-state-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    add_sweep_arguments(parser, Blocks)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     copy_rate = copy_bandwidth(3, 10)
     rows = []
@@ -101,16 +93,8 @@ def main():
                                  fresh(), args.layers, args.repeats, args.reps,
                                  implementation="triton", blocks=blocks), xla)
         rows += [(preset, text, ours, xla, state_bytes) for text, ours in timed]
-    print(f"\n{datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"batch {args.batch}, {args.ssm_state_dtype} states, {args.layers} layers a call; "
-          f"copy bandwidth {copy_rate / 1e12:.2f} TB/s")
-    print("| preset | blocks (bp,warps) | ours us | xla us | ours/xla | ours state GB/s | "
-          "ours/copy | xla/copy |")
-    print("|---|---|---|---|---|---|---|---|")
-    for preset, text, ours, xla, state_bytes in rows:
-        print(f"| {preset} | {text} | {ours * 1e6:.1f} | {xla * 1e6:.1f} | {ours / xla:.2f}x | "
-              f"{state_bytes / ours / 1e9:.0f} | {state_bytes / ours / copy_rate:.0%} | "
-              f"{state_bytes / xla / copy_rate:.0%} |")
+    print_sweep(f"batch {args.batch}, {args.ssm_state_dtype} states, {args.layers} layers a "
+                "call", ("preset", "blocks (bp,warps)"), "ours state GB/s", rows, copy_rate)
 
 
 if __name__ == "__main__":

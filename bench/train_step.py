@@ -1,12 +1,12 @@
 """The trainer's sharded step on GPUs: float32 agreement between meshes, throughput per mesh,
 the longest sequence that trains, and mamba_ssm's training step beside ours.
 
-    python3 bench/train_step.py tiny --meshes dp=1 tp=2 cp=2 [--set FIELD=VALUE ...]
-    python3 bench/train_step.py throughput --preset mamba2-1.3b --seq-len 4096 --batch 4 \\
+    python3 -m bench.train_step tiny --meshes dp=1 tp=2 cp=2 [--set FIELD=VALUE ...]
+    python3 -m bench.train_step throughput --preset mamba2-1.3b --seq-len 4096 --batch 4 \\
         --meshes dp=1 tp=2 dp=2
-    python3 bench/train_step.py longest --preset mamba2-1.3b --meshes dp=1 cp=2
-    python3 bench/train_step.py versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
-        --baseline .baseline
+    python3 -m bench.train_step longest --preset mamba2-1.3b --meshes dp=1 cp=2
+    python3 -m bench.train_step versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
+        --baseline .baseline [--allow-slow-baseline]
 
 tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny preset, float32;
   --set changes its fields, e.g. to a hybrid: --set layer_pattern=M*-M n_layer=4 ...) on the
@@ -30,8 +30,11 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
   doubled until out of memory, then bisected), tokens/s and MFU of our step and of
   mamba_ssm's MambaLMHeadModel + torch.optim.AdamW (bf16 autocast over float32 weights, the
   same optimizer settings) in the same run, each on its own GPU (CUDA_VISIBLE_DEVICES).
-  mamba_ssm comes from --baseline (a git-ignored copy of its Python); without the
-  causal_conv1d extension it runs its use_mem_eff_path=False path (printed).
+  mamba_ssm comes from --baseline (a git-ignored copy of its Python, bench.baseline) and
+  trains on its fast path, use_mem_eff_path=True (mamba_split_conv1d_scan_combined, with
+  causal_conv1d's conv), named in the table's header. Without that extension the table
+  prints no ratio unless --allow-slow-baseline, which runs use_mem_eff_path=False and marks
+  them.
 
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
@@ -61,10 +64,11 @@ import tempfile
 import time
 
 import numpy as np
-from timing import median_time  # bench/timing.py: this script's folder is on sys.path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from bench import baseline
+from bench.harness import (ROOT, gpus, median_time, result, run_module, table_header,
+                           table_row)
+
 GIB = 2**30
 
 
@@ -260,65 +264,38 @@ def largest(plan, start, granule, limit, log):
 
 
 def child(args):
-    """One process's work; prints `RESULT {json}` lines."""
+    """One process's work; reports its results (harness.result)."""
     import jax
 
-    out = lambda r: print("RESULT " + json.dumps(r), flush=True)
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
     if args.child == "measure":
-        out(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
+        result(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
         return
     limit = (args.limit_gib * GIB if args.limit_gib
              else jax.devices()[0].memory_stats()["bytes_limit"])
     if args.child == "longest":
-        out(steps.measure(1, args.seq_len, args.steps))
+        result(steps.measure(1, args.seq_len, args.steps))
         value, next_need = largest(lambda L: steps.planned(1, L), args.seq_len, args.granule,
                                    limit, log)
-        result = steps.measure(1, value, args.steps)
+        measured = steps.measure(1, value, args.steps)
     else:  # the largest batch
         value, next_need = largest(lambda b: steps.planned(b, args.seq_len), args.batch,
                                    args.granule, limit, log)
-        result = steps.measure(value, args.seq_len, args.steps)
-    out(dict(result, next_planned_gib=next_need / GIB, limit_gib=limit / GIB))
+        measured = steps.measure(value, args.seq_len, args.steps)
+    result(dict(measured, next_planned_gib=next_need / GIB, limit_gib=limit / GIB))
 
 
-def in_process(gpus: str, argv: list[str], timeout: float, module=None,
-               xla_flags: str = "") -> list[dict]:
-    """Run this script's child (or `python -m module`) pinned to gpus, with xla_flags added
-    to XLA_FLAGS; its RESULT lines."""
+def in_process(gpus: str, argv: list[str], timeout: float, xla_flags: str = "") -> list[dict]:
+    """This script's child (argv) run pinned to gpus, with xla_flags added to XLA_FLAGS; what
+    it reported (harness.run_module)."""
     # XLA's Triton GEMM autotuning made the 1.3b step's compile exceed 150 s on an H200;
     # without it the compile took 32 s (BENCHMARKS.md).
     flags = os.environ.get("XLA_FLAGS", "") + " " + xla_flags
     if "xla_gpu_enable_triton_gemm" not in flags:
         flags += " --xla_gpu_enable_triton_gemm=false"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, XLA_PYTHON_CLIENT_MEM_FRACTION="0.95",
-               XLA_FLAGS=flags.strip(),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable] + (["-m", module] if module else [__file__]) + argv
-    try:
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:
-        err = expired.stderr or b""
-        sys.stderr.write(err.decode() if isinstance(err, bytes) else err)
-        return [{"error": f"timed out after {timeout:.0f} s"}]
-    sys.stderr.write("".join(l + "\n" for l in run.stderr.splitlines()
-                             if l.startswith("  ") or l.startswith("mamba_ssm")))
-    results = [json.loads(l[7:]) for l in run.stdout.splitlines() if l.startswith("RESULT ")]
-    if run.returncode or not results:
-        tail = run.stderr.strip().splitlines()[-3:]
-        results.append({"error": f"exit {run.returncode}: " + " | ".join(tail)[-600:]})
-    return results
-
-
-def gpus(count: int, skip: int = 0) -> str:
-    """CUDA_VISIBLE_DEVICES for a child: GPUs skip..skip+count-1 of those this script sees
-    (its own CUDA_VISIBLE_DEVICES, if set), so that two runs of it can share a host."""
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    seen = seen.split(",") if seen else [str(i) for i in range(skip + count)]
-    if len(seen) < skip + count:
-        raise SystemExit(f"needs {skip + count} GPUs; CUDA_VISIBLE_DEVICES={seen} has "
-                         f"{len(seen)}")
-    return ",".join(seen[skip:skip + count])
+    return run_module("train_step", argv, visible=gpus, timeout=timeout,
+                      env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
+                           "XLA_FLAGS": flags.strip()})
 
 
 def gpus_for(mesh_spec: str) -> str:
@@ -333,18 +310,15 @@ def theirs(args):
     import torch
     import torch.nn.functional as F
 
-    from baseline import import_mamba_lm, mamba_config
-
     from mamba_jax.config import Mamba2Config
     from mamba_jax.metrics import train_flops_per_token
 
     cfg = Mamba2Config.preset(args.preset)
-    MambaConfig, MambaLMHeadModel = import_mamba_lm(args.baseline)
-    import mamba_ssm.modules.mamba2 as mamba2
-    mem_eff = mamba2.causal_conv1d_fn is not None
-    print(f"mamba_ssm {args.preset}: use_mem_eff_path={mem_eff} "
-          f"(causal_conv1d {'found' if mem_eff else 'absent'})", file=sys.stderr, flush=True)
-    config = mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
+    MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(args.baseline)
+    # Its fast path wherever it can run here; the parent's guard refused a run without it
+    # or marks its ratios.
+    mem_eff = not baseline.probe(args.baseline).slow("train")
+    config = baseline.mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.float32)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2
@@ -387,13 +361,12 @@ def theirs(args):
     step_s = median_time(lambda: losses.append(step(ids).item()), 2, args.steps)
     loss = losses[-1]
     flops = train_flops_per_token(cfg, args.seq_len) * ok * args.seq_len
-    print("RESULT " + json.dumps({
-        "batch": ok, "seq_len": args.seq_len, "step_s": step_s,
-        "tokens_s": ok * args.seq_len / step_s,
-        "mfu": flops / step_s / peak_flops(torch.cuda.get_device_name()),
-        "peak_gib": torch.cuda.max_memory_allocated() / GIB, "loss": loss,
-        "finite": math.isfinite(loss), "first_oom_batch": bad,
-        "use_mem_eff_path": mem_eff}), flush=True)
+    result({"batch": ok, "seq_len": args.seq_len, "step_s": step_s,
+            "tokens_s": ok * args.seq_len / step_s,
+            "mfu": flops / step_s / peak_flops(torch.cuda.get_device_name()),
+            "peak_gib": torch.cuda.max_memory_allocated() / GIB, "loss": loss,
+            "finite": math.isfinite(loss), "first_oom_batch": bad,
+            "use_mem_eff_path": mem_eff})
 
 
 # ---- the tables ----
@@ -427,9 +400,8 @@ def tiny(args):
 
 
 def row_head(*extra):
-    cols = ("mesh", "GPUs", "batch x seqlen", "compile s", "step ms", "tokens/s",
-            "tokens/s per GPU", "MFU", "peak GiB per GPU", "loss") + extra
-    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+    return table_header(("mesh", "GPUs", "batch x seqlen", "compile s", "step ms", "tokens/s",
+                         "tokens/s per GPU", "MFU", "peak GiB per GPU", "loss") + extra)
 
 
 def row(r, label=None):
@@ -486,12 +458,14 @@ def longest(args):
 
 
 def versus(args):
+    compared = baseline.comparison(args.baseline, "train", args.allow_slow_baseline)
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
           f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next, at "
           "the same time")
-    print("| model | ours batch | ours tokens/s | ours MFU | ours peak GiB | theirs batch | "
-          "theirs tokens/s | theirs MFU | theirs peak GiB | ours/theirs tokens/s |\n"
-          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(compared.line)
+    print(table_header(("model", "ours batch", "ours tokens/s", "ours MFU", "ours peak GiB",
+                        "theirs batch", "theirs tokens/s", "theirs MFU", "theirs peak GiB",
+                        "ours/theirs tokens/s")), flush=True)
     for preset in args.presets:
         args.preset = preset
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -508,24 +482,24 @@ def versus(args):
         if "error" in m or "error" in t:
             print(f"| {preset} | {m.get('error', '')} | | | | {t.get('error', '')} | | | | |")
             continue
-        print(f"| {preset} | {m['batch']} | {m['tokens_s']:,.0f} | {100 * m['mfu']:.1f}% | "
-              f"{m['peak_gib']:.1f} | {t['batch']} | {t['tokens_s']:,.0f} | "
-              f"{100 * t['mfu']:.1f}% | {t['peak_gib']:.1f} | "
-              f"{m['tokens_s'] / t['tokens_s']:.2f}x |", flush=True)
+        print(table_row((preset, m["batch"], f"{m['tokens_s']:,.0f}", f"{100 * m['mfu']:.1f}%",
+                         f"{m['peak_gib']:.1f}", t["batch"], f"{t['tokens_s']:,.0f}",
+                         f"{100 * t['mfu']:.1f}%", f"{t['peak_gib']:.1f}",
+                         compared.ratio(m["tokens_s"], t["tokens_s"]))), flush=True)
         print(f"  ours: next batch planned {m['next_planned_gib']:.1f} GiB > "
               f"{m['limit_gib']:.1f}; theirs: out of memory at batch {t['first_oom_batch']}, "
               f"use_mem_eff_path={t['use_mem_eff_path']}", flush=True)
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=("tiny", "throughput", "longest", "versus", "_child",
                                     "_theirs"))
     p.add_argument("child", nargs="?", choices=("measure", "longest", "batch"))
     p.add_argument("--meshes", nargs="+", default=["dp=1"])
     p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
-                   help="tiny: Mamba2Config fields of the tiny preset to change (mamba_jax.train's "
-                        "--set), e.g. a hybrid's layer_pattern")
+                   help="tiny: Mamba2Config fields of the tiny preset to change "
+                        "(mamba_jax.train's --set), e.g. a hybrid's layer_pattern")
     p.add_argument("--mesh", default="dp=1")
     p.add_argument("--preset", default="mamba2-1.3b")
     p.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
@@ -537,7 +511,7 @@ def main():
     p.add_argument("--granule", type=int, default=None,
                    help="step of the largest-batch / longest-sequence search")
     p.add_argument("--timeout", type=float, default=540)
-    p.add_argument("--baseline", default=".baseline")
+    baseline.add_arguments(p, "train")
     p.add_argument("--xla-variants", nargs="+", default=[""], metavar="FLAGS",
                    help="throughput: run each mesh once per entry, XLA flags without their "
                         "leading dashes ('' for none)")
@@ -545,7 +519,7 @@ def main():
                    help="throughput: also time the loss alone and the loss with its gradient")
     p.add_argument("--limit-gib", type=float, default=None,
                    help="device memory to fit in (default: the device's bytes_limit)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     defaults = {"throughput": (4, 4096, "none", None, 4),
                 "longest": (1, 32768, "full", 4096, 16384),
                 "versus": (8, 2048, "none", None, 4)}.get(args.mode)
@@ -556,14 +530,13 @@ def main():
                 setattr(args, name, value)
     if args.mode in ("tiny", "throughput", "longest", "versus"):
         import jax  # no backend here: the GPUs are left to the child processes
-        gpus = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.strip().replace("\n", ", ")
-                if shutil.which("nvidia-smi") else "none")
-        print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, GPU: {gpus}", flush=True)
+        names = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip().replace("\n", ", ")
+                 if shutil.which("nvidia-smi") else "none")
+        print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, GPU: {names}", flush=True)
     {"tiny": tiny, "throughput": throughput, "longest": longest, "versus": versus,
      "_child": child, "_theirs": theirs}[args.mode](args)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     main()

@@ -1,0 +1,150 @@
+"""The benchmark package without a GPU or torch: every module imports, every script answers
+--help (and runs as `python -m bench.<script>`), and the baseline guard reads mamba_ssm's path from
+what its modules bound, refusing a ratio against its slow path unless allowed, then marked.
+
+mamba_ssm's copy is stood in for by a folder of three small modules that bind
+causal_conv1d's functions, or None, the way mamba_ssm's Mamba2 and SSD modules do; torch
+and causal_conv1d by empty modules where a test needs them present.
+"""
+
+import importlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+from bench import baseline, harness
+
+SCRIPTS = ["generate", "train_step", "ssd", "step", "norm_matmul", "profile_step", "dispatch"]
+MODULES = ["harness", "baseline", "internals", *SCRIPTS]
+
+# mamba_ssm's selection, as its modules make it at import
+MAMBA2 = """
+try:
+    from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+except ImportError:
+    causal_conv1d_fn, causal_conv1d_update = None, None
+selective_state_update = object()  # its Triton kernel, always there
+"""
+SSD_COMBINED = """
+try:
+    from causal_conv1d.cpp_functions import causal_conv1d_fwd_function, causal_conv1d_bwd_function
+except ImportError:
+    causal_conv1d_fwd_function = causal_conv1d_bwd_function = None
+"""
+
+
+def write(folder, files):
+    for name, text in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """A stand-in for mamba_ssm's copy (the folder --baseline names); what a test imports
+    from it (or from `extension`) is forgotten after it."""
+    write(tmp_path / "copy", {"mamba_ssm/__init__.py": '__version__ = "2.3.2.post1"\n',
+                              "mamba_ssm/modules/mamba2.py": MAMBA2,
+                              "mamba_ssm/ops/triton/ssd_combined.py": SSD_COMBINED})
+    before = set(sys.modules)
+    yield str(tmp_path / "copy")
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def extension(tmp_path):
+    """A folder where torch, causal_conv1d 1.6.1 and its CUDA extension import."""
+    write(tmp_path / "site", {
+        "torch.py": "", "causal_conv1d_cuda.py": "",
+        "causal_conv1d/__init__.py": '__version__ = "1.6.1"\n'
+                                     "causal_conv1d_fn = causal_conv1d_update = object()\n",
+        "causal_conv1d/cpp_functions.py": "causal_conv1d_fwd_function = object()\n"
+                                          "causal_conv1d_bwd_function = object()\n"})
+    return str(tmp_path / "site")
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_bench_module_imports(module):
+    assert importlib.import_module(f"bench.{module}").__doc__
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_answers_help(script, capsys):
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"bench.{script}").main(["--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage:")
+    # The scripts that time mamba_ssm's Mamba2 take the guard's option.
+    assert ("--allow-slow-baseline" in usage) == (script in ("generate", "train_step"))
+
+
+def test_a_script_runs_as_a_module():
+    run = subprocess.run([sys.executable, "-m", "bench.dispatch", "--help"],
+                         capture_output=True, text=True, cwd=harness.ROOT, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage:"), run.stderr
+
+
+def test_guard_refuses_a_ratio_without_causal_conv1d(copy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)  # an import of it fails
+    install = baseline.probe(copy)
+    assert install.causal_conv1d == "" and "causal_conv1d" in install.missing
+    assert not any(install.bound[name] for name in baseline.USES["train"][0])
+    for use in ("train", "decode"):
+        with pytest.raises(SystemExit) as refused:
+            baseline.guard(install, use, allow_slow=False)
+        message = str(refused.value)
+        assert "\n" not in message
+        assert "no ours/theirs ratio" in message
+        assert "sh .baseline/install.sh" in message and "--allow-slow-baseline" in message
+
+
+def test_allowed_slow_baseline_marks_every_ratio(copy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    install = baseline.probe(copy)
+    for use in ("train", "decode"):
+        compared = baseline.guard(install, use, allow_slow=True)
+        assert "without causal_conv1d" in compared.line and "(slow baseline)" in compared.line
+        assert compared.ratio(1.0, 2.0) == "0.50x (slow baseline)"
+        assert compared.ratio(1.0, 3.0, ".3f") == "0.333x (slow baseline)"
+    assert "use_mem_eff_path=False" in baseline.guard(install, "train", True).line
+
+
+def test_fast_path_prints_its_ratios_unmarked_and_names_the_path(copy, extension,
+                                                                 monkeypatch):
+    monkeypatch.syspath_prepend(extension)
+    install = baseline.probe(copy)
+    assert install.causal_conv1d == "1.6.1" and all(install.bound.values())
+    train = baseline.guard(install, "train", allow_slow=False)
+    assert train.line == ("mamba_ssm 2.3.2.post1 Mamba2 training: use_mem_eff_path=True "
+                          "(mamba_split_conv1d_scan_combined), causal_conv1d 1.6.1 (fast path)")
+    assert train.ratio(1.0, 2.0) == "0.50x"
+    assert "causal_conv1d_update" in baseline.guard(install, "decode", False).line
+
+
+def test_a_causal_conv1d_that_mamba_ssm_did_not_bind_is_refused(copy, extension,
+                                                                monkeypatch):
+    monkeypatch.syspath_prepend(extension)
+    monkeypatch.setitem(sys.modules, "causal_conv1d.cpp_functions", None)
+    install = baseline.probe(copy)
+    assert install.causal_conv1d == "1.6.1"
+    with pytest.raises(SystemExit, match="ssd_combined.causal_conv1d_fwd_function"):
+        baseline.guard(install, "train", allow_slow=False)
+    assert baseline.guard(install, "decode", allow_slow=False).marker == ""
+
+
+def test_the_ssd_scan_alone_needs_no_causal_conv1d(copy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    scan = baseline.guard(baseline.probe(copy), "scan", allow_slow=False)
+    assert "(fast path)" in scan.line and scan.ratio(1.0, 4.0, ".2f", "") == "0.25"
+
+
+def test_probe_in_child_reports_the_childs_install(copy, extension, monkeypatch):
+    assert baseline.probe_in_child(copy).causal_conv1d == ""  # no torch here
+    monkeypatch.setenv("PYTHONPATH", extension)
+    assert baseline.probe_in_child(copy).causal_conv1d == "1.6.1"
