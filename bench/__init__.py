@@ -3,7 +3,6 @@ repository root as `python3 -m bench.<script>` (its docstring says what it measu
 
     harness       timing, the copy-bandwidth floor, kernel checks, child processes, tables
     baseline      mamba_ssm from a git-ignored copy, the path it runs, the ratio guard
-    internals     the library internals the scripts use, in one place
     generate      decoding: mamba_jax.generate against mamba_ssm's generate(cg=True)
     train_step    the trainer's step: meshes, throughput, longest sequence, against mamba_ssm
     ssd           the SSD scan's kernels against mamba_ssm's Triton kernels

@@ -54,12 +54,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench import baseline, internals
+from bench import baseline
 from bench.harness import (check_kernel, copy_bandwidth, median_time, result, run_module,
                            table_header, table_row)
 from mamba_jax import Mamba2Config, Mamba2LM, generate
-from pallas_kernels.norm_matmul import rms_norm_matmul
-from pallas_kernels.ssd.step import mamba_step, mamba_step_out, mamba_step_shifted
+from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
+from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
+from mamba_jax.layers import mamba2
+from pallas_kernels.decode.norm_matmul import rms_norm_matmul
+from pallas_kernels.decode.step_out import mamba_step_out
+from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
 
 
 def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int, context: float) -> int:
@@ -67,15 +71,14 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int, context: float) 
     the rest float32), each row's conv window and SSM state read and written, and an
     attention layer's keys and values for `context` tokens read (bf16) and one token's
     written."""
-    d, h, p, g, n, k = (cfg.d_model, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state,
-                        cfg.d_conv)
+    d, _, h, p, g, n, k, e = mamba2.dims(cfg)
     matmul = d * (2 * h * p + 2 * g * n + h) + h * p * d  # in projections, out_proj
-    small = k * cfg.conv_dim + cfg.conv_dim + 4 * h + h * p + d  # conv, A, D, dt, norms
-    mamba = 2 * matmul + 4 * small + batch * 2 * (2 * cfg.conv_dim * k
-                                                  + state_bytes * h * p * n)
-    q, kv = cfg.attn_num_heads * cfg.attn_head_dim, cfg.attn_num_heads_kv * cfg.attn_head_dim
+    small = k * e + e + 4 * h + h * p + d  # conv, A, D, dt, norms
+    mamba = 2 * matmul + 4 * small + batch * 2 * (2 * e * k + state_bytes * h * p * n)
+    a = cfg.attention
+    q, kv = a.num_heads * a.head_dim, a.num_heads_kv * a.head_dim
     attention = 2 * d * (2 * q + 2 * kv) + 4 * d + batch * 2 * 2 * kv * (context + 1)
-    mlp = 2 * d * cfg.d_intermediate * (3 if cfg.mlp_activation == "swiglu" else 2) + 4 * d
+    mlp = 2 * d * cfg.mlp.d_intermediate * (3 if cfg.mlp.activation == "swiglu" else 2) + 4 * d
     per_kind = {"M": mamba, "*": attention, "-": mlp}
     return (sum(per_kind[kind] for kind in cfg.layers) + 2 * cfg.padded_vocab_size * d
             + 4 * d)
@@ -88,18 +91,21 @@ def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, impl
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
                                                         (batch, prompt)))
 
-    def run(n):
-        return jax.block_until_ready(generate(model, ids, n, ssm_state_dtype=ssm_state_dtype,
-                                              step_implementation=implementation))
+    options = DECODE_COMPILER_OPTIONS if command_buffers else {}
+    prepared = {n: prepare(model, ids, n, ssm_state_dtype=ssm_state_dtype,
+                           step_implementation=implementation) for n in (1, new)}
 
-    t_prefill = median_time(internals.prefill(model, ids, new, ssm_state_dtype,
-                                              implementation), 1, reps)
+    def run(n):  # generate(model, ids, n, ...), its decode loop compiled with `options`
+        first, cache = prefill(model, ids, prepared[n])
+        return jax.block_until_ready(decode(model, first, cache, prepared[n],
+                                            compiler_options=options))
+
+    t_prefill = median_time(lambda: jax.block_until_ready(prefill(model, ids, prepared[new])),
+                            1, reps)
     # Each length is its own program: all runs of one, then the other, as theirs.
-    with internals.decode_loop(command_buffers):
-        t_full = median_time(lambda: run(new), 1, reps)
-        t_one = median_time(lambda: run(1), 1, reps)
-        tokens = np.asarray(run(new))[:, prompt:]
-    return t_prefill, t_full - t_one, tokens
+    t_full = median_time(lambda: run(new), 1, reps)
+    t_one = median_time(lambda: run(1), 1, reps)
+    return t_prefill, t_full - t_one, np.asarray(run(new))
 
 
 def check_streaming():
@@ -124,16 +130,14 @@ def check_kernels(preset, cfg, batch):
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     matrix = lambda n, k: (arr(n, k) / k ** 0.5).astype(jnp.bfloat16)  # a w [n, k]
-    h, p, g, n, k, d = (cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state, cfg.d_conv,
-                        cfg.d_model)
-    e, hp = cfg.conv_dim, cfg.d_inner
+    d, hp, h, p, g, n, k, e = mamba2.dims(cfg)
     zxbcdt = hp + e + h  # in_proj: z, xBC, dt
     cases = {"mamba_step": (mamba_step, dict(
         conv_state=arr(batch, e, k).astype(jnp.bfloat16),
         zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=None,
         A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
         D=arr(h), dt_bias=0.5 * arr(h), state=arr(batch, h, p, n), y_dtype=jnp.bfloat16))}
-    if internals.uses_fused_step("triton", batch):
+    if batch <= FUSED_STEP_MAX_BATCH:  # the fused steps' kernels (generate.plan)
         shifted = {key: v for key, v in cases["mamba_step"][1].items() if key != "conv_state"}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
             shifted, window=arr(batch, e, k).astype(jnp.bfloat16), gate=True))
@@ -152,25 +156,26 @@ def check_kernels(preset, cfg, batch):
             x=arr(batch, hp), weight=arr(hp), w=matrix(d, hp), eps=cfg.norm_eps, ngroups=g,
             residual=arr(batch, d), w_transposed=True))
         if "-" in cfg.layers:  # an MLP block's two kernels (MLP.fused_step)
-            f = cfg.d_intermediate
-            swiglu = cfg.mlp_activation == "swiglu"
+            f = cfg.mlp.d_intermediate
+            swiglu = cfg.mlp.activation == "swiglu"
             cases["rms_norm_matmul (MLP in)"] = (rms_norm_matmul, dict(
                 x=arr(batch, d), weight=arr(d), w=matrix(2 * f if swiglu else f, d),
                 eps=cfg.norm_eps, w_transposed=True, out_dtype=jnp.float32))
             cases["rms_norm_matmul (MLP down)"] = (rms_norm_matmul, dict(
                 x=arr(batch, f), weight=None, w=matrix(d, f),
                 eps=None, z=arr(batch, f) if swiglu else None,
-                activation=None if swiglu else cfg.mlp_activation, residual=arr(batch, d),
+                activation=None if swiglu else cfg.mlp.activation, residual=arr(batch, d),
                 w_transposed=True))
         if "*" in cfg.layers:  # an attention block's two kernels (Attention.fused_step)
-            qkv = (cfg.attn_num_heads + 2 * cfg.attn_num_heads_kv) * cfg.attn_head_dim
-            o = cfg.attn_num_heads * cfg.attn_head_dim
+            a = cfg.attention
+            qkv = (a.num_heads + 2 * a.num_heads_kv) * a.head_dim
+            o = a.num_heads * a.head_dim
             cases["rms_norm_matmul (attention qkv)"] = (rms_norm_matmul, dict(
                 x=arr(batch, d), weight=arr(d), w=matrix(qkv, d), eps=cfg.norm_eps,
                 w_transposed=True))
             cases["rms_norm_matmul (attention out)"] = (rms_norm_matmul, dict(
                 x=arr(batch, o).astype(jnp.bfloat16), weight=None, w=matrix(d, o), eps=None,
-                bias=arr(d) if cfg.attn_out_bias else None, residual=arr(batch, d),
+                bias=arr(d) if a.out_bias else None, residual=arr(batch, d),
                 w_transposed=True))
     for name, (f, kwargs) in cases.items():
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
@@ -265,8 +270,7 @@ def main(argv=None):
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         # "auto" as generate resolves it, named in the rows as "auto (triton)"
-        resolved = {impl: internals.step_implementation_for(impl, cfg)
-                    for impl in implementations}
+        resolved = {impl: resolve_implementation(impl, model) for impl in implementations}
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values():
                 check_kernels(preset, cfg, batch)

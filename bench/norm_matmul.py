@@ -27,22 +27,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import copy_bandwidth, median_time, print_sweep, sweep_blocks, sweep_parser
-from bench.internals import DECODE_COMPILER_OPTIONS
 from mamba_jax import Mamba2Config
-from pallas_kernels.norm_matmul import Blocks, rms_norm_matmul
+from mamba_jax.generate import DECODE_COMPILER_OPTIONS
+from mamba_jax.layers import mamba2
+from pallas_kernels.decode.norm_matmul import Blocks, rms_norm_matmul
 
 
 def projections(cfg, batch, layers, rng):
     """{name: keyword arguments, with `w` a list of --layers weights}."""
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    hp, d = cfg.d_inner, cfg.d_model
-    n_in = hp + cfg.conv_dim + cfg.nheads  # z, xBC, dt
+    dims = mamba2.dims(cfg)
+    hp, d = dims.d_inner, cfg.d_model
+    n_in = hp + dims.e + dims.h  # z, xBC, dt
     weights = lambda n, k: [(arr(n, k) / k ** 0.5).astype(jnp.bfloat16) for _ in range(layers)]
     return {
         "in_proj": dict(x=arr(batch, d), weight=arr(d), w=weights(n_in, d), eps=cfg.norm_eps,
                         w_transposed=True),
         "out_proj": dict(x=arr(batch, hp), weight=arr(hp), w=weights(d, hp), eps=cfg.norm_eps,
-                         ngroups=cfg.ngroups, residual=arr(batch, d), w_transposed=True)}
+                         ngroups=cfg.mamba2.ngroups, residual=arr(batch, d),
+                         w_transposed=True)}
 
 
 def per_call(kwargs, layers, repeats, reps, **kw):

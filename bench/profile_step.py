@@ -133,21 +133,25 @@ def profile_decode(args):
     import numpy as np
     from flax import nnx
 
-    from bench.internals import decode_loop
-    from mamba_jax import Mamba2Config, Mamba2LM, generate
+    from mamba_jax import Mamba2Config, Mamba2LM
+    from mamba_jax.generate import decode, prefill, prepare
 
     cfg = Mamba2Config.preset(args.preset)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
                                                         (args.batch, args.seq_len)))
-    run = lambda: jax.block_until_ready(generate(
-        model, ids, max_new_tokens=args.decode, step_implementation=args.step_implementation,
-        ssm_state_dtype=args.ssm_state_dtype))
-    # XLA's default command buffers: the profiler does not see the kernels of a decode loop
-    # that runs as a CUDA graph (generate's DECODE_COMPILER_OPTIONS), so it times this one.
-    with decode_loop(command_buffers=False):
-        run()  # compiles the prefill and the decode loop
-        times, trace = traced(run, args.out, 1)
+    prepared = prepare(model, ids, max_new_tokens=args.decode,
+                       step_implementation=args.step_implementation,
+                       ssm_state_dtype=args.ssm_state_dtype)
+
+    def run():  # generate, its decode loop under XLA's default command buffers: the profiler
+        # does not see the kernels of a loop that runs as a CUDA graph (generate's
+        # DECODE_COMPILER_OPTIONS)
+        first, cache = prefill(model, ids, prepared)
+        return jax.block_until_ready(decode(model, first, cache, prepared,
+                                            compiler_options={}))
+    run()  # compiles the prefill and the decode loop
+    times, trace = traced(run, args.out, 1)
     steps = args.decode - 1
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} generate: batch {args.batch}, prompt {args.seq_len}, "

@@ -29,15 +29,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness import copy_bandwidth, median_time, print_sweep, sweep_blocks, sweep_parser
-from bench.internals import DECODE_COMPILER_OPTIONS
 from mamba_jax import Mamba2Config
+from mamba_jax.generate import DECODE_COMPILER_OPTIONS
+from mamba_jax.layers import mamba2
 from pallas_kernels.ssd.step import Blocks, mamba_step
 
 
 def step_inputs(cfg, batch, state_dtype, layers, rng):
     """mamba_step's keyword arguments with conv_state and state lists of --layers each."""
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    h, p, n, e, k = cfg.nheads, cfg.headdim, cfg.d_state, cfg.conv_dim, cfg.d_conv
+    _, _, h, p, _, n, k, e = mamba2.dims(cfg)
     return dict(
         conv_state=[arr(batch, e, k).astype(jnp.bfloat16) for _ in range(layers)],
         zxbcdt=arr(batch, h * p + e + h).astype(jnp.bfloat16),  # in_proj: z, xBC, dt
@@ -45,7 +46,7 @@ def step_inputs(cfg, batch, state_dtype, layers, rng):
         A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
         dt_bias=0.5 * arr(h),
         state=[arr(batch, h, p, n).astype(state_dtype) for _ in range(layers)],
-        dt_limit=cfg.dt_limit, y_dtype=jnp.bfloat16)
+        dt_limit=cfg.mamba2.dt_limit, y_dtype=jnp.bfloat16)
 
 
 def per_layer(kwargs, layers, repeats, reps, **kw):

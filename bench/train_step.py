@@ -94,7 +94,7 @@ class Steps:
         self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)
         graphdef, abstract = nnx.split(nnx.eval_shape(self.build))
         self.abstract = abstract  # the parameters' shapes, filled by init_params
-        specs = parallel.param_specs(abstract, cfg, mesh)
+        specs = parallel.param_specs(abstract, mesh)
         self.param_shardings = parallel.shardings(mesh, specs)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
         self.loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
