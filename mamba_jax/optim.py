@@ -1,7 +1,8 @@
 """The optimizer and the jitted training step.
 
 AdamW with linear warmup then cosine decay (or WSD: warmup, stable, linear decay), global-norm
-clipping, and no weight decay on A_log, D, dt_bias, norms and biases, as mamba_ssm's recipes.
+clipping, and no weight decay where a parameter was created with decay=False
+(mamba_jax.layers.common.param: A_log, D, dt_bias, norms and biases, as mamba_ssm's recipes).
 """
 
 from __future__ import annotations
@@ -10,24 +11,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mamba_jax.model import param_name
+from mamba_jax.sharding import is_param
 
 SCHEDULES = ("cosine", "wsd")
-_NO_DECAY_NAMES = ("A_log", "D", "dt_bias", "norm")
-
-
-def no_weight_decay(name: str) -> bool:
-    """True for parameters mamba_ssm trains without weight decay: A_log, D, dt_bias, every
-    norm weight and every bias. `name` is a dotted parameter name ("layers.0.mixer.D")."""
-    parts = name.split(".")
-    return (parts[-1] in _NO_DECAY_NAMES or parts[-1].endswith("bias")
-            or any(p.startswith("norm") for p in parts))
 
 
 def weight_decay_mask(params):
-    """A pytree like params: True where weight decay applies."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not no_weight_decay(param_name(path)), params)
+    """A pytree like params (an nnx.State): True where weight decay applies, as each
+    parameter declared where it was created (its `decay` metadata)."""
+    return jax.tree.map(lambda v: jax.tree.map(lambda _: v.get_metadata().get("decay", True), v),
+                        params, is_leaf=is_param)
 
 
 def make_schedule(lr, steps, warmup, schedule="cosine", decay_fraction=0.2):

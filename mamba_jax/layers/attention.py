@@ -164,15 +164,16 @@ class Attention(Mixer):
         self.q_proj = param(uniform(rngs, (d, h, e), bound), "embed", "heads", "head_dim")
         self.k_proj = param(uniform(rngs, (d, k, e), bound), "embed", "kv_heads", "head_dim")
         self.v_proj = param(uniform(rngs, (d, k, e), bound), "embed", "kv_heads", "head_dim")
-        if a.qkv_bias:
-            self.q_bias = param(jnp.zeros((h, e), jnp.float32), "heads", "head_dim")
-            self.k_bias = param(jnp.zeros((k, e), jnp.float32), "kv_heads", "head_dim")
-            self.v_bias = param(jnp.zeros((k, e), jnp.float32), "kv_heads", "head_dim")
+        if a.qkv_bias:  # biases train without weight decay
+            zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
+            self.q_bias = param(zeros(h, e), "heads", "head_dim", decay=False)
+            self.k_bias = param(zeros(k, e), "kv_heads", "head_dim", decay=False)
+            self.v_bias = param(zeros(k, e), "kv_heads", "head_dim", decay=False)
         # Rescaled by 1/sqrt(residual layers), as mamba_ssm's _init_weights does out_proj.
         self.o_proj = param(uniform(rngs, (h, e, d), 1.0 / math.sqrt(h * e))
                             / math.sqrt(len(cfg.layers)), "heads", "head_dim", "embed")
         if a.out_bias:
-            self.out_bias = param(jnp.zeros((d,), jnp.float32), "embed")
+            self.out_bias = param(jnp.zeros((d,), jnp.float32), "embed", decay=False)
 
     @property
     def scale(self):

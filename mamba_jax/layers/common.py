@@ -66,13 +66,15 @@ def uniform(rngs: nnx.Rngs, shape, bound):
     return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
 
 
-def param(value, *axes: str) -> nnx.Param:
+def param(value, *axes: str, decay: bool = True) -> nnx.Param:
     """A parameter with one logical axis name per axis of value, which
-    mamba_jax.sharding.RULES places on the mesh (e.g. param(w, "embed", "heads", "head_dim"))."""
+    mamba_jax.sharding.RULES places on the mesh (e.g. param(w, "embed", "heads", "head_dim")).
+    decay=False: trained without weight decay (mamba_jax.optim), as mamba_ssm trains A_log,
+    D, dt_bias, norms and biases."""
     if len(axes) != value.ndim:
         raise ValueError(f"param: {len(axes)} axis names {axes} for a value of shape "
                          f"{value.shape}")
-    return nnx.Param(value, axes=axes)
+    return nnx.Param(value, axes=axes, decay=decay)
 
 
 def rms_norm(x, weight, eps):
@@ -157,7 +159,7 @@ class RMSNorm(nnx.Module):
     """RMSNorm over the last axis; weight [d] float32, initialised to ones."""
 
     def __init__(self, d: int, eps: float):
-        self.weight = param(jnp.ones((d,), jnp.float32), "embed")
+        self.weight = param(jnp.ones((d,), jnp.float32), "embed", decay=False)
         self.eps = eps
 
     def __call__(self, x):

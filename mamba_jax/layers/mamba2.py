@@ -20,6 +20,7 @@ devices (pallas_kernels.ssd).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -143,31 +144,34 @@ class Mamba2Mixer(Mixer):
         self.B_proj = param(uniform(rngs, (d, g, n), in_bound), "embed", "groups", "state")
         self.C_proj = param(uniform(rngs, (d, g, n), in_bound), "embed", "groups", "state")
         self.dt_proj = param(uniform(rngs, (d, h), in_bound), "embed", "heads")
+        # Biases, dt, A, D and the norm train without weight decay, as in mamba_ssm.
+        undecayed = functools.partial(param, decay=False)
         if m.bias:
-            self.z_bias = param(jnp.zeros((h, p), jnp.float32), "heads", "head_dim")
-            self.x_bias = param(jnp.zeros((h, p), jnp.float32), "heads", "head_dim")
-            self.B_bias = param(jnp.zeros((g, n), jnp.float32), "groups", "state")
-            self.C_bias = param(jnp.zeros((g, n), jnp.float32), "groups", "state")
-            self.dt_proj_bias = param(jnp.zeros((h,), jnp.float32), "heads")
-            self.out_bias = param(jnp.zeros((d,), jnp.float32), "embed")
+            zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
+            self.z_bias = undecayed(zeros(h, p), "heads", "head_dim")
+            self.x_bias = undecayed(zeros(h, p), "heads", "head_dim")
+            self.B_bias = undecayed(zeros(g, n), "groups", "state")
+            self.C_bias = undecayed(zeros(g, n), "groups", "state")
+            self.dt_proj_bias = undecayed(zeros(h), "heads")
+            self.out_bias = undecayed(zeros(d), "embed")
         # nn.Conv1d's default init: fan_in = d_conv for a depthwise conv.
         conv_bound = 1.0 / math.sqrt(k)
         self.x_conv = param(uniform(rngs, (k, h, p), conv_bound), "conv", "heads", "head_dim")
         self.B_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
         self.C_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
         if m.conv_bias:
-            self.x_conv_bias = param(uniform(rngs, (h, p), conv_bound), "heads", "head_dim")
-            self.B_conv_bias = param(uniform(rngs, (g, n), conv_bound), "groups", "state")
-            self.C_conv_bias = param(uniform(rngs, (g, n), conv_bound), "groups", "state")
+            self.x_conv_bias = undecayed(uniform(rngs, (h, p), conv_bound), "heads", "head_dim")
+            self.B_conv_bias = undecayed(uniform(rngs, (g, n), conv_bound), "groups", "state")
+            self.C_conv_bias = undecayed(uniform(rngs, (g, n), conv_bound), "groups", "state")
         # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
         log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
                                     math.log(m.dt_min), math.log(m.dt_max))
         dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
-        self.dt_bias = param(dt + jnp.log(-jnp.expm1(-dt)), "heads")
-        self.A_log = param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                                      *m.A_init_range)), "heads")
-        self.D = param(jnp.ones((h,), jnp.float32), "heads")
-        self.norm = param(jnp.ones((h, p), jnp.float32), "heads", "head_dim")
+        self.dt_bias = undecayed(dt + jnp.log(-jnp.expm1(-dt)), "heads")
+        self.A_log = undecayed(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
+                                                          *m.A_init_range)), "heads")
+        self.D = undecayed(jnp.ones((h,), jnp.float32), "heads")
+        self.norm = undecayed(jnp.ones((h, p), jnp.float32), "heads", "head_dim")
         # Rescaled by 1/sqrt(residual layers) (mamba_ssm's rescale_prenorm_residual: n_layer
         # without MLPs, 2*n_layer with them).
         self.out_proj = param(uniform(rngs, (h, p, d), 1.0 / math.sqrt(h * p))
