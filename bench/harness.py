@@ -136,6 +136,19 @@ def print_sweep(setting, labels, moved, rows, copy_rate):
 
 # ---- child processes ----
 
+def gpu_count() -> int:
+    """How many GPUs this process may use: its CUDA_VISIBLE_DEVICES, else nvidia-smi's list
+    (0 where there is none)."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen:
+        return len(seen.split(","))
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
+
+
 def gpus(count: int, skip: int = 0) -> str:
     """CUDA_VISIBLE_DEVICES for a child: GPUs skip..skip+count-1 of those this process sees
     (its own CUDA_VISIBLE_DEVICES, if set), so that two runs of a script can share a host."""

@@ -29,7 +29,8 @@ longest: batch 1, --remat full, --loss-chunk: tokens/s at --seq-len (32K) and at
 versus: per preset, the largest batch that fits (ours: found as above over the batch; theirs:
   doubled until out of memory, then bisected), tokens/s and MFU of our step and of
   mamba_ssm's MambaLMHeadModel + torch.optim.AdamW (bf16 autocast over float32 weights, the
-  same optimizer settings) in the same run, each on its own GPU (CUDA_VISIBLE_DEVICES).
+  same optimizer settings) in the same run, each on its own GPU (CUDA_VISIBLE_DEVICES), or
+  on a one-GPU machine one after the other.
   mamba_ssm comes from --baseline (a git-ignored copy of its Python, bench.baseline) and
   trains on its fast path, use_mem_eff_path=True (mamba_split_conv1d_scan_combined, with
   causal_conv1d's conv), named in the table's header. Without that extension the table
@@ -66,8 +67,8 @@ import time
 import numpy as np
 
 from bench import baseline
-from bench.harness import (ROOT, gpus, median_time, result, run_module, table_header,
-                           table_row)
+from bench.harness import (ROOT, gpu_count, gpus, median_time, result, run_module,
+                           table_header, table_row)
 
 GIB = 2**30
 
@@ -460,23 +461,23 @@ def longest(args):
 def versus(args):
     compared = baseline.comparison(args.baseline, "train", args.allow_slow_baseline)
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
-          f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next, at "
-          "the same time")
+          f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next at "
+          "the same time (on a one-GPU machine, one after the other)")
     print(compared.line)
     print(table_header(("model", "ours batch", "ours tokens/s", "ours MFU", "ours peak GiB",
                         "theirs batch", "theirs tokens/s", "theirs MFU", "theirs peak GiB",
                         "ours/theirs tokens/s")), flush=True)
     for preset in args.presets:
         args.preset = preset
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # On two GPUs at the same time, each its own; on one, ours and then theirs.
+        apart = gpu_count() >= 2
+        theirs_argv = ["_theirs", f"--preset={preset}", f"--batch={args.batch}",
+                       f"--seq-len={args.seq_len}", f"--steps={args.steps}",
+                       f"--granule={args.granule}", f"--baseline={args.baseline}"]
+        with concurrent.futures.ThreadPoolExecutor(2 if apart else 1) as pool:
             mine = pool.submit(in_process, gpus(1), child_argv(args, "batch", "dp=1"),
                                args.timeout)
-            their = pool.submit(in_process, gpus(1, skip=1), ["_theirs", f"--preset={preset}",
-                                                  f"--batch={args.batch}",
-                                                  f"--seq-len={args.seq_len}",
-                                                  f"--steps={args.steps}",
-                                                  f"--granule={args.granule}",
-                                                  f"--baseline={args.baseline}"],
+            their = pool.submit(in_process, gpus(1, skip=1 if apart else 0), theirs_argv,
                                 args.timeout)
             m, t = mine.result()[-1], their.result()[-1]
         if "error" in m or "error" in t:

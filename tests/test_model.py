@@ -44,6 +44,29 @@ def test_forward_shapes_and_tied_head(tie):
     assert hasattr(model, "lm_head") != tie
 
 
+def test_the_scan_and_the_step_get_A_dt_and_D_in_float32_under_bf16(monkeypatch):
+    # A = -exp(A_log) computed in bf16 would round A to 3 significant digits (mamba_ssm's
+    # float32 A_log rule): the scan must receive A, dt_bias and D in float32, and so must
+    # the one-token step.
+    from mamba_jax.layers import mamba2
+    seen = {}
+
+    def spy(x, dt, A, B, C, **kw):
+        seen.update(x=x.dtype, A=A.dtype, D=kw["D"].dtype, dt_bias=kw["dt_bias"].dtype)
+        return ssd(x, dt, A, B, C, **kw)
+    ssd = mamba2.ssd
+    monkeypatch.setattr(mamba2, "ssd", spy)
+    model = Mamba2LM(tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    model(jnp.zeros((1, 8), jnp.int32))
+    assert seen == dict(x=jnp.bfloat16, A=jnp.float32, D=jnp.float32, dt_bias=jnp.float32)
+    mixer = model.layers[0].mixer
+    A = mixer.step_weights().A
+    assert A.dtype == jnp.float32
+    # float32's exp, within 1e-6 of float64's (bf16 would be 4e-3 off).
+    np.testing.assert_allclose(A, -np.exp(np.asarray(mixer.A_log[...], np.float64)),
+                               rtol=1e-6)
+
+
 def test_bfloat16_compute_keeps_ssm_parameters_and_state_in_float32():
     cfg = tiny(ngroups=2)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 40)))

@@ -48,8 +48,18 @@ def make_inputs(rng, b, l, h, p, g, n, dtype, with_state, docs):
     if with_state:
         args["initial_state"] = arr(b, h, p, n)
     if docs:  # ids that repeat an earlier id too: only changes start a document
-        args["seq_idx"] = jnp.asarray(np.cumsum(rng.random((b, l)) < 0.1, axis=1) % 2)
+        args["seq_idx"] = jnp.asarray(np.cumsum(document_starts(rng, b, l), axis=1) % 2)
     return args
+
+
+def document_starts(rng, b, l):
+    """[b, l] bool: random document starts, and in every row one exactly on a chunk edge
+    (16, the kernel chunk of the test configs) and one inside a chunk (23), where the row is
+    that long: an off-by-one at a chunk edge fails every run, not only those whose random
+    starts happen to fall there."""
+    starts = rng.random((b, l)) < 0.1
+    starts[:, [i for i in (16, 23) if i < l]] = True
+    return starts
 
 
 def values_and_grads(fn, args, wy, ws):

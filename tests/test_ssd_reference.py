@@ -1,5 +1,7 @@
 """The chunked XLA form of the SSD scan equals the naive recurrence, values and gradients."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +20,10 @@ def make_inputs(seed, b, l, h, p, g, n, dtype, with_state=False, docs=False):
     options = dict(D=arr(h), dt_bias=arr(h), dt_softplus=True)
     if with_state:
         options["initial_state"] = arr(b, h, p, n)
-    if docs:
-        options["seq_idx"] = jnp.asarray(np.sort(rng.integers(0, 4, (b, l)), axis=1))
+    if docs:  # random starts, and one exactly on a chunk edge (16) and one inside (23)
+        starts = rng.random((b, l)) < 0.08
+        starts[:, [i for i in (16, 23) if i < l]] = True
+        options["seq_idx"] = jnp.asarray(np.cumsum(starts, axis=1))
     return inputs, options
 
 
@@ -27,6 +31,7 @@ CASES = [  # (b, l, h, p, g, n, chunk, with_state, docs)
     (2, 37, 4, 8, 1, 16, 8, False, False),   # seqlen not a multiple of the chunk
     (1, 64, 8, 4, 2, 8, 16, True, False),    # ngroups > 1, initial state
     (2, 50, 4, 4, 4, 8, 16, True, True),     # ngroups == nheads, packed documents
+    (1, 64, 2, 4, 1, 8, 8, True, True),      # chunk 8: documents start on an edge and inside
     (1, 5, 2, 4, 1, 4, 16, False, True),     # shorter than one chunk
 ]
 
@@ -83,11 +88,16 @@ def test_bfloat16_inputs_stay_close_to_float32():
     assert err < 2e-2  # bf16 operands, float32 accumulation
 
 
-def test_dt_limit_clamps_dt():
-    inputs, options = make_inputs(5, 1, 16, 2, 4, 1, 4, jnp.float32)
-    limited = ssd(**inputs, **options, dt_limit=(0.05, 0.2), chunk_size=8)
-    by_hand = ssd_naive(**{**inputs, "dt": jnp.clip(
-        jax.nn.softplus(inputs["dt"] + options["dt_bias"]), 0.05, 0.2)}, D=options["D"])[0]
+# Both bounds, and each alone (NemotronH checkpoints clamp below only: (time_step_min, inf)).
+@pytest.mark.parametrize("limit", [(0.05, 0.2), (0.5, math.inf), (0.0, 0.05)])
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_dt_limit_clamps_dt(limit, implementation):
+    inputs, options = make_inputs(5, 1, 16, 2, 16, 1, 16, jnp.float32)
+    dt = jax.nn.softplus(inputs["dt"] + options["dt_bias"])
+    assert float(dt.min()) < 0.5 and float(dt.max()) > 0.2  # every bound bites
+    limited = ssd(**inputs, **options, dt_limit=limit, chunk_size=8,
+                  implementation=implementation)
+    by_hand = ssd_naive(**{**inputs, "dt": jnp.clip(dt, *limit)}, D=options["D"])[0]
     np.testing.assert_allclose(limited, by_hand, rtol=1e-5, atol=1e-5)
 
 

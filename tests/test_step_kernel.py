@@ -32,7 +32,8 @@ def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
     (jnp.float32, jnp.float32, 1, True, (0.0, math.inf)),
     (jnp.bfloat16, jnp.bfloat16, 1, True, (0.0, math.inf)),
     (jnp.bfloat16, jnp.float32, 4, False, (0.01, 0.5)),
-    (jnp.float32, jnp.bfloat16, 4, False, (0.01, 0.5))])
+    (jnp.float32, jnp.bfloat16, 4, False, (0.5, math.inf)),  # one bound alone
+    (jnp.float32, jnp.float32, 1, False, (0.0, 0.05))])
 def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit):
     rng = np.random.default_rng()  # fresh inputs every run
     # 16 heads' programs: each head's p = 32 is split in two programs of 16 rows.
