@@ -83,10 +83,10 @@ def import_mamba_lm(baseline):
 
 def mamba_config(cfg, MambaConfig, **ssm_cfg):
     """Our Mamba2Config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through)."""
+    m = cfg.mamba2
     return MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                       ssm_cfg={"layer": "Mamba2", "d_state": cfg.d_state,
-                                "headdim": cfg.headdim, "ngroups": cfg.ngroups,
-                                "chunk_size": cfg.chunk_size, **ssm_cfg},
+                       ssm_cfg={"layer": "Mamba2", "d_state": m.d_state, "headdim": m.headdim,
+                                "ngroups": m.ngroups, "chunk_size": m.chunk_size, **ssm_cfg},
                        rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
                        pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
                        tie_embeddings=cfg.tie_embeddings)

@@ -83,6 +83,7 @@ def test_each_script_answers_help(script, capsys):
     assert ("--allow-slow-baseline" in usage) == (script in ("generate", "train_step"))
 
 
+@pytest.mark.subprocess
 def test_a_script_runs_as_a_module():
     run = subprocess.run([sys.executable, "-m", "bench.dispatch", "--help"],
                          capture_output=True, text=True, cwd=harness.ROOT, timeout=120)
@@ -148,3 +149,13 @@ def test_probe_in_child_reports_the_childs_install(copy, extension, monkeypatch)
     assert baseline.probe_in_child(copy).causal_conv1d == ""  # no torch here
     monkeypatch.setenv("PYTHONPATH", extension)
     assert baseline.probe_in_child(copy).causal_conv1d == "1.6.1"
+
+
+def test_our_config_becomes_mamba_ssms_for_every_preset():
+    # mamba_ssm's MambaConfig takes keyword arguments: a dict stands in for it.
+    from mamba_jax import Mamba2Config
+    theirs = baseline.mamba_config(Mamba2Config.preset("mamba2-1.3b"), dict,
+                                   use_mem_eff_path=True)
+    assert theirs["d_model"] == 2048 and theirs["n_layer"] == 48
+    assert theirs["ssm_cfg"] == {"layer": "Mamba2", "d_state": 128, "headdim": 64,
+                                 "ngroups": 1, "chunk_size": 256, "use_mem_eff_path": True}
