@@ -13,7 +13,7 @@ from mamba_jax.metrics import MetricsWriter, Progress
 from mamba_jax.tokenizer import load_tokenizer
 from mamba_jax.model import param_name
 from mamba_jax.optim import make_schedule, weight_decay_mask
-from mamba_jax.train import main, parse_overrides
+from mamba_jax.train import main, parse_args, parse_overrides
 
 
 def test_default_run_trains_tiny_with_a_falling_loss_and_saves_a_checkpoint(tmp_path):
@@ -50,9 +50,11 @@ def test_bad_overrides_are_named(arg, match):
         parse_overrides([arg])
 
 
-def test_missing_data_file_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m mamba_jax.data prepare"):
+def test_missing_data_file_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="python -m mamba_jax.data prepare") as refused:
         main(["--data", str(tmp_path / "absent"), "--steps", "1"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (f"python -m mamba_jax.train: {refused.value}\n")
 
 
 def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
@@ -171,3 +173,24 @@ def test_every_evaluation_prints_a_line(capsys):
     evaluated = [int(line.split("/")[0]) for line in lines if "eval 1.500" in line]
     assert evaluated == list(range(3, 40, 3))
 
+
+def test_the_learning_rate_must_be_positive():
+    for lr in ("0", "-1e-3", "nan", "inf"):
+        with pytest.raises(SystemExit, match=f"--lr={float(lr)} must be a positive number"):
+            parse_args([f"--lr={lr}"])
+
+
+@pytest.mark.parametrize("module,argv,default", [
+    ("mamba_jax.train", [], "(default: 300)"),
+    ("mamba_jax.data", ["prepare"], "(default: 0.01)"),
+    ("mamba_jax.generate.__main__", [], "(default: 64)"),
+    ("mamba_jax.serve", [], "(default: 6000)"),
+    ("mamba_jax.convert", [], "(default: the newest)"),
+])
+def test_the_help_of_every_command_shows_the_defaults(module, argv, default, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main([*argv, "--help"])
+    assert done.value.code == 0
+    assert default in capsys.readouterr().out
