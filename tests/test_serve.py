@@ -353,24 +353,24 @@ async def _until(condition, timeout=30.0):
 
 
 async def _held_server(model, limits, monkeypatch):
-    """A server whose first batch holds (see _HeldGenerate): (server, engine, held)."""
+    """A server whose first batch holds (see _HeldGenerate), run as web.run_app runs it:
+    (its runner, its URL, its engine, the held generate)."""
     import mamba_jax.serve as serve
-    from aiohttp.test_utils import TestServer
 
     held = _HeldGenerate()
     monkeypatch.setattr(serve, "generate", held)
     app = make_app(model, byte_tokenizer(), limits)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    return server, app[serve.ENGINE], held
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", app[serve.ENGINE], held
 
 
 def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="mamba_jax.serve")
 
     async def go():
-        server, engine, held = await _held_server(model, LIMITS, monkeypatch)
-        url = str(server.make_url("")).rstrip("/")
+        runner, url, engine, held = await _held_server(model, LIMITS, monkeypatch)
         try:
             async with aiohttp.ClientSession() as s:
                 first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
@@ -388,7 +388,7 @@ def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch
             return after, held.calls, engine.queued_tokens
         finally:
             held.release.set()
-            await server.close()
+            await runner.cleanup()
 
     (status, _), calls, queued = run(go())
     assert status == 200
@@ -403,8 +403,7 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
     limits = dataclasses.replace(LIMITS, max_prompts=4, max_queued_tokens=40)
 
     async def go():
-        server, engine, held = await _held_server(model, limits, monkeypatch)
-        url = str(server.make_url("")).rstrip("/")
+        runner, url, engine, held = await _held_server(model, limits, monkeypatch)
         try:
             async with aiohttp.ClientSession() as s:
                 first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
@@ -423,7 +422,7 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
                 return many, alone_too_big, busy, (await first)[0], (await queued)[0]
         finally:
             held.release.set()
-            await server.close()
+            await runner.cleanup()
 
     many, alone_too_big, busy, first, queued = run(go())
     assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]
