@@ -46,8 +46,11 @@ class _WithoutOrbaxTracebacks(logging.Filter):
 
 
 class Checkpointer:
-    """A CheckpointManager keeping the newest `keep` checkpoints under `directory`;
-    `read_only` reads the checkpoints of a run that may still be writing, touching nothing.
+    """A CheckpointManager keeping the newest `keep` checkpoints under `directory`.
+
+    `read_only`: for reading the checkpoints of a run (that may still be writing): the
+    directory is neither created nor pruned. (Orbax's own read_only option says so in four
+    log lines each time.)
     """
 
     def __init__(self, directory, keep: int = 3, async_save: bool = True,
@@ -55,9 +58,9 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"--keep={keep} must be >= 1")
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                               enable_async_checkpointing=async_save,
-                                               read_only=read_only)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                                               create=not read_only,
+                                               enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "meta"))
         self.in_flight = None  # the step being written in the background

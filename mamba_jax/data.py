@@ -192,14 +192,14 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=0.01, workers=None, log=s
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     eod = special_tokens(tokenizer)["eos"] if append_eod else None
-    if append_eod and eod is None:
-        print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token (none of "
-              f"{', '.join(SPECIAL_TOKENS['eos'])}); documents are joined without one",
-              file=log)
     out = Path(out)
     workers = workers or min(len(inputs), os.cpu_count())
     with locked(out, "prepare"):
         _check_replaceable(out, tokenizer_spec, overwrite)
+        if append_eod and eod is None:
+            print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token (none "
+                  f"of {', '.join(SPECIAL_TOKENS['eos'])}); documents are joined without one",
+                  file=log)
         for stale in out.glob(_WORK_PREFIX + "*"):
             shutil.rmtree(stale)
             print(f"prepare: removed {stale}, left by a prepare that was interrupted",
