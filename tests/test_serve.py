@@ -352,18 +352,23 @@ async def _until(condition, timeout=30.0):
         await asyncio.sleep(0.01)
 
 
-async def _held_server(model, limits, monkeypatch):
-    """A server whose first batch holds (see _HeldGenerate), run as web.run_app runs it:
-    (its runner, its URL, its engine, the held generate)."""
+async def _server_with(generate, model, limits, monkeypatch):
+    """A server whose batches run `generate`, run as web.run_app runs it: (its runner, its
+    URL, its engine)."""
     import mamba_jax.serve as serve
 
-    held = _HeldGenerate()
-    monkeypatch.setattr(serve, "generate", held)
+    monkeypatch.setattr(serve, "generate", generate)
     app = make_app(model, byte_tokenizer(), limits)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", app[serve.ENGINE], held
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", app[serve.ENGINE]
+
+
+async def _held_server(model, limits, monkeypatch):
+    """A server whose first batch holds (see _HeldGenerate): (runner, URL, engine, held)."""
+    held = _HeldGenerate()
+    return *await _server_with(held, model, limits, monkeypatch), held
 
 
 def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch, caplog):
@@ -430,3 +435,27 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
         alone_too_big[1]["error"]["message"]
     assert busy[0] == 503 and busy[2] == "1" and "busy" in busy[1]["error"]["message"]
     assert (first, queued) == (200, 200)
+
+
+def test_a_failed_generation_is_a_500_naming_it_and_a_stream_ends_with_done(model, monkeypatch):
+    def failing(*args, **kwargs):
+        raise RuntimeError("the device is gone")
+
+    async def go():
+        runner, url, _ = await _server_with(failing, model, LIMITS, monkeypatch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                plain = await complete(s, url, prompt="hi", max_tokens=4)
+                async with s.post(url + "/v1/completions", json={
+                        "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+                    events = [line.decode().removeprefix("data: ").strip()
+                              async for line in r.content if line.strip()]
+            return plain, events
+        finally:
+            await runner.cleanup()
+
+    (status, body), events = run(go())
+    assert status == 500
+    assert body["error"]["message"] == "generation failed: RuntimeError: the device is gone"
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == body["error"]["message"]
