@@ -80,7 +80,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
                                              "is meant cannot be known: remove one")
                         out[key] = np.asarray(fh.get_tensor(key).astype(jnp.float32))
                         source[key] = f
-            except (SafetensorError, OSError) as error:
+            except SafetensorError as error:
                 raise ValueError(f"{f}: cannot be read ({error}); the file is truncated or "
                                  "corrupt: download or convert it again") from None
         return out
