@@ -2,6 +2,7 @@
 
     ckpt = Checkpointer("runs/x/checkpoints", keep=3)
     ckpt.save(step, {"params": params, "opt_state": opt_state}, meta={"data_step": ...})
+    ckpt.check()                                      # raises if a background save failed
     restored = ckpt.restore_latest(abstract_state)    # None when there is no checkpoint
     ckpt.close()
 
@@ -11,34 +12,105 @@ a temporary directory and renames it when complete, so a crash mid-save leaves t
 checkpoints untouched and the partial one invisible. The state is restored straight into the
 shardings of `abstract_state` (jax.ShapeDtypeStruct leaves with `sharding`), so a run saved
 on one mesh resumes on another with no conversion step.
+
+A save that fails (a full disk, a lost mount) is a CheckpointSaveError of one line, raised by
+the next check / save / wait / close, with Orbax's partial directory of that step removed;
+the checkpoints before it stay as they were. A checkpoint that cannot be read is set aside
+(renamed `<step>.corrupt-<time>`, never deleted) once an older one has restored, so that the
+next save of that step is not refused and later resumes do not trip over it again.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written: the run must stop (its message says which)."""
+
+
+class _WithoutOrbaxTracebacks(logging.Filter):
+    """Drops the tracebacks Orbax logs (through absl) from its background threads when a
+    save fails: that failure reaches the caller as one CheckpointSaveError line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "orbax" in record.pathname)
 
 
 class Checkpointer:
-    """A CheckpointManager keeping the newest `keep` checkpoints under `directory`."""
+    """A CheckpointManager keeping the newest `keep` checkpoints under `directory`.
 
-    def __init__(self, directory, keep: int = 3, async_save: bool = True):
+    `read_only`: for reading the checkpoints of a run (that may still be writing): the
+    directory is neither created nor pruned. (Orbax's own read_only option says so in four
+    log lines each time.)
+    """
+
+    def __init__(self, directory, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
         if keep < 1:
             raise ValueError(f"--keep={keep} must be >= 1")
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+        options = ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                                               create=not read_only,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "meta"))
+        self.in_flight = None  # the step being written in the background
+        self.failure = None  # the CheckpointSaveError raised, once one was
+        self.closed = False
+        self._quiet = _WithoutOrbaxTracebacks()
+        logging.getLogger("absl").addFilter(self._quiet)
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` (a pytree of arrays) and `meta` (JSON) as checkpoint `step`;
         returns once the arrays are copied off the devices, the write goes on behind."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self.wait()  # a failure of the previous save is reported as that step's
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
+            raise self._failed(step, error) from None
+        self.in_flight = step
+
+    def check(self) -> None:
+        """Raise the CheckpointSaveError of a background save that has failed; return at once
+        while it is still running (call it every step to stop as soon as a save fails)."""
+        if self.in_flight is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until every save in flight is committed; CheckpointSaveError if one failed."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001
+            raise self._failed(step, error) from None
+
+    def _failed(self, step: int, error: Exception) -> CheckpointSaveError:
+        """Remove the partial directory of `step` and say what is left."""
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        self.manager.reload()
+        kept = self.steps()
+        reason = (str(error).splitlines() or [""])[0][:300]
+        self.failure = CheckpointSaveError(
+            f"checkpoint {step} could not be written to {self.directory} "
+            f"({type(error).__name__}: {reason}); "
+            + (f"the newest complete checkpoint is step {kept[-1]}, untouched"
+               if kept else "no complete checkpoint was written")
+            + ". Free space (or fix the directory), then resume")
+        return self.failure
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -50,16 +122,17 @@ class Checkpointer:
         check_meta(step, meta) runs on each candidate's meta before its arrays are read and
         may raise (a checkpoint of another model is an error, not a reason to go back). A
         checkpoint that fails to read (corrupt or truncated files) is reported and the one
-        before it is tried; when none restores, that is an error too: starting over would
-        write over them.
+        before it is tried; once one restores, the unreadable newer ones are set aside
+        (renamed <step>.corrupt-<time>). When none restores, that is an error: starting
+        over would write over them.
         """
-        steps = self.steps()
+        log = log or sys.stderr
+        steps, unreadable = self.steps(), []
         for step in reversed(steps):
             try:
-                meta = self.manager.restore(step, args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore())).meta
+                meta = self.read_meta(step)
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
-                self._report(step, error, log)
+                unreadable.append(self._report(step, error, log))
                 continue
             if check_meta is not None:
                 check_meta(step, meta)
@@ -67,26 +140,66 @@ class Checkpointer:
                 state = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state))).state
             except Exception as error:  # noqa: BLE001
-                self._report(step, error, log)
+                unreadable.append(self._report(step, error, log))
                 continue
+            self._set_aside(unreadable, step, log)
             return step, state, meta
         if steps:
             raise RuntimeError(f"none of the checkpoints {steps} in {self.directory} could be "
                                "restored (see above); move them away to start over")
         return None
 
-    def _report(self, step, error, log):
+    def _report(self, step: int, error: Exception, log) -> int:
         print(f"checkpoint {self.directory / str(step)} cannot be restored "
-              f"({type(error).__name__}: {str(error)[:200]}); trying the one before",
-              file=log or sys.stderr)
+              f"({type(error).__name__}: {str(error)[:200]}); trying the one before", file=log)
+        return step
 
-    def wait(self) -> None:
-        """Block until every save in flight is committed."""
-        self.manager.wait_until_finished()
+    def read_meta(self, step: int) -> dict:
+        """The JSON meta saved with checkpoint `step`."""
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta
+
+    def restore_part(self, step: int, abstract_part):
+        """The subtree of checkpoint `step`'s state that `abstract_part` describes (e.g.
+        {"params": ...} without the optimizer state), read into its shardings."""
+        return self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=abstract_part,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_part),
+                partial_restore=True))).state
+
+    def _set_aside(self, steps: list[int], restored: int, log) -> None:
+        """Rename the unreadable checkpoints `steps` to <step>.corrupt-<time> (on process 0,
+        the others waiting), so that Orbax no longer counts them."""
+        if not steps:
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for step in steps:
+            target = self.directory / f"{step}.corrupt-{stamp}"
+            if jax.process_index() == 0:
+                (self.directory / str(step)).rename(target)
+            print(f"checkpoint {step} set aside as {target}: it cannot be restored, and the "
+                  f"run goes on from step {restored}", file=log)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("mamba_jax checkpoints set aside")
+        self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the saves in flight (CheckpointSaveError if one failed) and release;
+        closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.wait()
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001
+                if self.failure is None:
+                    raise
+                # else Orbax raises the failed save once more: it has been reported.
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
 
 
 def abstract_like(tree, shardings=None):

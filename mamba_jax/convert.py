@@ -23,19 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import Mamba2Config
+from mamba_jax.files import replace_text
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
-                               mamba_ssm_blocks)
+                               mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.model import Mamba2LM, param_name
+from mamba_jax.tokenizer import load_tokenizer, special_token_ids
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")
 _EMBEDDING_KEY = {"hf": "backbone.embeddings.weight", "mamba_ssm": "backbone.embedding.weight",
@@ -46,10 +49,15 @@ def load_config(path) -> tuple[Mamba2Config, str]:
     """(Mamba2Config, "hf" | "mamba_ssm" | "nemotron_h") from a checkpoint dir's config.json."""
     file = Path(path) / "config.json"
     if not file.is_file():
+        hint = (" (it holds training checkpoints: python -m mamba_jax.convert exports one)"
+                if is_training_checkpoint(path) else "")
         raise FileNotFoundError(f"{file} not found: a checkpoint dir needs config.json beside "
-                                "model.safetensors or pytorch_model.bin")
-    d = json.loads(file.read_text())
-    fmt = detect_format(d)
+                                f"model.safetensors or pytorch_model.bin{hint}")
+    try:
+        d = json.loads(file.read_text())
+        fmt = detect_format(d)
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
     return config_from(d, fmt, str(file)), fmt
 
 
@@ -58,23 +66,31 @@ def load_config(path) -> tuple[Mamba2Config, str]:
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint dir as float32 numpy arrays, by name."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     def read_safetensors(files):
-        out = {}
+        out, source = {}, {}
         for f in files:
-            # framework="flax" reads bfloat16, which numpy cannot represent on its own.
-            with safe_open(f, framework="flax") as fh:
-                for key in fh.keys():
-                    out[key] = np.asarray(fh.get_tensor(key).astype(jnp.float32))
+            try:
+                # framework="flax" reads bfloat16, which numpy cannot represent on its own.
+                with safe_open(f, framework="flax") as fh:
+                    for key in fh.keys():
+                        if key in out:
+                            raise ValueError(f"{path}: tensor {key!r} is in two shards, "
+                                             f"{source[key].name} and {f.name}; which one "
+                                             "is meant cannot be known: remove one")
+                        out[key] = np.asarray(fh.get_tensor(key).astype(jnp.float32))
+                        source[key] = f
+            except SafetensorError as error:
+                raise ValueError(f"{f}: cannot be read ({error}); the file is truncated or "
+                                 "corrupt: download or convert it again") from None
         return out
 
     if (path / "model.safetensors").is_file():
         return read_safetensors([path / "model.safetensors"])
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return read_safetensors([path / s for s in shards])
+        return read_safetensors([path / s for s in _index_shards(index)])
     if (path / "pytorch_model.bin").is_file():
         try:
             import torch
@@ -83,7 +99,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
                 f"{path / 'pytorch_model.bin'} is a PyTorch pickle and reading it needs torch, "
                 "which is not installed. Either `pip install torch` (CPU is enough), or convert "
                 "it once where torch is installed: `python -c \"import torch, safetensors.torch;"
-                " sd = torch.load('pytorch_model.bin', map_location='cpu'); "
+                " sd = torch.load('pytorch_model.bin', map_location='cpu', weights_only=True); "
                 "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, "
                 "'model.safetensors')\"`") from None
         sd = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -261,22 +277,114 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     os.replace(path / "config.json.tmp", path / "config.json")
 
 
+@command("python -m mamba_jax.convert")
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m mamba_jax.convert",
+        prog="python -m mamba_jax.convert", formatter_class=HelpFormatter,
         description="Convert a Mamba2 or hybrid checkpoint dir between the HF (Mamba2, "
                     "NemotronH) and mamba_ssm layouts (reads any; also turns "
-                    "pytorch_model.bin into model.safetensors).")
-    parser.add_argument("src", help="checkpoint dir (config.json + weights)")
+                    "pytorch_model.bin into model.safetensors), or export a step of a "
+                    "trainer's --checkpoint-dir (Orbax) to one of them.")
+    parser.add_argument("src", help="checkpoint dir (config.json + weights), or a trainer's "
+                                    "--checkpoint-dir")
     parser.add_argument("dst", help="output dir")
     parser.add_argument("--to", choices=FORMATS, required=True)
+    parser.add_argument("--step", type=int, default=None,
+                        help="with a trainer's --checkpoint-dir: the step to export (default: "
+                             "the newest)")
     args = parser.parse_args(argv)
-    model = from_pretrained(args.src)
-    save_pretrained(model, args.dst, format=args.to)
-    tokenizer = Path(args.src) / "tokenizer.json"
-    if tokenizer.is_file():
-        (Path(args.dst) / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    print(f"wrote {args.dst} ({args.to})")
+    tokenizer = None
+    if is_training_checkpoint(args.src):
+        model, meta = load_training_checkpoint(args.src, args.step)
+        tokenizer = load_tokenizer(training_tokenizer(args.src, meta))
+        source = f"step {meta['step']} of {args.src}"
+    else:
+        if args.step is not None:
+            parser.error(f"--step picks a step of a trainer's --checkpoint-dir; {args.src} is "
+                         "not one")
+        model, source = from_pretrained(args.src), args.src
+        if (Path(args.src) / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(Path(args.src) / "tokenizer.json")
+    export(model, args.dst, tokenizer, format=args.to)
+    print(f"wrote {args.dst} ({args.to}) from {source}")
+
+
+# ---------------------------------------------------------------- training checkpoints
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files model.safetensors.index.json names, each inside its directory: a
+    path that is absolute or climbs out (..) is refused, so that an index never has us read
+    files elsewhere. (A shard may be a symlink, as in the Hugging Face cache.)"""
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{index}: expected a JSON object whose 'weight_map' maps tensor "
+                         "names to shard files") from None
+    for shard in shards:
+        if not isinstance(shard, str) or PurePosixPath(shard).is_absolute() \
+                or ".." in PurePosixPath(shard).parts:
+            raise ValueError(f"{index}: shard {shard!r} is not a file inside {index.parent}; "
+                             "an index names its shards relative to its own directory")
+    return shards
+
+
+def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
+    """save_pretrained, then the tokenizer (if given) beside the weights as tokenizer.json,
+    its bos / eos / pad ids in config.json where the layout has them
+    (formats.with_token_ids; null for a tokenizer without them)."""
+    save_pretrained(model, path, format=format)
+    if tokenizer is None:
+        return
+    path = Path(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "config.json").read_text())
+    replace_text(path / "config.json", json.dumps(
+        with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
+
+
+def is_training_checkpoint(path) -> bool:
+    """Whether `path` is a trainer's --checkpoint-dir: Orbax step directories, no
+    config.json."""
+    path = Path(path)
+    return (path.is_dir() and not (path / "config.json").exists()
+            and any(child.name.isdigit() and child.is_dir() for child in path.iterdir()))
+
+
+def load_training_checkpoint(path, step: int | None = None, dtype=None):
+    """(model, meta) of checkpoint `step` (default: the newest) in a trainer's
+    --checkpoint-dir. Only the parameters are read (not the optimizer state), onto one
+    device; `dtype` is the compute dtype (default float32). meta["config"] is the run's
+    effective config: {"model": Mamba2Config fields, "train": its flags}."""
+    from mamba_jax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(path, read_only=True)
+    try:
+        steps = ckpt.steps()
+        if not steps:
+            raise FileNotFoundError(f"{path}: holds no complete training checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ValueError(f"{path}: no checkpoint of step {step}; it holds steps {steps}")
+        meta = ckpt.read_meta(step)
+        cfg = Mamba2Config.from_dict(meta["config"]["model"])
+        graphdef, abstract = nnx.split(nnx.eval_shape(
+            lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32 if dtype is None
+                             else dtype)))
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+        params = ckpt.restore_part(step, {"params": target})["params"]
+    finally:
+        ckpt.close()
+    return nnx.merge(graphdef, params), meta
+
+
+def training_tokenizer(path, meta: dict) -> str:
+    """The tokenizer of a trainer's --checkpoint-dir, as load_tokenizer takes it: the copy
+    the trainer keeps there (tokenizer.json), else what the run's flags name, else bytes."""
+    copy = Path(path) / "tokenizer.json"
+    return str(copy) if copy.is_file() else meta["config"]["train"].get("tokenizer") or "bytes"
 
 
 if __name__ == "__main__":

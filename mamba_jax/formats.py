@@ -8,6 +8,7 @@ and we cannot represent is refused by name rather than silently dropped.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -34,8 +35,137 @@ def _require(condition, path, message):
         raise ValueError(f"{path}: {message}")
 
 
+# ---------------------------------------------------------------- field checks
+# Each reader first checks the types of the fields it reads, and bounds every size: far
+# above any published model (the largest have ~120 layers, d_model 8192, a 262144-token
+# vocabulary), so that a mistyped or hostile value is refused by name before anything is
+# built from it (num_hidden_layers: 1e9 would spell out a billion-layer pattern).
+MAX_LAYERS = 1024
+MAX_WIDTH = 1 << 16  # d_model, heads, head and state dims, groups, conv taps, chunk
+MAX_VOCAB = 1 << 22
+MAX_MLP = 1 << 20  # an MLP's hidden width
+
+
+def _integer(high, low=1):
+    def check(value):
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+            return f"an integer in [{low}, {high}]"
+    return check
+
+
+def _number(value):
+    try:
+        finite = not isinstance(value, bool) and math.isfinite(value)
+    except (TypeError, OverflowError):
+        finite = False
+    if not finite:
+        return "a finite number"
+
+
+def _flag(value):
+    if not isinstance(value, bool):
+        return "true or false"
+
+
+def _text(value):
+    if not isinstance(value, str) or len(value) > MAX_LAYERS:
+        return f"a string of at most {MAX_LAYERS} characters"
+
+
+def _optional(check):
+    return lambda value: None if value is None else check(value)
+
+
+def _list(check, what: str, low=0, high=MAX_LAYERS):
+    def each(value):
+        if not (isinstance(value, list) and low <= len(value) <= high
+                and all(check(v) is None for v in value)):
+            return f"a list of {low} to {high} {what}"
+    return each
+
+
+def _limit(value):
+    try:
+        low, high = _decode_limit(value)
+        if not (math.isfinite(low) and not math.isnan(high)):
+            raise ValueError(value)
+    except (TypeError, ValueError, KeyError, OverflowError):
+        return "a pair [low, high] of numbers (high may be Infinity)"
+
+
+_WIDTH, _LAYERS, _VOCAB = _integer(MAX_WIDTH), _integer(MAX_LAYERS), _integer(MAX_VOCAB)
+
+
+def _check_fields(d, path, schema: dict, required=(), where=""):
+    """Refuse, naming the file, the field and its value, a field of config.json (the dict
+    `d`, or a nested one `where`) that is missing, of the wrong type or out of bounds.
+    schema: field -> a check returning what the value must be, or None if it is fine (a
+    dict: a nested object with its own schema, whose other fields are refused)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: {where.rstrip('.') or 'the config'} must be a JSON object")
+    for key in required:
+        _require(key in d, path, f"{where}{key} is required")
+    for key, check in schema.items():
+        if key not in d:
+            continue
+        if isinstance(check, dict):
+            _check_fields(d[key], path, check, where=f"{where}{key}.")
+            unknown = sorted(set(d[key]) - set(check))
+            _require(not unknown, path, f"{where}{key} has fields we do not support: {unknown}")
+            continue
+        must = check(d[key])
+        if must is not None:
+            shown = json.dumps(d[key])
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise ValueError(f"{path}: {where}{key}={shown} must be {must}")
+
+
+_HF_FIELDS = {
+    "hidden_size": _WIDTH, "num_hidden_layers": _LAYERS, "vocab_size": _VOCAB,
+    "expand": _WIDTH, "head_dim": _WIDTH, "num_heads": _WIDTH, "state_size": _WIDTH,
+    "conv_kernel": _WIDTH, "n_groups": _WIDTH, "chunk_size": _WIDTH,
+    "time_step_min": _number, "time_step_max": _number, "time_step_floor": _number,
+    "time_step_limit": _limit, "use_conv_bias": _flag, "use_bias": _flag,
+    "layer_norm_epsilon": _number, "residual_in_fp32": _flag, "tie_word_embeddings": _flag,
+    "norm_before_gate": _flag, "rms_norm": _flag}
+_MAMBA_SSM_FIELDS = {
+    "d_model": _WIDTH, "n_layer": _LAYERS, "vocab_size": _VOCAB,
+    "pad_vocab_size_multiple": _WIDTH, "residual_in_fp32": _flag, "tie_embeddings": _flag,
+    "rms_norm": _flag, "d_intermediate": _integer(MAX_MLP, low=0),
+    "attn_layer_idx": _list(_integer(MAX_LAYERS - 1, low=0), "layer indices"),
+    "ssm_cfg": {"layer": _text, "d_state": _WIDTH, "d_conv": _WIDTH, "expand": _WIDTH,
+                "headdim": _WIDTH, "ngroups": _WIDTH, "chunk_size": _WIDTH, "dt_min": _number,
+                "dt_max": _number, "dt_init_floor": _number, "dt_limit": _limit,
+                "A_init_range": _list(_number, "numbers", 2, 2), "conv_bias": _flag,
+                "bias": _flag,
+                "D_has_hdim": _flag, "norm_before_gate": _flag, "rmsnorm": _flag,
+                "d_ssm": _optional(_WIDTH)},
+    "attn_cfg": {"num_heads": _WIDTH, "num_heads_kv": _optional(_WIDTH),
+                 "head_dim": _optional(_WIDTH), "rotary_emb_dim": _integer(MAX_WIDTH, low=0),
+                 "rotary_emb_base": _number, "rotary_emb_interleaved": _flag,
+                 "qkv_proj_bias": _flag, "out_proj_bias": _flag, "causal": _flag,
+                 "softmax_scale": _optional(_number), "d_conv": _optional(_WIDTH),
+                 "mlp_dim": _optional(_integer(MAX_MLP, low=0))}}
+_NEMOTRON_H_FIELDS = {
+    "hidden_size": _WIDTH, "vocab_size": _VOCAB,
+    "layers_block_type": _list(_text, "layer type names"),
+    "hybrid_override_pattern": _text, "expand": _WIDTH, "mamba_expand": _WIDTH,
+    "mamba_num_heads": _WIDTH, "mamba_head_dim": _WIDTH, "ssm_state_size": _WIDTH,
+    "conv_kernel": _WIDTH, "mamba_d_conv": _WIDTH, "n_groups": _WIDTH,
+    "mamba_n_groups": _WIDTH, "chunk_size": _WIDTH, "mamba_chunk_size": _WIDTH,
+    "time_step_min": _number, "mamba_dt_min": _number, "time_step_max": _number,
+    "mamba_dt_max": _number, "time_step_floor": _number, "mamba_dt_init_floor": _number,
+    "use_conv_bias": _flag, "mamba_conv_bias": _flag, "use_bias": _flag,
+    "layer_norm_epsilon": _number, "residual_in_fp32": _flag, "tie_word_embeddings": _flag,
+    "intermediate_size": _integer(MAX_MLP, low=0), "num_attention_heads": _WIDTH,
+    "num_key_value_heads": _optional(_WIDTH), "head_dim": _optional(_WIDTH),
+    "mamba_hidden_act": _text, "mlp_hidden_act": _text, "mlp_bias": _flag,
+    "num_nextn_predict_layers": _integer(MAX_LAYERS, low=0)}
+
+
 def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
     """A transformers Mamba2Config dict -> Mamba2Config. HF does not pad the vocabulary."""
+    _check_fields(d, path, _HF_FIELDS, ("hidden_size", "num_hidden_layers", "vocab_size"))
     d_model, expand, headdim = d["hidden_size"], d.get("expand", 2), d.get("head_dim", 64)
     nheads = d.get("num_heads", d_model * expand // headdim)
     _require(nheads * headdim == d_model * expand, path,
@@ -84,6 +214,7 @@ def _attn_from_mamba_ssm(d: dict, path) -> dict:
 def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     """A mamba_ssm MambaConfig dict (ssm_cfg, attn_cfg nested) -> Mamba2Config in mamba_ssm's
     form (attn_layer_idx, d_intermediate rounded up as GatedMLP does)."""
+    _check_fields(d, path, _MAMBA_SSM_FIELDS, ("d_model", "n_layer", "vocab_size"))
     ssm = dict(d.get("ssm_cfg", {}))
     _require(ssm.pop("layer", "Mamba1") == "Mamba2", path,
              "ssm_cfg.layer must be 'Mamba2' (Mamba1 checkpoints are not supported)")
@@ -110,6 +241,9 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
     """A transformers NemotronHConfig dict -> Mamba2Config with a layer_pattern. HF's
     NemotronH clamps dt below at time_step_min (ignoring time_step_limit), has no rotary
     embeddings and no attention biases, and its MLP is up -> relu^2 -> down."""
+    _check_fields(d, path, _NEMOTRON_H_FIELDS, ("hidden_size", "vocab_size"))
+    _require(d.get("layers_block_type") or "hybrid_override_pattern" in d, path,
+             "layers_block_type or hybrid_override_pattern is required")
     get = lambda key, legacy, default: d.get(key, d.get(legacy, default))
     if d.get("layers_block_type"):
         types = d["layers_block_type"]
@@ -152,6 +286,8 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
 
 
 def detect_format(d: dict) -> str:
+    if not isinstance(d, dict):
+        raise ValueError("config.json must hold a JSON object")
     if "ssm_cfg" in d or "d_model" in d:
         return "mamba_ssm"
     if d.get("model_type") == "nemotron_h":
@@ -264,6 +400,13 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "rescale_prenorm_residual": False,
         "num_nextn_predict_layers": 0, "dtype": "float32",
     }
+
+
+def with_token_ids(config: dict, token_ids: dict) -> dict:
+    """A written config dict with the tokenizer's {"bos_token_id", "eos_token_id",
+    "pad_token_id"} (ids or None), where the layout has them: the HF layouts
+    (transformers' generate reads them); mamba_ssm's MambaConfig takes no such fields."""
+    return config if detect_format(config) == "mamba_ssm" else {**config, **token_ids}
 
 
 def config_dict(cfg: Mamba2Config, fmt: str) -> dict:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 
 from mamba_jax.config import Mamba2Config
+from mamba_jax.files import replace_text
 from mamba_jax.layers.registry import KINDS
 
 # Dense bf16 matmul peaks (vendor datasheets, FLOP/s) by device kind; float32 runs use the
@@ -49,7 +51,8 @@ def peak_memory_gib() -> float | None:
 
 
 class Progress:
-    """One status line, redrawn in place on a terminal, printed every 10% otherwise."""
+    """One status line, redrawn in place on a terminal, printed every 10% otherwise; a step
+    with an evaluation always gets a line of its own, kept on screen."""
 
     def __init__(self, total: int, first: int = 0):
         self.total, self.tty, self.last = total, sys.stderr.isatty(), -1
@@ -57,7 +60,8 @@ class Progress:
 
     def update(self, step: int, record: dict):
         parts = [f"loss {record['loss']:.3f}"]
-        if "eval_loss" in record:
+        evaluated = "eval_loss" in record
+        if evaluated:
             parts.append(f"eval {record['eval_loss']:.3f} (ppl {record['eval_ppl']:.1f})")
         parts.append(f"{record['tokens_per_s']:.0f} tok/s {record['step_time_s'] * 1e3:.0f} ms")
         if record.get("mfu") is not None:
@@ -70,17 +74,25 @@ class Progress:
             bar = "#" * int(30 * frac)
             print(f"\r{step:>6}/{self.total} [{bar:<30}] {text}", end="", file=sys.stderr,
                   flush=True)
-            if step == self.total:
+            if step == self.total or evaluated:
                 print(file=sys.stderr)
-        elif int(10 * frac) > self.last or step == self.total:
+        elif evaluated or int(10 * frac) > self.last or step == self.total:
             self.last = int(10 * frac)
             print(f"{step:>6}/{self.total} {text}", file=sys.stderr, flush=True)
 
 
 class MetricsWriter:
-    """Each step's record to a JSON-lines file and TensorBoard event files, as asked."""
+    """Each step's record to a JSON-lines file and TensorBoard event files, as asked.
 
-    def __init__(self, jsonl_path=None, tensorboard_dir=None):
+    resume_step: the run continues from a checkpoint of this step, so the records a killed
+    run wrote after it are superseded: the JSON-lines file keeps only the rows of steps up
+    to it (rewritten through a temporary file), and TensorBoard is told to drop the events
+    from the next step on (purge_step).
+    """
+
+    def __init__(self, jsonl_path=None, tensorboard_dir=None, resume_step: int | None = None):
+        if jsonl_path and resume_step is not None and Path(jsonl_path).is_file():
+            _keep_rows_up_to(Path(jsonl_path), resume_step)
         self.jsonl = open(jsonl_path, "a") if jsonl_path else None
         self.tensorboard = None
         if tensorboard_dir:
@@ -89,7 +101,8 @@ class MetricsWriter:
             except ImportError:
                 raise SystemExit("--tensorboard needs tensorboardX: pip install "
                                  "'mamba-jax[tensorboard]'") from None
-            self.tensorboard = SummaryWriter(str(tensorboard_dir))
+            self.tensorboard = SummaryWriter(
+                str(tensorboard_dir), purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, record: dict):
         if self.jsonl:
@@ -105,3 +118,17 @@ class MetricsWriter:
             self.jsonl.close()
         if self.tensorboard:
             self.tensorboard.close()
+
+
+def _keep_rows_up_to(path: Path, step: int):
+    """Rewrite the JSON-lines file `path` without the rows of steps after `step` (and
+    without a line a kill cut short)."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if row_step <= step:
+            kept.append(line + "\n")
+    replace_text(path, "".join(kept))

@@ -44,3 +44,25 @@ def load_tokenizer(spec):
         raise FileNotFoundError(f"tokenizer file {path} not found: pass --tokenizer "
                                 "PATH/tokenizer.json, or --tokenizer bytes for byte-level models")
     return Tokenizer.from_file(str(path))
+
+
+# The usual spellings of the special tokens, most common first: GPT-2 / GPT-NeoX (whose
+# <|endoftext|> begins and ends documents), Llama 3, SentencePiece models (<s>, </s>).
+SPECIAL_TOKENS = {"bos": ("<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>"),
+                  "eos": ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"),
+                  "pad": ("<|padding|>", "<pad>", "[PAD]")}
+
+
+def special_tokens(tokenizer) -> dict[str, tuple[str, int] | None]:
+    """{"bos", "eos", "pad"} -> (token, id) of the tokenizer's added token with a usual
+    spelling (SPECIAL_TOKENS), or None. Only added tokens count: the byte tokenizer has
+    none (its 256 ids are all bytes), and text that merely spells "</s>" is not one."""
+    added = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items()}
+    return {role: next(((t, added[t]) for t in spellings if t in added), None)
+            for role, spellings in SPECIAL_TOKENS.items()}
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    """{"bos_token_id", "eos_token_id", "pad_token_id"}: the ids of special_tokens."""
+    return {f"{role}_token_id": None if found is None else found[1]
+            for role, found in special_tokens(tokenizer).items()}

@@ -10,7 +10,11 @@ a mesh (`--mesh`, default: every device on dp); the step is a pure jitted functi
 (params, opt_state, batch) with the shardings in the arrays (mamba_jax.optim). Batch `s` is
 a pure function of (s, seed) (mamba_jax.data), so a checkpoint needs only the step to
 restore the data position. Checkpoints (mamba_jax.checkpoint) restore onto any mesh.
-SIGTERM / SIGINT save a checkpoint at the current step and exit cleanly.
+SIGTERM / SIGINT save a checkpoint at the current step and exit cleanly. A --checkpoint-dir
+is locked while a run uses it; --resume refuses one without a checkpoint (--resume-if-exists
+starts fresh there), and a resumed run supersedes what the interrupted one logged after its
+checkpoint. A save that fails (a full disk) stops the run with one line, the checkpoint
+before it intact. Mistakes in the input are one line and exit status 2 (mamba_jax.cli).
 Several processes (multi-host): pass --coordinator-address, --num-processes and
 --process-id (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) to each.
 """
@@ -21,6 +25,7 @@ import argparse
 import contextlib
 import json
 import math
+import shlex
 import signal
 import sys
 import time
@@ -36,9 +41,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
+from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import PRESETS, Mamba2Config
-from mamba_jax.convert import save_pretrained
-from mamba_jax.data import DEFAULT_CORPUS, TokenDataset
+from mamba_jax.convert import export
+from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, dataset_meta, dataset_tokenizer
+from mamba_jax.files import locked, replace_text
 from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
@@ -78,7 +85,8 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m mamba_jax.train",
-                                description="Train a Mamba2 language model.")
+                                description="Train a Mamba2 language model.",
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="a recipe (train/*.toml): flag values at the top level, Mamba2Config "
                         "overrides under [model]; flags on the command line win")
@@ -89,13 +97,14 @@ def build_parser():
                         "mamba2.ngroups=2 --set attention.num_heads=16")
     p.add_argument("--data", default=str(DEFAULT_CORPUS),
                    help="a dataset dir made by `python -m mamba_jax.data prepare`, or a UTF-8 "
-                        "text file (byte-level; default: the bundled corpus)")
+                        "text file (tokenized with --tokenizer; the bundled corpus by default)")
     p.add_argument("--no-cross-document-state", dest="cross_document_state",
                    action="store_false",
                    help="restart the conv and the SSM state at every document boundary of the "
                         "packed sequences (passes seq_idx to the scan)")
-    p.add_argument("--tokenizer", default="bytes",
-                   help="tokenizer.json path or 'bytes': saved with the exported model")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json path or 'bytes', saved with the exported model "
+                        "(default: the one --data was prepared with; bytes for a text file)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128)
@@ -123,8 +132,13 @@ def build_parser():
                    help="Orbax checkpoints of params, optimizer state and step go here")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in "
+                             "--checkpoint-dir (refused if it holds none)")
+    resume.add_argument("--resume-if-exists", action="store_true",
+                        help="as --resume, but start fresh when --checkpoint-dir holds no "
+                             "checkpoint (for jobs that a scheduler restarts)")
     p.add_argument("--out", "--export-hf", dest="out", default="runs/{preset}",
                    help="where the final weights go (HF layout + tokenizer.json); 'none' to "
                         "skip")
@@ -143,8 +157,9 @@ def build_parser():
     return p
 
 
-def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
-    """The command line over the --config recipe over the defaults -> (args, config)."""
+def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
+    """The command line over the --config recipe over the defaults -> (args, the
+    Mamba2Config fields that override the preset's)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     model_overrides = {}
@@ -164,12 +179,38 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "save_every", "eval_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    model_overrides = {**model_overrides, **parse_overrides(args.set)}
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"--lr={args.lr} must be a positive number (the peak learning rate)")
+    return args, {**model_overrides, **parse_overrides(args.set)}
+
+
+def model_config(preset: str, overrides: dict) -> Mamba2Config:
     try:
-        cfg = Mamba2Config.preset(args.preset, **model_overrides)
+        return Mamba2Config.preset(preset, **overrides)
     except (TypeError, ValueError) as error:
         raise SystemExit(str(error)) from None
-    return args, cfg
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
+    """The command line over the --config recipe over the defaults -> (args, config)."""
+    args, overrides = parse_command_line(argv)
+    return args, model_config(args.preset, overrides)
+
+
+def resolve_tokenizer(args) -> str:
+    """--tokenizer, else the tokenizer --data was prepared with (its meta.json), else
+    bytes (a text file). A --tokenizer other than the dataset's is refused, naming both."""
+    meta = dataset_meta(args.data)
+    if meta is None:
+        return args.tokenizer or "bytes"
+    prepared_with = dataset_tokenizer(args.data, meta)
+    if args.tokenizer is None:
+        return prepared_with
+    if load_tokenizer(args.tokenizer).to_str() != load_tokenizer(prepared_with).to_str():
+        raise SystemExit(f"--tokenizer {args.tokenizer} is not the tokenizer --data {args.data} "
+                         f"was prepared with ({prepared_with}); leave --tokenizer out to use "
+                         "the dataset's, or prepare the data with this one")
+    return args.tokenizer
 
 
 class _StopRequest:
@@ -204,8 +245,45 @@ def _batch_arrays(batch: dict, args, sharding) -> tuple:
         for n in _token_fields(args))
 
 
+def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
+    """The Checkpointer of --checkpoint-dir, with the directory's lock held on `held` (by
+    process 0), once the directory fits the resume flags: --resume needs a checkpoint
+    there, a fresh run needs none, and resumed checkpoints need this tokenizer."""
+    directory = Path(args.checkpoint_dir)
+    fresh_hint = ("start a new run without --resume, or pass --resume-if-exists to start "
+                  "fresh when there is no checkpoint")
+    if args.resume and not directory.is_dir():
+        raise SystemExit(f"--resume: --checkpoint-dir {directory} does not exist; check the "
+                         f"path, or {fresh_hint}")
+    if lead:
+        held.enter_context(locked(directory, "training run"))
+    ckpt = Checkpointer(directory, keep=args.keep)
+    held.callback(ckpt.close)  # on a refusal; the training loop closes it first otherwise
+    steps = ckpt.steps()
+    if args.resume and not steps:
+        raise SystemExit(f"--resume: --checkpoint-dir {directory} holds no checkpoint; check "
+                         f"the path, or {fresh_hint}")
+    if steps and not (args.resume or args.resume_if_exists):
+        raise SystemExit(f"--checkpoint-dir {directory} already holds checkpoints (steps "
+                         f"{steps}): pass --resume to continue, or choose another directory")
+    copy = directory / "tokenizer.json"
+    if steps and copy.is_file() and load_tokenizer(copy).to_str() != tokenizer.to_str():
+        raise SystemExit(f"the checkpoints in {directory} were trained with another tokenizer "
+                         f"({copy}) than {args.tokenizer}; pass that one with --tokenizer")
+    if lead:
+        tokenizer.save(str(copy))
+    return ckpt
+
+
+@command("python -m mamba_jax.train")
 def main(argv=None):
-    args, cfg = parse_args(argv)
+    with contextlib.ExitStack() as held:  # the --checkpoint-dir lock, to the end
+        _train(argv, held)
+
+
+def _train(argv, held: contextlib.ExitStack):
+    """main's run; `held` keeps the --checkpoint-dir lock until main returns."""
+    args, overrides = parse_command_line(argv)
     parallel.initialize_distributed(args.coordinator_address, args.num_processes,
                                     args.process_id)
     lead = jax.process_index() == 0  # the process that prints, logs and exports
@@ -213,14 +291,21 @@ def main(argv=None):
     if args.batch_size % (n_proc * args.grad_accum):
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by processes x "
                          f"--grad-accum = {n_proc} x {args.grad_accum}")
-    if args.resume and not args.checkpoint_dir:
+    if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
+    args.tokenizer = resolve_tokenizer(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    cfg = model_config(args.preset, overrides)
+    if tokenizer.get_vocab_size() > cfg.vocab_size and "vocab_size" not in overrides:
+        if lead:
+            print(f"vocab_size {tokenizer.get_vocab_size()}: the tokenizer's ({args.tokenizer}); "
+                  f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
+        cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
     if args.out.lower() != "none":
         try:  # the export's layout must fit the model: say so now, not after training
             config_dict(cfg, export_format(cfg, "hf"))
         except ValueError as error:
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
-    tokenizer = load_tokenizer(args.tokenizer)
     # Refuses bad data before any compute.
     dataset = TokenDataset.load(args.data, cfg.vocab_size, tokenizer)
     dtype = jnp.dtype(args.dtype)
@@ -231,6 +316,17 @@ def main(argv=None):
                               loss_chunk=args.loss_chunk)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+    # Each evaluation needs a window per data shard: with fewer held-out windows, say so
+    # now and train without it rather than fail at the first evaluation.
+    evaluating = dataset.eval_windows(args.seq_len) >= n_shards
+    if not evaluating and lead:
+        print(f"--data {dataset.name}: the held-out split has "
+              f"{dataset.eval_windows(args.seq_len)} windows of --seq-len {args.seq_len} + 1 "
+              f"tokens, fewer than the {n_shards} data shards, so this run does not evaluate "
+              "(prepare more documents or a larger --eval-fraction to evaluate)",
+              file=sys.stderr)
+    ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
 
     # Parameters are created in place, already sharded: no device holds the whole model
     # first, and every process builds the same values from the seed.
@@ -242,17 +338,11 @@ def main(argv=None):
     tx, lr_at = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
                                args.clip, args.schedule)
     opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
-    effective = {"model": cfg.to_dict(), "train": {k: v for k, v in vars(args).items()
-                                                   if k not in ("set", "resume")}}
+    effective = {"model": cfg.to_dict(), "train": {
+        k: v for k, v in vars(args).items() if k not in ("set", "resume", "resume_if_exists")}}
 
-    start, ckpt = 0, None
-    if args.checkpoint_dir:
-        ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep)
-        if ckpt.steps() and not args.resume:
-            raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints "
-                             f"(steps {ckpt.steps()}): pass --resume to continue, or choose "
-                             "another directory")
-
+    start = 0
+    if ckpt:
         def same_model(step, meta):
             if Mamba2Config.from_dict(meta["config"]["model"]) != cfg:
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
@@ -268,8 +358,8 @@ def main(argv=None):
             start, state, _ = restored
             params, opt_state = state["params"], state["opt_state"]
         if lead:
-            Path(args.checkpoint_dir, "train_config.json").write_text(
-                json.dumps(effective, indent=2) + "\n")
+            replace_text(Path(args.checkpoint_dir, "train_config.json"),
+                         json.dumps(effective, indent=2) + "\n")
 
     loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=args.remat,
                                     sequence_parallel=args.sequence_parallel,
@@ -278,7 +368,6 @@ def main(argv=None):
     train_step = make_train_step(loss_fn, tx)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
     rows = NamedSharding(mesh, parallel.TOKENS)
-    n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
 
     def evaluate(params):
         losses = []
@@ -299,7 +388,10 @@ def main(argv=None):
               file=sys.stderr)
     flops = train_flops_per_token(cfg, args.seq_len)
     peak = peak_flops(args.dtype)
-    metrics = MetricsWriter(args.metrics_file, args.tensorboard) if lead else MetricsWriter()
+    # A resumed run supersedes what a killed one logged after its checkpoint.
+    resumed_from = start if args.resume or args.resume_if_exists else None
+    metrics = (MetricsWriter(args.metrics_file, args.tensorboard, resumed_from) if lead
+               else MetricsWriter())
     progress = Progress(args.steps, first=start)
     step = start
     with _StopRequest() as stop, contextlib.ExitStack() as cleanup:
@@ -325,15 +417,18 @@ def main(argv=None):
                       "tokens_per_s": tokens_per_s,
                       "mfu": None if peak is None else flops * tokens_per_s / peak,
                       "peak_memory_gib": peak_memory_gib()}
-            if step % args.eval_every == 0 or step == args.steps:
+            if ckpt:
+                ckpt.check()  # a save that failed in the background stops the run now
+                # Saved before evaluating: the checkpoint never waits on an evaluation.
+                if step % args.save_every == 0 or step == args.steps or stop.signal:
+                    ckpt.save(step, {"params": params, "opt_state": opt_state},
+                              {"step": step, "config": effective})
+            if evaluating and (step % args.eval_every == 0 or step == args.steps):
                 record["eval_loss"] = evaluate(params)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
             metrics.write(record)
             if lead:
                 progress.update(step, record)
-            if ckpt and (step % args.save_every == 0 or step == args.steps or stop.signal):
-                ckpt.save(step, {"params": params, "opt_state": opt_state},
-                          {"step": step, "config": effective})
     if stop.signal:
         if lead:
             print(f"{stop.signal}: stopped after step {step}"
@@ -346,11 +441,11 @@ def main(argv=None):
         if n_proc > 1:
             params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
         if lead:
-            save_pretrained(nnx.merge(graphdef, params), out, format="hf")
-            tokenizer.save(str(Path(out) / "tokenizer.json"))
-            Path(out, "train_config.json").write_text(json.dumps(effective, indent=2) + "\n")
-            print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint {out} "
-                  "--prompt 'This License'", file=sys.stderr)
+            export(nnx.merge(graphdef, params), out, tokenizer)
+            replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
+            print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint "
+                  f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
+import errno
+import io
+import os
 import shutil
+import time
 
 import jax
 import pytest
@@ -6,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax.checkpoint import Checkpointer, abstract_like
+from mamba_jax.checkpoint import CheckpointSaveError, Checkpointer, abstract_like
 
 
 def state(seed):
@@ -76,3 +80,62 @@ def test_restore_onto_another_mesh(tmp_path):
     _, restored, _ = ckpt.restore_latest(abstract_like(one, sharded))
     assert restored["params"]["w"].sharding == sharded["params"]["w"]
     assert_same(restored, one)
+
+
+def _truncate_array_data(step_dir):
+    """Cut every array data file of a checkpoint's state to half its size."""
+    for data in step_dir.glob("state/**/d/*"):
+        os.truncate(data, data.stat().st_size // 2)
+
+
+def test_an_unreadable_newest_checkpoint_is_set_aside_and_its_step_saved_again(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=3)
+    ckpt.save(1, state(1), {"data_step": 1})
+    ckpt.save(2, state(2), {"data_step": 2})
+    ckpt.close()
+    _truncate_array_data(tmp_path / "2")
+    log = io.StringIO()
+    ckpt = Checkpointer(tmp_path)
+    step, restored, _ = ckpt.restore_latest(abstract_like(state(0)), log=log)
+    assert step == 1
+    assert_same(restored, state(1))
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("2.corrupt-")]
+    assert len(aside) == 1 and (aside[0] / "state").is_dir()  # kept, not deleted
+    assert f"checkpoint 2 set aside as {aside[0]}" in log.getvalue()
+    assert ckpt.steps() == [1]
+    ckpt.save(2, state(22), {"data_step": 2})  # the resumed run reaches step 2 again
+    ckpt.close()
+    step, restored, _ = Checkpointer(tmp_path).restore_latest(abstract_like(state(0)))
+    assert step == 2
+    assert_same(restored, state(22))
+
+
+def test_a_save_that_fails_is_one_error_and_keeps_the_previous_checkpoint(
+        tmp_path, monkeypatch, caplog):
+    from orbax.checkpoint._src.serialization import serialization
+
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, state(1), {})
+    ckpt.wait()
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full)
+    ckpt.save(2, state(2), {})  # the arrays are written in the background
+    deadline = time.monotonic() + 30
+    with pytest.raises(CheckpointSaveError) as failed:
+        while time.monotonic() < deadline:
+            ckpt.check()
+            time.sleep(0.01)
+    message = str(failed.value)
+    assert "checkpoint 2 could not be written" in message and "No space left" in message
+    assert "the newest complete checkpoint is step 1, untouched" in message
+    assert len(message.splitlines()) == 1
+    ckpt.close()  # the failure was reported once: closing does not raise it again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # no partial directory
+    assert not [r for r in caplog.records if r.exc_info]  # Orbax's tracebacks held back
+    monkeypatch.undo()
+    step, restored, _ = Checkpointer(tmp_path).restore_latest(abstract_like(state(0)))
+    assert step == 1
+    assert_same(restored, state(1))

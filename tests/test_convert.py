@@ -3,6 +3,7 @@ tests/fixtures/make_hf_fixtures.py) give the same logits and greedy tokens here;
 checkpoints round-trip through both layouts."""
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -148,3 +149,100 @@ def test_convert_cli_writes_the_other_layout(tmp_path):
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+def _shard(tmp_path, first_keys, overlap):
+    """The untied fixture as two shards and an index; `overlap` (None: no tensor) is in
+    both shards."""
+    tensors = load_file(FIXTURES / "hf_ngroups1_untied" / "model.safetensors")
+    shutil.copy(FIXTURES / "hf_ngroups1_untied" / "config.json", tmp_path)
+    first = {k: v for k, v in tensors.items() if k in first_keys or k == overlap}
+    second = {k: v for k, v in tensors.items() if k not in first_keys}
+    save_file(first, tmp_path / "model-1.safetensors")
+    save_file(second, tmp_path / "model-2.safetensors")
+    weight_map = {**{k: "model-1.safetensors" for k in first},
+                  **{k: "model-2.safetensors" for k in second}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": weight_map}))
+
+
+def test_two_shards_holding_one_tensor_are_refused(tmp_path):
+    _shard(tmp_path, {"lm_head.weight"}, overlap=None)
+    mamba_jax.from_pretrained(tmp_path)  # disjoint shards load
+    _shard(tmp_path, {"lm_head.weight"}, overlap="backbone.norm_f.weight")
+    with pytest.raises(ValueError, match=r"'backbone.norm_f.weight' is in two shards, "
+                                         r"model-1.safetensors and model-2.safetensors"):
+        mamba_jax.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["../elsewhere/model-1.safetensors", "absolute"])
+def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, where):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _shard(ckpt, {"lm_head.weight"}, overlap=None)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.move(ckpt / "model-1.safetensors", tmp_path / "elsewhere")
+    outside = where if where != "absolute" else str(tmp_path / "elsewhere" /
+                                                    "model-1.safetensors")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = outside
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"shard '{outside}' is not a file inside {ckpt}"):
+        mamba_jax.from_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("field,value,must", [
+    ("num_hidden_layers", 10**6, r"num_hidden_layers=1000000 must be an integer in \[1, 1024\]"),
+    ("hidden_size", "32", r'hidden_size="32" must be an integer'),
+    ("vocab_size", True, "vocab_size=true must be an integer"),
+    ("state_size", 1.5, "state_size=1.5 must be an integer"),
+    ("time_step_min", "0.001", 'time_step_min="0.001" must be a finite number'),
+    ("use_conv_bias", "yes", 'use_conv_bias="yes" must be true or false'),
+    ("time_step_limit", "none", r'time_step_limit="none" must be a pair \[low, high\]'),
+])
+def test_config_fields_of_the_wrong_type_or_size_are_named(tmp_path, field, value, must):
+    config = json.loads((FIXTURES / "hf_ngroups1_tied" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"config.json: {must}"):
+        load_config(tmp_path)
+
+
+def test_config_files_that_are_not_a_config_are_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json: Expecting property name"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"d_model": 64, "n_layer": 2,
+                                                      "vocab_size": 100,
+                                                      "ssm_cfg": {"layer": "Mamba2",
+                                                                  "d_sate": 16}}))
+    with pytest.raises(ValueError, match=r"ssm_cfg has fields we do not support: \['d_sate'\]"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nemotron_h",
+                                                      "hidden_size": 64, "vocab_size": 100,
+                                                      "hybrid_override_pattern": "M" * 2000}))
+    with pytest.raises(ValueError, match="hybrid_override_pattern=.* must be a string of at "
+                                         "most 1024 characters"):
+        load_config(tmp_path)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path, capsys):
+    from mamba_jax.convert import main
+
+    _copy_fixture(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{weights}: cannot be read .*truncated or corrupt"):
+        mamba_jax.from_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        main([str(tmp_path), str(tmp_path / "out"), "--to", "mamba_ssm"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
+
+
+def test_the_hint_for_pytorch_bin_without_torch_loads_weights_only(tmp_path, monkeypatch):
+    shutil.copy(FIXTURES / "hf_ngroups1_tied" / "config.json", tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"torch.load\('pytorch_model.bin', "
+                                          r"map_location='cpu', weights_only=True\)"):
+        mamba_jax.from_pretrained(tmp_path)

@@ -1,9 +1,16 @@
+import io
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from bpe import EOS_ID, bpe_tokenizer
 from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, main, prepare
+from mamba_jax.files import locked
 from mamba_jax.tokenizer import byte_tokenizer
 
 
@@ -102,3 +109,98 @@ def test_byte_tokenizer_round_trips_any_text():
     text = "naïve — 数据\n\tend "
     assert tok.encode(text).ids == list(text.encode("utf-8"))
     assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_prepare_refuses_to_replace_a_dataset_without_overwrite(corpus, tmp_path, capsys):
+    out = tmp_path / "ds"
+    prepare([corpus / "a.txt"], "bytes", out, eval_fraction=0.0)
+    before = {name: (out / name).read_bytes() for name in ("tokens.bin", "docs.npy",
+                                                           "meta.json")}
+    with pytest.raises(SystemExit) as refused:
+        main(["prepare", str(corpus / "b.jsonl"), "--tokenizer", "bytes", "--out", str(out)])
+    assert refused.value.code == 2
+    assert "already holds a dataset" in str(refused.value) and "--overwrite" in str(
+        refused.value)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    main(["prepare", str(corpus / "b.jsonl"), "--tokenizer", "bytes", "--out", str(out),
+          "--overwrite"])
+    assert json.loads((out / "meta.json").read_text())["n_docs"] == 12
+    assert "in 12 documents" in capsys.readouterr().out
+
+
+def test_two_prepares_into_one_directory_are_refused(corpus, tmp_path):
+    with locked(tmp_path / "ds", "prepare"):
+        with pytest.raises(BlockingIOError, match=r"ds is in use by another prepare"):
+            prepare([corpus / "a.txt"], "bytes", tmp_path / "ds")
+
+
+@pytest.mark.subprocess
+def test_the_working_files_of_a_killed_prepare_are_removed_by_the_next(corpus, tmp_path):
+    out = tmp_path / "ds"
+    # The prepare kills itself (SIGKILL) as it starts tokenizing: its shards are on disk.
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys, mamba_jax.data as data\n"
+        "data._tokenize_file = lambda job: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "data.main(sys.argv[1:])"), "prepare", str(corpus / "a.txt"), "--tokenizer", "bytes",
+        "--out", str(out), "--workers", "1"], env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert killed.returncode == -signal.SIGKILL
+    left = [p for p in out.iterdir() if p.is_dir()]
+    assert left  # what the kill left behind
+    log = io.StringIO()
+    prepare([corpus / "a.txt"], "bytes", out, eval_fraction=0.0, log=log)
+    assert [p for p in out.iterdir() if p.is_dir()] == []
+    assert f"removed {left[0]}" in log.getvalue()
+
+
+def test_prepare_ends_each_document_with_the_tokenizers_end_of_text(corpus, tmp_path):
+    tokenizer = bpe_tokenizer(tmp_path / "tokenizer.json")
+    texts = [f"doc {i} " + "x" * i for i in range(12)]
+    meta = prepare([corpus / "b.jsonl"], tmp_path / "tokenizer.json", tmp_path / "ds",
+                   eval_fraction=0.0)
+    assert (meta["eod_token"], meta["eod_id"]) == ("<|endoftext|>", EOS_ID)
+    tokens = np.memmap(tmp_path / "ds" / "tokens.bin", dtype=meta["dtype"], mode="r")
+    starts = np.load(tmp_path / "ds" / "docs.npy")
+    for i, text in enumerate(texts):
+        assert tokens[starts[i]:starts[i + 1]].tolist() == tokenizer.encode(text).ids + [EOS_ID]
+    # The dataset keeps its tokenizer: moving the original away loses nothing.
+    assert (tmp_path / "ds" / "tokenizer.json").read_text() == (
+        tmp_path / "tokenizer.json").read_text()
+    off = prepare([corpus / "b.jsonl"], tmp_path / "tokenizer.json", tmp_path / "off",
+                  eval_fraction=0.0, append_eod=False)
+    assert off["eod_id"] is None and off["n_tokens"] == meta["n_tokens"] - 12
+    log = io.StringIO()
+    byte_level = prepare([corpus / "b.jsonl"], "bytes", tmp_path / "bytes", log=log)
+    assert byte_level["eod_id"] is None and "has no end-of-document token" in log.getvalue()
+
+
+def test_prepare_progress_writes_no_carriage_returns_into_a_log_file(tmp_path):
+    files = []
+    for i in range(25):
+        files.append(tmp_path / f"{i}.txt")
+        files[-1].write_text(f"file {i}\n")
+    log = io.StringIO()  # not a terminal, as a redirected stderr
+    prepare(files, "bytes", tmp_path / "ds", workers=1, log=log)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert lines[-1] == "prepare: 25/25 files tokenized" and len(lines) <= 11
+
+
+def test_data_errors_name_the_input_and_the_fix(corpus, tmp_path):
+    absent = tmp_path / "absent"
+    with pytest.raises(FileNotFoundError) as missing:
+        TokenDataset.load(absent, vocab_size=256)
+    assert "no such file or directory" in str(missing.value)
+    assert f"--out {absent}" not in str(missing.value)  # no prepare into the missing path
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"plain is a directory but not a prepared "
+                                                r"dataset \(it has no meta.json\)"):
+        TokenDataset.load(tmp_path / "plain", vocab_size=256)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--data .*latin1.txt is not UTF-8 text \(byte 0xe9"):
+        TokenDataset.load(tmp_path / "latin1.txt", vocab_size=256)
+    with pytest.raises(ValueError, match=r"latin1.txt is not UTF-8 text \(byte 0xe9"):
+        prepare([tmp_path / "latin1.txt"], "bytes", tmp_path / "ds0", workers=1)
+    prepare([corpus / "a.txt"], "bytes", tmp_path / "ds", eval_fraction=0.0)
+    with pytest.raises(ValueError, match=r"token id 119 >= the model's vocab_size=100; pass "
+                                         r"--set vocab_size=256"):
+        TokenDataset.load(tmp_path / "ds", vocab_size=100)

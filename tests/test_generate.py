@@ -174,7 +174,7 @@ def test_auto_takes_the_step_kernels_on_a_gpu_only():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
-    (dict(top_k=0), "top_k=0"), (dict(top_p=1.5), "top_p=1.5"),
+    (dict(top_k=-1), "top_k=-1"), (dict(top_p=1.5), "top_p=1.5"),
     (dict(prompt_lengths=[4]), "prompt_lengths=\\[4\\]"),
     (dict(temperature=[1.0, 1.0]), "temperature has shape \\(2,\\)"),
     (dict(ssm_state_dtype="float16"), "ssm_state_dtype='float16'"),
@@ -192,7 +192,7 @@ def test_generate_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys):
     byte_model = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16),
                           rngs=nnx.Rngs(0))
     mamba_jax.save_pretrained(byte_model, tmp_path)
-    with pytest.raises(FileNotFoundError, match="--tokenizer bytes"):
+    with pytest.raises(SystemExit, match="--tokenizer bytes"):
         main(["--checkpoint", str(tmp_path), "--prompt", "Hi"])
     byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
     main(["--checkpoint", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "5"])
@@ -204,3 +204,43 @@ def test_generate_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys):
           "--ssm-state-dtype", "bfloat16", "--step-implementation", "triton"])
     expected = mamba_jax.generate(byte_model, jnp.asarray([list(b"Hello")]), 5, **options)
     assert capsys.readouterr().out == byte_tokenizer().decode(expected[0].tolist()) + "\n"
+
+
+@pytest.fixture(scope="module")
+def byte_checkpoint(tmp_path_factory):
+    """A tiny byte-level model dir and the model in it."""
+    from mamba_jax.tokenizer import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("bytes")
+    byte_model = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16),
+                          rngs=nnx.Rngs(0))
+    mamba_jax.save_pretrained(byte_model, path)
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.mark.parametrize("flags,refusal", [
+    (["--max-new-tokens", "1000000000"], r"max_new_tokens=1000000000 must be in \[1, 1048576\]"),
+    (["--temperature", "nan"], r"temperature=nan must be a finite number >= 0"),
+    (["--temperature", "inf"], r"temperature=inf must be a finite number >= 0"),
+    (["--top-k", "99999999999"], r"top_k=99999999999 does not fit int32"),
+])
+def test_generate_cli_refuses_what_it_cannot_run_in_one_line(byte_checkpoint, flags, refusal,
+                                                             capsys):
+    from mamba_jax.generate.__main__ import main
+
+    with pytest.raises(SystemExit, match=refusal) as refused:
+        main(["--checkpoint", str(byte_checkpoint), "--prompt", "Hi", *flags])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_top_k_0_is_off_as_documented(byte_checkpoint, capsys):
+    from mamba_jax.generate.__main__ import main
+
+    sampled = ["--checkpoint", str(byte_checkpoint), "--prompt", "Hello", "--max-new-tokens",
+               "8", "--temperature", "1.5", "--seed", "3"]
+    main(sampled)
+    without = capsys.readouterr().out
+    main([*sampled, "--top-k", "0"])
+    assert capsys.readouterr().out == without

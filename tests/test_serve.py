@@ -1,7 +1,9 @@
 """The generation server, started for real on 127.0.0.1 and driven by aiohttp's client."""
 
 import asyncio
+import dataclasses
 import json
+import logging
 import statistics
 import threading
 import time
@@ -249,3 +251,211 @@ def test_the_engine_decodes_with_the_servers_decode_options(model, monkeypatch):
     assert len(calls) == 1 and options.items() <= calls[0].items()
     want = mamba_jax.generate(model, np.asarray([list(b"Hello")]), 6, **options)
     assert (new, reason) == (np.asarray(want)[0, 5:].tolist(), "length")
+
+
+def test_a_top_p_that_is_zero_in_float32_is_a_400_and_the_request_beside_it_is_answered(url):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(
+                complete(s, url, prompt="bad", max_tokens=4, temperature=1.0, top_p=1e-300),
+                complete(s, url, prompt="good", max_tokens=4, temperature=0))
+
+    (bad_status, bad), (good_status, good) = run(go())
+    assert bad_status == 400 and bad["error"]["field"] == "top_p"
+    assert good_status == 200 and good["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path,body,content_type,field", [
+    ("/v1/completions", b'{"prompt": "hi"}', "application/json; charset=bogus",
+     "Content-Type"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, "application/json", "body"),
+    ("/v1/completions", b'{"prompt": "\xff"}', "application/json", "body"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}",
+     "application/json", "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+     "application/json", "body"),  # over Python's 4300-digit limit for integers
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "application/json",
+     "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e39}', "application/json",
+     "temperature"),  # inf in float32
+    ("/api", b'{"prompts": ["hi"], "top_p": Infinity}', "application/json", "top_p"),
+])
+def test_bodies_that_are_not_plain_json_or_finite_numbers_are_400s(url, path, body,
+                                                                   content_type, field):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            method = s.put if path == "/api" else s.post
+            async with method(url + path, data=body,
+                              headers={"Content-Type": content_type}) as r:
+                return r.status, await r.json()
+
+    status, error = run(go())
+    assert (status, error["error"]["field"]) == (400, field)
+
+
+def test_a_negative_temperature_is_a_400_on_both_endpoints(url):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            completion = await complete(s, url, prompt="hi", temperature=-0.5)
+            async with s.put(url + "/api", json={"prompts": ["hi"],
+                                                 "temperature": -0.5}) as r:
+                return completion, (r.status, await r.json())
+
+    for status, error in run(go()):
+        assert status == 400 and error["error"]["field"] == "temperature"
+        assert "temperature=-0.5 must be a finite number >= 0" in error["error"]["message"]
+
+
+def test_one_failing_prompt_fails_only_its_own_request(model, monkeypatch):
+    """Should a batch fail, each prompt runs again alone: only the one at fault fails."""
+    import mamba_jax.serve as serve
+
+    def generate_failing_at_temperature_half(model, ids, t, temperatures, *args, **kwargs):
+        if 0.5 in temperatures:
+            raise ValueError("a setting the model cannot run")
+        return mamba_jax.generate(model, ids, t, temperatures, *args, **kwargs)
+
+    monkeypatch.setattr(serve, "generate", generate_failing_at_temperature_half)
+
+    async def go():
+        engine = serve.Engine(model, byte_tokenizer(), LIMITS)
+        loop = asyncio.get_running_loop()
+        good, bad = (serve._Row(list(b"Hello"), 6, temperature, 0, 1.0, loop.create_future())
+                     for temperature in (0.0, 0.5))
+        await engine._generate(loop, [good, bad])
+        return await good.future, bad.future.exception()
+
+    (new, reason), error = run(go())
+    want = mamba_jax.generate(model, np.asarray([list(b"Hello")]), 6)
+    assert (new, reason) == (np.asarray(want)[0, 5:].tolist(), "length")
+    assert str(error) == "a setting the model cannot run"
+
+
+class _HeldGenerate:
+    """A stand-in for generate whose first call holds until `release` is set (a long
+    batch); it records each call's per-row token limits (its filler rows have 1)."""
+
+    def __init__(self):
+        self.release, self.calls = threading.Event(), []
+
+    def __call__(self, model, ids, t, *args, max_new_tokens_per_row, **kwargs):
+        self.calls.append([n for n in max_new_tokens_per_row if n > 1])
+        if len(self.calls) == 1:
+            self.release.wait(30)
+        return np.zeros((ids.shape[0], ids.shape[1] + t), np.int32)
+
+
+async def _until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _server_with(generate, model, limits, monkeypatch):
+    """A server whose batches run `generate`, run as web.run_app runs it: (its runner, its
+    URL, its engine)."""
+    import mamba_jax.serve as serve
+
+    monkeypatch.setattr(serve, "generate", generate)
+    app = make_app(model, byte_tokenizer(), limits)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", app[serve.ENGINE]
+
+
+async def _held_server(model, limits, monkeypatch):
+    """A server whose first batch holds (see _HeldGenerate): (runner, URL, engine, held)."""
+    held = _HeldGenerate()
+    return *await _server_with(held, model, limits, monkeypatch), held
+
+
+def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="mamba_jax.serve")
+
+    async def go():
+        runner, url, engine, held = await _held_server(model, LIMITS, monkeypatch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
+                                                     temperature=0))
+                await _until(lambda: held.calls)  # the first batch is decoding
+                async with aiohttp.ClientSession() as leaver:
+                    leaving = asyncio.create_task(complete(
+                        leaver, url, prompt=["left behind"] * 10, max_tokens=5, temperature=0))
+                    await _until(lambda: engine.pending.qsize() == 10)
+                    leaving.cancel()  # the client hangs up while its prompts wait
+                await _until(lambda: "client" in caplog.text)
+                held.release.set()
+                assert (await first)[0] == 200
+                after = await complete(s, url, prompt="after", max_tokens=4, temperature=0)
+            return after, held.calls, engine.queued_tokens
+        finally:
+            held.release.set()
+            await runner.cleanup()
+
+    (status, _), calls, queued = run(go())
+    assert status == 200
+    assert calls == [[3], [4]]  # the 10 prompts of the client that left never ran
+    assert queued == 0
+    dropped = [r.getMessage() for r in caplog.records if r.name == "mamba_jax.serve"]
+    assert len(dropped) == 1 and "10 queued prompt(s) dropped" in dropped[0]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
+    limits = dataclasses.replace(LIMITS, max_prompts=4, max_queued_tokens=40)
+
+    async def go():
+        runner, url, engine, held = await _held_server(model, limits, monkeypatch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
+                                                     temperature=0))
+                await _until(lambda: held.calls)
+                many = await complete(s, url, prompt=["a"] * 5, max_tokens=2)
+                alone_too_big = await complete(s, url, prompt=["aaaaaaaaaa"] * 3,
+                                               max_tokens=10)
+                queued = asyncio.create_task(complete(s, url, prompt=["five!"] * 2,
+                                                      max_tokens=10))  # 30 tokens
+                await _until(lambda: engine.queued_tokens == 30)
+                async with s.post(url + "/v1/completions",
+                                  json={"prompt": "five!", "max_tokens": 10}) as r:
+                    busy = r.status, await r.json(), r.headers.get("Retry-After")
+                held.release.set()
+                return many, alone_too_big, busy, (await first)[0], (await queued)[0]
+        finally:
+            held.release.set()
+            await runner.cleanup()
+
+    many, alone_too_big, busy, first, queued = run(go())
+    assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]
+    assert alone_too_big[0] == 400 and "needs 60 prompt and new tokens" in \
+        alone_too_big[1]["error"]["message"]
+    assert busy[0] == 503 and busy[2] == "1" and "busy" in busy[1]["error"]["message"]
+    assert (first, queued) == (200, 200)
+
+
+def test_a_failed_generation_is_a_500_naming_it_and_a_stream_ends_with_done(model, monkeypatch):
+    def failing(*args, **kwargs):
+        raise RuntimeError("the device is gone")
+
+    async def go():
+        runner, url, _ = await _server_with(failing, model, LIMITS, monkeypatch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                plain = await complete(s, url, prompt="hi", max_tokens=4)
+                async with s.post(url + "/v1/completions", json={
+                        "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+                    events = [line.decode().removeprefix("data: ").strip()
+                              async for line in r.content if line.strip()]
+            return plain, events
+        finally:
+            await runner.cleanup()
+
+    (status, body), events = run(go())
+    assert status == 500
+    assert body["error"]["message"] == "generation failed: RuntimeError: the device is gone"
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == body["error"]["message"]

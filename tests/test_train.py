@@ -1,4 +1,5 @@
 import json
+import struct
 
 import jax
 import numpy as np
@@ -7,6 +8,7 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
+from mamba_jax.metrics import MetricsWriter, Progress
 from mamba_jax.model import param_name
 from mamba_jax.optim import make_schedule, weight_decay_mask
 from mamba_jax.tokenizer import load_tokenizer
@@ -52,9 +54,11 @@ def test_bad_overrides_are_named(arg, match):
         parse_overrides([arg])
 
 
-def test_missing_data_file_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m mamba_jax.data prepare"):
+def test_missing_data_file_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="python -m mamba_jax.data prepare") as refused:
         main(["--data", str(tmp_path / "absent"), "--steps", "1"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (f"python -m mamba_jax.train: {refused.value}\n")
 
 
 def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
@@ -127,3 +131,74 @@ def test_model_flops_count_each_layer_kind_by_its_own_weights():
     mamba_layer = (train_flops_per_token(mamba, seq_len) - train_flops_per_token(two, seq_len)) / 3
     expected = train_flops_per_token(mamba, seq_len) + 3 * (attention + mlp - 2 * mamba_layer)
     np.testing.assert_allclose(train_flops_per_token(hybrid, seq_len), expected, rtol=1e-12)
+
+
+def tensorboard_events(directory):
+    """Every event of the TensorBoard event files in directory, file by file."""
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for file in sorted(directory.glob("events.out.tfevents.*")):
+        data, i = file.read_bytes(), 0
+        while i < len(data):  # TFRecords: length (8 bytes), its CRC (4), data, its CRC (4)
+            (length,) = struct.unpack("<Q", data[i:i + 8])
+            events.append(event_pb2.Event.FromString(data[i + 12:i + 12 + length]))
+            i += 12 + length + 4
+    return events
+
+
+def test_metrics_of_a_resumed_run_supersede_what_the_killed_run_logged_after_it(tmp_path):
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    jsonl, tb = tmp_path / "m.jsonl", tmp_path / "tb"
+    killed = MetricsWriter(jsonl, tb)
+    for step in range(1, 6):
+        killed.write({"step": step, "loss": 1.0})
+    killed.close()
+    with open(jsonl, "a") as f:
+        f.write('{"step": 6, "lo')  # the line a kill cut short
+    resumed = MetricsWriter(jsonl, tb, resume_step=3)
+    for step in range(4, 6):
+        resumed.write({"step": step, "loss": 2.0})
+    resumed.close()
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0),
+                                                        (5, 2.0)]
+    # TensorBoard drops the older events from the step of a SessionLog START on.
+    starts = [e.step for e in tensorboard_events(tb)
+              if e.HasField("session_log") and e.session_log.status == SessionLog.START]
+    assert starts == [4]
+
+
+def test_every_evaluation_prints_a_line(capsys):
+    progress = Progress(40)  # not a terminal here: a line every 10% of the steps
+    for step in range(1, 41):
+        record = {"loss": 2.0, "tokens_per_s": 1000.0, "step_time_s": 0.01}
+        if step % 3 == 0:
+            record.update(eval_loss=1.5, eval_ppl=4.5)
+        progress.update(step, record)
+    lines = capsys.readouterr().err.splitlines()
+    evaluated = [int(line.split("/")[0]) for line in lines if "eval 1.500" in line]
+    assert evaluated == list(range(3, 40, 3))
+
+
+def test_the_learning_rate_must_be_positive():
+    for lr in ("0", "-1e-3", "nan", "inf"):
+        with pytest.raises(SystemExit, match=f"--lr={float(lr)} must be a positive number"):
+            parse_args([f"--lr={lr}"])
+
+
+@pytest.mark.parametrize("module,argv,default", [
+    ("mamba_jax.train", [], "(default: 300)"),
+    ("mamba_jax.data", ["prepare"], "(default: 0.01)"),
+    ("mamba_jax.generate.__main__", [], "(default: 64)"),
+    ("mamba_jax.serve", [], "(default: 6000)"),
+    ("mamba_jax.convert", [], "(default: the newest)"),
+])
+def test_the_help_of_every_command_shows_the_defaults(module, argv, default, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(module).main([*argv, "--help"])
+    assert done.value.code == 0
+    assert default in capsys.readouterr().out

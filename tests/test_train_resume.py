@@ -5,6 +5,7 @@ Runs are tiny (1 layer, d_model 64, batch 8 x 32) on the 8 fake CPU devices of c
 the ones that must be killed or need another device count run as subprocesses.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -16,8 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
-from mamba_jax.data import prepare
+import mamba_jax
+from bpe import EOS_ID, PAD_ID, VOCAB, bpe_tokenizer
+from mamba_jax.data import DEFAULT_CORPUS, prepare
+from mamba_jax.files import locked
+from mamba_jax.generate import load_for_generation
+from mamba_jax.tokenizer import load_tokenizer
 from mamba_jax.train import main
 
 ROOT = Path(__file__).parents[1]
@@ -144,3 +151,131 @@ def test_prepared_data_with_document_boundaries_and_tensorboard(tmp_path):
     assert losses(tmp_path / "packed")[0] != losses(tmp_path / "docs")[0]
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_a_dataset_without_held_out_windows_trains_without_evaluation_then_saves_and_exports(
+        tmp_path, capsys):
+    (tmp_path / "one.txt").write_text(DEFAULT_CORPUS.read_text()[:20000])
+    prepare([tmp_path / "one.txt"], "bytes", tmp_path / "ds")  # one document: none held out
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    main([*SMALL, "--data", str(tmp_path / "ds"), "--steps", "3", "--eval-every", "2",
+          "--checkpoint-dir", str(ck), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert "the held-out split has 0 windows" in err and "this run does not evaluate" in err
+    assert [p.name for p in ck.iterdir() if p.name.isdigit()] == ["3"]
+    assert mamba_jax.from_pretrained(out).config.n_layer == 1
+    # The example prompt comes from the training data.
+    assert f"--checkpoint {out} --prompt 'Licence texts from'" in err
+    config = json.loads((out / "config.json").read_text())
+    assert [config[f"{t}_token_id"] for t in ("bos", "eos", "pad")] == [None] * 3  # bytes
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_at_once_keeping_the_one_before(
+        tmp_path, monkeypatch, capsys):
+    from orbax.checkpoint._src.serialization import serialization
+
+    write = serialization.async_serialize_from_host
+
+    async def disk_full_at_step_20(rslices, spec, **kwargs):
+        if "/20.orbax-checkpoint-tmp/" in json.dumps(spec):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await write(rslices, spec, **kwargs)
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full_at_step_20)
+    ck, metrics = tmp_path / "ck", tmp_path / "m"
+    with pytest.raises(SystemExit) as stopped:
+        main([*SMALL, "--steps", "40", "--save-every", "10", "--checkpoint-dir", str(ck),
+              "--metrics-file", str(metrics)])
+    assert stopped.value.code == 2
+    assert "checkpoint 20 could not be written" in str(stopped.value)
+    assert "No space left on device" in str(stopped.value)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("could not be written") == 1
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["10"]  # no partial save
+    # Stopped within a few steps of the failure (a step takes ~30 ms, the failure reaches
+    # the trainer in about one), not at the next save, step 30.
+    assert max(json.loads(line)["step"] for line in metrics.read_text().splitlines()) <= 25
+    monkeypatch.undo()
+    main([*SMALL, "--steps", "11", "--checkpoint-dir", str(ck), "--resume"])
+    assert "resumed at step 10" in capsys.readouterr().err
+
+
+def test_a_second_trainer_on_one_checkpoint_dir_is_refused_naming_it(tmp_path):
+    with locked(tmp_path / "ck", "training run"):  # what a running trainer holds
+        with pytest.raises(SystemExit, match=f"{tmp_path / 'ck'} is in use by another training "
+                                             "run"):
+            main([*SMALL, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")])
+
+
+def test_resume_without_a_checkpoint_is_refused_and_resume_if_exists_starts_fresh(tmp_path):
+    typo = tmp_path / "typo"
+    with pytest.raises(SystemExit, match=f"--resume: --checkpoint-dir {typo} does not exist"):
+        main([*SMALL, "--steps", "1", "--checkpoint-dir", str(typo), "--resume"])
+    assert not typo.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match=f"--checkpoint-dir {empty} holds no checkpoint.*"
+                                         "--resume-if-exists"):
+        main([*SMALL, "--steps", "1", "--checkpoint-dir", str(empty), "--resume"])
+    main([*SMALL, "--steps", "1", "--checkpoint-dir", str(empty), "--resume-if-exists"])
+    assert (empty / "1").is_dir()
+
+
+def test_a_resumed_run_logs_each_step_once(straight, tmp_path):
+    full, ck = straight
+    shutil.copytree(ck, tmp_path / "ck")
+    shutil.copy(ck.parent / "m.jsonl", tmp_path / "m.jsonl")  # steps 1-10, as logged
+    shutil.rmtree(tmp_path / "ck" / "10")  # killed after step 10, before its checkpoint
+    main([*SMALL, "--steps", "10", "--save-every", "5", "--checkpoint-dir",
+          str(tmp_path / "ck"), "--resume", "--metrics-file", str(tmp_path / "m.jsonl")])
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    np.testing.assert_array_equal([r["loss"] for r in rows], full)
+
+
+def test_a_bpe_dataset_trains_and_exports_with_its_tokenizer_vocabulary_and_eos(tmp_path):
+    tokenizer = bpe_tokenizer(tmp_path / "tokenizer.json")
+    paragraphs = [p for p in DEFAULT_CORPUS.read_text().split("\n\n") if p.strip()][:200]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": p}) for p in paragraphs))
+    prepare([tmp_path / "d.jsonl"], tmp_path / "tokenizer.json", tmp_path / "ds",
+            eval_fraction=0.1)
+    (tmp_path / "tokenizer.json").unlink()  # the dataset keeps a copy
+    with pytest.raises(SystemExit, match=r"--tokenizer bytes is not the tokenizer --data .*ds "
+                                         r"was prepared with \(.*ds/tokenizer.json\)"):
+        main([*SMALL, "--data", str(tmp_path / "ds"), "--tokenizer", "bytes", "--steps", "1"])
+    out = tmp_path / "out"
+    main([*SMALL, "--data", str(tmp_path / "ds"), "--steps", "1", "--out", str(out)])
+    assert load_tokenizer(out / "tokenizer.json").to_str() == tokenizer.to_str()
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == 304  # the tokenizer's 300 (the preset has 256), padded
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        EOS_ID, EOS_ID, PAD_ID)
+    _, loaded_tokenizer, eos = load_for_generation(out)
+    assert eos == EOS_ID and loaded_tokenizer.get_vocab_size() == VOCAB
+
+
+def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp_path,
+                                                                             capsys):
+    from mamba_jax.convert import main as convert
+    from mamba_jax.generate.__main__ import main as generate
+
+    ck, final = tmp_path / "ck", tmp_path / "final"
+    main([*SMALL, "--steps", "2", "--save-every", "1", "--checkpoint-dir", str(ck),
+          "--out", str(final)])
+    convert([str(ck), str(tmp_path / "hf"), "--to", "hf"])  # the newest step, 2
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == load_file(final / "model.safetensors").keys()
+    for key, value in load_file(final / "model.safetensors").items():
+        np.testing.assert_array_equal(exported[key], value, err_msg=key)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(
+        (final / "config.json").read_text())
+    convert([str(ck), str(tmp_path / "one"), "--to", "mamba_ssm", "--step", "1"])
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"no checkpoint of step 7; it holds steps \[1, 2\]"):
+        convert([str(ck), str(tmp_path / "seven"), "--to", "hf", "--step", "7"])
+    capsys.readouterr()
+    prompt = ["--prompt", "GNU", "--max-new-tokens", "6"]
+    generate(["--checkpoint", str(ck), *prompt])
+    from_checkpoint = capsys.readouterr().out
+    generate(["--checkpoint", str(final), *prompt])
+    assert from_checkpoint == capsys.readouterr().out and from_checkpoint.startswith("GNU")

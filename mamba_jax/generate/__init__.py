@@ -190,6 +190,10 @@ def _per_row(name, value, b, dtype, off):
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
            max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto"):
     """Validate generate's arguments; -> (settings, Sampling, prompt_lengths, limits)."""
+    # The output tokens [b, max_new_tokens] (and a hybrid's KV cache, [b, l +
+    # max_new_tokens] per attention layer) are allocated whole before the first step: a cap
+    # of a million tokens keeps a typo (1e9) from claiming gigabytes.
+    most_new_tokens = 1 << 20
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
                          f"{input_ids.shape}")
@@ -200,25 +204,37 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     if ssm_state_dtype not in SSM_STATE_DTYPES:
         raise ValueError(f"generate: ssm_state_dtype={ssm_state_dtype!r}; use one of "
                          f"{SSM_STATE_DTYPES}")
-    if max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
-    t, sampled = _per_row("temperature", temperature, b, np.float32, 0.0)
-    if np.any(t < 0):
-        raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 is greedy)")
+    if not 1 <= max_new_tokens <= most_new_tokens:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be in [1, "
+                         f"{most_new_tokens}]: the output (and a hybrid model's KV cache) is "
+                         "allocated for all of them before decoding starts")
+
+    def per_row(name, value, dtype, off):
+        try:
+            return _per_row(name, value, b, dtype, off)
+        except OverflowError:
+            raise ValueError(f"generate: {name}={value} does not fit {np.dtype(dtype).name}") \
+                from None
+
+    t, sampled = per_row("temperature", temperature, np.float32, 0.0)
+    if not np.all(np.isfinite(t) & (t >= 0)):
+        raise ValueError(f"generate: temperature={temperature} must be a finite number >= 0 "
+                         "(0 is greedy)")
     vocab = model.config.vocab_size
-    k, use_k = _per_row("top_k", top_k, b, np.int32, 0)
-    if top_k is not None and not np.all((k >= 1) & (k <= vocab)):
-        raise ValueError(f"generate: top_k={top_k} must be in [1, vocab_size={vocab}] or None")
-    p, use_p = _per_row("top_p", top_p, b, np.float32, 1.0)
+    k, use_k = per_row("top_k", top_k, np.int32, 0)
+    if top_k is not None and not np.all((k >= 0) & (k <= vocab)):
+        raise ValueError(f"generate: top_k={top_k} must be in [0, vocab_size={vocab}] (0 is "
+                         "off) or None")
+    p, use_p = per_row("top_p", top_p, np.float32, 1.0)
     if top_p is not None and not np.all((p > 0.0) & (p <= 1.0)):
         raise ValueError(f"generate: top_p={top_p} must be in (0, 1] or None")
     if prompt_lengths is not None:
-        prompt_lengths, _ = _per_row("prompt_lengths", prompt_lengths, b, np.int32, 0)
+        prompt_lengths, _ = per_row("prompt_lengths", prompt_lengths, np.int32, 0)
         if not np.all((prompt_lengths >= 1) & (prompt_lengths <= l)):
             raise ValueError(f"generate: prompt_lengths={prompt_lengths.tolist()} must each "
                              f"be in [1, seqlen={l}]")
-    limits, _ = _per_row("max_new_tokens_per_row", max_new_tokens_per_row, b, np.int32,
-                         max_new_tokens)
+    limits, _ = per_row("max_new_tokens_per_row", max_new_tokens_per_row, np.int32,
+                        max_new_tokens)
     if not np.all((limits >= 1) & (limits <= max_new_tokens)):
         raise ValueError(f"generate: max_new_tokens_per_row={limits.tolist()} must each be "
                          f"in [1, max_new_tokens={max_new_tokens}]")
@@ -227,18 +243,34 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
 
 
 def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
-    """(model, tokenizer, eos_token_id) from a checkpoint dir: its tokenizer.json unless
-    `tokenizer` (a path or 'bytes') is given; eos is the tokenizer's <|endoftext|> or None."""
+    """(model, tokenizer, eos_token_id) from a checkpoint dir: a model dir (HF or mamba_ssm;
+    its tokenizer.json unless `tokenizer`, a path or 'bytes', is given) or a trainer's
+    --checkpoint-dir (its newest step; `tokenizer`, else the run's, else bytes). eos is
+    config.json's eos_token_id, else the tokenizer's end-of-sequence token
+    (tokenizer.special_tokens), else None."""
     # Imported here: the package imports this module, and `python -m mamba_jax.convert`
     # must not find convert already imported (runpy warns).
+    import json
     from pathlib import Path
 
-    from mamba_jax.convert import from_pretrained
-    from mamba_jax.tokenizer import load_tokenizer
+    from mamba_jax.convert import (from_pretrained, is_training_checkpoint,
+                                   load_training_checkpoint, training_tokenizer)
+    from mamba_jax.tokenizer import load_tokenizer, special_token_ids
 
-    tok = load_tokenizer(tokenizer or Path(checkpoint) / "tokenizer.json")
-    model = from_pretrained(checkpoint, dtype=jnp.dtype(dtype))
-    return model, tok, tok.token_to_id("<|endoftext|>")
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+    if is_training_checkpoint(path):
+        model, meta = load_training_checkpoint(path, dtype=jnp.dtype(dtype))
+        tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))
+        eos = None
+    else:
+        tok = load_tokenizer(tokenizer or path / "tokenizer.json")
+        model = from_pretrained(path, dtype=jnp.dtype(dtype))
+        eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+    if not isinstance(eos, int):
+        eos = special_token_ids(tok)["eos_token_id"]
+    return model, tok, eos
 
 
 def add_decode_arguments(parser):

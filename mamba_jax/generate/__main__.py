@@ -1,8 +1,10 @@
 """`python -m mamba_jax.generate --checkpoint DIR --prompt TEXT`: generate from a checkpoint.
 
-Uses the checkpoint's tokenizer.json (or --tokenizer PATH|bytes). With `--server URL`
-instead of --checkpoint it is the client of `python -m mamba_jax.serve`: it streams the
-continuation from URL/v1/completions and prints it as it arrives.
+DIR is a model dir (HF or mamba_ssm layout, as the trainer's --out or convert write) or a
+trainer's --checkpoint-dir (its newest step). Uses the checkpoint's tokenizer.json (or
+--tokenizer PATH|bytes). With `--server URL` instead of --checkpoint it is the client of
+`python -m mamba_jax.serve`: it streams the continuation from URL/v1/completions and prints
+it as it arrives.
 """
 
 from __future__ import annotations
@@ -10,28 +12,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
 import jax.numpy as jnp
 
+from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
                                 load_for_generation)
 
 
+@command("python -m mamba_jax.generate")
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.generate",
-                                     description="Generate text from a Mamba2 checkpoint.")
+                                     description="Generate text from a Mamba2 checkpoint.",
+                                     formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="checkpoint dir (HF or mamba_ssm)")
+    source.add_argument("--checkpoint", help="checkpoint dir (HF or mamba_ssm), or a "
+                                             "trainer's --checkpoint-dir (its newest step)")
     source.add_argument("--server", help="a mamba_jax.serve URL, e.g. http://127.0.0.1:6000")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json path or 'bytes' (default: the checkpoint's "
                              "tokenizer.json)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="at most 1048576: the output is allocated whole up front")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k most likely tokens (default or 0: off)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="sample among the most likely tokens whose probability reaches p "
+                             "(default or 1: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_decode_arguments(parser)
@@ -48,7 +57,7 @@ def main(argv=None):
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
-        sys.exit("generate: the prompt encodes to no tokens")
+        raise SystemExit("--prompt encodes to no tokens; give some text")
     out = generate(model, jnp.asarray([ids]), args.max_new_tokens, args.temperature,
                    args.top_k, args.top_p, args.seed, eos, **decode_options(args))
     print(tokenizer.decode([int(t) for t in out[0]]))
@@ -63,12 +72,16 @@ async def stream_from_server(url, prompt, max_tokens, temperature, top_p):
     async with aiohttp.ClientSession() as session:
         async with session.post(url.rstrip("/") + "/v1/completions", json=body) as response:
             if response.status != 200:
-                sys.exit(f"generate: {url} answered {response.status}: "
-                         f"{await response.text()}")
+                raise SystemExit(f"--server {url} answered {response.status}: "
+                                 f"{await response.text()}")
             async for line in response.content:
                 data = line.decode().removeprefix("data: ").strip()
                 if data and data != "[DONE]":
-                    print(json.loads(data)["choices"][0]["text"], end="", flush=True)
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise SystemExit(f"--server {url} failed the request: "
+                                         f"{event['error']['message']}")
+                    print(event["choices"][0]["text"], end="", flush=True)
 
 
 if __name__ == "__main__":

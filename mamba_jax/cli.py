@@ -1,0 +1,75 @@
+"""What every command (train, data prepare, generate, serve, convert) does with a mistake in
+its input or a failure it can explain: one line on stderr, `prog: message`, naming the input,
+the value and the fix, and exit status 2 (as argparse's own errors), never a traceback.
+
+    @command("python -m mamba_jax.train")
+    def main(argv=None): ...
+
+Inside, a check raises SystemExit("message") or lets the library's ValueError / OSError
+(FileNotFoundError, a disk full, ...) through: their messages already name what is wrong.
+Anything else (a bug) keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import sys
+
+# The library's exceptions for bad input (ValueError, which includes UnicodeDecodeError and
+# json.JSONDecodeError) and for files that are missing, unreadable or cannot be written.
+USER_ERRORS = (ValueError, OSError)
+
+
+class UserExit(SystemExit):
+    """Exit status 2 once the message is printed; str() is the message (for callers and
+    tests that catch it)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 2
+
+
+def command(prog: str):
+    """Decorate a CLI's main(argv): SystemExit("message") and USER_ERRORS become
+    `prog: message` on stderr and UserExit (status 2)."""
+
+    def decorate(main):
+        @functools.wraps(main)
+        def run(argv=None):
+            try:
+                return main(argv)
+            except UserExit:
+                raise
+            except SystemExit as stop:
+                if not isinstance(stop.code, str):  # argparse's errors, --help, exit(0)
+                    raise
+                message = stop.code
+            except USER_ERRORS as error:
+                message = str(error)
+            print(f"{prog}: {message}", file=sys.stderr)
+            raise UserExit(message)
+
+        return run
+
+    return decorate
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default, where it has one (not None; not a flag's
+    True / False, which the flag's name says), options without a help text included."""
+
+    def _format_action(self, action):
+        if action.help is None and self._has_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        return super()._get_help_string(action) if self._has_default(action) else action.help
+
+    @staticmethod
+    def _has_default(action) -> bool:
+        return action.default not in (None, argparse.SUPPRESS, []) \
+            and not isinstance(action.default, bool)
