@@ -218,15 +218,16 @@ class Mamba2LM(nnx.Module):
         head = self.embedding if self.config.tie_embeddings else self.lm_head
         return ctx.gather_params(head)[...]
 
-    def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None):
+    def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None, scan=True):
         """Every layer: residual [b, l(/tp), d] -> (residual, per layer its cache or None).
 
-        One scan per run of consecutive layers of one kind, not a copy of the layer per
+        scan: one scan per run of consecutive layers of one kind, not a copy of the layer per
         layer: compile time and program size stay those of one layer per run (48 unrolled
-        1.3b layers took minutes to compile). An all-Mamba model is one run, one scan; a
-        hybrid pattern such as Megatron's "M-M-M*-..." alternates kinds, so most of its runs
-        are a single layer, called directly. A run's weights are stacked for its scan, a
-        copy of this device's shards."""
+        1.3b layers with their backward pass took minutes to compile). An all-Mamba model is
+        one run, one scan; a hybrid pattern such as Megatron's "M-M-M*-..." alternates kinds,
+        so most of its runs are a single layer, called directly. A run's weights are stacked
+        for its scan, a copy of this device's shards, which a prefill (no backward pass to
+        compile) does not pay: scan=False calls the layers one after the other."""
         policy = remat_policy(remat, ctx.fsdp > 1)
         caches = []
         for first, end in _runs(self.config.layers):
@@ -238,9 +239,10 @@ class Mamba2LM(nnx.Module):
             if policy is not None:
                 layer = jax.checkpoint(layer, policy=policy)
             states = [nnx.state(self.layers[i]) for i in range(first, end)]
-            if len(states) == 1:
-                residual, cache = layer(residual, states[0])
-                caches.append(cache)
+            if len(states) == 1 or not scan:
+                for state in states:
+                    residual, cache = layer(residual, state)
+                    caches.append(cache)
             else:
                 residual, stacked = lax.scan(layer, residual,
                                              jax.tree.map(lambda *ws: jnp.stack(ws), *states))
@@ -276,7 +278,7 @@ class Mamba2LM(nnx.Module):
         that grow with the tokens (the prompt and every token to come; default l)."""
         cache_len = cache_len or input_ids.shape[1]
         residual, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
-                                       cache_len=cache_len)
+                                       cache_len=cache_len, scan=False)
         return self._vocab(self._final(residual), self.head_weight()), cache
 
     def cache_for_decoding(self, cache, steps, ssm_state_dtype="float32") -> tuple:
