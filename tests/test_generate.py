@@ -6,7 +6,8 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.generate import DECODE_COMPILER_OPTIONS, _jit_decode, _prefill, sample_logits
+from mamba_jax.generate import (DECODE_COMPILER_OPTIONS, _jit_decode, _prefill, prefill,
+                                prepare, sample_logits)
 from mamba_jax.generate.plan import decode_plan, resolve_implementation
 
 
@@ -147,6 +148,22 @@ def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model)
     assert 0.0 < worst < 1e-3, worst
     out = mamba_jax.generate(model, ids[:, :4], max_new_tokens=5, ssm_state_dtype="bfloat16")
     assert out.shape == (2, 9)
+
+
+def test_the_prefill_hands_over_the_cache_as_the_plan_and_state_dtype_ask(model):
+    # generate's two programs, one at a time: the cache leaves the prefill with its SSM
+    # states in the asked dtype, and with the cooperative kernel's counter where a layer's
+    # step is "fused".
+    ids = jnp.zeros((1, 5), jnp.int32)
+    for implementation, dtype in (("xla", "bfloat16"), ("triton", "float32")):
+        prepared = prepare(model, ids, 4, ssm_state_dtype=dtype,
+                           step_implementation=implementation)
+        _, cache = prefill(model, ids, prepared)
+        fused = implementation == "triton"
+        assert prepared.plan.steps == ("fused" if fused else "xla",) * len(model.layers)
+        for c in cache:
+            assert c.ssm_state.dtype == jnp.dtype(dtype)
+            assert (c.sync is not None) == fused
 
 
 # batch 1: the fused step (plan.FUSED_STEP_MAX_BATCH); batch 2: the step kernel alone
