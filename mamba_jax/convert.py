@@ -37,7 +37,8 @@ from mamba_jax.formats import (config_dict, config_from, detect_format, export_f
                                mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
-from mamba_jax.model import Mamba2LM, param_name
+from mamba_jax.model import Mamba2LM
+from mamba_jax.sharding import param_name
 from mamba_jax.tokenizer import load_tokenizer, special_token_ids
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")

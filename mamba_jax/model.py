@@ -35,18 +35,6 @@ from mamba_jax.sharding import SINGLE_DEVICE, GATHERED, ParallelContext
 REMAT = ("none", "block", "full")
 
 
-def param_name(path) -> str:
-    """A parameter's dotted name ("layers.0.mixer.A_log") from a jax tree path into the
-    model's state or its pure dict (attribute steps such as a Variable's `.value` skipped)."""
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-    return ".".join(parts)
-
-
 def remat_policy(remat: str, fsdp: bool):
     """The jax.checkpoint policy around each layer, or None for no checkpoint.
 

@@ -62,6 +62,18 @@ def is_param(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def param_name(path) -> str:
+    """A parameter's dotted name ("layers.0.mixer.A_log") from a jax tree path into the
+    model's state or its pure dict (attribute steps such as a Variable's `.value` skipped)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+    return ".".join(parts)
+
+
 def logical_axes(variable, name: str = "parameter") -> tuple:
     """A Param's declared logical axes; an error naming it when it has none."""
     axes = variable.get_metadata().get("axes")
@@ -82,7 +94,7 @@ def param_specs(params, mesh):
     replicated if REPLICATED_WHEN_UNEVEN says so, else a ValueError naming the parameter,
     the sizes, and the mesh sizes that would work."""
     def spec(path, variable):
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        name = param_name(path)
         axes = logical_axes(variable, name)
         placed = []
         for axis, dim in zip(axes, variable.shape):

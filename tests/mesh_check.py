@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import Mamba2Config, Mamba2LM, parallel
-from mamba_jax.model import param_name
+from mamba_jax.sharding import param_name
 from mamba_jax.optim import make_optimizer, make_train_step
 from mamba_jax.parallel import global_array
 

@@ -9,8 +9,8 @@ from flax import nnx
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.metrics import MetricsWriter, Progress
-from mamba_jax.model import param_name
 from mamba_jax.optim import make_schedule, weight_decay_mask
+from mamba_jax.sharding import param_name
 from mamba_jax.tokenizer import load_tokenizer
 from mamba_jax.train import main, parse_args, parse_overrides
 
