@@ -174,13 +174,12 @@ SECTIONS = {kind.name: kind for kind in KINDS.values()}  # section name -> layer
 
 def _resolve(name: str) -> tuple[str | None, str]:
     """A field's name as `replace` takes it -> (its section or None, its field)."""
-    sections = SECTIONS
     shared = {f.name for f in dataclasses.fields(ModelFields)}
     if name in LEGACY_NAMES:
         return LEGACY_NAMES[name]
     section, dot, field = name.partition(".")
-    if dot and section in sections:
-        fields = sorted(f.name for f in dataclasses.fields(sections[section].Config))
+    if dot and section in SECTIONS:
+        fields = sorted(f.name for f in dataclasses.fields(SECTIONS[section].Config))
         if field not in fields:
             raise ValueError(f"Mamba2Config.{section} has no field {field!r}; its fields are "
                              f"{fields}")
@@ -188,7 +187,7 @@ def _resolve(name: str) -> tuple[str | None, str]:
     if not dot and name in shared:
         return None, name
     raise ValueError(f"Mamba2Config has no field {name!r}; fields are {sorted(shared)} and "
-                     f"each section's as SECTION.FIELD, sections {sorted(sections)}")
+                     f"each section's as SECTION.FIELD, sections {sorted(SECTIONS)}")
 
 
 def _merge(base: dict, changes: dict) -> dict:
@@ -196,9 +195,8 @@ def _merge(base: dict, changes: dict) -> dict:
     the section, a section object replacing it), then single fields by any name `_resolve`
     takes."""
     out = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
-    sections = SECTIONS
     for name, value in changes.items():
-        if name in sections:
+        if name in SECTIONS:
             if dataclasses.is_dataclass(value):
                 value = dataclasses.asdict(value)
             if not isinstance(value, dict):
@@ -206,7 +204,7 @@ def _merge(base: dict, changes: dict) -> dict:
                                  f"{value!r}")
             out[name] = {**out.get(name, {}), **value}
     for name, value in changes.items():
-        if name in sections:
+        if name in SECTIONS:
             continue
         section, field = _resolve(name)
         if section is None:

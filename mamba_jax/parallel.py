@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import sharding
-from mamba_jax.model import REMAT, Mamba2LM
+from mamba_jax.model import Mamba2LM
 from mamba_jax.sharding import ParallelContext
 
 AXES = ("dp", "fsdp", "cp", "tp")
@@ -137,8 +137,6 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     sequence over cp). remat: "none", "block" or "full" activation checkpointing of each
     layer (model.remat_policy). loss_chunk: the logits and cross-entropy that many positions
     at a time (Mamba2LM.loss); None: all at once."""
-    if remat not in REMAT:
-        raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel)
     token_axes = BATCH_AXES + ("cp",)
     n_shards = math.prod(mesh.shape[a] for a in token_axes)

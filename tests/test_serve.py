@@ -1,6 +1,7 @@
 """The generation server, started for real on 127.0.0.1 and driven by aiohttp's client."""
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -365,35 +366,40 @@ async def _server_with(generate, model, limits, monkeypatch):
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", app[serve.ENGINE]
 
 
-async def _held_server(model, limits, monkeypatch):
-    """A server whose first batch holds (see _HeldGenerate): (runner, URL, engine, held)."""
+@contextlib.asynccontextmanager
+async def _first_request_decoding(model, limits, monkeypatch):
+    """A server whose first batch holds (see _HeldGenerate), a client session, and a first
+    request ("first", 3 new tokens) whose batch is decoding: yields (session, URL, engine,
+    held, the first request's task); the batch is released on the way out."""
     held = _HeldGenerate()
-    return *await _server_with(held, model, limits, monkeypatch), held
+    runner, url, engine = await _server_with(held, model, limits, monkeypatch)
+    try:
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
+                                                 temperature=0))
+            await _until(lambda: held.calls)  # the first batch is decoding
+            yield s, url, engine, held, first
+    finally:
+        held.release.set()
+        await runner.cleanup()
 
 
 def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="mamba_jax.serve")
 
     async def go():
-        runner, url, engine, held = await _held_server(model, LIMITS, monkeypatch)
-        try:
-            async with aiohttp.ClientSession() as s:
-                first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
-                                                     temperature=0))
-                await _until(lambda: held.calls)  # the first batch is decoding
-                async with aiohttp.ClientSession() as leaver:
-                    leaving = asyncio.create_task(complete(
-                        leaver, url, prompt=["left behind"] * 10, max_tokens=5, temperature=0))
-                    await _until(lambda: engine.pending.qsize() == 10)
-                    leaving.cancel()  # the client hangs up while its prompts wait
-                await _until(lambda: "client" in caplog.text)
-                held.release.set()
-                assert (await first)[0] == 200
-                after = await complete(s, url, prompt="after", max_tokens=4, temperature=0)
-            return after, held.calls, engine.queued_tokens
-        finally:
+        async with _first_request_decoding(model, LIMITS, monkeypatch) as (s, url, engine,
+                                                                          held, first):
+            async with aiohttp.ClientSession() as leaver:
+                leaving = asyncio.create_task(complete(
+                    leaver, url, prompt=["left behind"] * 10, max_tokens=5, temperature=0))
+                await _until(lambda: engine.pending.qsize() == 10)
+                leaving.cancel()  # the client hangs up while its prompts wait
+            await _until(lambda: "client" in caplog.text)
             held.release.set()
-            await runner.cleanup()
+            assert (await first)[0] == 200
+            after = await complete(s, url, prompt="after", max_tokens=4, temperature=0)
+            return after, held.calls, engine.queued_tokens
 
     (status, _), calls, queued = run(go())
     assert status == 200
@@ -408,26 +414,18 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
     limits = dataclasses.replace(LIMITS, max_prompts=4, max_queued_tokens=40)
 
     async def go():
-        runner, url, engine, held = await _held_server(model, limits, monkeypatch)
-        try:
-            async with aiohttp.ClientSession() as s:
-                first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
-                                                     temperature=0))
-                await _until(lambda: held.calls)
-                many = await complete(s, url, prompt=["a"] * 5, max_tokens=2)
-                alone_too_big = await complete(s, url, prompt=["aaaaaaaaaa"] * 3,
-                                               max_tokens=10)
-                queued = asyncio.create_task(complete(s, url, prompt=["five!"] * 2,
-                                                      max_tokens=10))  # 30 tokens
-                await _until(lambda: engine.queued_tokens == 30)
-                async with s.post(url + "/v1/completions",
-                                  json={"prompt": "five!", "max_tokens": 10}) as r:
-                    busy = r.status, await r.json(), r.headers.get("Retry-After")
-                held.release.set()
-                return many, alone_too_big, busy, (await first)[0], (await queued)[0]
-        finally:
+        async with _first_request_decoding(model, limits, monkeypatch) as (s, url, engine,
+                                                                          held, first):
+            many = await complete(s, url, prompt=["a"] * 5, max_tokens=2)
+            alone_too_big = await complete(s, url, prompt=["aaaaaaaaaa"] * 3, max_tokens=10)
+            queued = asyncio.create_task(complete(s, url, prompt=["five!"] * 2,
+                                                  max_tokens=10))  # 30 tokens
+            await _until(lambda: engine.queued_tokens == 30)
+            async with s.post(url + "/v1/completions",
+                              json={"prompt": "five!", "max_tokens": 10}) as r:
+                busy = r.status, await r.json(), r.headers.get("Retry-After")
             held.release.set()
-            await runner.cleanup()
+            return many, alone_too_big, busy, (await first)[0], (await queued)[0]
 
     many, alone_too_big, busy, first, queued = run(go())
     assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]

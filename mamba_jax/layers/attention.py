@@ -253,26 +253,23 @@ class Attention(Mixer):
         return AttentionWeights(w_qkv.T.astype(self.dtype), None, None,
                                 self.o_proj[...].reshape(-1, d).T.astype(self.dtype))
 
-    def step(self, u, cache: AttentionCache, weights: AttentionWeights | None = None,
-             how="xla"):
+    def step(self, u, cache: AttentionCache, weights: AttentionWeights, how="xla"):
         """One token: u [b, d] -> (o_proj's output [b, d] float32 before its bias, the
         updated AttentionCache). The cache must have a free slot (generate sizes it to the
         prompt plus the new tokens)."""
-        weights = self.step_weights() if weights is None else weights
         o, cache = self._attend_step(*self.project(u[:, None], weights), cache)
         return self.out_proj_partial(o, weights.o), cache
 
     def fused_step(self, residual, norm_weight, norm_eps, cache: AttentionCache,
-                   weights: AttentionWeights | None = None):
+                   weights: AttentionWeights):
         """residual [b, d] -> (residual + attention(rms_norm(residual)), the updated
         AttentionCache), the projections as two pallas_kernels.decode.norm_matmul kernels:
         the layer's RMSNorm (norm_weight [d], norm_eps) with q, k and v's projections, then
         o_proj with its bias and the residual add, where the XLA step runs the norm, the
         four products and the add as XLA's kernels. The arithmetic of Block.step over step(),
         but for where the norm's operand is rounded (pallas_kernels.decode.norm_matmul); for
-        a decoding step of a few rows. weights: step_weights("fused"); None builds them."""
+        a decoding step of a few rows. weights: step_weights("fused")."""
         a = self.cfg.attention
-        weights = self.step_weights("fused") if weights is None else weights
         b, e = residual.shape[0], a.head_dim
         qkv = rms_norm_matmul(residual, norm_weight, weights.q, eps=norm_eps,
                               w_transposed=True, implementation="triton")  # [b, (h + 2k) e]

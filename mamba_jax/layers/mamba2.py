@@ -309,16 +309,15 @@ class Mamba2Mixer(Mixer):
                            out.reshape(-1, out.shape[-1]).T.astype(self.dtype),
                            -jnp.exp(self.A_log[...]))
 
-    def step(self, u, cache: MambaCache, weights: StepWeights | None = None, how="xla"):
+    def step(self, u, cache: MambaCache, weights: StepWeights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32 before its bias, the
         updated MambaCache).
 
-        weights: `step_weights()`, built before the decode loop; None builds them here. The
-        new SSM state is computed in float32 and stored in the cache's dtype (float32, or
-        bfloat16 as mamba_ssm's decoding cache of a bf16 model). how: the conv and SSM
+        weights: `step_weights()`, built before the decode loop. The new SSM state is
+        computed in float32 and stored in the cache's dtype (float32, or bfloat16 as
+        mamba_ssm's decoding cache of a bf16 model). how: the conv and SSM
         update as XLA fusions ("xla") or as one Pallas kernel, pallas_kernels.ssd.step
         ("kernel")."""
-        weights = self.step_weights() if weights is None else weights
         zxbcdt = self.project_packed(u, weights.in_proj)
         # The window's shift, the conv and the SSM update, xBC and dt read from zxbcdt
         y, conv_state, ssm_state = mamba_step(
@@ -331,7 +330,7 @@ class Mamba2Mixer(Mixer):
                 MambaCache(conv_state, ssm_state, cache.sync))
 
     def fused_step(self, residual, norm_weight, norm_eps, cache: MambaCache,
-                   weights: StepWeights | None = None):
+                   weights: StepWeights):
         """A whole Mamba block for one token in two or three Pallas kernels: residual [b, d]
         -> (residual + mixer(rms_norm(residual)), the updated MambaCache).
 
@@ -344,8 +343,7 @@ class Mamba2Mixer(Mixer):
         else two. The arithmetic of Block.step over `step` (but for where the norms'
         operands are rounded: pallas_kernels.decode.norm_matmul) in a third of its kernels
         or fewer, for a decoding step at small batch, which is bound by its kernel count
-        (BENCHMARKS.md). weights: step_weights("fused"); None builds them here."""
-        weights = self.step_weights("fused") if weights is None else weights
+        (BENCHMARKS.md). weights: step_weights("fused")."""
         w, bias = weights.in_proj
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
         zxbcdt, conv_state = rms_norm_matmul(

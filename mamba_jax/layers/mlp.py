@@ -101,12 +101,11 @@ class MLP(Mixer):
         return MLPWeights(w_in.T.astype(self.dtype), None,
                           self.down_proj[...].T.astype(self.dtype))
 
-    def step(self, u, cache=None, weights: MLPWeights | None = None, how="xla"):
+    def step(self, u, cache, weights: MLPWeights, how="xla"):
         """One token: u [b, d] -> (down_proj's output [b, d] float32, None)."""
-        return self._mlp(u, self.step_weights() if weights is None else weights), None
+        return self._mlp(u, weights), None
 
-    def fused_step(self, residual, norm_weight, norm_eps, cache=None,
-                   weights: MLPWeights | None = None):
+    def fused_step(self, residual, norm_weight, norm_eps, cache, weights: MLPWeights):
         """residual [b, d] -> (residual + MLP(rms_norm(residual)) in residual's dtype, None),
         as two pallas_kernels.decode.norm_matmul kernels: the layer's RMSNorm (norm_weight
         [d], norm_eps) with the input projections, then the activation with down_proj and
@@ -114,8 +113,7 @@ class MLP(Mixer):
         elementwise work between them. The arithmetic of Block.step (the input projections'
         float32 results unrounded, the norm's operand rounded where
         pallas_kernels.decode.norm_matmul says); for a decoding step of a few rows.
-        weights: step_weights("fused"); None builds them here."""
-        weights = self.step_weights("fused") if weights is None else weights
+        weights: step_weights("fused")."""
         f = weights.down.shape[1]
         projected = rms_norm_matmul(residual, norm_weight, weights.up, eps=norm_eps,
                                     w_transposed=True, out_dtype=jnp.float32,

@@ -20,8 +20,3 @@ KINDS = {kind.symbol: kind for kind in (
     Attention,
     MLP,
 )}
-
-
-def kind(symbol: str):
-    """The Mixer subclass of a layer_pattern symbol."""
-    return KINDS[symbol]
