@@ -339,15 +339,16 @@ def breakdown(rng, shapes, configs, warmup, reps):
             t = config.chunk  # the cumsum restarts at every kernel chunk
             cs = jnp.cumsum((dt * inputs["A"][:, None]).reshape(b, H, -1, t), -1).reshape(
                 b, H, l)
-            fwd = lambda save: jax.jit(lambda *a: kernels.forward(
-                *a, None, config=config, save_states=save)[-1])
-            states = fwd(True)(x, dt, cs, B, C, s0)
+            forward = jax.jit(lambda *a: kernels.forward(*a, None, config=config)[0])
+            chunk_states = jax.jit(lambda x, dt, cs, B, s0: kernels.chunk_states(
+                x, dt, cs, B, s0, None, config=config))
+            states = chunk_states(x, dt, cs, B, s0)
             bwd = lambda i: jax.jit(lambda *a: kernels.backward(*a, config=config)[i])
             args = (x, dt, cs, B, C, None, states, dy, s0)
             whole = lambda i, o: vjp.ssd(**i, **o, dt_softplus=True, backend=kernels,
                                          config=config)[0]
-            parts = {"forward": (fwd(False), (x, dt, cs, B, C, s0)),
-                     "forward saving states": (fwd(True), (x, dt, cs, B, C, s0)),
+            parts = {"forward": (forward, (x, dt, cs, B, C, s0)),
+                     "chunk states": (chunk_states, (x, dt, cs, B, s0)),
                      "backward state kernel": (bwd(0), args),
                      "both backward kernels": (bwd(3), args),
                      "ssd fwd+bwd": (jax.jit(lambda i, o: jax.vjp(whole, i, o)[1](dy)),

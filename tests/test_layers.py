@@ -9,7 +9,10 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from mamba_jax.layers import common as layers
 from mamba_jax.layers.common import causal_conv1d, gated_rms_norm, rms_norm
-from mamba_jax.model import remat_policy
+from flax import nnx
+
+from mamba_jax import Mamba2Config
+from mamba_jax.model import Block, remat_policy
 
 
 def test_causal_conv1d_matches_direct_convolution():
@@ -102,6 +105,15 @@ def test_matmul_gradient_runs_in_the_compute_dtype(spec, a_shape, b_shape):
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]
 
 
+def saved_residuals(f, *args):
+    """print_saved_residuals' lines for f(*args), but those of the arguments: "bf16[8,16]
+    output of dot_general from ..."."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
+
+
 def test_block_remat_keeps_the_matmul_results_and_recomputes_the_rest():
     # remat "block" saves what the matmuls return (their dots are visible to its policy
     # through matmul's custom JVP); the backward pass recomputes the elementwise sin.
@@ -109,13 +121,32 @@ def test_block_remat_keeps_the_matmul_results_and_recomputes_the_rest():
         h = jnp.sin(layers.matmul("bd,df->bf", x, w1, jnp.bfloat16, jnp.bfloat16))
         return layers.matmul("bd,df->bf", h, w2, jnp.bfloat16).sum()
 
-    def saved(remat):  # print_saved_residuals' lines: "bf16[8,16] output of dot_general ..."
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            print_saved_residuals(jax.checkpoint(f, policy=remat_policy(remat, fsdp=False)),
-                                  jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 16)),
-                                  jnp.ones((16, 16)))
-        return [line.split()[0] for line in out.getvalue().splitlines()
-                if "from the argument" not in line]
+    def saved(remat):
+        lines = saved_residuals(jax.checkpoint(f, policy=remat_policy(remat, fsdp=False)),
+                                jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 16)),
+                                jnp.ones((16, 16)))
+        return [line.split()[0] for line in lines]
     assert saved("block") == ["bf16[8,16]"]
     assert saved("full") == []
+
+
+def test_a_mamba2_layer_on_the_kernels_keeps_neither_chunk_states_nor_the_gated_norm(
+        monkeypatch):
+    # Without remat, the backward pass recomputes the SSD's per-chunk states (twice x's
+    # bytes at d_state 128) and the gated norm's output (x's bytes) rather than keeping them
+    # from the forward pass: what a layer keeps is its inputs, the projections, the conv's
+    # output and the scan's output, all [b, l, ...] (and the weights in the compute dtype).
+    import pallas_kernels.ssd as ssd
+    monkeypatch.setattr(ssd, "_triton_is_faster", lambda x, B: True)  # the GPU's choice
+    cfg = Mamba2Config(d_model=64, n_layer=1, vocab_size=16, mamba2=dict(
+        d_state=32, headdim=16, chunk_size=16))
+    block = Block(cfg, "M", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(block)
+    b, l = 2, 64
+
+    def loss(state, residual):
+        return nnx.merge(graphdef, state)(residual)[0].astype(jnp.float32).sum()
+    lines = saved_residuals(loss, state, jnp.zeros((b, l, 64), jnp.float32))
+    assert any("pallas_call" in line for line in lines), lines  # the kernels' y
+    assert not any("gated_rms_norm" in line for line in lines), lines
+    assert all(line.split()[0].count(",") <= 3 for line in lines), lines  # no [b, c, h, p, n]

@@ -116,14 +116,14 @@ class BackendCases:
 class TestTriton(BackendCases):
     backend = triton
     # A 16-position kernel chunk: every case spans several chunks and a partial one. The
-    # saved states and their gradients in x's dtype (the default): the same tolerances
+    # recomputed states and their gradients in x's dtype (the default): the same tolerances
     # (bf16 rounding of the states is within the bf16 bound; float32 inputs are unchanged).
     config = triton.Config(chunk=16, block_p=8)
 
 
 class TestTritonOtherOptions(BackendCases):
     backend = triton
-    # The non-default options, together: saved states in float32 (which changes only bf16
+    # The non-default options, together: recomputed states in float32 (which changes only bf16
     # inputs: float32 inputs keep float32 states either way) and one head per dB/dC program
     # (every group's dB and dC summed from r partials); and D per channel, [h, p].
     config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False,

@@ -190,8 +190,7 @@ class Mamba2Mixer(Mixer):
         if m.ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
             B, C = (groups_of_local_heads(t, dims(self.cfg).h, m.ngroups, ctx) for t in (B, C))
         y, ssm_state = self.scan(x, dt, B, C, seq_idx, ctx)
-        out = self.out_proj_partial(gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps,
-                                                   m.ngroups, ctx))
+        out = self.gated_out_proj(y, z, ctx)
         if cache_len is None:
             return out, None
         # The conv's window holds the last k inputs; zeros stand before the first token and
@@ -273,16 +272,27 @@ class Mamba2Mixer(Mixer):
                    dt_limit=m.dt_limit, seq_idx=seq_idx, return_final_state=True,
                    sequence_axis=ctx.sequence_axis)
 
-    def out_proj_partial(self, y, out_proj=None):
-        """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the
-        heads this is one tensor-parallel rank's share of the sum. out_proj: [d, h*p]
-        (StepWeights.out_proj); None reads the parameter."""
-        if out_proj is None:
-            return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype)
-        # A one-token step: XLA rewrites a matrix-vector product as a product and a sum,
-        # which against [h, p, d] it ran as an elementwise product [h*p, d] written out in
-        # float32 and summed over columns, 3x the weight's bytes (bench/profile_step.py).
-        # Against [d, h*p] the sum runs over each contiguous row.
+    def gated_out_proj(self, y, z, ctx: ParallelContext = SINGLE_DEVICE):
+        """The gated norm and out_proj: y, z [b, l, h, p] -> [b, l, d] float32 (this rank's
+        share). Checkpointed so that the backward pass recomputes the norm's output from y
+        and z, which it keeps anyway, rather than keep it for out_proj's weight gradient:
+        16.8 of the 145 MB a mamba2-1.3b layer kept per 2048-token row, as mamba_ssm's fused
+        path recomputes it."""
+        m = self.cfg.mamba2
+
+        @jax.checkpoint
+        def norm_and_project(y, z, norm, out_proj):
+            normed = gated_rms_norm(y, z, norm, self.cfg.norm_eps, m.ngroups, ctx)
+            return matmul("...hp,hpd->...d", normed, out_proj, self.dtype)
+        return norm_and_project(y, z, self.norm[...], self.out_proj[...])
+
+    def out_proj_partial(self, y, out_proj):
+        """One decoding step's out_proj: y [..., h, p] (normed) -> [..., d] float32, without
+        the bias (this rank's share), through out_proj [d, h*p] (StepWeights.out_proj)."""
+        # XLA rewrites a matrix-vector product as a product and a sum, which against
+        # [h, p, d] it ran as an elementwise product [h*p, d] written out in float32 and
+        # summed over columns, 3x the weight's bytes (bench/profile_step.py). Against
+        # [d, h*p] the sum runs over each contiguous row.
         return matmul("...e,de->...d", y.reshape(*y.shape[:-2], -1), out_proj, self.dtype)
 
     # ------------------------------------------------------------ decoding

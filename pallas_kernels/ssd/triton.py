@@ -9,12 +9,15 @@ differentiation handles the cheap parts: `dt [b, h, l]` after softplus and `cs [
 cumulative sum of dt * A restarted at every chunk. Document ids `doc [b, l]` (int32) mask
 everything that would cross a document start (see reference.ssd_chunked).
 
-Three kernels, and a fourth for scanning a row in parts (`weighted_state`, vjp.py):
+Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py):
 - `_forward_kernel`, grid (b, h, p / bp): walks the chunks of one (batch, head) in order
   with the state [bp, n] in registers; per chunk the quadratic intra-chunk term, the read-out
   of the entering state, the D skip and the state update. Reads x, B, C once, writes y
-  once; when differentiating it also saves each chunk's entering state (the backward's only
-  residual beyond the inputs).
+  once.
+- `_chunk_states_kernel`: the same walk without y, writing each chunk's entering state: the
+  backward pass recomputes the states with it (reading x and B once) rather than the
+  forward keeping them from one pass to the other; they are the backward kernels' only
+  input beyond the forward's.
 - `_backward_state_kernel`, grid (b, h, p / bp): walks the chunks backwards carrying dS, the
   gradient of the state leaving the chunk; per chunk dx (with the D skip's), the dt-gradient
   of the x dt product, and the part of the cumsum gradient that comes through the leaving
@@ -62,7 +65,7 @@ class Config:
     # kernel 1.27x slower (their registers, not their loads, bound them).
     forward_stages: int = 2
     backward_stages: int = 1
-    # The per-chunk states saved for the backward pass and their gradients, stored in x's
+    # The per-chunk states the backward pass recomputes and their gradients, stored in x's
     # dtype instead of float32 (they are carried and summed in float32 either way): half
     # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads,
     # as mamba_ssm's chunk scan reads its states in C's dtype. Measured on an H200
@@ -127,30 +130,50 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
 
 
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, has_doc,
-                    has_D, save_states):
+                    has_D):
     D_ref, rest = _split_optional(rest, has_D)
-    doc_ref, (y_ref, final_ref, *states_ref) = _split_optional(rest, has_doc)
+    doc_ref, (y_ref, final_ref) = _split_optional(rest, has_doc)
+    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, None, t=t, r=r,
+                 bp=bp, read_out=(C_ref, D_ref, y_ref))
+
+
+def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, has_doc):
+    doc_ref, (final_ref, states_ref) = _split_optional(rest, has_doc)
+    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, states_ref,
+                 t=t, r=r, bp=bp, read_out=None)
+
+
+def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, states_ref, *, t,
+                 r, bp, read_out):
+    """The forward's walk over the chunks of one (batch, head, headdim block) with the state
+    [bp, n] in registers, writing the final state and, given states_ref, the state entering
+    each chunk. read_out (C_ref, D_ref or None, y_ref) also computes y; without it the walk
+    reads only x and B (the backward's recomputation of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
-    D = D_ref[hi, ps] if has_D else None  # [bp] float32
+    if read_out is not None:
+        C_ref, D_ref, y_ref = read_out
+        D = None if D_ref is None else D_ref[hi, ps]  # [bp] float32
 
     def body(k, state):  # state [bp, n]: the state entering chunk k
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
         x = x_ref[bi, ts, hi, ps]
-        Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+        Bk = B_ref[bi, ts, gi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
-        if states_ref:
-            states_ref[0][bi, k, hi, ps, :] = state.astype(states_ref[0].dtype)
-        scores = _dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]  # [t, s]
-        y = _dot(scores.astype(dtype), x)
-        y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
-        if has_D:  # the skip, here rather than an XLA pass over y and x after the kernel
-            y = y + D[None, :] * x.astype(jnp.float32)
-        y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
+        if states_ref is not None:
+            states_ref[bi, k, hi, ps, :] = state.astype(states_ref.dtype)
+        if read_out is not None:
+            Ck = C_ref[bi, ts, gi, :]
+            scores = _dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]  # [t, s]
+            y = _dot(scores.astype(dtype), x)
+            y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
+            if D is not None:  # the skip, here rather than an XLA pass over y and x after
+                y = y + D[None, :] * x.astype(jnp.float32)
+            y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
         return state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0))
 
     final_ref[bi, hi, ps, :] = jax.lax.fori_loop(0, x_ref.shape[1] // t, body,
@@ -281,26 +304,38 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
-def forward(x, dt, cs, B, C, initial_state, doc, *, config, save_states, D=None,
-            interpret=False):
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
-    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32, and
-    when save_states the state entering every chunk [b, c, h, p, n], float32 or, with
-    config.states_in_input_dtype, x.dtype)."""
+    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    bp = _block_p(config, b, h, p)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
+    kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
+                               has_doc=doc is not None, has_D=D is not None)
+    args = (x, dt, cs, B, C, initial_state) + _present(D, doc)
+    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
+                 config.forward_stages, interpret, "ssd_forward")(*args)
+
+
+def chunk_states(x, dt, cs, B, initial_state, doc, *, config, interpret=False):
+    """The state entering every chunk [b, c, h, p, n] (forward's saved states, in the same
+    dtype) from forward's chunk-padded inputs, without y: the backward's recomputation,
+    which reads x and B once and skips the intra-chunk scores, instead of keeping the
+    states between the passes (at t = 64 and n = 128 they are twice x's bytes)."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
     bp = _block_p(config, b, h, p)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
-    if save_states:
-        out_shape.append(jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x)))
-    kernel = functools.partial(_forward_kernel, t=t, r=h // g, bp=bp, has_doc=doc is not None,
-                               has_D=D is not None, save_states=save_states)
-    args = (x, dt, cs, B, C, initial_state) + _present(D, doc)
+    kernel = functools.partial(_chunk_states_kernel, t=t, r=h // g, bp=bp,
+                               has_doc=doc is not None)
+    out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
+                 jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x))]
     return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
-                 config.forward_stages, interpret, "ssd_forward")(*args)
+                 config.forward_stages, interpret, "ssd_chunk_states")(
+        x, dt, cs, B, initial_state, *_present(doc))[1]
 
 
 def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interpret=False):

@@ -27,9 +27,12 @@ gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (at 
 forward+backward, BENCHMARKS.md).
 
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
-config, save_states, D, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal,
-*, config, D, interpret)` and `weighted_state(x, B, weights, *, config, interpret)` as in
-`triton.py`.
+config, D, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *, config,
+interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D, interpret)`
+and `weighted_state(x, B, weights, *, config, interpret)` as in `triton.py`. The forward
+keeps no states for the backward: the backward recomputes them with `chunk_states` (at
+t = 64 and d_state 128 they are twice x's bytes; kept, they were a fifth of mamba2-1.3b's
+activation memory in training).
 """
 
 from __future__ import annotations
@@ -47,11 +50,11 @@ from pallas_kernels.ssd.reference import document_ids, process_dt
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _core(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D, ends):
     return _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state,
-                     doc, D, ends, save_states=False)[0]
+                     doc, D, ends)[0]
 
 
 def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D,
-              ends, save_states=True):
+              ends):
     """The kernels' forward over rows x [b * segments, l, h, p] etc. (chunk-padded), the
     initial_state [b, h, p, n] entering each row's first part, and ends [b * segments, 2],
     each part's first and last seq_idx (context_parallel.part_ends) -> ((y, the final state
@@ -64,15 +67,17 @@ def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_sta
             to_end, decays = to_end * in_last[:, None], decays * survives
         finals = backend.weighted_state(x, B, to_end * dt, config=config, interpret=interpret)
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
-    y, final_state, *states = backend.forward(x, dt, cs, B, C, initial_state, doc,
-                                              config=config, save_states=save_states, D=D,
-                                              interpret=interpret)
+    y, final_state = backend.forward(x, dt, cs, B, C, initial_state, doc, config=config, D=D,
+                                     interpret=interpret)
     final_state = final_state[segments - 1::segments]
-    return (y, final_state), (x, dt, cs, B, C, doc, *states, D, decays, ends)
+    # The backward recomputes the per-chunk states from these (backend.chunk_states).
+    return (y, final_state), (x, dt, cs, B, C, initial_state, doc, D, decays, ends)
 
 
 def _core_bwd(backend, config, interpret, segments, residuals, cotangents):
-    x, dt, cs, B, C, doc, states, D, decays, ends = residuals
+    x, dt, cs, B, C, initial_state, doc, D, decays, ends = residuals
+    states = backend.chunk_states(x, dt, cs, B, initial_state, doc, config=config,
+                                  interpret=interpret)
     dy, dfinal = cotangents
     dy, dfinal = dy.astype(x.dtype), dfinal.astype(jnp.float32)
     if segments > 1:
