@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import fallback, hardware
 from pallas_kernels.ssd import ssd, triton, vjp
 from pallas_kernels.ssd.reference import ssd_naive, weighted_state
 
@@ -179,6 +180,22 @@ def test_auto_uses_xla_without_a_gpu():
                        False)
     auto = jax.make_jaxpr(lambda a: ssd(**a, chunk_size=8, implementation="auto"))(args)
     assert "pallas_call" not in str(auto)
+
+
+def test_auto_on_hopper_takes_the_kernels_at_headdim_80_and_says_when_it_does_not(
+        monkeypatch, caplog):
+    """On an H200 (compute capability 9.0, patched in) "auto" runs the kernels at headdim 80;
+    at headdim 24, which they do not take, the XLA path, logged once for that reason."""
+    monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
+    traced = lambda p: str(jax.make_jaxpr(lambda a: ssd(**a, chunk_size=16))(make_inputs(
+        np.random.default_rng(), 1, 16, 1, p, 1, 16, jnp.float32, False, False)))
+    assert "pallas_call" in traced(80)
+    monkeypatch.setattr(fallback, "_said", set())  # what earlier tests had said
+    with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
+        assert "pallas_call" not in traced(24)
+        assert "pallas_call" not in traced(24)
+    said = [r.getMessage() for r in caplog.records if r.name == "pallas_kernels.fallback"]
+    assert len(said) == 1 and all("headdim 24" in m for m in said)
 
 
 @pytest.mark.parametrize("dtype,p", [(jnp.float32, 16), (jnp.bfloat16, 16), (jnp.float32, 80)],
