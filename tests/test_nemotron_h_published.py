@@ -15,12 +15,19 @@ import pytest
 from flax import nnx
 
 import mamba_jax
+from mamba_jax import Mamba2Config
 from mamba_jax.convert import load_config
 from mamba_jax.formats import config_from_nemotron_h
 from mamba_jax.model import Mamba2LM
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nemotron_h_published"
 MODELS = json.loads((FIXTURES / "models.json").read_text())["models"]
+
+
+PRESETS = {"Nemotron-H-4B-Base-8K": "nemotron-h-4b", "Nemotron-H-8B-Base-8K": "nemotron-h-8b",
+           "Nemotron-H-47B-Base-8K": "nemotron-h-47b", "Nemotron-H-56B-Base-8K": "nemotron-h-56b",
+           "NVIDIA-Nemotron-Nano-9B-v2": "nemotron-nano-9b-v2",
+           "NVIDIA-Nemotron-Nano-12B-v2": "nemotron-nano-12b-v2"}
 
 
 def transformers_parameters(c: dict) -> int:
@@ -52,6 +59,7 @@ def published(text: str) -> tuple[float, float]:
 def test_published_config_builds_at_its_real_shape_with_the_published_count(name):
     c = MODELS[name]["config"]
     cfg = config_from_nemotron_h(c)
+    assert Mamba2Config.preset(PRESETS[name]) == cfg  # the preset of the same name
     model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == transformers_parameters(c)
