@@ -115,3 +115,55 @@ def test_save_pretrained_writes_the_fixture_config_back(tmp_path, name):
     ours = json.loads((tmp_path / "config.json").read_text())
     theirs = json.loads((FIXTURES / name / "config.json").read_text())
     assert {f: ours[f] for f in SHAPE_FIELDS} == {f: theirs[f] for f in SHAPE_FIELDS}
+
+
+def test_fields_are_read_as_transformers_reads_them():
+    """Against NemotronHConfig and NemotronHForCausalLM (configuration_nemotron_h.py,
+    modeling_nemotron_h.py): absent head_dim is 128 and absent num_key_value_heads 8 (not
+    hidden_size / heads, nor one per head), null num_key_value_heads is one per head; the
+    legacy mamba_* spelling wins over the new one; expand, time_step_limit,
+    residual_in_fp32, tie_word_embeddings and num_nextn_predict_layers change nothing."""
+    base = {**MODELS["NVIDIA-Nemotron-Nano-9B-v2"]["config"]}
+    del base["head_dim"], base["num_key_value_heads"]
+    cfg = config_from_nemotron_h(base)
+    assert (cfg.attention.head_dim, cfg.attention.num_heads_kv) == (128, 8)
+    assert config_from_nemotron_h({**base, "num_key_value_heads": None}).attention == (
+        cfg.attention.__class__(num_heads=40, num_heads_kv=40, head_dim=128))
+    legacy = config_from_nemotron_h({**base, "mamba_n_groups": 4, "mamba_chunk_size": 64})
+    assert (legacy.mamba2.ngroups, legacy.mamba2.chunk_size) == (4, 64)
+    ignored = config_from_nemotron_h({
+        **base, "expand": 3, "time_step_limit": [0.0, 0.5], "residual_in_fp32": True,
+        "tie_word_embeddings": True, "num_nextn_predict_layers": 1, "attention_bias": True})
+    assert ignored.replace(expand=2) == cfg
+    assert mamba_jax.layers.mamba2.dims(ignored).d_inner == 128 * 80
+    assert cfg.mamba2.dt_limit == (0.001, math.inf) and not cfg.residual_in_fp32
+    assert not cfg.tie_embeddings
+
+
+def test_mtp_tensors_are_skipped_and_a_tied_model_writes_its_head(tmp_path):
+    from mamba_jax.convert import _read_tensors, model_from_params, torch_to_params
+    name = "Nemotron-H-4B-Base-8K"
+    cfg = load_config(FIXTURES / name)[0]
+    tensors = _read_tensors(FIXTURES / name)
+    extra = {**tensors, "mtp.layers.0.mixer.q_proj.weight": np.zeros((4, 4), np.float32)}
+    params = torch_to_params(tensors, cfg, "nemotron_h")
+    assert torch_to_params(extra, cfg, "nemotron_h").keys() == params.keys()
+    # NemotronHForCausalLM never ties: a tied model's head is written as lm_head.weight.
+    del params["lm_head"]
+    tied = model_from_params(cfg.replace(tie_embeddings=True), params)
+    mamba_jax.save_pretrained(tied, tmp_path, format="nemotron_h")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False
+    loaded = mamba_jax.from_pretrained(tmp_path)
+    assert not loaded.config.tie_embeddings
+    np.testing.assert_array_equal(loaded.lm_head[...], tied.embedding[...])
+
+
+@pytest.mark.parametrize("fmt", ["mamba_ssm", "hf"])
+def test_layouts_that_derive_the_mamba_width_refuse_an_independent_one(tmp_path, fmt):
+    cfg = Mamba2Config(d_model=32, n_layer=1, vocab_size=64, mamba2=dict(
+        d_state=16, headdim=16, nheads=6))  # 96 wide, not expand * d_model = 64
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"nheads \* headdim = 6 \* 16 = 96; use "
+                                         r"format='nemotron_h'"):
+        mamba_jax.save_pretrained(model, tmp_path, format=fmt)
