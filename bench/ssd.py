@@ -14,7 +14,7 @@ table: per shape, forward and forward+backward time of each implementation, ours
 achieved TFLOP/s and the floor; then peak temporary memory of forward+backward. Our kernels'
 column is `ssd()` with its defaults (so `segments="auto"`: 8 parts at batch 1 x 65536).
 Variants of them get a column each (time and its ratio to theirs), checked against
-mamba_ssm like the default: --float32-states (the saved states in float32, the default before
+mamba_ssm like the default: --float32-states (the per-chunk states in float32, the default before
 BENCHMARKS.md's measurement) and --segments N (each row scanned in N parts at once,
 `ssd(segments=N)`). --groups and --shapes take a part of the table (a whole run takes
 over 10 minutes: a device call can hold only part of it).
@@ -159,7 +159,7 @@ def main(argv=None):
                              "config ('' the default, 'backward_bc_heads=16,chunk=32' ...), "
                              "instead of the table")
     parser.add_argument("--float32-states", action="store_true",
-                        help="a column for the kernels with float32 saved states")
+                        help="a column for the kernels with float32 per-chunk states")
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--shapes", nargs="+", default=[f"{b}x{l}" for b, l in SHAPES],
                         help="batch x seqlen, e.g. 8x8192")

@@ -78,7 +78,7 @@ GIB = 2**30
 class Steps:
     """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len)."""
 
-    def __init__(self, preset, mesh_spec, remat, loss_chunk):
+    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -88,7 +88,11 @@ class Steps:
         from mamba_jax.model import Mamba2LM
         from mamba_jax.optim import make_optimizer, make_train_step, opt_state_shardings
 
-        self.cfg = cfg = Mamba2Config.preset(preset)
+        cfg = Mamba2Config.preset(preset)
+        if layers:  # the first layers of the preset: the part of a model that fits
+            cfg = cfg.replace(n_layer=layers, layer_pattern=cfg.layers[:layers],
+                              attn_layer_idx=())
+        self.cfg = cfg
         self.mesh_spec, self.loss_chunk = mesh_spec, loss_chunk
         n = math.prod(parallel.parse_mesh_spec(mesh_spec).values())
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
@@ -268,7 +272,7 @@ def child(args):
     """One process's work; reports its results (harness.result)."""
     import jax
 
-    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
+    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers)
     if args.child == "measure":
         result(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
         return
@@ -418,6 +422,8 @@ def row(r, label=None):
 def child_argv(args, kind, mesh, **changes):
     values = dict(preset=args.preset, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
                   steps=args.steps, granule=args.granule, **changes)
+    if args.layers:
+        values["layers"] = args.layers
     if args.limit_gib:
         values["limit_gib"] = args.limit_gib
     flags = ["--breakdown"] if args.breakdown else []
@@ -427,7 +433,9 @@ def child_argv(args, kind, mesh, **changes):
 
 
 def throughput(args):
-    print(f"{args.preset}, bf16 compute, remat {args.remat}; median of {args.steps} steps")
+    part = f" (its first {args.layers} layers)" if args.layers else ""
+    print(f"{args.preset}{part}, bf16 compute, remat {args.remat}; median of {args.steps} "
+          "steps")
     print(row_head(), flush=True)
     base = None
     for mesh, variant in itertools.product(args.meshes, args.xla_variants):
@@ -504,6 +512,9 @@ def main(argv=None):
     p.add_argument("--mesh", default="dp=1")
     p.add_argument("--preset", default="mamba2-1.3b")
     p.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
+    p.add_argument("--layers", type=int, default=None,
+                   help="throughput, longest: the preset's first LAYERS layers only (the "
+                        "largest part of a model that fits the devices)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--remat", default=None)

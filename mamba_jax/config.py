@@ -236,6 +236,22 @@ Mamba2Config.__doc__ = (
 _MEGATRON_HYBRID = dict(vocab_size=256000, pad_vocab_size_multiple=128, tie_embeddings=False)
 _MEGATRON_MAMBA = dict(ngroups=8, chunk_size=128, dt_limit=(0.001, math.inf))
 
+
+def _nemotron_h(d_model, pattern, mamba_heads, attention_heads, mlp, headdim=64, d_state=128):
+    """A published NVIDIA Nemotron-H / Nemotron Nano 2 shape, as formats.config_from_nemotron_h
+    reads its config.json: 131072-token vocabulary unpadded, untied, the residual in the
+    compute dtype; Mamba2 with 8 groups, chunk 128, dt clamped below at dt_min, its width
+    mamba_heads * headdim; GQA with 8 KV heads of 128, no rotary; squared-ReLU MLP."""
+    return Mamba2Config(
+        vocab_size=131072, pad_vocab_size_multiple=1, tie_embeddings=False,
+        residual_in_fp32=False, d_model=d_model, n_layer=len(pattern), layer_pattern=pattern,
+        mamba2=dict(d_state=d_state, headdim=headdim, ngroups=8, chunk_size=128,
+                    dt_limit=(0.001, math.inf),
+                    nheads=None if mamba_heads * headdim == 2 * d_model else mamba_heads),
+        attention=dict(num_heads=attention_heads, num_heads_kv=8, head_dim=128),
+        mlp=dict(d_intermediate=mlp, activation="relu2"))
+
+
 # The published state-spaces/mamba2-* checkpoints: mamba_ssm's Mamba2 defaults (d_state 128,
 # d_conv 4, expand 2, headdim 64, ngroups 1, chunk 256), GPT-NeoX vocabulary padded to 16,
 # tied embeddings.
@@ -255,6 +271,25 @@ PRESETS: dict[str, Mamba2Config] = {
         layer_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
         mamba2=_MEGATRON_MAMBA, attention=dict(num_heads=32, num_heads_kv=8, head_dim=128),
         mlp=dict(d_intermediate=16384, activation="relu2")),
+    # NVIDIA's Nemotron-H Base-8K and Nemotron Nano 2 (their config.json; layer patterns as
+    # Megatron-Bridge's providers spell them). Nano 2's widths are not hidden_size's: 128
+    # Mamba heads of 80 and 40 attention heads of 128 over d_model 4480 (9B).
+    "nemotron-h-4b": _nemotron_h(
+        3072, "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", 112, 32, 12288),
+    "nemotron-h-8b": _nemotron_h(
+        4096, "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", 128, 32, 21504),
+    "nemotron-h-47b": _nemotron_h(
+        8192, "M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-M-M"
+        "---MM---M-M*-M-M-M-M-M-", 256, 64, 30720, d_state=256),
+    "nemotron-h-56b": _nemotron_h(
+        8192, "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-"
+        "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-", 256, 64, 32768, d_state=256),
+    "nemotron-nano-9b-v2": _nemotron_h(
+        4480, "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-", 128, 40, 15680,
+        headdim=80),
+    "nemotron-nano-12b-v2": _nemotron_h(
+        5120, "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-", 128, 40, 20480,
+        headdim=80),
     # Byte-level, small enough to train on a laptop CPU in minutes.
     "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
                          mamba2=dict(d_state=32, headdim=32, chunk_size=64)),

@@ -147,6 +147,8 @@ def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.
     # NemotronH's keys are `model.` in memory (what a state_dict gives) and `backbone.` on disk.
     tensors = {("backbone." + key[6:] if fmt == "nemotron_h" and key.startswith("model.")
                 else key): value for key, value in tensors.items()}
+    if fmt == "nemotron_h":  # multi-token-prediction layers, which transformers skips too
+        tensors = {key: value for key, value in tensors.items() if not key.startswith("mtp.")}
     shapes = param_shapes(cfg)
 
     def take(key, shape):
@@ -187,8 +189,9 @@ def params_to_torch(params: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.n
            "backbone.norm_f.weight": params["norm_f.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = params["lm_head"]
-    elif fmt == "mamba_ssm":
-        # mamba_ssm's state_dict lists the tied head too, and load_state_dict is strict.
+    elif fmt in ("mamba_ssm", "nemotron_h"):
+        # mamba_ssm's state_dict lists the tied head too, and load_state_dict is strict;
+        # NemotronHForCausalLM never ties its head, so it reads it from the file.
         out["lm_head.weight"] = params["embedding"]
     for i, (symbol, (norm_key, dst)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
         out[norm_key] = params[f"layers.{i}.norm.weight"]

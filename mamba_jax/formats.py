@@ -238,13 +238,19 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
 
 
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
-    """A transformers NemotronHConfig dict -> Mamba2Config with a layer_pattern. HF's
-    NemotronH clamps dt below at time_step_min (ignoring time_step_limit), has no rotary
-    embeddings and no attention biases, and its MLP is up -> relu^2 -> down."""
+    """A transformers NemotronHConfig dict -> Mamba2Config with a layer_pattern, every field
+    read as transformers' NemotronHForCausalLM reads it (docs/nemotron_h.md has the table):
+    the Mamba width is mamba_num_heads * mamba_head_dim (expand is not read), the attention
+    width num_attention_heads * head_dim (head_dim defaults to 128, not hidden_size /
+    heads), dt is clamped below at time_step_min whatever time_step_limit says, the residual
+    stays in the compute dtype (residual_in_fp32 is not read), the head is never tied to the
+    embedding (tie_word_embeddings is not read), and multi-token-prediction layers
+    (num_nextn_predict_layers, tensors mtp.*) are not part of the model. The legacy mamba_*
+    spellings of the Mamba fields are taken as NemotronHConfig takes them."""
     _check_fields(d, path, _NEMOTRON_H_FIELDS, ("hidden_size", "vocab_size"))
     _require(d.get("layers_block_type") or "hybrid_override_pattern" in d, path,
              "layers_block_type or hybrid_override_pattern is required")
-    get = lambda key, legacy, default: d.get(key, d.get(legacy, default))
+    get = lambda key, legacy, default: d.get(legacy, d.get(key, default))
     if d.get("layers_block_type"):
         types = d["layers_block_type"]
         unknown = sorted({t for t in types if t not in _NEMOTRON_TYPES})
@@ -257,32 +263,34 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
              "are not supported")
     d_model, expand = d["hidden_size"], get("expand", "mamba_expand", 2)
     heads, headdim = d.get("mamba_num_heads", 128), d.get("mamba_head_dim", 64)
-    _require(heads * headdim == d_model * expand, path,
-             f"mamba_num_heads={heads} * mamba_head_dim={headdim} != hidden_size*expand = "
-             f"{d_model * expand}; only d_ssm = d_inner checkpoints are supported")
     _require(d.get("mamba_hidden_act", "silu") == "silu", path, "mamba_hidden_act must be silu")
     _require(d.get("mlp_hidden_act", "relu2") == "relu2", path, "mlp_hidden_act must be relu2")
     _require(not d.get("mlp_bias", False), path, "mlp_bias=true is not supported")
-    _require(not d.get("num_nextn_predict_layers", 0), path,
-             "multi-token prediction layers (num_nextn_predict_layers) are not supported")
     dt_min = get("time_step_min", "mamba_dt_min", 0.001)
     attn_heads = d.get("num_attention_heads", 32)
     return Mamba2Config.from_dict(dict(
         d_model=d_model, n_layer=len(pattern), layer_pattern=pattern,
         vocab_size=d["vocab_size"], pad_vocab_size_multiple=1,
         d_state=d.get("ssm_state_size", 128), d_conv=get("conv_kernel", "mamba_d_conv", 4),
-        expand=expand, headdim=headdim, ngroups=get("n_groups", "mamba_n_groups", 8),
+        expand=expand, headdim=headdim,
+        # Kept implicit where it is what expand gives, so our configs compare equal.
+        **{"mamba2.nheads": None if heads * headdim == expand * d_model else heads},
+        ngroups=get("n_groups", "mamba_n_groups", 8),
         chunk_size=get("chunk_size", "mamba_chunk_size", 128), dt_min=dt_min,
         dt_max=get("time_step_max", "mamba_dt_max", 0.1),
         dt_init_floor=get("time_step_floor", "mamba_dt_init_floor", 1e-4),
         dt_limit=(dt_min, math.inf), conv_bias=get("use_conv_bias", "mamba_conv_bias", True),
         bias=d.get("use_bias", False), norm_eps=d.get("layer_norm_epsilon", 1e-5),
-        residual_in_fp32=d.get("residual_in_fp32", False),
-        tie_embeddings=d.get("tie_word_embeddings", False),
-        d_intermediate=d.get("intermediate_size", 0) if "-" in pattern else 0,
+        residual_in_fp32=False, tie_embeddings=False,
+        d_intermediate=d.get("intermediate_size", 21504) if "-" in pattern else 0,
         mlp_activation="relu2", attn_num_heads=attn_heads,
-        attn_num_heads_kv=d.get("num_key_value_heads") or attn_heads,
-        attn_head_dim=d.get("head_dim") or d_model // attn_heads))
+        # Absent: NemotronHConfig's default 8; null: one per query head.
+        attn_num_heads_kv=_default(d.get("num_key_value_heads", 8), attn_heads),
+        attn_head_dim=_default(d.get("head_dim", 128), 128)))
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def detect_format(d: dict) -> str:
@@ -311,8 +319,18 @@ def export_format(cfg: Mamba2Config, fmt: str) -> str:
     return "nemotron_h" if fmt == "hf" and set(cfg.layers) != {"M"} else fmt
 
 
+def _derived_width(cfg: Mamba2Config, fmt: str):
+    """Refuse a Mamba width other than expand * d_model where the layout derives it."""
+    d = mamba2.dims(cfg)
+    if d.d_inner != cfg.mamba2.expand * cfg.d_model:
+        raise ValueError(f"format={fmt!r} derives the Mamba width from expand * d_model = "
+                         f"{cfg.mamba2.expand * cfg.d_model}, but mamba2.nheads * headdim = "
+                         f"{d.h} * {d.p} = {d.d_inner}; use format='nemotron_h'")
+
+
 def hf_config_dict(cfg: Mamba2Config) -> dict:
     v, m = cfg.padded_vocab_size, cfg.mamba2
+    _derived_width(cfg, "hf")
     return {
         "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "vocab_size": v,
@@ -342,6 +360,7 @@ def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
     m, a = cfg.mamba2, cfg.attention
+    _derived_width(cfg, "mamba_ssm")
     ssm = {"layer": "Mamba2", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
            "headdim": m.headdim, "ngroups": m.ngroups, "chunk_size": m.chunk_size,
            "dt_min": m.dt_min, "dt_max": m.dt_max, "dt_init_floor": m.dt_init_floor,
@@ -397,7 +416,9 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
         "attention_bias": False, "intermediate_size": cfg.mlp.d_intermediate,
         "mlp_hidden_act": "relu2", "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
         "residual_in_fp32": cfg.residual_in_fp32,
-        "tie_word_embeddings": cfg.tie_embeddings, "rescale_prenorm_residual": False,
+        # NemotronHForCausalLM never ties its head: a tied model is written with its
+        # embedding as lm_head.weight too (convert.params_to_torch).
+        "tie_word_embeddings": False, "rescale_prenorm_residual": False,
         "num_nextn_predict_layers": 0, "dtype": "float32",
     }
 

@@ -9,6 +9,7 @@ from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.generate import (DECODE_COMPILER_OPTIONS, _jit_decode, _prefill, prefill,
                                 prepare, sample_logits)
 from mamba_jax.generate.plan import decode_plan, resolve_implementation
+from pallas_kernels import fallback
 
 
 def compiled():
@@ -174,14 +175,24 @@ def test_the_step_kernels_generate_what_the_xla_step_does(model, batch):
     np.testing.assert_array_equal(ours, mamba_jax.generate(model, prompt, max_new_tokens=6))
 
 
-def test_auto_takes_the_step_kernels_on_a_gpu_only():
+def test_auto_takes_the_step_kernels_on_a_gpu_only(monkeypatch, caplog):
     model = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0)))
     assert resolve_implementation("auto", model, backend="gpu") == "triton"
     assert resolve_implementation("auto", model, backend="cpu") == "xla"
-    # A headdim the step kernel cannot take (not a power of two): XLA's step.
+    # Headdim 80 (Nemotron Nano 2's) runs in blocks of 16: the kernels.
+    nano = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("tiny", d_model=80, headdim=80),
+                                           rngs=nnx.Rngs(0)))
+    assert resolve_implementation("auto", nano, backend="gpu") == "triton"
+    # A headdim the step kernel cannot take (not a multiple of 16): XLA's step, said once.
     odd = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("tiny", d_model=48, headdim=24),
                                           rngs=nnx.Rngs(0)))
-    assert resolve_implementation("auto", odd, backend="gpu") == "xla"
+    monkeypatch.setattr(fallback, "_said", set())  # what earlier tests had said
+    with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
+        assert resolve_implementation("auto", odd, backend="gpu") == "xla"
+        assert resolve_implementation("auto", odd, backend="gpu") == "xla"
+    said = [r.getMessage() for r in caplog.records if r.name == "pallas_kernels.fallback"]
+    assert len(said) == 1 and all("mamba2 step kernels" in m and "headdim=24" in m
+                                  for m in said)
     assert resolve_implementation("triton", model, backend="cpu") == "triton"
     # The plan: every layer fused at batch 1, the step kernel at batch 2, XLA under "xla".
     assert decode_plan(model, 1, "triton").steps == ("fused", "fused")

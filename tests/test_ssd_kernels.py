@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import fallback, hardware
 from pallas_kernels.ssd import ssd, triton, vjp
 from pallas_kernels.ssd.reference import ssd_naive, weighted_state
 
@@ -92,25 +93,31 @@ class BackendCases:
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
     @pytest.mark.parametrize("case", CASES, ids=list(CASES))
     def test_values_and_gradients_match_naive_recurrence(self, case, dtype):
-        b, l, h, p, g, n, with_state, docs = CASES[case]
-        rng = np.random.default_rng()
-        args = make_inputs(rng, b, l, h, p, g, n, dtype, with_state, docs)
-        if self.D_per_channel:
-            args["D"] = jnp.asarray(rng.standard_normal((h, p)), jnp.float32)
-        wy = rng.standard_normal((b, l, h, p))
-        ws = rng.standard_normal((b, h, p, n))
-        ours = values_and_grads(self.run_backend, args, jnp.asarray(wy, jnp.float32),
-                                jnp.asarray(ws, jnp.float32))
-        with jax.enable_x64(True):
-            up = {k: v.astype(jnp.float64) if jnp.issubdtype(v.dtype, jnp.floating) else v
-                  for k, v in args.items()}
-            reference = values_and_grads(
-                lambda **a: ssd_naive(**a, dt_softplus=True), up, jnp.asarray(wy),
-                jnp.asarray(ws))
-        errors = relative_errors(ours, reference)
-        dA = errors.pop("dA")
-        assert dA < DA_TOLERANCE[dtype], (dA, errors)
-        assert max(errors.values()) < TOLERANCE[dtype], errors
+        assert_matches_naive(self.run_backend, CASES[case], dtype, self.D_per_channel)
+
+
+def assert_matches_naive(run, case, dtype, D_per_channel=False):
+    """run(**inputs) -> (y, final_state): values and gradients against the float64 naive
+    recurrence on fresh inputs of case's shapes (CASES' tuples)."""
+    b, l, h, p, g, n, with_state, docs = case
+    rng = np.random.default_rng()
+    args = make_inputs(rng, b, l, h, p, g, n, dtype, with_state, docs)
+    if D_per_channel:
+        args["D"] = jnp.asarray(rng.standard_normal((h, p)), jnp.float32)
+    wy = rng.standard_normal((b, l, h, p))
+    ws = rng.standard_normal((b, h, p, n))
+    ours = values_and_grads(run, args, jnp.asarray(wy, jnp.float32),
+                            jnp.asarray(ws, jnp.float32))
+    with jax.enable_x64(True):
+        up = {k: v.astype(jnp.float64) if jnp.issubdtype(v.dtype, jnp.floating) else v
+              for k, v in args.items()}
+        reference = values_and_grads(
+            lambda **a: ssd_naive(**a, dt_softplus=True), up, jnp.asarray(wy),
+            jnp.asarray(ws))
+    errors = relative_errors(ours, reference)
+    dA = errors.pop("dA")
+    assert dA < DA_TOLERANCE[dtype], (dA, errors)
+    assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
 class TestTriton(BackendCases):
@@ -131,6 +138,32 @@ class TestTritonOtherOptions(BackendCases):
     D_per_channel = True
 
 
+def test_headdim_80_runs_in_power_of_two_blocks():
+    """Nemotron Nano 2's headdim, 80: the forward and both backward kernels walk it in 5
+    blocks of 16 that share one C B^T; values and gradients (the parts' join: below). An initial state, 2 heads in 1 group, 2 kernel chunks."""
+    def run(**args):
+        return vjp.ssd(**args, dt_softplus=True, backend=triton,
+                       config=triton.Config(chunk=16))
+    assert triton.supports(jnp.zeros((1, 1, 2, 80)), jnp.zeros((1, 1, 1, 16)))
+    assert_matches_naive(run, (1, 32, 2, 80, 1, 16, True, False), jnp.float32)
+
+
+@pytest.mark.parametrize("p", [96, 192])
+def test_headdims_96_and_192_run_in_power_of_two_blocks(p):
+    """96 and 192 (3 blocks of 32 and of 64): the forward's y and final state against the
+    naive recurrence, with documents and an initial state (the backward kernels walk the
+    blocks as at headdim 80, above)."""
+    rng = np.random.default_rng()
+    args = make_inputs(rng, 1, 32, 1, p, 1, 16, jnp.float32, True, True)
+    y, s = vjp.ssd(**args, dt_softplus=True, backend=triton, config=triton.Config(chunk=16))
+    with jax.enable_x64(True):
+        up = {k: v.astype(jnp.float64) if jnp.issubdtype(v.dtype, jnp.floating) else v
+              for k, v in args.items()}
+        y_ref, s_ref = ssd_naive(**up, dt_softplus=True)
+    errors = relative_errors({"y": y, "s": s}, {"y": y_ref, "s": s_ref})
+    assert max(errors.values()) < TOLERANCE[jnp.float32], errors
+
+
 def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
     rng = np.random.default_rng()
     args = make_inputs(rng, 2, 150, 4, 16, 2, 16, jnp.float32, True, True)
@@ -149,12 +182,30 @@ def test_auto_uses_xla_without_a_gpu():
     assert "pallas_call" not in str(auto)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_weighted_state_kernel_matches_the_reference(dtype):
+def test_auto_on_hopper_takes_the_kernels_at_headdim_80_and_says_when_it_does_not(
+        monkeypatch, caplog):
+    """On an H200 (compute capability 9.0, patched in) "auto" runs the kernels at headdim 80;
+    at headdim 24, which they do not take, the XLA path, logged once for that reason."""
+    monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
+    traced = lambda p: str(jax.make_jaxpr(lambda a: ssd(**a, chunk_size=16))(make_inputs(
+        np.random.default_rng(), 1, 16, 1, p, 1, 16, jnp.float32, False, False)))
+    assert "pallas_call" in traced(80)
+    monkeypatch.setattr(fallback, "_said", set())  # what earlier tests had said
+    with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
+        assert "pallas_call" not in traced(24)
+        assert "pallas_call" not in traced(24)
+    said = [r.getMessage() for r in caplog.records if r.name == "pallas_kernels.fallback"]
+    assert len(said) == 1 and all("headdim 24" in m for m in said)
+
+
+@pytest.mark.parametrize("dtype,p", [(jnp.float32, 16), (jnp.bfloat16, 16), (jnp.float32, 80)],
+                         ids=["fp32", "bf16", "fp32-headdim80"])
+def test_weighted_state_kernel_matches_the_reference(dtype, p):
     # The join of a row's parts (vjp.py): 2 rows of 48 positions (3 kernel chunks of 16), 4
     # heads in 2 groups; the same rounding of the weighted x as reference.weighted_state.
+    # Headdim 80: 5 blocks of 16.
     rng = np.random.default_rng()
-    rows, l, h, p, g, n = 2, 48, 4, 16, 2, 32
+    rows, l, h, g, n = 2, 48, 4, 2, 32
     x = jnp.asarray(rng.standard_normal((rows, l, h, p)), dtype)
     B = jnp.asarray(rng.standard_normal((rows, l, g, n)), dtype)
     weights = jnp.asarray(rng.uniform(0, 1, (rows, h, l)), jnp.float32)

@@ -99,6 +99,30 @@ def test_tiles_split_or_join_the_headdim_to_the_same_values(block_p):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("p", [80, 96, 192])
+def test_headdims_that_are_no_power_of_two_run_in_power_of_two_blocks(p):
+    """80 (Nemotron Nano 2's), 96 and 192: each head's rows in programs of 16, 32 and 64
+    (the largest power of two dividing p); the step, then (at 80) the rest of the block
+    after it as the fused step runs it (the step kernel and the norm-matmul kernel over
+    out_proj's k = h * p inputs), against the reference: the same float32 arithmetic, 1e-5
+    of the largest value."""
+    rng = np.random.default_rng()  # fresh inputs every run
+    args = _inputs(rng, b=2, h=2, p=p, g=1, n=16, k=4, window_dtype=jnp.float32,
+                   state_dtype=jnp.float32, bias=True)
+    got, want = (mamba_step(**args, implementation=i) for i in ("triton", "xla"))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+    if p != 80:
+        return
+    window = args.pop("conv_state")
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    out_args = dict(residual=arr(2, 8), norm_weight=arr(2 * p), w_out=arr(8, 2 * p) / p)
+    got, want = (mamba_step_out(window, **args, **out_args, eps=1e-5, ngroups=1,
+                                implementation=i)[:2] for i in ("triton", "xla"))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+
 @pytest.mark.parametrize("norm_groups,bias", [(1, False), (2, True)])
 def test_cooperative_kernel_computes_the_two_kernels_values(norm_groups, bias):
     """mamba_step_out's cooperative kernel (the step, a grid-wide barrier, then out_proj, per
@@ -152,7 +176,7 @@ def test_unsupported_shapes_and_names_are_refused():
     rng = np.random.default_rng(0)
     args = _inputs(rng, b=1, h=2, p=12, g=1, n=16, k=4, window_dtype=jnp.float32,
                    state_dtype=jnp.float32, bias=True)
-    with pytest.raises(ValueError, match="headdim, d_state and d_conv powers of two"):
+    with pytest.raises(ValueError, match="headdim divisible by 16 and d_state, d_conv powers"):
         mamba_step(**args, implementation="triton")
     with pytest.raises(ValueError, match="implementation='cuda'"):
         mamba_step(**args, implementation="cuda")

@@ -17,6 +17,8 @@ import dataclasses
 
 import jax
 
+from pallas_kernels import fallback
+
 STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 # The largest batch whose step runs its layers "fused" under "triton" (larger batches take
 # the step kernels alone between XLA's projections). Measured on an H200 (BENCHMARKS.md): at
@@ -46,9 +48,14 @@ def resolve_implementation(implementation: str, model, backend: str | None = Non
     if implementation != "auto":
         return implementation
     kinds = {type(layer.mixer) for layer in model.layers}
-    on_gpu = (backend or jax.default_backend()) == "gpu"
-    return ("triton" if on_gpu and all(k.kernels_support(model.config) for k in kinds)
-            else "xla")
+    if (backend or jax.default_backend()) != "gpu":
+        return "xla"
+    refused = sorted(k.name for k in kinds if not k.kernels_support(model.config))
+    if refused:  # the kernels would be faster here: say why they do not run
+        fallback.log_once("decode step", f"the {', '.join(refused)} step kernels do not take "
+                          f"this model's shapes ({', '.join(repr(getattr(model.config, n)) for n in refused)})")
+        return "xla"
+    return "triton"
 
 
 def decode_plan(model, batch_size: int, implementation: str = "auto",

@@ -56,6 +56,10 @@ class Mamba2Section:
     A_init_range: tuple[float, float] = (1.0, 16.0)
     conv_bias: bool = True
     bias: bool = False
+    # The number of heads; None: expand * d_model / headdim (mamba_ssm's). Set, the layer's
+    # width h * headdim is independent of expand * d_model, as NemotronH's mamba_num_heads *
+    # mamba_head_dim (Nemotron Nano 2's 128 heads of 80 over d_model 4480).
+    nheads: int | None = None
 
     def __post_init__(self):
         # Lists from JSON become tuples, so configs stay hashable and compare equal.
@@ -78,9 +82,10 @@ class Dims(NamedTuple):
 
 def dims(cfg) -> Dims:
     m = cfg.mamba2
-    d_inner = m.expand * cfg.d_model
-    return Dims(cfg.d_model, d_inner, d_inner // m.headdim, m.headdim, m.ngroups, m.d_state,
-                m.d_conv, d_inner + 2 * m.ngroups * m.d_state)
+    h = m.expand * cfg.d_model // m.headdim if m.nheads is None else m.nheads
+    d_inner = h * m.headdim
+    return Dims(cfg.d_model, d_inner, h, m.headdim, m.ngroups, m.d_state, m.d_conv,
+                d_inner + 2 * m.ngroups * m.d_state)
 
 
 class MambaCache(NamedTuple):
@@ -391,19 +396,25 @@ class Mamba2Mixer(Mixer):
         if len(m.A_init_range) != 2 or not 0.0 < m.A_init_range[0] <= m.A_init_range[1]:
             raise ValueError(f"Mamba2Config.mamba2.A_init_range={m.A_init_range} must be "
                              "(lo, hi) with 0 < lo <= hi")
+        if m.nheads is not None and (not isinstance(m.nheads, int) or isinstance(m.nheads, bool)
+                                     or m.nheads <= 0):
+            raise ValueError(f"Mamba2Config.mamba2.nheads={m.nheads!r} must be a positive "
+                             "integer, or None for expand * d_model / headdim")
         d_inner = m.expand * cfg.d_model
-        if d_inner % m.headdim:
+        if m.nheads is None and d_inner % m.headdim:
             divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
             nearby = [v for v in divisors if m.headdim // 2 <= v <= m.headdim * 2]
             raise ValueError(
                 f"Mamba2Config: d_model*mamba2.expand = {cfg.d_model}*{m.expand} = {d_inner} "
                 f"is not divisible by mamba2.headdim={m.headdim}; choose headdim among "
                 f"{nearby} or change d_model/expand")
-        nheads = d_inner // m.headdim
+        nheads = dims(cfg).h
         if nheads % m.ngroups:
             divisors = [v for v in range(1, nheads + 1) if nheads % v == 0]
             raise ValueError(
-                f"Mamba2Config: nheads = d_inner/headdim = {nheads} is not divisible by "
+                f"Mamba2Config: nheads = "
+                f"{'d_inner/headdim' if m.nheads is None else 'mamba2.nheads'} = {nheads} "
+                "is not divisible by "
                 f"mamba2.ngroups={m.ngroups}; choose ngroups among {divisors}")
 
     @classmethod

@@ -12,8 +12,10 @@ used in float32. y has x's dtype; final_state is float32.
 `implementation`: "xla" (the chunked pure-JAX form, any platform), "triton" (Pallas kernels
 lowered through Triton, triton.py; on a machine without a GPU they run in Pallas's
 interpreter) or "auto" (the fastest implementation that supports the current device: "triton"
-on Hopper GPUs, where it was measured faster (BENCHMARKS.md), for power-of-two headdim and
-d_state >= 16 and float32/bfloat16 inputs; "xla" elsewhere).
+on Hopper GPUs, where it was measured faster (BENCHMARKS.md), for a headdim divisible by 16
+(80, 96 and 192 in power-of-two blocks), a power-of-two d_state >= 16 and float32/bfloat16
+inputs; "xla" elsewhere. On a Hopper GPU a shape or dtype the kernels do not take is logged
+once, pallas_kernels.fallback, never a silent slow path).
 
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
 (context parallelism), each device passes its part and the scan carries the state across
@@ -39,7 +41,7 @@ import math
 
 import jax.numpy as jnp
 
-from pallas_kernels import hardware
+from pallas_kernels import fallback, hardware
 from pallas_kernels.ssd import reference, triton, vjp
 from pallas_kernels.ssd.context_parallel import ssd_context_parallel, ssd_segmented
 from pallas_kernels.ssd.reference import document_ids, process_dt
@@ -102,8 +104,17 @@ def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, **options):
 def _triton_is_faster(x, B):
     # Measured on an H200 only (compute capability 9.0); other GPUs keep the XLA path.
     capability = hardware.compute_capability()
-    return (capability is not None and capability >= 9.0
-            and x.dtype in (jnp.float32, jnp.bfloat16) and triton.supports(x, B))
+    if capability is None or capability < 9.0:
+        return False
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        fallback.log_once("ssd", f"x is {x.dtype} (the kernels take float32 and bfloat16)")
+        return False
+    if not triton.supports(x, B):
+        fallback.log_once("ssd", f"headdim {x.shape[-1]} and d_state {B.shape[-1]} (the "
+                          "kernels take a headdim divisible by 16 and a power-of-two "
+                          "d_state >= 16)")
+        return False
+    return True
 
 
 def _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx):

@@ -115,15 +115,15 @@ def _check(conv_state, state, implementation):
                          f"{IMPLEMENTATIONS}")
     if implementation == "triton" and not supports(state.shape[2], state.shape[3],
                                                    conv_state.shape[2]):
-        raise ValueError(f"mamba_step: implementation='triton' needs headdim, d_state and "
-                         f"d_conv powers of two (headdim, d_state >= 16); got state "
+        raise ValueError(f"mamba_step: implementation='triton' needs a headdim divisible by "
+                         f"16 and d_state, d_conv powers of two (d_state >= 16); got state "
                          f"{state.shape}, conv_state {conv_state.shape}: use 'xla'")
 
 
 def supports(p, n, k):
-    """Whether the kernel takes headdim p, d_state n and d_conv k (its loads are power-of-two
-    blocks)."""
-    return all(v & (v - 1) == 0 for v in (p, n, k)) and min(p, n) >= 16
+    """Whether the kernel takes headdim p, d_state n and d_conv k: its loads are power-of-two
+    blocks, of headdim a power of two >= 16 dividing it (80: 16, 96: 32, 192: 64)."""
+    return p % 16 == 0 and all(v & (v - 1) == 0 for v in (n, k)) and n >= 16
 
 
 def reference(conv_state, xBC_in, conv_w, conv_b, dt, A, D, dt_bias, state, *,
@@ -247,8 +247,11 @@ def filled_blocks(blocks, b, h, p, n):
     """(block_p, warps) of the step kernel: Blocks with its Nones filled."""
     # Heads' headdim split over programs until there are about two waves of them over the
     # SMs (a batch-1 step has only h programs otherwise), down to 16 rows each.
+    # A headdim that is no power of two (80, 96, 192) is split into its largest power-of-two
+    # divisor: each program still reads its rows of the state once.
     waves = hardware.two_waves() / (b * h)
-    bp = blocks.block_p or p // min(p // 16, 1 << max(0, math.ceil(math.log2(waves))))
+    target = p // min(p // 16, 1 << max(0, math.ceil(math.log2(waves))))
+    bp = blocks.block_p or min(1 << (target.bit_length() - 1), p & -p)
     if bp & (bp - 1) or p % bp:
         raise ValueError(f"mamba_step: Blocks(block_p={bp}) must be a power of two dividing "
                          f"headdim {p}")

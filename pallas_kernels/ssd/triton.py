@@ -50,7 +50,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots for float32 inputs (no
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Tiles and launch shapes. `chunk` (t) and `block_p` (bp) must be powers of two >= 16."""
+    """Tiles and launch shapes. `chunk` (t) must be a power of two >= 16; `block_p` (bp) a
+    divisor of headdim (its power-of-two blocks, _sub_block, must be >= 16 on a GPU)."""
     chunk: int = 64
     block_p: int | None = None  # None: the whole headdim, split in two when b*h is small
     forward_warps: int = 4
@@ -75,18 +76,26 @@ class Config:
 
 
 def supports(x, B):
-    """Whether these kernels take the shapes: headdim and d_state powers of two >= 16."""
+    """Whether these kernels take the shapes: headdim a multiple of 16 (processed in
+    power-of-two blocks, _sub_blocks) and d_state a power of two >= 16."""
     p, n = x.shape[-1], B.shape[-1]
-    return all(d >= 16 and d & (d - 1) == 0 for d in (p, n))
+    return p % 16 == 0 and n >= 16 and n & (n - 1) == 0
 
 
 def _block_p(config, b, h, p):
+    """The headdim columns of one program: p, or a divisor of it (processed in blocks of
+    _sub_block(bp))."""
     if config.block_p is not None:
-        return min(config.block_p, p)
+        bp = min(config.block_p, p)
+        if p % bp:
+            raise ValueError(f"ssd: Config.block_p={config.block_p} must divide headdim {p}")
+        return bp
     # Fewer (batch, head) programs than about two waves of the multiprocessors leaves the
     # GPU half idle; halving headdim doubles the programs at the cost of recomputing C B^T
     # once more.
-    return p // 2 if b * h < hardware.two_waves() and p >= 32 else p
+    half = p // 2
+    few = b * h < hardware.two_waves()
+    return half if few and half >= 16 and half % _sub_block(p) == 0 else p
 
 
 def _dot(a, b, contract=(1, 0)):
@@ -129,105 +138,120 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
     return within_decay, from_entry, to_end, across
 
 
-def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, has_doc,
+def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, has_doc,
                     has_D):
     D_ref, rest = _split_optional(rest, has_D)
     doc_ref, (y_ref, final_ref) = _split_optional(rest, has_doc)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, None, t=t, r=r,
-                 bp=bp, read_out=(C_ref, D_ref, y_ref))
+                 bp=bp, bs=bs, read_out=(C_ref, D_ref, y_ref))
 
 
-def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, has_doc):
+def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc):
     doc_ref, (final_ref, states_ref) = _split_optional(rest, has_doc)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, states_ref,
-                 t=t, r=r, bp=bp, read_out=None)
+                 t=t, r=r, bp=bp, bs=bs, read_out=None)
 
 
 def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, states_ref, *, t,
-                 r, bp, read_out):
+                 r, bp, bs, read_out):
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
-    [bp, n] in registers, writing the final state and, given states_ref, the state entering
-    each chunk. read_out (C_ref, D_ref or None, y_ref) also computes y; without it the walk
-    reads only x and B (the backward's recomputation of the states)."""
+    [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
+    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, y_ref)
+    also computes y; without it the walk reads only x and B (the backward's recomputation
+    of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
-    if read_out is not None:
-        C_ref, D_ref, y_ref = read_out
-        D = None if D_ref is None else D_ref[hi, ps]  # [bp] float32
+    gi, dtype = hi // r, x_ref.dtype
+    cols = _sub_blocks(pi * bp, bp, bs)
 
-    def body(k, state):  # state [bp, n]: the state entering chunk k
+    def body(k, states):  # states: per sub-block [bs, n], the state entering chunk k
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
-        x = x_ref[bi, ts, hi, ps]
         Bk = B_ref[bi, ts, gi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
-        if states_ref is not None:
-            states_ref[bi, k, hi, ps, :] = state.astype(states_ref.dtype)
-        if read_out is not None:
+        if read_out is not None:  # C B^T once for all of the program's columns
+            C_ref, D_ref, y_ref = read_out
             Ck = C_ref[bi, ts, gi, :]
-            scores = _dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]  # [t, s]
-            y = _dot(scores.astype(dtype), x)
-            y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
-            if D is not None:  # the skip, here rather than an XLA pass over y and x after
-                y = y + D[None, :] * x.astype(jnp.float32)
-            y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
-        return state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0))
+            scores = (_dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]).astype(dtype)
+        leaving = []
+        for ps, state in zip(cols, states):
+            x = x_ref[bi, ts, hi, ps]
+            if states_ref is not None:
+                states_ref[bi, k, hi, ps, :] = state.astype(states_ref.dtype)
+            if read_out is not None:
+                y = _dot(scores, x)
+                y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
+                if D_ref is not None:  # the skip, here rather than an XLA pass over y and x
+                    y = y + D_ref[hi, ps][None, :] * x.astype(jnp.float32)
+                y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
+            leaving.append(state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0)))
+        return tuple(leaving)
 
-    final_ref[bi, hi, ps, :] = jax.lax.fori_loop(0, x_ref.shape[1] // t, body,
-                                                 init_ref[bi, hi, ps, :])
+    finals = jax.lax.fori_loop(0, x_ref.shape[1] // t, body,
+                               tuple(init_ref[bi, hi, ps, :] for ps in cols))
+    for ps, final in zip(cols, finals):
+        final_ref[bi, hi, ps, :] = final
 
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
-                           r, bp, has_doc, has_D):
+                           r, bp, bs, has_doc, has_D):
     D_ref, rest = _split_optional(rest, has_D)
     doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = _split_optional(
         rest, has_doc)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gi, ps, dtype = hi // r, pl.ds(pi * bp, bp), x_ref.dtype
+    gi, dtype = hi // r, x_ref.dtype
+    cols = _sub_blocks(pi * bp, bp, bs)
     nchunks = x_ref.shape[1] // t
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
 
     def body(i, carry):
-        dstate, dD = carry  # dstate [bp, n]: gradient of the state leaving chunk k; dD [bp]
+        # per sub-block: dstate [bs, n], the gradient of the state leaving chunk k; dD [bs]
+        dstates, dDs = carry
         k = nchunks - 1 - i
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
-        dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
-        x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
         Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         # y_t = sum_s CB_ts decay_ts dt_s x_s + ...; leaving state = sum_s to_end_s dt_s x_s B_s^T
-        scores = _dot(Ck, Bk, (1, 1)) * within_decay  # [t, s]
-        dx_state = to_end[:, None] * _dot(Bk, dstate.astype(dtype), (1, 1))  # [s, bp]
-        dx_dt = _dot(scores.astype(dtype), dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
-        xf = x.astype(jnp.float32)
-        dx = dx_dt * dt[:, None]
-        if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
-            dyf = dy.astype(jnp.float32)
-            dx = dx + D_ref[hi, ps][None, :] * dyf
-            dD = dD + jnp.sum(xf * dyf, axis=0)
-        dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
-        ddt_ref[pi, bi, hi, ts] = jnp.sum(xf * dx_dt, axis=1)
+        scores = (_dot(Ck, Bk, (1, 1)) * within_decay).astype(dtype)  # [t, s]
+        ddt, via_end, entering, new_dD = 0.0, 0.0, [], []
+        for ps, dstate, dD in zip(cols, dstates, dDs):
+            dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
+            x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
+            dx_state = to_end[:, None] * _dot(Bk, dstate.astype(dtype), (1, 1))  # [s, bs]
+            dx_dt = _dot(scores, dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
+            xf = x.astype(jnp.float32)
+            dx = dx_dt * dt[:, None]
+            if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
+                dyf = dy.astype(jnp.float32)
+                dx = dx + D_ref[hi, ps][None, :] * dyf
+                dD = dD + jnp.sum(xf * dyf, axis=0)
+            dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
+            ddt = ddt + jnp.sum(xf * dx_dt, axis=1)
+            via_end = via_end + dt * jnp.sum(xf * dx_state, axis=1)
+            entering.append(dstate * across + _dot(_weighted(dy, from_entry), Ck, (0, 0)))
+            new_dD.append(dD)
+        ddt_ref[pi, bi, hi, ts] = ddt
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
-        via_end = dt * jnp.sum(xf * dx_state, axis=1)
         dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
-        return dstate * across + _dot(_weighted(dy, from_entry), Ck, (0, 0)), dD
+        return tuple(entering), tuple(new_dD)
 
-    dinit, dD = jax.lax.fori_loop(0, nchunks, body, (dfinal_ref[bi, hi, ps, :],
-                                                      jnp.zeros((bp,), jnp.float32)))
-    dinit_ref[bi, hi, ps, :] = dinit
-    if has_D:
-        dD_ref[0][bi, hi, ps] = dD
+    dinits, dDs = jax.lax.fori_loop(0, nchunks, body, (
+        tuple(dfinal_ref[bi, hi, ps, :] for ps in cols),
+        tuple(jnp.zeros((bs,), jnp.float32) for _ in cols)))
+    for ps, dinit, dD in zip(cols, dinits, dDs):
+        dinit_ref[bi, hi, ps, :] = dinit
+        if has_D:
+            dD_ref[0][bi, hi, ps] = dD
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
-                        *rest, t, r, heads, has_doc):
+                        *rest, t, r, heads, bs, has_doc):
     doc_ref, (dB_ref, dC_ref, dcs_ref) = _split_optional(rest, has_doc)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = r // heads  # programs per group
@@ -240,30 +264,36 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
     n = Bk.shape[-1]
+    cols = _sub_blocks(0, x_ref.shape[-1], bs)
 
     def head(j, carry):
         dS, dB, dC = carry
         hi = gi * r + qi * heads + j
-        x, dy = x_ref[bi, ts, hi, :], dy_ref[bi, ts, hi, :]
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
-        state = states_ref[bi, k, hi].astype(jnp.float32)  # entering the chunk
-        dstate = dstates_ref[bi, k, hi].astype(jnp.float32)  # gradient of the leaving one
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         # dscores_ts = d y / d CB_ts, already weighted by decay and dt. The heads of a group
         # share B and C, so their dscores are summed first and meet B and C once, after the
-        # loop: dC += dS B, dB += dS^T C.
-        dscores = _dot(dy, x, (1, 1)) * within_decay * dt[None, :]  # [t, s]
-        dy_state = _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy_tp state_pn
+        # loop: dC += dS B, dB += dS^T C. The headdim's sub-blocks each add their share of
+        # the contractions over it.
+        dy_x, dy_state, state_dstate = 0.0, 0.0, 0.0
+        for ps in cols:
+            x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
+            state = states_ref[bi, k, hi, ps, :].astype(jnp.float32)  # entering the chunk
+            dstate = dstates_ref[bi, k, hi, ps, :].astype(jnp.float32)  # of the leaving one
+            dy_x = dy_x + _dot(dy, x, (1, 1))  # [t, s]
+            dy_state = dy_state + _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy state
+            dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
+            state_dstate = state_dstate + jnp.sum(dstate * state)
+        dscores = dy_x * within_decay * dt[None, :]
         dC = dC + from_entry[:, None] * dy_state
-        dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
         # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
         # dy_state_t; the decay across the chunk gives <dstate, state> at the last position.
         z = CB * dscores
         dcs = (jnp.sum(z, axis=1) - jnp.sum(z, axis=0)
                + from_entry * jnp.sum(Ck.astype(jnp.float32) * dy_state, axis=1)
-               + jnp.where(last, across * jnp.sum(dstate * state), 0.0))
+               + jnp.where(last, across * state_dstate, 0.0))
         dcs_ref[bi, hi, ts] = dcs
         return dS + dscores, dB, dC
 
@@ -275,18 +305,35 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     dC_ref[qi, bi, ts, gi, :] = dC + _dot(dS, Bk)
 
 
-def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r):
+def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r, bs):
     bi, hi = pl.program_id(0), pl.program_id(1)
     gi = hi // r
+    cols = _sub_blocks(0, x_ref.shape[-1], bs)
 
-    def body(k, acc):  # acc [p, n]
+    def body(k, accs):  # per sub-block [bs, n]
         ts = pl.ds(pl.multiple_of(k * t, t), t)
-        xw = _weighted(x_ref[bi, ts, hi, :], weights_ref[bi, hi, ts])
-        return acc + _dot(xw, B_ref[bi, ts, gi, :], (0, 0))
+        Bk, weights = B_ref[bi, ts, gi, :], weights_ref[bi, hi, ts]
+        return tuple(acc + _dot(_weighted(x_ref[bi, ts, hi, ps], weights), Bk, (0, 0))
+                     for ps, acc in zip(cols, accs))
 
-    out_ref[bi, hi] = jax.lax.fori_loop(
-        0, x_ref.shape[1] // t, body,
-        jnp.zeros((x_ref.shape[-1], B_ref.shape[-1]), jnp.float32))
+    zeros = jnp.zeros((bs, B_ref.shape[-1]), jnp.float32)
+    accs = jax.lax.fori_loop(0, x_ref.shape[1] // t, body, tuple(zeros for _ in cols))
+    for ps, acc in zip(cols, accs):
+        out_ref[bi, hi, ps, :] = acc
+
+
+def _sub_blocks(start, width, bs):
+    """The headdim columns [start, start + width) as slices of bs (a power of two dividing
+    width): a headdim that is no power of two (80, 96, 192) is handled as several
+    power-of-two blocks, the block shapes Triton takes, with what they share (C B^T, the
+    decays) computed once."""
+    return [pl.ds(start + j * bs, bs) for j in range(width // bs)]
+
+
+def _sub_block(p):
+    """The widest power-of-two block of a headdim p: p itself, or its largest power-of-two
+    divisor (16 for 80, 32 for 96, 64 for 192)."""
+    return p & -p
 
 
 def _split_optional(refs, present):
@@ -314,7 +361,7 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, interpret=Fa
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
-                               has_doc=doc is not None, has_D=D is not None)
+                               bs=_sub_block(bp), has_doc=doc is not None, has_D=D is not None)
     args = (x, dt, cs, B, C, initial_state) + _present(D, doc)
     return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
                  config.forward_stages, interpret, "ssd_forward")(*args)
@@ -329,7 +376,7 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, interpret=False):
     g, n = B.shape[2:]
     t = config.chunk
     bp = _block_p(config, b, h, p)
-    kernel = functools.partial(_chunk_states_kernel, t=t, r=h // g, bp=bp,
+    kernel = functools.partial(_chunk_states_kernel, t=t, r=h // g, bp=bp, bs=_sub_block(bp),
                                has_doc=doc is not None)
     out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
                  jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x))]
@@ -349,7 +396,7 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interp
     r = h // g
     bp = _block_p(config, b, h, p)
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp,
+    kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
                                has_doc=doc is not None, has_D=D is not None)
     dx, ddt, dcs_end, dstates, dinit, *dD = _call(
         kernel, (b, h, p // bp),
@@ -362,7 +409,7 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interp
     if r % heads:
         raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
                          f"group, {r}")
-    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, heads=heads,
+    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, heads=heads, bs=_sub_block(p),
                                has_doc=doc is not None)
     dB, dC, dcs = _call(
         kernel, (b, l // t, g * (r // heads)),
@@ -381,7 +428,8 @@ def weighted_state(x, B, weights, *, config, interpret=False):
     never in memory: in XLA it was a pass writing it, then the matmul reading it back."""
     rows, _, h, p = x.shape
     g, n = B.shape[2:]
-    kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g)
+    kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g,
+                               bs=_sub_block(p))
     return _call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
                  config.forward_warps, config.forward_stages, interpret,
                  "ssd_weighted_state")(x, B, weights)[0]
