@@ -126,6 +126,21 @@ _KEYS = {"in_proj.weight": Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_pr
          "out_proj.weight": Linear("out_proj", inputs=2), "out_proj.bias": Flat("out_bias")}
 
 
+def _conv_x_B_C(xBC, w, bias, doc, *, length, x_shape, B_shape, heads, ngroups, ctx):
+    """The causal conv and SiLU over xBC [b, width + length, e] (the previous device's last
+    `width` inputs first under cp) with w [k, e], bias [e] or None and doc [b, width +
+    length] (document ids) or None -> x [b, length, *x_shape], B, C [b, length, *B_shape]:
+    this rank's heads and the groups they read."""
+    out = causal_conv1d(xBC, w, bias, doc)[:, -length:]
+    x, B, C = jnp.split(out, [math.prod(x_shape), math.prod(x_shape) + math.prod(B_shape)],
+                        axis=-1)
+    x = x.reshape(*x.shape[:-1], *x_shape)
+    B, C = (t.reshape(*t.shape[:-1], *B_shape) for t in (B, C))
+    if ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
+        B, C = (groups_of_local_heads(t, heads, ngroups, ctx) for t in (B, C))
+    return x, B, C
+
+
 class Mamba2Mixer(Mixer):
     """The Mamba2 mixer. Parameters are float32; `dtype` is the compute dtype of the matmuls,
     the conv and the SSD operands; dt, A, D and the SSM state stay float32."""
@@ -190,11 +205,8 @@ class Mamba2Mixer(Mixer):
         a MambaCache or None). seq_idx [b, l]: packed documents; the conv and the SSM state
         restart where it changes."""
         z, xBC_in, dt = self.project(u)
-        x, B, C = self.conv(xBC_in, seq_idx, ctx)
         m = self.cfg.mamba2
-        if m.ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
-            B, C = (groups_of_local_heads(t, dims(self.cfg).h, m.ngroups, ctx) for t in (B, C))
-        y, ssm_state = self.scan(x, dt, B, C, seq_idx, ctx)
+        y, ssm_state = self.conv_and_scan(xBC_in, dt, seq_idx, ctx)
         out = self.gated_out_proj(y, z, ctx)
         if cache_len is None:
             return out, None
@@ -251,31 +263,32 @@ class Mamba2Mixer(Mixer):
         return w, jnp.concatenate([b[...].reshape(-1) for b in
                                    (self.x_conv_bias, self.B_conv_bias, self.C_conv_bias)])
 
-    def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
-        """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]
-        (this rank's heads and groups: the split follows the conv weights' shapes). Under
-        cp the first d_conv - 1 outputs read the previous device's last inputs, with their
-        seq_idx, so that no tap reads across a document start."""
+    def conv_and_scan(self, xBC, dt, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
+        """The causal conv and SiLU over xBC [b, l, e], then the SSD with D skip over its x
+        [b, l, h, p], B, C [b, l, g, n] and dt [b, l, h] (before bias and softplus) -> (y
+        [b, l, h, p], final state [b, h, p, n] float32).
+
+        The conv runs inside the scan's custom_vjp where the kernels run
+        (pallas_kernels.ssd's `inputs`): the backward pass recomputes x, B, C from xBC, which
+        out of the three it keeps, as mamba_ssm's fused path does. Under cp the first
+        d_conv - 1 outputs read the previous device's last inputs, with their seq_idx, so
+        that no tap reads across a document start, and the scan carries the state across the
+        devices. Under tp, a rank whose heads share groups that tp does not divide takes the
+        groups its heads read."""
+        m = self.cfg.mamba2
         w, bias = self._conv_params()
-        width, l = self.cfg.mamba2.d_conv - 1, xBC.shape[1]
+        width = m.d_conv - 1
         doc = None
         if seq_idx is not None:
             doc = document_ids(ctx.with_previous_tokens(seq_idx, width))
-        out = causal_conv1d(ctx.with_previous_tokens(xBC, width), w, bias, doc)[:, -l:]
-        (_, h, p), (_, g, n) = self.x_conv.shape, self.B_conv.shape
-        x, B, C = jnp.split(out, [h * p, h * p + g * n], axis=-1)
-        return x.reshape(*x.shape[:-1], h, p), B.reshape(*B.shape[:-1], g, n), \
-            C.reshape(*C.shape[:-1], g, n)
-
-    def scan(self, x, dt, B, C, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
-        """The SSD with D skip: x [b, l, h, p], dt [b, l, h] (before bias and softplus),
-        B, C [b, l, g, n] -> (y [b, l, h, p], final state [b, h, p, n] float32). Under cp
-        the state is carried across the devices (pallas_kernels.ssd)."""
-        m = self.cfg.mamba2
-        return ssd(x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=m.chunk_size,
+        conv = functools.partial(_conv_x_B_C, length=xBC.shape[1],
+                                 x_shape=self.x_conv.shape[1:], B_shape=self.B_conv.shape[1:],
+                                 heads=dims(self.cfg).h, ngroups=m.ngroups, ctx=ctx)
+        return ssd(None, dt, -jnp.exp(self.A_log[...]), None, None, chunk_size=m.chunk_size,
                    D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
                    dt_limit=m.dt_limit, seq_idx=seq_idx, return_final_state=True,
-                   sequence_axis=ctx.sequence_axis)
+                   sequence_axis=ctx.sequence_axis,
+                   inputs=(conv, (ctx.with_previous_tokens(xBC, width), w, bias, doc)))
 
     def gated_out_proj(self, y, z, ctx: ParallelContext = SINGLE_DEVICE):
         """The gated norm and out_proj: y, z [b, l, h, p] -> [b, l, d] float32 (this rank's

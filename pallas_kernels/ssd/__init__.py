@@ -32,6 +32,11 @@ each row whole. "auto" (the default, `auto_segments`): 8 where the kernels run, 
 heads x 8 is at most 512 programs and each part keeps at least 8192 tokens, else 1:
 measured on an H200 at batch 1 x 65536 x 64 heads, 8 parts took 0.63-0.68x the whole row's
 time, and at batch 8 (512 rows) parts took 1.2-1.8x (BENCHMARKS.md).
+
+`inputs=(fn, args)`, with x, B and C None: the scan of `x, B, C = fn(*args)` (Mamba2's conv
+over its projections). The kernels compute them inside their custom_vjp and recompute them
+in the backward pass from args instead of keeping them for it (vjp.py); the other paths
+call fn first. fn must be a function of args alone (no traced values closed over).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fallback, hardware
@@ -53,8 +59,13 @@ IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
-        return_final_state=False, sequence_axis=None, segments="auto", implementation="auto"):
+        return_final_state=False, sequence_axis=None, segments="auto", implementation="auto",
+        inputs=None):
     """The chunked SSD scan; see the module docstring for shapes and dtypes."""
+    if inputs is not None:
+        if any(a is not None for a in (x, B, C)):
+            raise ValueError("ssd: with inputs=(fn, args), pass x, B and C as None")
+        x, B, C = jax.eval_shape(inputs[0], *inputs[1])
     _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"ssd: implementation={implementation!r} is not one of "
@@ -76,6 +87,12 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
             scan = functools.partial(scan, segments=segments)  # joined in the kernels' vjp
         else:
             scan = functools.partial(ssd_segmented, scan, segments=segments)
+    if inputs is not None:
+        if implementation == "triton" and sequence_axis is None:
+            scan = functools.partial(scan, inputs=inputs)  # computed in the kernels' vjp
+            x = B = C = None
+        else:
+            x, B, C = inputs[0](*inputs[1])
     if sequence_axis is None:
         y, final_state = scan(x, dt, A, B, C, **options)
     else:
@@ -92,12 +109,13 @@ def auto_segments(b, l, h, implementation):
     return 8 if implementation == "triton" and fits else 1
 
 
-def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, **options):
-    """One device's scan -> (y, final_state) with the chosen implementation; segments only
-    for the kernels."""
+def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, inputs=None, **options):
+    """One device's scan -> (y, final_state) with the chosen implementation; segments and
+    inputs only for the kernels."""
     if implementation == "triton":
         # The kernels use their own chunk (triton.Config): the result is the same scan.
-        return vjp.ssd(x, dt, A, B, C, backend=triton, segments=segments, **options)
+        return vjp.ssd(x, dt, A, B, C, backend=triton, segments=segments, inputs=inputs,
+                       **options)
     return reference.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **options)
 
 

@@ -29,10 +29,13 @@ forward+backward, BENCHMARKS.md).
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
 config, D, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *, config,
 interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D, interpret)`
-and `weighted_state(x, B, weights, *, config, interpret)` as in `triton.py`. The forward
-keeps no states for the backward: the backward recomputes them with `chunk_states` (at
-t = 64 and d_state 128 they are twice x's bytes; kept, they were a fifth of mamba2-1.3b's
-activation memory in training).
+and `weighted_state(x, B, weights, *, config, interpret)` as in `triton.py`.
+
+What the backward recomputes rather than the forward keeps: the per-chunk states, with
+`chunk_states` (at t = 64 and d_state 128 they are twice x's bytes), and, given `inputs`,
+x, B and C themselves, from what they are computed of (Mamba2's conv over its projections:
+x's bytes again, for an elementwise pass). Kept, the two were 50 of the 145 MB a
+mamba2-1.3b layer kept per 2048-token row in training.
 """
 
 from __future__ import annotations
@@ -47,18 +50,21 @@ from pallas_kernels.ssd.context_parallel import entering_rows, last_document, pa
 from pallas_kernels.ssd.reference import document_ids, process_dt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _core(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D, ends):
-    return _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state,
-                     doc, D, ends)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _core(backend, config, interpret, segments, prepare, dt, cs, initial_state, doc, D, ends,
+          *inputs):
+    return _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_state,
+                     doc, D, ends, *inputs)[0]
 
 
-def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_state, doc, D,
-              ends):
-    """The kernels' forward over rows x [b * segments, l, h, p] etc. (chunk-padded), the
-    initial_state [b, h, p, n] entering each row's first part, and ends [b * segments, 2],
-    each part's first and last seq_idx (context_parallel.part_ends) -> ((y, the final state
-    of each row's last part), the backward's residuals)."""
+def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_state, doc, D,
+              ends, *inputs):
+    """The kernels' forward over rows x, B, C = prepare(*inputs) ([b * segments, l, h, p]
+    etc., chunk-padded), the initial_state [b, h, p, n] float32 entering each row's first
+    part (None: zeros, which the backward then makes again rather than keeps), and
+    ends [b * segments, 2], each part's first and last seq_idx (context_parallel.part_ends)
+    -> ((y, the final state of each row's last part), the backward's residuals)."""
+    x, B, C = prepare(*inputs)
     decays = None
     if segments > 1:  # the state entering each part
         to_end, _, decays = _part_decays(cs, config.chunk)
@@ -67,17 +73,20 @@ def _core_fwd(backend, config, interpret, segments, x, dt, cs, B, C, initial_sta
             to_end, decays = to_end * in_last[:, None], decays * survives
         finals = backend.weighted_state(x, B, to_end * dt, config=config, interpret=interpret)
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
-    y, final_state = backend.forward(x, dt, cs, B, C, initial_state, doc, config=config, D=D,
+    entering = _zeros_if_none(initial_state, x, B)
+    y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
                                      interpret=interpret)
     final_state = final_state[segments - 1::segments]
-    # The backward recomputes the per-chunk states from these (backend.chunk_states).
-    return (y, final_state), (x, dt, cs, B, C, initial_state, doc, D, decays, ends)
+    # The backward recomputes x, B, C from the inputs and the per-chunk states from those
+    # (backend.chunk_states).
+    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, decays, ends)
 
 
-def _core_bwd(backend, config, interpret, segments, residuals, cotangents):
-    x, dt, cs, B, C, initial_state, doc, D, decays, ends = residuals
-    states = backend.chunk_states(x, dt, cs, B, initial_state, doc, config=config,
-                                  interpret=interpret)
+def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangents):
+    inputs, dt, cs, initial_state, doc, D, decays, ends = residuals
+    (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
+    states = backend.chunk_states(x, dt, cs, B, _zeros_if_none(initial_state, x, B), doc,
+                                  config=config, interpret=interpret)
     dy, dfinal = cotangents
     dy, dfinal = dy.astype(x.dtype), dfinal.astype(jnp.float32)
     if segments > 1:
@@ -88,11 +97,19 @@ def _core_bwd(backend, config, interpret, segments, residuals, cotangents):
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
     dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
         x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, interpret=interpret)
-    return (dx, ddt, dcs, dB.astype(B.dtype), dC.astype(C.dtype), dinit[::segments], None,
-            dD, None)
+    dinputs = prepare_vjp((dx, dB.astype(B.dtype), dC.astype(C.dtype)))
+    dinit = None if initial_state is None else dinit[::segments]
+    return (ddt, dcs, dinit, None, dD, None,
+            *(None if d is None or d.dtype == jax.dtypes.float0 else d for d in dinputs))
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+
+
+def _zeros_if_none(state, x, B):
+    """state, or the zero state [rows, h, p, n] float32 of x [rows, l, h, p], B [.., n]."""
+    return jnp.zeros(x.shape[:1] + x.shape[2:] + B.shape[-1:], jnp.float32) if state is None \
+        else state
 
 
 def _part_decays(cs, t):
@@ -133,21 +150,25 @@ def _passed_state_gradients(read_out, decays, ends, dfinal, segments):
 
 def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias=None,
         dt_softplus=False, dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
-        segments=1):
+        segments=1, inputs=None):
     """The SSD scan on `backend` (shapes and semantics as reference.ssd_chunked; any l).
 
     interpret=None runs the backend's Pallas interpreter when no GPU is present (CI).
     segments: each row scanned as this many parts at once (module docstring); it must divide
-    l (pallas_kernels.ssd.ssd checks it).
+    l (pallas_kernels.ssd.ssd checks it). inputs: (fn, args) with x, B and C None: the scan
+    of x, B, C = fn(*args), which the custom_vjp computes itself and recomputes in the
+    backward pass from args rather than keeping them (pallas_kernels.ssd.ssd).
     Returns (y [b, l, h, p] in x.dtype, final_state [b, h, p, n] float32).
     """
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    b, l_row, h, p = x.shape
-    n = B.shape[-1]
+    make, args = inputs or ((lambda *xBC: xBC), (x, B, C))
+    x_shape, B_shape, _ = (a.shape for a in jax.eval_shape(make, *args))
+    b, l_row, h, p = x_shape
+    n = B_shape[-1]
     rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
-    x, dt, B, C = map(rows, (x, dt, B, C))
+    dt = rows(dt)
     l = l_row // segments
     t = config.chunk
     pad = (-l) % t
@@ -162,10 +183,10 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
         doc = jnp.pad(document_ids(seq_idx), ((0, 0), (0, pad)), mode="edge")
     ends = part_ends(seq_idx, b * segments)
     pad_l = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a
-    state = (jnp.zeros((b, h, p, n), jnp.float32) if initial_state is None
-             else initial_state.astype(jnp.float32))
+    prepare = lambda *args: tuple(pad_l(rows(a)) for a in make(*args))
+    state = None if initial_state is None else initial_state.astype(jnp.float32)
     if D is not None:  # [h] or [h, p]
         D = jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(jnp.float32), (h, p))
-    y, final_state = _core(backend, config, interpret, segments, pad_l(x), dt, cs, pad_l(B),
-                           pad_l(C), state, doc, D, ends)
+    y, final_state = _core(backend, config, interpret, segments, prepare, dt, cs, state, doc,
+                           D, ends, *args)
     return y[:, :l].reshape(b, l_row, h, p), final_state
