@@ -52,7 +52,9 @@ def test_the_scan_and_the_step_get_A_dt_and_D_in_float32_under_bf16(monkeypatch)
     seen = {}
 
     def spy(x, dt, A, B, C, **kw):
-        seen.update(x=x.dtype, A=A.dtype, D=kw["D"].dtype, dt_bias=kw["dt_bias"].dtype)
+        fn, args = kw["inputs"]  # x, B, C = fn(*args): the conv
+        seen.update(x=jax.eval_shape(fn, *args)[0].dtype, A=A.dtype, D=kw["D"].dtype,
+                    dt_bias=kw["dt_bias"].dtype)
         return ssd(x, dt, A, B, C, **kw)
     ssd = mamba2.ssd
     monkeypatch.setattr(mamba2, "ssd", spy)
