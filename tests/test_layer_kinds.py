@@ -22,7 +22,10 @@ from mamba_jax.sharding import logical_axes
 from mesh_check import assert_matches_single_device, tiny_config
 
 # Small sections for the kinds whose defaults are too large (or empty) for a tiny model.
-SECTIONS = dict(attention=dict(num_heads=4, num_heads_kv=2, head_dim=8, rotary_emb_dim=4,
+# The Mamba layers 12 heads wide (192, not expand * d_model = 128: NemotronH's independent
+# width), the attention's 4 x 8 = 32 not d_model either.
+SECTIONS = dict(mamba2=dict(nheads=12),
+                attention=dict(num_heads=4, num_heads_kv=2, head_dim=8, rotary_emb_dim=4,
                                qkv_bias=True, out_bias=True),
                 mlp=dict(d_intermediate=48))
 SYMBOLS = sorted(KINDS)

@@ -52,6 +52,19 @@ def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_
     np.testing.assert_allclose(out, ref, rtol=0, atol=tol * np.abs(product).max())
 
 
+@pytest.mark.parametrize("p", [80, 96, 192])
+def test_the_gated_out_projection_at_headdims_that_are_no_power_of_two(p):
+    """A Mamba block's out_proj input of 4 heads of p (80, Nemotron Nano 2's; 96; 192) in 2
+    norm groups: k = 4p features, groups of 2p, read in power-of-two tiles that divide a
+    group (32, 64, 128 here); float32, the same arithmetic summed in another order."""
+    rng = np.random.default_rng()
+    args = _inputs(rng, 2, 4 * p, 8, 2, jnp.float32, True, False, True, True)
+    ref = rms_norm_matmul(**args, eps=1e-5, implementation="xla")
+    out = rms_norm_matmul(**args, eps=1e-5, implementation="triton")
+    product = np.asarray(ref) - np.asarray(args["residual"])
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(product).max())
+
+
 @pytest.mark.parametrize("activation", ["relu2", "swiglu"])
 def test_without_a_norm_it_is_an_mlps_down_projection(activation):
     """weight None: no norm. v = relu(x)**2 ("relu2"), or x * silu(z) (swiglu's up times

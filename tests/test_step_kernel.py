@@ -107,7 +107,8 @@ def test_headdims_that_are_no_power_of_two_run_in_power_of_two_blocks(p):
     out_proj's k = h * p inputs), against the reference: the same float32 arithmetic, 1e-5
     of the largest value."""
     rng = np.random.default_rng()  # fresh inputs every run
-    args = _inputs(rng, b=2, h=2, p=p, g=1, n=16, k=4, window_dtype=jnp.float32,
+    b = h = 2 if p == 80 else 1  # fewer programs where only the tiling differs
+    args = _inputs(rng, b=b, h=h, p=p, g=1, n=16, k=4, window_dtype=jnp.float32,
                    state_dtype=jnp.float32, bias=True)
     got, want = (mamba_step(**args, implementation=i) for i in ("triton", "xla"))
     for a, b in zip(got, want):
