@@ -37,6 +37,7 @@ from mamba_jax.layers.common import Mixer, causal_conv1d, dense, matmul, param, 
 from mamba_jax.layers.mamba2 import MambaCache
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.selective_scan import selective_scan
+from pallas_kernels.selective_scan.reference import selective_state_update
 from pallas_kernels.ssd import document_ids
 
 DT_INITS = ("random", "constant")
@@ -261,9 +262,9 @@ class Mamba1Mixer(Mixer):
     def step(self, u, cache: MambaCache, weights: StepWeights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32 before its bias, the
         updated MambaCache: conv_state [b, i, k], ssm_state [b, i, n] in the cache's dtype,
-        computed in float32). The arithmetic of the forward for one token, as XLA fusions
-        (no step kernel: the step is bound by its weights' reads, which XLA's matmuls
-        already stream)."""
+        computed in float32). The arithmetic of the forward for one token, as XLA fusions;
+        there is no step kernel (bench.selective_scan times this SSM update against
+        mamba_ssm's Triton selective_state_update)."""
         x, z = self.project(u, weights.in_proj)
         window = jnp.concatenate([cache.conv_state[..., 1:], x[..., None]], axis=-1)
         conv_w, conv_b = weights.conv
@@ -271,11 +272,7 @@ class Mamba1Mixer(Mixer):
         x = jax.nn.silu(pre if conv_b is None else pre + conv_b).astype(self.dtype)
         dt, B, C = self.select(x, weights=(weights.x_proj, weights.dt_proj))
         dt = jax.nn.softplus(dt + self.dt_proj_bias[...])
-        decay = jnp.exp(dt[..., None] * weights.A)
-        state = (decay * cache.ssm_state.astype(jnp.float32)
-                 + (dt * x.astype(jnp.float32))[..., None] * B.astype(jnp.float32)[:, None])
-        y = (jnp.einsum("bin,bn->bi", state, C.astype(jnp.float32))
-             + self.D[...] * x.astype(jnp.float32))
+        y, state = selective_state_update(cache.ssm_state, x, dt, weights.A, B, C, self.D[...])
         return (self.out_proj_partial(self.gate(y, z), weights.out_proj),
                 MambaCache(window, state.astype(cache.ssm_state.dtype)))
 

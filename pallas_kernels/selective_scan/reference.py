@@ -104,3 +104,14 @@ def selective_scan_chunked(x, dt, A, B, C, *, chunk_size=64, D=None, initial_sta
         y = y + d_skip(D, x[:, :l, :, None], acc)[..., 0]  # each channel a head of one
     return y.astype(x.dtype), state
 
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None):
+    """One token of the recurrence (a decoding step): state [b, d, n] (any float dtype), x
+    [b, d], dt [b, d] (processed), A [d, n], B and C [b, n], D [d] or None -> (y [b, d], the
+    new state [b, d, n]), both float32 (the caller stores the state in its own dtype)."""
+    f32 = lambda a: a.astype(jnp.float32)
+    dt, x = f32(dt), f32(x)
+    state = jnp.exp(dt[..., None] * f32(A)) * f32(state) + (dt * x)[..., None] * f32(B)[:, None]
+    y = jnp.einsum("bdn,bn->bd", state, f32(C))
+    return (y if D is None else y + f32(D) * x), state
