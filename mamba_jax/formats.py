@@ -126,21 +126,20 @@ def _check_fields(d, path, schema: dict, required=(), where=""):
             raise ValueError(f"{path}: {where}{key}={shown} must be {must}")
 
 
+# The fields transformers' Mamba2Config, MambaConfig and FalconMambaConfig share.
+_HF_COMMON_FIELDS = {
+    "hidden_size": _WIDTH, "num_hidden_layers": _LAYERS, "vocab_size": _VOCAB,
+    "expand": _WIDTH, "state_size": _WIDTH, "conv_kernel": _WIDTH, "time_step_min": _number,
+    "time_step_max": _number, "time_step_floor": _number, "use_conv_bias": _flag,
+    "use_bias": _flag, "layer_norm_epsilon": _number, "residual_in_fp32": _flag,
+    "tie_word_embeddings": _flag}
 _HF_FIELDS = {
-    "hidden_size": _WIDTH, "num_hidden_layers": _LAYERS, "vocab_size": _VOCAB,
-    "expand": _WIDTH, "head_dim": _WIDTH, "num_heads": _WIDTH, "state_size": _WIDTH,
-    "conv_kernel": _WIDTH, "n_groups": _WIDTH, "chunk_size": _WIDTH,
-    "time_step_min": _number, "time_step_max": _number, "time_step_floor": _number,
-    "time_step_limit": _limit, "use_conv_bias": _flag, "use_bias": _flag,
-    "layer_norm_epsilon": _number, "residual_in_fp32": _flag, "tie_word_embeddings": _flag,
-    "norm_before_gate": _flag, "rms_norm": _flag}
+    **_HF_COMMON_FIELDS, "head_dim": _WIDTH, "num_heads": _WIDTH, "n_groups": _WIDTH,
+    "chunk_size": _WIDTH, "time_step_limit": _limit, "norm_before_gate": _flag,
+    "rms_norm": _flag}
 _HF_MAMBA1_FIELDS = {
-    "hidden_size": _WIDTH, "num_hidden_layers": _LAYERS, "vocab_size": _VOCAB,
-    "state_size": _WIDTH, "expand": _WIDTH, "conv_kernel": _WIDTH, "use_bias": _flag,
-    "use_conv_bias": _flag, "hidden_act": _text, "layer_norm_epsilon": _number,
-    "residual_in_fp32": _flag, "time_step_rank": _rank, "time_step_scale": _number,
-    "time_step_min": _number, "time_step_max": _number, "time_step_init_scheme": _text,
-    "time_step_floor": _number, "tie_word_embeddings": _flag, "mixer_rms_eps": _number,
+    **_HF_COMMON_FIELDS, "hidden_act": _text, "time_step_rank": _rank,
+    "time_step_scale": _number, "time_step_init_scheme": _text, "mixer_rms_eps": _number,
     "intermediate_size": _integer(MAX_MLP)}
 _MAMBA_SSM_FIELDS = {
     "d_model": _WIDTH, "n_layer": _LAYERS, "vocab_size": _VOCAB,
