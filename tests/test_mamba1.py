@@ -102,3 +102,20 @@ def test_presets_have_the_published_shapes():
                  + d)  # in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj, norm
         expected = 50280 * d + n_layer * layer + d
         assert sum(np.prod(s) for s in param_shapes(cfg).values()) == expected, name
+
+
+def test_init_is_mamba_ssms():
+    # mamba_ssm's Mamba: S4D-real A, softplus(dt_proj.bias) log-uniform in [dt_min, dt_max],
+    # dt_proj U(+-dt_scale / sqrt(dt_rank)), D ones, out_proj's bound over sqrt(n_layer).
+    cfg = Mamba2Config.preset("tiny-mamba1")  # d_model 128: d_inner 256, dt_rank 8
+    mixer = Mamba2LM(cfg, rngs=nnx.Rngs(0)).layers[0].mixer
+    np.testing.assert_allclose(np.exp(mixer.A_log[...]), np.tile(np.arange(1, 17), (256, 1)),
+                               rtol=1e-6)
+    dt = np.log1p(np.exp(np.asarray(mixer.dt_proj_bias[...])))
+    assert 0.001 * (1 - 1e-5) <= dt.min() and dt.max() <= 0.1 * (1 + 1e-5)
+    assert np.log(dt).std() > 0.5  # spread over the log range, not at one value
+    w = np.asarray(mixer.dt_proj[...])
+    assert w.shape == (8, 256) and np.abs(w).max() <= 8 ** -0.5 and w.std() > 0.1
+    np.testing.assert_array_equal(mixer.D[...], np.ones(256))
+    assert np.abs(mixer.out_proj[...]).max() <= 1 / np.sqrt(256) / np.sqrt(2)
+    assert np.abs(mixer.in_proj_x[...]).max() <= 1 / np.sqrt(128)
