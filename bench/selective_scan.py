@@ -45,7 +45,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import device_line, median_time, table_header, table_row
-from pallas_kernels.selective_scan import reference, selective_scan, triton
+from pallas_kernels.selective_scan import reference, selective_scan
 
 SHAPES = [(8, 2048), (1, 16384)]
 
