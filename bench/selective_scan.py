@@ -172,12 +172,12 @@ def decode_times(batch, d, n, copy, warmup, reps):
     A, B, C, D, bias = -np.exp(arr(d, n)), arr(batch, n), arr(batch, n), arr(d), arr(d)
 
     @jax.jit
-    def update(state, x, dt, z):
+    def update(state, x, dt, z, A, B, C, D, bias):
         dt = jax.nn.softplus(dt + bias)
         y, state = reference.selective_state_update(state, x, dt, A, B, C, D)
         return (y * jax.nn.silu(z)).astype(jnp.bfloat16), state
     args = [jnp.asarray(a) for a in (state, x.astype(jnp.bfloat16), dt,
-                                     z.astype(jnp.bfloat16))]
+                                     z.astype(jnp.bfloat16), A, B, C, D, bias)]
     ours = median_time(lambda: jax.block_until_ready(update(*args)), warmup, reps)
     try:
         import torch
