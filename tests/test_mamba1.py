@@ -123,3 +123,12 @@ def test_init_is_mamba_ssms():
     np.testing.assert_array_equal(mixer.D[...], np.ones(256))
     assert np.abs(mixer.out_proj[...]).max() <= 1 / np.sqrt(256) / np.sqrt(2)
     assert np.abs(mixer.in_proj_x[...]).max() <= 1 / np.sqrt(128)
+
+
+def test_the_published_mamba_ssm_config_reads_as_the_preset(tmp_path):
+    # state-spaces/mamba-130m's config.json as published (no ssm_cfg.layer: Mamba1).
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"d_model": 768, "n_layer": 24, "vocab_size": 50277, "ssm_cfg": {}, "rms_norm": True,
+         "residual_in_fp32": True, "fused_add_norm": True, "pad_vocab_size_multiple": 8}))
+    cfg, fmt = load_config(tmp_path)
+    assert fmt == "mamba_ssm" and cfg == Mamba2Config.preset("mamba-130m")
