@@ -13,8 +13,9 @@ selective_scan CUDA kernel, each program walks its channels' tokens in order wit
   y = h C + D x; when differentiating it also saves the state entering every chunk
   [b, c, d, n] (the backward's only residual beyond the inputs: 1/t of the states).
 - `_backward_kernel`, grid (b, d / bd): the chunks in reverse, each one's states recomputed
-  forward from its saved entering state (t of them, unrolled, in registers) and then walked
-  backward carrying dh, the gradient of the state leaving the token. Per token dx, d(dt),
+  forward from its saved entering state (t of them, unrolled, in registers; the tokens'
+  inputs are loaded again on the way back rather than kept) and then walked backward
+  carrying dh, the gradient of the state leaving the token. Per token dx, d(dt),
   this program's part of dB and dC (summed over the d / bd programs after the kernel), and
   dA and dD summed in registers.
 
@@ -109,15 +110,15 @@ def _backward_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, states_ref, dy_r
         dh, dA, dD = carry  # dh [bd, n]: the gradient of the state leaving chunk k
         k = nchunks - 1 - j
         states = [states_ref[bi, k, ds, :]]  # states[s]: the state entering token s
-        tokens = []
         for s in range(t):  # recompute the chunk's states, kept in registers
             x, dt, B, C, decay = _token(x_ref, dt_ref, B_ref, C_ref, doc_ref, A, bi,
                                         k * t + s, ds)
-            tokens.append((x, dt, B, C, decay))
             states.append(decay * states[-1] + (dt * x)[:, None] * B[None, :])
         for s in reversed(range(t)):
             i = k * t + s
-            x, dt, B, C, decay = tokens[s]
+            # The token's inputs loaded again (from cache) rather than kept: registers hold
+            # the t + 1 states only.
+            x, dt, B, C, decay = _token(x_ref, dt_ref, B_ref, C_ref, doc_ref, A, bi, i, ds)
             dy = dy_ref[bi, i, ds].astype(f32)
             dh = dh + dy[:, None] * C[None, :]  # the gradient of h_i
             dC_ref[di, bi, i, :] = jnp.sum(dy[:, None] * states[s + 1], axis=0)
