@@ -3,6 +3,7 @@
     python3 -m bench.selective_scan [--baseline .baseline] [--shapes 8x2048 1x16384]
                                     [--d-inner 4096] [--d-state 16] [--batches 1 64]
                                     [--warmup 3] [--reps 20]
+                                    [--configs 'block_d=64,forward_warps=4' ...]
     python3 -m bench.selective_scan --tiny      # CPU smoke run: tiny shapes, no mamba_ssm
 
 (Device run: PYTHONUNBUFFERED=1 python3 -m bench.selective_scan 2>&1 | tee $OUT/log,
@@ -15,7 +16,7 @@ packed documents and an initial state, in float32 and bfloat16.
 The scan table: per shape (batch x seqlen, bf16 x, B, C; float32 dt, A, D), forward and
 forward+backward time of our kernels ("triton"), of our XLA form
 (reference.selective_scan_chunked) and of the baseline, and ours/baseline. The baseline,
-named in the table's header:
+named in the table's header (--configs: our kernels with other tiles, a column each):
 - mamba_ssm's selective_scan_fn on its compiled CUDA extension (selective_scan_cuda),
   where that imports on this machine;
 - otherwise our own XLA form: the header then says that mamba_ssm's extension is not built
@@ -45,7 +46,8 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import device_line, median_time, table_header, table_row
-from pallas_kernels.selective_scan import reference, selective_scan
+from pallas_kernels.selective_scan import kernel_scan, reference, selective_scan, triton
+from pallas_kernels.ssd.reference import process_dt
 
 SHAPES = [(8, 2048), (1, 16384)]
 
@@ -102,7 +104,6 @@ def check(rng, interpret):
 
 
 def _naive(x, dt, A, B, C, D, dt_bias, initial_state, seq_idx):
-    from pallas_kernels.ssd.reference import process_dt
     return reference.selective_scan_naive(x, process_dt(dt, dt_bias, True), A, B, C, D=D,
                                           initial_state=initial_state, seq_idx=seq_idx)
 
@@ -112,15 +113,26 @@ def _rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def ours_times(inputs, implementation, warmup, reps):
-    """(forward s, forward+backward s) of selective_scan(implementation)."""
-    scan = lambda **a: selective_scan(**a, dt_softplus=True, return_final_state=True,
-                                      implementation=implementation)
+def ours_times(inputs, implementation, warmup, reps, config=None):
+    """(forward s, forward+backward s) of selective_scan(implementation), or with a
+    triton.Config `config` of the kernels (kernel_scan, dt processed the same way)."""
+    if config is None:
+        scan = lambda **a: selective_scan(**a, dt_softplus=True, return_final_state=True,
+                                          implementation=implementation)
+    else:
+        scan = lambda x, dt, A, B, C, D, dt_bias: kernel_scan(
+            x, process_dt(dt, dt_bias, True), A, B, C, D=D, config=config)
     args = {k: v for k, v in inputs.items() if k not in ("seq_idx", "initial_state")}
     forward = jax.jit(lambda a: scan(**a))
     grad = jax.jit(jax.grad(lambda a: jnp.sum(scan(**a)[0].astype(jnp.float32))))
     return (median_time(lambda: jax.block_until_ready(forward(args)), warmup, reps),
             median_time(lambda: jax.block_until_ready(grad(args)), warmup, reps))
+
+
+def parse_config(text):
+    """'block_d=64,stages=2' -> triton.Config(block_d=64, stages=2); '' the default."""
+    fields = dict(item.split("=") for item in text.split(",") if item)
+    return triton.Config(**{k: int(v) for k, v in fields.items()})
 
 
 def mamba_ssm_scan(copy):
@@ -208,6 +220,9 @@ def main(argv=None):
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--configs", nargs="*", default=[],
+                        help="kernel tiles to time beside the defaults, each a column: "
+                             "triton.Config fields as 'block_d=64,forward_warps=4,stages=2'")
     parser.add_argument("--tiny", action="store_true",
                         help="a CPU smoke run: tiny shapes, Pallas's interpreter, 1 rep")
     args = parser.parse_args(argv)
@@ -228,9 +243,11 @@ def main(argv=None):
               f"'ours/baseline' is our kernels against our XLA form")
     d, n = args.d_inner, args.d_state
     print(f"d_inner {d}, d_state {n}, bf16 x/B/C, float32 dt/A/D; median of {args.reps}")
+    configs = {text: parse_config(text) for text in args.configs}
     print(table_header(("batch x seqlen", "fwd ours ms", "fwd xla ms", "fwd baseline ms",
                         "fwd ours/baseline", "fwd+bwd ours ms", "fwd+bwd xla ms",
-                        "fwd+bwd baseline ms", "fwd+bwd ours/baseline")))
+                        "fwd+bwd baseline ms", "fwd+bwd ours/baseline")
+                       + tuple(f"fwd / fwd+bwd ms [{text}]" for text in configs)))
     for shape in args.shapes:
         b, l = map(int, shape.split("x"))
         inputs = make_inputs(rng, b, l, d, n, jnp.bfloat16)
@@ -239,9 +256,12 @@ def main(argv=None):
         base = xla if theirs_fn is None else theirs_times(theirs_fn, inputs, args.warmup,
                                                           args.reps)
         ms = lambda s: f"{1e3 * s:.3f}"
+        variants = tuple("{} / {}".format(*map(ms, ours_times(inputs, "triton", args.warmup,
+                                                              args.reps, config)))
+                         for config in configs.values())
         print(table_row((shape, ms(ours[0]), ms(xla[0]), ms(base[0]), f"{ours[0] / base[0]:.2f}x",
-                         ms(ours[1]), ms(xla[1]), ms(base[1]), f"{ours[1] / base[1]:.2f}x")),
-              flush=True)
+                         ms(ours[1]), ms(xla[1]), ms(base[1]), f"{ours[1] / base[1]:.2f}x")
+                        + variants), flush=True)
 
     print(f"\ndecode: one token's SSM update and gate, d_inner {d}, d_state {n}, float32 state; "
           "theirs: mamba_ssm's Triton selective_state_update")
