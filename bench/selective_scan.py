@@ -36,6 +36,7 @@ Python comes from --baseline (bench.baseline), its __init__ bypassed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -78,8 +79,9 @@ def values_and_grads(scan, inputs, wy, ws):
     return out, grads
 
 
-def check(rng, interpret):
-    """Our kernels against the float64 recurrence; SystemExit on a miss."""
+def check(rng, interpret, configs=()):
+    """Our kernels (the default tiles and each of configs) against the float64 recurrence;
+    SystemExit on a miss."""
     tolerances = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}  # bf16: x, B, C rounded
     b, l, d, n = (2, 37, 32, 8) if interpret else (2, 1000, 256, 16)
     for dtype, tol in tolerances.items():
@@ -91,16 +93,25 @@ def check(rng, interpret):
             naive = values_and_grads(
                 lambda dt_softplus, return_final_state, **a: _naive(**a), up,
                 jnp.asarray(wy), jnp.asarray(ws))
-        ours = jax.jit(lambda i: values_and_grads(
-            lambda **a: selective_scan(**a, implementation="triton"), i,
-            jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)))(inputs)
-        worst = max(_rel_err(o, r) for o, r in zip(jax.tree.leaves(ours),
-                                                     jax.tree.leaves(naive)))
-        print(f"check {jnp.dtype(dtype).name} b={b} l={l} d={d} n={n} docs, initial state: "
-              f"worst rel err of y, final state and every gradient {worst:.2e} (tol {tol:.0e})",
-              flush=True)
-        if not worst <= tol:
-            raise SystemExit(f"CHECK FAILED: {jnp.dtype(dtype).name}: {worst:.2e}")
+        for config in (triton.Config(), *configs):
+            ours = jax.jit(lambda i: values_and_grads(
+                lambda **a: _kernels(**a, config=config), i,
+                jnp.asarray(wy, jnp.float32), jnp.asarray(ws, jnp.float32)))(inputs)
+            worst = max(_rel_err(o, r) for o, r in zip(jax.tree.leaves(ours),
+                                                         jax.tree.leaves(naive)))
+            print(f"check {jnp.dtype(dtype).name} b={b} l={l} d={d} n={n} docs, initial "
+                  f"state, {config}: worst rel err of y, final state and every gradient "
+                  f"{worst:.2e} (tol {tol:.0e})", flush=True)
+            if not worst <= tol:
+                raise SystemExit(f"CHECK FAILED: {jnp.dtype(dtype).name} {config}: "
+                                 f"{worst:.2e}")
+
+
+def _kernels(x, dt, A, B, C, D, dt_bias, initial_state=None, seq_idx=None, *, config,
+             dt_softplus=True, return_final_state=True):
+    """selective_scan's arithmetic on the kernels with `config`: (y, final_state)."""
+    return kernel_scan(x, process_dt(dt, dt_bias, dt_softplus), A, B, C, D=D,
+                       initial_state=initial_state, seq_idx=seq_idx, config=config)
 
 
 def _naive(x, dt, A, B, C, D, dt_bias, initial_state, seq_idx):
@@ -120,8 +131,7 @@ def ours_times(inputs, implementation, warmup, reps, config=None):
         scan = lambda **a: selective_scan(**a, dt_softplus=True, return_final_state=True,
                                           implementation=implementation)
     else:
-        scan = lambda x, dt, A, B, C, D, dt_bias: kernel_scan(
-            x, process_dt(dt, dt_bias, True), A, B, C, D=D, config=config)
+        scan = functools.partial(_kernels, config=config)
     args = {k: v for k, v in inputs.items() if k not in ("seq_idx", "initial_state")}
     forward = jax.jit(lambda a: scan(**a))
     grad = jax.jit(jax.grad(lambda a: jnp.sum(scan(**a)[0].astype(jnp.float32))))
@@ -231,7 +241,8 @@ def main(argv=None):
         args.warmup, args.reps = 0, 1
     print(device_line())
     rng = np.random.default_rng(0)
-    check(rng, interpret=jax.default_backend() != "gpu")
+    configs = {text: parse_config(text) for text in args.configs}
+    check(rng, jax.default_backend() != "gpu", configs.values())
 
     theirs_fn, why = mamba_ssm_scan(args.baseline)
     if theirs_fn is not None:
@@ -243,7 +254,6 @@ def main(argv=None):
               f"'ours/baseline' is our kernels against our XLA form")
     d, n = args.d_inner, args.d_state
     print(f"d_inner {d}, d_state {n}, bf16 x/B/C, float32 dt/A/D; median of {args.reps}")
-    configs = {text: parse_config(text) for text in args.configs}
     print(table_header(("batch x seqlen", "fwd ours ms", "fwd xla ms", "fwd baseline ms",
                         "fwd ours/baseline", "fwd+bwd ours ms", "fwd+bwd xla ms",
                         "fwd+bwd baseline ms", "fwd+bwd ours/baseline")
