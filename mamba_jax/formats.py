@@ -269,6 +269,8 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     if layer == "Mamba1":
         return _mamba1_from_mamba_ssm(d, ssm, path)
+    for key in ("dt_rank", "dt_init", "dt_scale", "use_fast_path"):
+        _require(key not in ssm, path, f"ssm_cfg.{key} is a Mamba1 argument; Mamba2 has none")
     hybrid = {}
     if d.get("attn_layer_idx"):
         hybrid.update(attn_layer_idx=tuple(d["attn_layer_idx"]), **_attn_from_mamba_ssm(d, path))
