@@ -23,7 +23,9 @@ bandwidth. Median of --reps after one warm-up.
 
 A preset with attention or MLP layers (megatron-hybrid-800m) gets our rows only:
 mamba_ssm's MambaLMHeadModel puts an MLP in every block, so it cannot spell such a layer
-pattern, and its attention decodes only with flash_attn.
+pattern, and its attention decodes only with flash_attn. So does a Mamba-1 preset
+(mamba-1.4b): mamba_ssm's Mamba-1 prefill runs its compiled selective_scan_cuda, which the
+GPU machine does not build (bench.selective_scan times its Triton decoding update alone).
 
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
 (generate's step_implementation) and command-buffer setting (on: the decode loop compiled
@@ -60,7 +62,7 @@ from bench.harness import (check_kernel, copy_bandwidth, median_time, result, ru
 from mamba_jax import Mamba2Config, Mamba2LM, generate
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
-from mamba_jax.layers import mamba2
+from mamba_jax.layers import mamba1, mamba2
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
@@ -75,11 +77,15 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int, context: float) 
     matmul = d * (2 * h * p + 2 * g * n + h) + h * p * d  # in projections, out_proj
     small = k * e + e + 4 * h + h * p + d  # conv, A, D, dt, norms
     mamba = 2 * matmul + 4 * small + batch * 2 * (2 * e * k + state_bytes * h * p * n)
+    _, i, r, n1, k1 = mamba1.dims(cfg)
+    mamba1_bytes = (2 * (2 * d * i + i * (r + 2 * n1) + r * i + i * d)  # bf16 projections
+                    + 4 * (k1 * i + 3 * i + i * n1 + d)  # conv, biases, D, A_log, norm
+                    + batch * 2 * (2 * i * k1 + state_bytes * i * n1))
     a = cfg.attention
     q, kv = a.num_heads * a.head_dim, a.num_heads_kv * a.head_dim
     attention = 2 * d * (2 * q + 2 * kv) + 4 * d + batch * 2 * 2 * kv * (context + 1)
     mlp = 2 * d * cfg.mlp.d_intermediate * (3 if cfg.mlp.activation == "swiglu" else 2) + 4 * d
-    per_kind = {"M": mamba, "*": attention, "-": mlp}
+    per_kind = {"M": mamba, "1": mamba1_bytes, "*": attention, "-": mlp}
     return (sum(per_kind[kind] for kind in cfg.layers) + 2 * cfg.padded_vocab_size * d
             + 4 * d)
 
@@ -272,13 +278,17 @@ def main(argv=None):
         # "auto" as generate resolves it, named in the rows as "auto (triton)"
         resolved = {impl: resolve_implementation(impl, model) for impl in implementations}
         for batch in (int(b) for b in args.batches.split(",")):
-            if "triton" in resolved.values():
+            if "triton" in resolved.values() and "M" in cfg.layers:  # Mamba2's kernels
                 check_kernels(preset, cfg, batch)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
             if set(cfg.layers) != {"M"}:
                 ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
-                print(f"{preset}: mamba_ssm not run (its blocks cannot spell the layer "
-                      f"pattern {cfg.layers}, and its attention decodes only with flash_attn)")
+                why = ("its Mamba-1 prefill needs its selective_scan_cuda extension; "
+                       "bench.selective_scan times its Triton selective_state_update"
+                       if set(cfg.layers) == {"1"} else
+                       f"its blocks cannot spell the layer pattern {cfg.layers}, and its "
+                       "attention decodes only with flash_attn")
+                print(f"{preset}: mamba_ssm not run ({why})")
             else:
                 ratio = versus.ratio
                 try:

@@ -33,7 +33,8 @@ class ModelFields:
     mamba_ssm does).
 
     The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
-    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP: the registry's symbols),
+    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP, and 1 Mamba-1, which
+    Megatron lacks: the registry's symbols),
     each its own pre-norm residual layer. Empty: mamba_ssm's form, n_layer blocks of a mixer
     (attention where the block index is in attn_layer_idx, else Mamba2) each followed by an
     MLP layer when mlp.d_intermediate > 0 (mamba_ssm's Block adds the mixer to the residual,
@@ -293,4 +294,14 @@ PRESETS: dict[str, Mamba2Config] = {
     # Byte-level, small enough to train on a laptop CPU in minutes.
     "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
                          mamba2=dict(d_state=32, headdim=32, chunk_size=64)),
+    # The same with Mamba-1 layers (mamba_ssm's Mamba defaults: d_state 16, dt_rank 8).
+    "tiny-mamba1": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, layer_pattern="11"),
 }
+# The published state-spaces/mamba-* checkpoints (Mamba-1): mamba_ssm's Mamba defaults
+# (d_state 16, d_conv 4, expand 2, dt_rank ceil(d_model / 16)), GPT-NeoX vocabulary padded
+# to 8, tied embeddings.
+PRESETS.update({
+    f"mamba-{size}": Mamba2Config(d_model=d_model, n_layer=n_layer, layer_pattern="1" * n_layer,
+                                  pad_vocab_size_multiple=8)
+    for size, d_model, n_layer in (("130m", 768, 24), ("370m", 1024, 48), ("790m", 1536, 48),
+                                   ("1.4b", 2048, 48), ("2.8b", 2560, 64))})

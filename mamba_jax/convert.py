@@ -1,5 +1,6 @@
-"""Checkpoints in and out: Hugging Face `Mamba2ForCausalLM` and `NemotronHForCausalLM`, and
-mamba_ssm `MambaLMHeadModel` (Mamba2, with attention and MLP layers or without).
+"""Checkpoints in and out: Hugging Face `Mamba2ForCausalLM`, `MambaForCausalLM`,
+`FalconMambaForCausalLM` and `NemotronHForCausalLM`, and mamba_ssm `MambaLMHeadModel` (Mamba2
+or Mamba-1, with attention and MLP layers or without).
 
     model = from_pretrained("path/to/dir")                  # layout detected from config.json
     save_pretrained(model, "out", format="hf")              # or "mamba_ssm", "nemotron_h"
@@ -242,8 +243,8 @@ def model_from_params(cfg: Mamba2Config, params: dict, dtype=jnp.float32) -> Mam
 
 
 def from_pretrained(path, dtype=None) -> Mamba2LM:
-    """Load a Hugging Face Mamba2ForCausalLM or NemotronHForCausalLM, or a mamba_ssm
-    MambaLMHeadModel checkpoint dir.
+    """Load a Hugging Face Mamba2ForCausalLM, MambaForCausalLM, FalconMambaForCausalLM or
+    NemotronHForCausalLM, or a mamba_ssm MambaLMHeadModel checkpoint dir.
 
     Parameters become float32; `dtype` is the compute dtype (default float32).
     """
@@ -255,8 +256,9 @@ def from_pretrained(path, dtype=None) -> Mamba2LM:
 
 def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     """Write config.json and model.safetensors (float32) in the HF, mamba_ssm or NemotronH
-    layout. "hf" is Mamba2ForCausalLM for a Mamba-only model and NemotronHForCausalLM
-    ("nemotron_h") for a hybrid; a layout that cannot express the model is a ValueError
+    layout. "hf" is Mamba2ForCausalLM for a Mamba2-only model, MambaForCausalLM (or
+    FalconMambaForCausalLM, with mamba1.bc_dt_rms) for a Mamba-1-only one and
+    NemotronHForCausalLM ("nemotron_h") for a hybrid; a layout that cannot express the model is a ValueError
     naming what does not fit.
 
     HF: `Mamba2ForCausalLM.from_pretrained(path)` (or NemotronHForCausalLM) loads it.
@@ -285,8 +287,8 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m mamba_jax.convert", formatter_class=HelpFormatter,
-        description="Convert a Mamba2 or hybrid checkpoint dir between the HF (Mamba2, "
-                    "NemotronH) and mamba_ssm layouts (reads any; also turns "
+        description="Convert a Mamba2, Mamba-1 or hybrid checkpoint dir between the HF "
+                    "(Mamba2, Mamba, FalconMamba, NemotronH) and mamba_ssm layouts (reads any; also turns "
                     "pytorch_model.bin into model.safetensors), or export a step of a "
                     "trainer's --checkpoint-dir (Orbax) to one of them.")
     parser.add_argument("src", help="checkpoint dir (config.json + weights), or a trainer's "

@@ -1,7 +1,8 @@
 """config.json of each checkpoint layout <-> Mamba2Config.
 
-Layouts: Hugging Face `Mamba2ForCausalLM` ("hf"), mamba_ssm `MambaLMHeadModel`
-("mamba_ssm", Mamba2 with optional attention blocks and MLPs), Hugging Face
+Layouts: Hugging Face `Mamba2ForCausalLM`, `MambaForCausalLM` and `FalconMambaForCausalLM`
+("hf", told apart by model_type), mamba_ssm `MambaLMHeadModel` ("mamba_ssm", Mamba2 or
+Mamba-1 layers with optional attention blocks and MLPs), Hugging Face
 `NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers). Every field a layout has
 and we cannot represent is refused by name rather than silently dropped.
 """
@@ -13,7 +14,7 @@ import math
 import re
 
 from mamba_jax.config import Mamba2Config
-from mamba_jax.layers import mamba2
+from mamba_jax.layers import mamba1, mamba2
 
 # mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this (multiple_of=128).
 GATED_MLP_MULTIPLE = 128
@@ -96,6 +97,11 @@ def _limit(value):
 _WIDTH, _LAYERS, _VOCAB = _integer(MAX_WIDTH), _integer(MAX_LAYERS), _integer(MAX_VOCAB)
 
 
+def _rank(value):
+    if value != "auto" and _WIDTH(value) is not None:
+        return f"\"auto\" or {_WIDTH(value)}"
+
+
 def _check_fields(d, path, schema: dict, required=(), where=""):
     """Refuse, naming the file, the field and its value, a field of config.json (the dict
     `d`, or a nested one `where`) that is missing, of the wrong type or out of bounds.
@@ -120,14 +126,21 @@ def _check_fields(d, path, schema: dict, required=(), where=""):
             raise ValueError(f"{path}: {where}{key}={shown} must be {must}")
 
 
-_HF_FIELDS = {
+# The fields transformers' Mamba2Config, MambaConfig and FalconMambaConfig share.
+_HF_COMMON_FIELDS = {
     "hidden_size": _WIDTH, "num_hidden_layers": _LAYERS, "vocab_size": _VOCAB,
-    "expand": _WIDTH, "head_dim": _WIDTH, "num_heads": _WIDTH, "state_size": _WIDTH,
-    "conv_kernel": _WIDTH, "n_groups": _WIDTH, "chunk_size": _WIDTH,
-    "time_step_min": _number, "time_step_max": _number, "time_step_floor": _number,
-    "time_step_limit": _limit, "use_conv_bias": _flag, "use_bias": _flag,
-    "layer_norm_epsilon": _number, "residual_in_fp32": _flag, "tie_word_embeddings": _flag,
-    "norm_before_gate": _flag, "rms_norm": _flag}
+    "expand": _WIDTH, "state_size": _WIDTH, "conv_kernel": _WIDTH, "time_step_min": _number,
+    "time_step_max": _number, "time_step_floor": _number, "use_conv_bias": _flag,
+    "use_bias": _flag, "layer_norm_epsilon": _number, "residual_in_fp32": _flag,
+    "tie_word_embeddings": _flag}
+_HF_FIELDS = {
+    **_HF_COMMON_FIELDS, "head_dim": _WIDTH, "num_heads": _WIDTH, "n_groups": _WIDTH,
+    "chunk_size": _WIDTH, "time_step_limit": _limit, "norm_before_gate": _flag,
+    "rms_norm": _flag}
+_HF_MAMBA1_FIELDS = {
+    **_HF_COMMON_FIELDS, "hidden_act": _text, "time_step_rank": _rank,
+    "time_step_scale": _number, "time_step_init_scheme": _text, "mixer_rms_eps": _number,
+    "intermediate_size": _integer(MAX_MLP)}
 _MAMBA_SSM_FIELDS = {
     "d_model": _WIDTH, "n_layer": _LAYERS, "vocab_size": _VOCAB,
     "pad_vocab_size_multiple": _WIDTH, "residual_in_fp32": _flag, "tie_embeddings": _flag,
@@ -139,7 +152,8 @@ _MAMBA_SSM_FIELDS = {
                 "A_init_range": _list(_number, "numbers", 2, 2), "conv_bias": _flag,
                 "bias": _flag,
                 "D_has_hdim": _flag, "norm_before_gate": _flag, "rmsnorm": _flag,
-                "d_ssm": _optional(_WIDTH)},
+                "d_ssm": _optional(_WIDTH), "dt_rank": _rank, "dt_init": _text,
+                "dt_scale": _number, "use_fast_path": _flag},
     "attn_cfg": {"num_heads": _WIDTH, "num_heads_kv": _optional(_WIDTH),
                  "head_dim": _optional(_WIDTH), "rotary_emb_dim": _integer(MAX_WIDTH, low=0),
                  "rotary_emb_base": _number, "rotary_emb_interleaved": _flag,
@@ -163,8 +177,41 @@ _NEMOTRON_H_FIELDS = {
     "num_nextn_predict_layers": _integer(MAX_LAYERS, low=0)}
 
 
+_HF_MAMBA1_TYPES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausalLM"}
+
+
+def config_from_hf_mamba1(d: dict, path="config.json") -> Mamba2Config:
+    """A transformers MambaConfig or FalconMambaConfig dict -> Mamba2Config of Mamba-1
+    layers (Falcon-Mamba's: with mamba1.bc_dt_rms). HF does not pad the vocabulary."""
+    _check_fields(d, path, _HF_MAMBA1_FIELDS, ("hidden_size", "num_hidden_layers",
+                                               "vocab_size"))
+    d_model, expand = d["hidden_size"], d.get("expand", 2)
+    _require(d.get("intermediate_size", d_model * expand) == d_model * expand, path,
+             f"intermediate_size={d.get('intermediate_size')} != hidden_size*expand = "
+             f"{d_model * expand}")
+    _require(d.get("hidden_act", "silu") == "silu", path, "hidden_act must be silu")
+    falcon = d.get("model_type") == "falcon_mamba"
+    return Mamba2Config.from_dict(dict(
+        d_model=d_model, n_layer=d["num_hidden_layers"], vocab_size=d["vocab_size"],
+        pad_vocab_size_multiple=1, layer_pattern="1" * d["num_hidden_layers"],
+        mamba1=dict(d_state=d.get("state_size", 16), d_conv=d.get("conv_kernel", 4),
+                    expand=expand, dt_rank=d.get("time_step_rank", "auto"),
+                    dt_min=d.get("time_step_min", 0.001), dt_max=d.get("time_step_max", 0.1),
+                    dt_init=d.get("time_step_init_scheme", "random"),
+                    dt_scale=d.get("time_step_scale", 1.0),
+                    dt_init_floor=d.get("time_step_floor", 1e-4),
+                    conv_bias=d.get("use_conv_bias", True), bias=d.get("use_bias", False),
+                    bc_dt_rms=falcon, bc_dt_rms_eps=d.get("mixer_rms_eps", 1e-6)),
+        norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        residual_in_fp32=d.get("residual_in_fp32", True),
+        tie_embeddings=d.get("tie_word_embeddings", True)))
+
+
 def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
-    """A transformers Mamba2Config dict -> Mamba2Config. HF does not pad the vocabulary."""
+    """A transformers Mamba2Config dict -> Mamba2Config (MambaConfig and FalconMambaConfig:
+    config_from_hf_mamba1). HF does not pad the vocabulary."""
+    if isinstance(d, dict) and d.get("model_type") in _HF_MAMBA1_TYPES:
+        return config_from_hf_mamba1(d, path)
     _check_fields(d, path, _HF_FIELDS, ("hidden_size", "num_hidden_layers", "vocab_size"))
     d_model, expand, headdim = d["hidden_size"], d.get("expand", 2), d.get("head_dim", 64)
     nheads = d.get("num_heads", d_model * expand // headdim)
@@ -216,9 +263,14 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     form (attn_layer_idx, d_intermediate rounded up as GatedMLP does)."""
     _check_fields(d, path, _MAMBA_SSM_FIELDS, ("d_model", "n_layer", "vocab_size"))
     ssm = dict(d.get("ssm_cfg", {}))
-    _require(ssm.pop("layer", "Mamba1") == "Mamba2", path,
-             "ssm_cfg.layer must be 'Mamba2' (Mamba1 checkpoints are not supported)")
+    layer = ssm.pop("layer", "Mamba1")  # MambaConfig's default
+    _require(layer in ("Mamba1", "Mamba2"), path,
+             f"ssm_cfg.layer={layer!r} must be 'Mamba1' or 'Mamba2'")
     _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
+    if layer == "Mamba1":
+        return _mamba1_from_mamba_ssm(d, ssm, path)
+    for key in ("dt_rank", "dt_init", "dt_scale", "use_fast_path"):
+        _require(key not in ssm, path, f"ssm_cfg.{key} is a Mamba1 argument; Mamba2 has none")
     hybrid = {}
     if d.get("attn_layer_idx"):
         hybrid.update(attn_layer_idx=tuple(d["attn_layer_idx"]), **_attn_from_mamba_ssm(d, path))
@@ -235,6 +287,28 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
         pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
         residual_in_fp32=d.get("residual_in_fp32", True),
         tie_embeddings=d.get("tie_embeddings", True), **ssm, **hybrid))
+
+
+def _mamba1_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
+    """config_from_mamba_ssm for ssm_cfg.layer 'Mamba1': the blocks spelt out as a
+    layer_pattern (1 Mamba-1, * attention, each followed by - where d_intermediate > 0)."""
+    for key in ("headdim", "ngroups", "chunk_size", "dt_limit", "A_init_range", "D_has_hdim",
+                "norm_before_gate", "rmsnorm", "d_ssm"):
+        _require(key not in ssm, path, f"ssm_cfg.{key} is a Mamba2 argument; Mamba1 has none")
+    ssm.pop("use_fast_path", None)  # mamba_ssm's kernel choice, not the model's
+    attn = set(d.get("attn_layer_idx", []))
+    hybrid = _attn_from_mamba_ssm(d, path) if attn else {}
+    mlp = ""
+    if d.get("d_intermediate", 0):
+        m = GATED_MLP_MULTIPLE
+        hybrid["d_intermediate"], mlp = -(-d["d_intermediate"] // m) * m, "-"
+    pattern = "".join(("*" if i in attn else "1") + mlp for i in range(d["n_layer"]))
+    return Mamba2Config.from_dict(dict(
+        d_model=d["d_model"], n_layer=len(pattern), layer_pattern=pattern,
+        vocab_size=d["vocab_size"],
+        pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
+        residual_in_fp32=d.get("residual_in_fp32", True),
+        tie_embeddings=d.get("tie_embeddings", True), mamba1=ssm, **hybrid))
 
 
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
@@ -316,7 +390,28 @@ def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
 def export_format(cfg: Mamba2Config, fmt: str) -> str:
     """The layout written for `fmt`: "hf" is Mamba2ForCausalLM for a Mamba-only model and
     NemotronHForCausalLM ("nemotron_h") for a hybrid; other layouts are themselves."""
-    return "nemotron_h" if fmt == "hf" and set(cfg.layers) != {"M"} else fmt
+    return "nemotron_h" if fmt == "hf" and set(cfg.layers) not in ({"M"}, {"1"}) else fmt
+
+
+def hf_mamba1_config_dict(cfg: Mamba2Config) -> dict:
+    """MambaForCausalLM's config, FalconMambaForCausalLM's with mamba1.bc_dt_rms."""
+    m = cfg.mamba1
+    model_type = "falcon_mamba" if m.bc_dt_rms else "mamba"
+    out = {
+        "architectures": [_HF_MAMBA1_TYPES[model_type]], "model_type": model_type,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer,
+        "vocab_size": cfg.padded_vocab_size, "state_size": m.d_state, "expand": m.expand,
+        "conv_kernel": m.d_conv, "intermediate_size": mamba1.dims(cfg).i,
+        "time_step_rank": m.dt_rank, "time_step_scale": m.dt_scale,
+        "time_step_min": m.dt_min, "time_step_max": m.dt_max,
+        "time_step_init_scheme": m.dt_init, "time_step_floor": m.dt_init_floor,
+        "use_bias": m.bias, "use_conv_bias": m.conv_bias, "hidden_act": "silu",
+        "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
+        "tie_word_embeddings": cfg.tie_embeddings, "rescale_prenorm_residual": False,
+        "dtype": "float32"}
+    if m.bc_dt_rms:
+        out["mixer_rms_eps"] = m.bc_dt_rms_eps
+    return out
 
 
 def _derived_width(cfg: Mamba2Config, fmt: str):
@@ -329,6 +424,8 @@ def _derived_width(cfg: Mamba2Config, fmt: str):
 
 
 def hf_config_dict(cfg: Mamba2Config) -> dict:
+    if set(cfg.layers) == {"1"}:
+        return hf_mamba1_config_dict(cfg)
     v, m = cfg.padded_vocab_size, cfg.mamba2
     _derived_width(cfg, "hf")
     return {
@@ -346,26 +443,48 @@ def hf_config_dict(cfg: Mamba2Config) -> dict:
 
 
 def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
-    """cfg's layers as mamba_ssm Blocks: (each block's mixer symbol, M or *; whether every
-    block has an MLP). A pattern of other shape is a ValueError saying what fits."""
+    """cfg's layers as mamba_ssm Blocks: (each block's mixer symbol, M, 1 or *; whether
+    every block has an MLP). A pattern of other shape is a ValueError saying what fits."""
     layers = cfg.layers
-    if re.fullmatch(r"[M*]*", layers):
+    if "M" in layers and "1" in layers:
+        raise ValueError(f"format='mamba_ssm': layers {layers!r} mix Mamba2 (M) and Mamba-1 "
+                         "(1) layers; a MambaLMHeadModel has one kind (ssm_cfg.layer)")
+    if re.fullmatch(r"[M1*]*", layers):
         return layers, False
-    if re.fullmatch(r"([M*]-)+", layers):
+    if re.fullmatch(r"([M1*]-)+", layers):
         return layers[0::2], True
     raise ValueError(f"format='mamba_ssm': layers {layers!r} are not mamba_ssm Blocks (each a "
-                     "Mamba2 or attention mixer, every one followed by one MLP or none); use "
+                     "Mamba or attention mixer, every one followed by one MLP or none); use "
                      "format='nemotron_h'")
 
 
-def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
-    m, a = cfg.mamba2, cfg.attention
+def _mamba1_ssm_cfg(cfg: Mamba2Config) -> dict:
+    """mamba_ssm's ssm_cfg of Mamba-1 layers (its Mamba's arguments)."""
+    m = cfg.mamba1
+    if m.bc_dt_rms:
+        raise ValueError("format='mamba_ssm': its Mamba has no RMSNorms on dt, B and C "
+                         "(mamba1.bc_dt_rms, Falcon-Mamba's); use format='hf' "
+                         "(FalconMambaForCausalLM)")
+    return {"layer": "Mamba1", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
+            "dt_rank": m.dt_rank, "dt_min": m.dt_min, "dt_max": m.dt_max,
+            "dt_init": m.dt_init, "dt_scale": m.dt_scale, "dt_init_floor": m.dt_init_floor,
+            "conv_bias": m.conv_bias, "bias": m.bias}
+
+
+def _mamba2_ssm_cfg(cfg: Mamba2Config) -> dict:
+    """mamba_ssm's ssm_cfg of Mamba2 layers."""
+    m = cfg.mamba2
     _derived_width(cfg, "mamba_ssm")
-    ssm = {"layer": "Mamba2", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
-           "headdim": m.headdim, "ngroups": m.ngroups, "chunk_size": m.chunk_size,
-           "dt_min": m.dt_min, "dt_max": m.dt_max, "dt_init_floor": m.dt_init_floor,
-           "dt_limit": _encode_limit(m.dt_limit), "A_init_range": list(m.A_init_range),
-           "conv_bias": m.conv_bias, "bias": m.bias}
+    return {"layer": "Mamba2", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
+            "headdim": m.headdim, "ngroups": m.ngroups, "chunk_size": m.chunk_size,
+            "dt_min": m.dt_min, "dt_max": m.dt_max, "dt_init_floor": m.dt_init_floor,
+            "dt_limit": _encode_limit(m.dt_limit), "A_init_range": list(m.A_init_range),
+            "conv_bias": m.conv_bias, "bias": m.bias}
+
+
+def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
+    a = cfg.attention
+    ssm = _mamba1_ssm_cfg(cfg) if "1" in cfg.layers else _mamba2_ssm_cfg(cfg)
     mixers, mlp = mamba_ssm_blocks(cfg)
     if mlp and (cfg.mlp.activation != "swiglu" or cfg.mlp.d_intermediate % GATED_MLP_MULTIPLE):
         raise ValueError(f"format='mamba_ssm': GatedMLP is SwiGLU with a width that is a "

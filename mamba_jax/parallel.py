@@ -88,8 +88,10 @@ def check_layout(cfg, mesh, *, batch_size=None, seq_len=None, sequence_parallel=
     if seq_len % cp:
         raise ValueError(f"sequence length {seq_len} is not divisible by cp={cp}, which "
                          f"context parallelism splits it over; use a multiple of {cp}")
-    halo = cfg.mamba2.d_conv - 1
-    if cp > 1 and "M" in cfg.layers and seq_len // cp < halo:
+    # The convs' halo: the previous device's last d_conv - 1 tokens (each Mamba kind's own)
+    halo = max([cfg.mamba2.d_conv - 1] * ("M" in cfg.layers)
+               + [cfg.mamba1.d_conv - 1] * ("1" in cfg.layers) + [0])
+    if cp > 1 and halo and seq_len // cp < halo:
         raise ValueError(f"sequence length {seq_len} over cp={cp} leaves {seq_len // cp} "
                          f"tokens per device, fewer than the conv's halo d_conv-1 = {halo}; "
                          f"use a sequence of at least {cp * halo} tokens or a smaller cp")

@@ -42,6 +42,7 @@ RULES = {
     "head_dim": None,
     "state": None,      # Mamba's d_state
     "conv": None,       # a causal conv's taps
+    "dt_rank": None,    # Mamba-1's low-rank dt projection
 }
 # Axes kept whole on every rank where their mesh axis does not divide them: each rank then
 # reads the groups or KV heads its own heads use (the published Mamba2 checkpoints have one

@@ -27,7 +27,7 @@ from mesh_check import assert_matches_single_device, tiny_config
 SECTIONS = dict(mamba2=dict(nheads=12),
                 attention=dict(num_heads=4, num_heads_kv=2, head_dim=8, rotary_emb_dim=4,
                                qkv_bias=True, out_bias=True),
-                mlp=dict(d_intermediate=48))
+                mlp=dict(d_intermediate=48), mamba1=dict(d_state=8, chunk_size=8))
 SYMBOLS = sorted(KINDS)
 
 

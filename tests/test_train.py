@@ -107,7 +107,7 @@ def test_every_recipe_in_train_dir_parses_to_its_preset():
     recipes = sorted((Path(__file__).parents[1] / "train").glob("*.toml"))
     assert {r.stem for r in recipes} == {"tiny", "mamba2-130m", "mamba2-370m", "mamba2-780m",
                                          "mamba2-1.3b", "mamba2-2.7b", "megatron-hybrid-800m",
-                                         "megatron-hybrid-8b"}
+                                         "megatron-hybrid-8b", "mamba-130m"}
     for recipe in recipes:
         args, cfg = parse_args(["--config", str(recipe)])
         assert args.preset == recipe.stem and cfg == Mamba2Config.preset(recipe.stem)

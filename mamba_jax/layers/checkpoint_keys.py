@@ -7,6 +7,7 @@ naming our parameters it holds:
     Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_proj")   # in_proj.weight [z|x|B|C|dt]
     Conv("x_conv", "B_conv", "C_conv")                          # conv1d.weight
     Flat("norm")                                                # norm.weight
+    AsIs("A_log")                                               # A_log [d_inner, d_state]
 
 An entry applies where the layer has all its parameters (an optional bias is simply absent);
 a layer that has only some of them is an error.
@@ -65,6 +66,19 @@ class Conv(_Entry):
     def from_torch(self, tensor, shapes):
         sizes = [math.prod(s[1:]) for s in shapes]
         return [a.reshape(s) for a, s in zip(self._split(tensor[:, 0].T, sizes, 1), shapes)]
+
+
+class AsIs(_Entry):
+    """A tensor of the one parameter's own shape (Mamba-1's A_log [d_inner, d_state])."""
+
+    def torch_shape(self, shapes):
+        return tuple(shapes[0])
+
+    def to_torch(self, arrays):
+        return arrays[0]
+
+    def from_torch(self, tensor, shapes):
+        return [tensor]
 
 
 class Flat(_Entry):

@@ -84,7 +84,7 @@ def part_ends(seq_idx, rows):
     return jnp.stack([seq_idx[:, 0], seq_idx[:, -1]], axis=-1).astype(jnp.int32)
 
 
-def _entering_states(finals, decays, ends, initial_state):
+def entering_states(finals, decays, ends, initial_state):
     """Step 3: finals [K, b, h, p, n], decays [K, b, h], ends [K, b, 2] of the K parts in
     order -> the state entering each part [K, b, h, p, n] float32."""
     K, b, h, p, n = finals.shape
@@ -114,7 +114,7 @@ def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=Non
                    seq_idx=seq_idx)
     finals, decays, ends = lax.all_gather(_zero_state_finals(x, dt, A, B, **options),
                                           axis_name)
-    s_in = _entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
+    s_in = entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
     return scan(x, dt, A, B, C, D=D, initial_state=s_in, **options)
 
 
@@ -124,7 +124,7 @@ def entering_rows(finals, decays, ends, initial_state, segments):
     initial_state [b, h, p, n] entering each row -> the state entering each part
     [b * K, h, p, n] float32."""
     parts = lambda a: jnp.moveaxis(a.reshape(-1, segments, *a.shape[1:]), 1, 0)  # [K, b, ..]
-    entering = _entering_states(parts(finals), parts(decays), parts(ends), initial_state)
+    entering = entering_states(parts(finals), parts(decays), parts(ends), initial_state)
     return jnp.moveaxis(entering, 0, 1).reshape(finals.shape)
 
 
