@@ -240,7 +240,8 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
     """A transformers NemotronHConfig dict -> Mamba2Config with a layer_pattern. HF's
     NemotronH clamps dt below at time_step_min (ignoring time_step_limit), has no rotary
-    embeddings and no attention biases, and its MLP is up -> relu^2 -> down."""
+    embeddings and no attention biases, and its MLP is up -> activation -> down
+    (mlp_hidden_act: relu2, gelu or gelu_pytorch_tanh, NEMOTRON_MLP_ACTIVATIONS)."""
     _check_fields(d, path, _NEMOTRON_H_FIELDS, ("hidden_size", "vocab_size"))
     _require(d.get("layers_block_type") or "hybrid_override_pattern" in d, path,
              "layers_block_type or hybrid_override_pattern is required")
@@ -261,7 +262,10 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
              f"mamba_num_heads={heads} * mamba_head_dim={headdim} != hidden_size*expand = "
              f"{d_model * expand}; only d_ssm = d_inner checkpoints are supported")
     _require(d.get("mamba_hidden_act", "silu") == "silu", path, "mamba_hidden_act must be silu")
-    _require(d.get("mlp_hidden_act", "relu2") == "relu2", path, "mlp_hidden_act must be relu2")
+    activation = {hf: ours for ours, hf in NEMOTRON_MLP_ACTIVATIONS.items()}.get(
+        d.get("mlp_hidden_act", "relu2"))
+    _require(activation is not None, path, f"mlp_hidden_act must be one of "
+             f"{sorted(NEMOTRON_MLP_ACTIVATIONS.values())}")
     _require(not d.get("mlp_bias", False), path, "mlp_bias=true is not supported")
     _require(not d.get("num_nextn_predict_layers", 0), path,
              "multi-token prediction layers (num_nextn_predict_layers) are not supported")
@@ -280,7 +284,7 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
         residual_in_fp32=d.get("residual_in_fp32", False),
         tie_embeddings=d.get("tie_word_embeddings", False),
         d_intermediate=d.get("intermediate_size", 0) if "-" in pattern else 0,
-        mlp_activation="relu2", attn_num_heads=attn_heads,
+        mlp_activation=activation, attn_num_heads=attn_heads,
         attn_num_heads_kv=d.get("num_key_value_heads") or attn_heads,
         attn_head_dim=d.get("head_dim") or d_model // attn_heads))
 
@@ -366,11 +370,18 @@ def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
             "tie_embeddings": cfg.tie_embeddings}
 
 
+# Our MLP activations NemotronH's up -> act -> down MLP holds -> its mlp_hidden_act (the
+# names of transformers' ACT2FN: "gelu" is the exact GeLU, "gelu_pytorch_tanh" the tanh one).
+# Not SwiGLU: a gated MLP has a third matrix that layout has no place for.
+NEMOTRON_MLP_ACTIVATIONS = {"relu2": "relu2", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
 def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
     layers, m, a = cfg.layers, cfg.mamba2, cfg.attention
     problems = [text for bad, text in (
-        ("-" in layers and cfg.mlp.activation != "relu2",
-         f"mlp.activation={cfg.mlp.activation!r} (NemotronH's MLP is relu2)"),
+        ("-" in layers and cfg.mlp.activation not in NEMOTRON_MLP_ACTIVATIONS,
+         f"mlp.activation={cfg.mlp.activation!r} (NemotronH's MLP is ungated: "
+         f"{', '.join(NEMOTRON_MLP_ACTIVATIONS)})"),
         ("*" in layers and a.rotary_emb_dim > 0,
          f"attention.rotary_emb_dim={a.rotary_emb_dim} (NemotronH has no rotary)"),
         ("*" in layers and (a.qkv_bias or a.out_bias),
@@ -395,7 +406,8 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
         "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_heads_kv,
         "head_dim": a.head_dim,
         "attention_bias": False, "intermediate_size": cfg.mlp.d_intermediate,
-        "mlp_hidden_act": "relu2", "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
+        "mlp_hidden_act": NEMOTRON_MLP_ACTIVATIONS.get(cfg.mlp.activation, "relu2"),
+        "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
         "residual_in_fp32": cfg.residual_in_fp32,
         "tie_word_embeddings": cfg.tie_embeddings, "rescale_prenorm_residual": False,
         "num_nextn_predict_layers": 0, "dtype": "float32",
