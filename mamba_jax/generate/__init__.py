@@ -244,7 +244,7 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
 
 def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     """(model, tokenizer, eos_token_id) from a checkpoint dir: a model dir (HF or mamba_ssm;
-    its tokenizer.json unless `tokenizer`, a path or 'bytes', is given) or a trainer's
+    its tokenizer.json or tokenizer.model unless `tokenizer`, a path or 'bytes', is given) or a trainer's
     --checkpoint-dir (its newest step; `tokenizer`, else the run's, else bytes). eos is
     config.json's eos_token_id, else the tokenizer's end-of-sequence token
     (tokenizer.special_tokens), else None."""
@@ -255,7 +255,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
 
     from mamba_jax.convert import (from_pretrained, is_training_checkpoint,
                                    load_training_checkpoint, training_tokenizer)
-    from mamba_jax.tokenizer import load_tokenizer, special_token_ids
+    from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -265,7 +265,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
         tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))
         eos = None
     else:
-        tok = load_tokenizer(tokenizer or path / "tokenizer.json")
+        tok = load_tokenizer(tokenizer or find_tokenizer(path) or path / "tokenizer.json")
         model = from_pretrained(path, dtype=jnp.dtype(dtype))
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
     if not isinstance(eos, int):
