@@ -226,7 +226,7 @@ def test_gelu_mlp_matches_megatrons_gelu_in_float64(activation):
 
 @pytest.mark.parametrize("activation,hf_name", [("gelu", "gelu"),
                                                 ("gelu_tanh", "gelu_pytorch_tanh")])
-def test_gelu_hybrid_exports_as_nemotron_h_and_decodes_without_fused_kernels(
+def test_gelu_hybrid_exports_as_nemotron_h_and_decodes_with_the_fused_kernels(
         tmp_path, activation, hf_name):
     from mamba_jax.generate.plan import decode_plan
 
@@ -237,5 +237,4 @@ def test_gelu_hybrid_exports_as_nemotron_h_and_decodes_without_fused_kernels(
     assert json.loads((tmp_path / "config.json").read_text())["mlp_hidden_act"] == hf_name
     loaded, fmt = load_config(tmp_path)
     assert fmt == "nemotron_h" and loaded.mlp == cfg.mlp and loaded.layers == "M-"
-    # The fused decode kernels apply SwiGLU and relu2 only: a GeLU MLP steps through XLA.
-    assert decode_plan(model, 1, "triton").steps == ("fused", "xla")
+    assert decode_plan(model, 1, "triton").steps == ("fused", "fused")

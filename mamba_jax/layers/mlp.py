@@ -25,9 +25,6 @@ from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 
 ACTIVATIONS = ("swiglu", "relu2", "gelu", "gelu_tanh")
-# The activations pallas_kernels.decode.norm_matmul applies inside the fused decoding step
-# (SwiGLU as its gate z); a GeLU MLP steps through XLA.
-FUSED_ACTIVATIONS = ("swiglu", "relu2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +66,6 @@ class MLP(Mixer):
         d, f = cfg.d_model, cfg.mlp.d_intermediate
         self.activation = cfg.mlp.activation
         self.dtype = dtype
-        if self.activation not in FUSED_ACTIVATIONS:
-            self.step_kernels = ()  # decode_plan reads the instance's
         # nn.Linear's default init; the output projection rescaled by 1/sqrt(residual
         # layers) as mamba_ssm's _init_weights does for fc2.
         self.up_proj = param(uniform(rngs, (d, f), 1.0 / math.sqrt(d)), "embed", "mlp")
