@@ -320,9 +320,11 @@ class Engine:
             return np.asarray(chosen), tuple(map(np.asarray, top))
 
         chosen, top = await asyncio.get_running_loop().run_in_executor(self.executor, score)
-        return [chosen[i, l - len(s):].tolist() for i, s in enumerate(sequences)], [[list(zip(values, ids)) for values, ids in zip(
-            top[0][i, l - len(s):].tolist(), top[1][i, l - len(s):].tolist())]
-            for i, s in enumerate(sequences)]
+        mine = [slice(l - len(s), None) for s in sequences]  # each row's own positions
+        return ([chosen[i, at].tolist() for i, at in enumerate(mine)],
+                [[list(zip(values, ids)) for values, ids in zip(top[0][i, at].tolist(),
+                                                               top[1][i, at].tolist())]
+                 for i, at in enumerate(mine)])
 
 
 def _float32(value) -> float | None:
@@ -703,7 +705,8 @@ def main(argv=None):
                         help="address to listen on (0.0.0.0 exposes the server to the network)")
     parser.add_argument("--port", type=int, default=6000)
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json path or 'bytes' (default: the checkpoint's)")
+                        help="tokenizer.json or tokenizer.model path, or 'bytes' (default: "
+                             "the checkpoint's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
     parser.add_argument("--max-new-tokens", type=int, default=Limits.max_new_tokens)

@@ -56,8 +56,9 @@ def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_
 def test_without_a_norm_it_is_an_mlps_down_projection(activation):
     """weight None: no norm. v = relu(x)**2 ("relu2"), x * silu(z) (swiglu's up times
     silu(gate)), or exact GeLU (whose erf the kernel approximates to 1.5e-7; its tanh
-    approximation checked beside) against jax.nn.gelu, rounded to w's dtype, then the product, rounded, plus the residual:
-    the MLP layer's arithmetic (layers.MLP), by the reference and the kernel."""
+    approximation checked beside) against jax.nn.gelu, rounded to w's dtype, then the
+    product, rounded, plus the residual: the MLP layer's arithmetic (layers.MLP), by the
+    reference and the kernel."""
     rng = np.random.default_rng()
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     up, gate, down, residual = arr(2, 512), arr(2, 512), arr(512, 40) / 512 ** 0.5, arr(2, 40)

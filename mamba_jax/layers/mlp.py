@@ -30,8 +30,9 @@ ACTIVATIONS = ("swiglu", "relu2", "gelu", "gelu_tanh")
 @dataclasses.dataclass(frozen=True)
 class MLPSection:
     """cfg.mlp: the MLP's hidden width and activation ("swiglu": mamba_ssm's GatedMLP,
-    "relu2": NemotronH's, "gelu" / "gelu_tanh": Megatron's default / --openai-gelu). In mamba_ssm's layer form (no layer_pattern) d_intermediate > 0
-    gives every block an MLP layer."""
+    "relu2": NemotronH's, "gelu" / "gelu_tanh": Megatron's default / --openai-gelu). In
+    mamba_ssm's layer form (no layer_pattern) d_intermediate > 0 gives every block an MLP
+    layer."""
 
     d_intermediate: int = 0
     activation: str = "swiglu"
