@@ -216,7 +216,7 @@ class Engine:
             out = await loop.run_in_executor(self.executor, lambda: np.asarray(generate(
                 self.model, ids, t, [r.temperature for r in batch],
                 top_k if sampled and min(top_k) < vocab else None,
-                top_p if sampled and min(top_p) < 1 else None,
+                top_p if sampled and (min(top_p) < 1 or max(decay) > 0) else None,
                 seed, self.eos, prompt_lengths=[len(r.ids) for r in batch],
                 max_new_tokens_per_row=[r.max_new for r in batch],
                 on_token=on_token if any(streams) else None,
@@ -359,7 +359,8 @@ MEGATRON = {
     "top_p": (_NUMBER, 0.0, lambda v: v == 0 or 0 < (_float32(v) or 0) <= 1,
               "0 (off) or a number in (0, 1] that stays above 0 in float32"),
     "logprobs": (bool, False, None, "true or false"),
-    "random_seed": (int, OPTIONAL, lambda v: 0 <= v < 1 << 63, "an integer >= 0"),
+    # A jax PRNG key takes 32 bits of a seed: larger ones would collide.
+    "random_seed": (int, OPTIONAL, lambda v: 0 <= v < 1 << 32, "an integer in [0, 2**32)"),
     "add_BOS": (bool, False, None, "true or false"),
     "stop_on_eol": (bool, False, None, "true or false"),
     "stop_on_double_eol": (bool, False, None, "true or false"),

@@ -276,8 +276,10 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     after, banned = banned_after if banned_after is not None else (None, None)
     after, use_ban = per_row("banned_after", after, np.int32, -1)
     banned, _ = per_row("banned_after", banned, np.int32, -1)
-    sampling = Sampling(greedy=not sampled, top_k=sampled and use_k, top_p=sampled and use_p,
-                        top_p_decay=sampled and use_p and use_decay, banned_after=use_ban)
+    # A decaying top_p filters even where it starts at 1.
+    sampling = Sampling(greedy=not sampled, top_k=sampled and use_k,
+                        top_p=sampled and (use_p or use_decay),
+                        top_p_decay=sampled and use_decay, banned_after=use_ban)
     return (Settings(t, k, p, decay, bound, after, banned), sampling, prompt_lengths, limits)
 
 
