@@ -20,14 +20,15 @@ Endpoints:
 Megatron's fields as its server reads them: stop_on_eol ends a continuation at its first
 token whose text holds a newline, stop_on_double_eol at two newlines in a row (the prompt's
 last newline counts), the ending token kept (Megatron stops at GPT-2's newline ids; here
-the tokens' text decides, for any tokenizer); prevent_newline_after_colon bans the first
-token of "\n" right after the first token of ":"; top_p decays to max(top_p *
-top_p_decay**i, top_p_bound) at new token i; random_seed makes a request's samples
-reproducible (its prompts decode in a batch of their own, seeded with it); add_BOS puts the
-tokenizer's BOS token first. The stops end the text after the decode loop, which runs to
-the token limit or eos. length_penalty is accepted and unused, as Megatron's sampling
-path does (it weighs beam search's hypotheses). logprobs come from one forward pass over
-the prompt and continuation (token_logprobs): the raw logits' log-softmax, as Megatron's.
+the tokens' text decides, for any tokenizer); prevent_newline_after_colon bans the
+token of "\n" right after the token of ":" (each as it reads after other text); top_p
+decays to max(top_p * top_p_decay**i, top_p_bound) at new token i; random_seed makes a
+request's samples reproducible (its prompts decode in a batch of their own, seeded with
+it); add_BOS puts the tokenizer's BOS token first. The stops end the text after the decode
+loop, which runs to the token limit or eos. length_penalty is accepted and unused, as
+Megatron's sampling path does (it weighs beam search's hypotheses). logprobs come from one
+forward pass over the prompt and continuation (token_logprobs): the raw logits'
+log-softmax, as Megatron's.
 
 Bad input (a body that is not UTF-8 JSON or nests deeper than Python parses, unknown or
 mistyped fields, numbers that are not finite in float32, more prompts than --max-prompts,
@@ -283,9 +284,13 @@ class Engine:
         head, whole = self.text(prompt), self.text(prompt + new)
         return whole[len(head):] if whole.startswith(head) else self.text(new)
 
-    def first_token(self, text: str) -> int:
-        """The first token of text (how Megatron names ":" and "\n" to its sampler)."""
-        ids = self.tokenizer.encode(text).ids
+    def token_of(self, text: str) -> int:
+        """The first token text adds after other text (how ":" and "\n" reach the sampler:
+        Megatron takes the first token of each alone, which for GPT-2 is the same, and for a
+        SentencePiece model the word-start piece)."""
+        before = self.tokenizer.encode("a").ids
+        ids = self.tokenizer.encode("a" + text).ids
+        ids = ids[len(before):] if ids[:len(before)] == before else ids
         return ids[0] if ids else -1
 
     def segments(self, ids: list[int], window: int = 8) -> list[str]:
@@ -540,7 +545,7 @@ async def megatron_api(request: web.Request):
     ids = _tokenized(engine, v["prompts"], "prompts", v["add_BOS"])
     new = [[] for _ in ids]
     if v["tokens_to_generate"]:
-        ban = ((engine.first_token(":"), engine.first_token("\n"))
+        ban = ((engine.token_of(":"), engine.token_of("\n"))
                if v["prevent_newline_after_colon"] else (-1, -1))
         seed = v["random_seed"]
         rows = _rows(engine, ids, "prompts", v["tokens_to_generate"], v["temperature"],
