@@ -130,7 +130,8 @@ class Steps:
 
         cfg = self.cfg
         kinds = "".join(dict.fromkeys(cfg.layers))  # each kind once, in order
-        one = cfg.replace(n_layer=len(kinds), layer_pattern=kinds, attn_layer_idx=())
+        one = cfg.replace(n_layer=len(kinds), layer_pattern=kinds, attn_layer_idx=(),
+                          hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0)
 
         def build():
             pure = nnx.to_pure_dict(nnx.split(Mamba2LM(one, rngs=nnx.Rngs(0)))[1])

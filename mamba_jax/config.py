@@ -35,7 +35,11 @@ class ModelFields:
     The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
     --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP, and 1 Mamba-1, which
     Megatron lacks: the registry's symbols),
-    each its own pre-norm residual layer. Empty: mamba_ssm's form, n_layer blocks of a mixer
+    each its own pre-norm residual layer. Empty, with `hybrid_attention_ratio` or
+    `hybrid_mlp_ratio` above 0: the pattern Megatron-LM allocates from those ratios for
+    n_layer layers (hybrid_pattern). A layer_pattern given with ratios must hold as many
+    layers of each kind as the ratios allocate (Megatron's rule for an override pattern).
+    Empty, without ratios: mamba_ssm's form, n_layer blocks of a mixer
     (attention where the block index is in attn_layer_idx, else Mamba2) each followed by an
     MLP layer when mlp.d_intermediate > 0 (mamba_ssm's Block adds the mixer to the residual,
     then runs norm2 + MLP: exactly two pre-norm layers)."""
@@ -48,11 +52,14 @@ class ModelFields:
     residual_in_fp32: bool = True
     tie_embeddings: bool = True
     layer_pattern: str = ""
+    hybrid_attention_ratio: float = 0.0
+    hybrid_mlp_ratio: float = 0.0
     attn_layer_idx: tuple[int, ...] = ()
 
     def __init__(self, **fields):
-        """Keyword arguments only: shared fields, sections (their Config, or a dict of their
-        fields), a section's fields as "section.field", or their flat LEGACY_NAMES."""
+        """Keyword arguments only: shared fields (or their MEGATRON_NAMES), sections (their
+        Config, or a dict of their fields), a section's fields as "section.field", or their
+        flat LEGACY_NAMES."""
         values = _merge({}, fields)
         for field in dataclasses.fields(self):
             if field.name in values:
@@ -83,6 +90,18 @@ class ModelFields:
 
     def _check_layers(self):
         pattern = self.layer_pattern
+        ratios = (self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
+        for name, ratio in zip(("hybrid_attention_ratio", "hybrid_mlp_ratio"), ratios):
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+                    or not 0 <= ratio <= 1:
+                raise ValueError(f"Mamba2Config.{name}={ratio!r} must be a number in [0, 1] "
+                                 "(the share of the layers of that kind)")
+        if sum(ratios) > 1:
+            raise ValueError(f"Mamba2Config: hybrid_attention_ratio + hybrid_mlp_ratio = "
+                             f"{sum(ratios)} must be at most 1 (Mamba2 layers take the rest)")
+        if any(ratios) and self.attn_layer_idx:
+            raise ValueError("Mamba2Config: give hybrid ratios or attn_layer_idx="
+                             f"{list(self.attn_layer_idx)} (mamba_ssm's form), not both")
         for i, symbol in enumerate(pattern):
             if symbol not in KINDS:
                 names = ", ".join(f"{s} ({k.name})" for s, k in KINDS.items())
@@ -100,12 +119,25 @@ class ModelFields:
         if bad:
             raise ValueError(f"Mamba2Config.attn_layer_idx has {bad}, outside the "
                              f"n_layer={self.n_layer} blocks 0..{self.n_layer - 1}")
+        if pattern and any(ratios):
+            allocated = hybrid_pattern(self.n_layer, *ratios)
+            if sorted(pattern) != sorted(allocated):
+                count = lambda p: ", ".join(f"{p.count(s)} {s}" for s in KINDS)
+                raise ValueError(
+                    f"Mamba2Config: layer_pattern {pattern!r} ({count(pattern)}) does not hold "
+                    f"the layers hybrid_attention_ratio={ratios[0]}, hybrid_mlp_ratio="
+                    f"{ratios[1]} allocate ({allocated!r}: {count(allocated)}); give a pattern "
+                    "with those counts, or set both ratios to 0 to use the pattern alone")
 
     @property
     def layers(self) -> str:
-        """One symbol per layer: layer_pattern, or mamba_ssm's blocks spelt out."""
+        """One symbol per layer: layer_pattern, the hybrid ratios' allocation, or
+        mamba_ssm's blocks spelt out."""
         if self.layer_pattern:
             return self.layer_pattern
+        if self.hybrid_attention_ratio or self.hybrid_mlp_ratio:
+            return hybrid_pattern(self.n_layer, self.hybrid_attention_ratio,
+                                  self.hybrid_mlp_ratio)
         mlp = "-" if self.mlp.d_intermediate > 0 else ""
         return "".join(("*" if i in self.attn_layer_idx else "M") + mlp
                        for i in range(self.n_layer))
@@ -146,6 +178,48 @@ class ModelFields:
         return getattr(holder, field)
 
 
+def hybrid_pattern(num_layers: int, attention_ratio: float = 0.0,
+                   mlp_ratio: float = 0.0) -> str:
+    """The layer pattern Megatron-LM allocates for --num-layers, --hybrid-attention-ratio and
+    --hybrid-mlp-ratio (its pattern_from_ratios, formerly allocate_layers), e.g.
+    hybrid_pattern(56, 0.08, 0.5) is the 8B hybrid's published
+    "M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-".
+
+    round(num_layers * attention_ratio) attention layers (*) cut the Mamba2 layers into that
+    many plus one sections of equal (fractional) length, an attention layer going where the
+    running length left in a section falls below half a layer; then round(num_layers *
+    mlp_ratio) of the Mamba2 layers become MLP layers (-) by the same walk over the Mamba2
+    layers alone. Python's round (half to even), as Megatron's."""
+    symbols = ["M"] * num_layers
+    attention = round(num_layers * attention_ratio)
+    mamba = num_layers - attention
+    section = mamba / (attention + 1)
+    left = section
+    for i in range(num_layers):
+        if left < 0.5:
+            symbols[i] = "*"
+            left += section
+        else:
+            left -= 1
+    mlp = round(num_layers * mlp_ratio)
+    if mlp > 0:
+        step = (mamba - mlp) / mlp
+        left = step
+        for i in range(num_layers):
+            if symbols[i] == "M":
+                if left < 0.5:
+                    symbols[i] = "-"
+                    left += step
+                else:
+                    left -= 1
+    return "".join(symbols)
+
+
+# Megatron-LM's names of shared fields: its flags' (--num-layers, --hybrid-override-pattern,
+# --hybrid-layer-pattern) spelt with underscores -> the field.
+MEGATRON_NAMES = {"num_layers": "n_layer", "hybrid_override_pattern": "layer_pattern",
+                  "hybrid_layer_pattern": "layer_pattern"}
+
 # The flat names section fields had before the config had sections: old name -> (section,
 # field). Recipes, --set and the configs saved with checkpoints may still use them.
 LEGACY_NAMES = {
@@ -178,6 +252,8 @@ def _resolve(name: str) -> tuple[str | None, str]:
     shared = {f.name for f in dataclasses.fields(ModelFields)}
     if name in LEGACY_NAMES:
         return LEGACY_NAMES[name]
+    if name in MEGATRON_NAMES:
+        return None, MEGATRON_NAMES[name]
     section, dot, field = name.partition(".")
     if dot and section in SECTIONS:
         fields = sorted(f.name for f in dataclasses.fields(SECTIONS[section].Config))
@@ -226,14 +302,16 @@ Mamba2Config.__doc__ = (
     + "), each the kind's Config. Frozen; validated on creation.")
 
 
-# Megatron-LM's hybrid Mamba layouts (examples/mamba/train.sh and its hybrid layer
-# allocation with --hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5; the 8B pattern
-# is the one examples/mamba/README.md publishes): Megatron's Mamba defaults (d_state 128,
-# headdim 64, 8 groups, chunk 128), GQA with 8 KV heads, no position embedding, no biases,
-# untied embeddings, MLP width 4*d_model (Megatron's default ffn_hidden_size) with
-# squared ReLU (Nemotron-H's; the example's default GeLU is not offered). dt clamped
-# below at dt_min, as HF NemotronH runs it, so the model exports as NemotronHForCausalLM.
-# Vocabulary: the report's 256K SentencePiece; set vocab_size to your tokenizer's.
+# Megatron-LM's hybrid Mamba layouts (examples/mamba/train.sh): Megatron's Mamba defaults
+# (d_state 128, headdim 64, 8 groups, chunk 128), GQA with 8 KV heads, no position
+# embedding, no biases, untied embeddings, MLP width 4*d_model (Megatron's default
+# ffn_hidden_size) with Megatron's default activation, exact GeLU (train.sh passes none of
+# --swiglu, --squared-relu, --openai-gelu). The 800M layout is allocated from the ratios
+# its recipe has always named (--hybrid-attention-ratio 0.08 --hybrid-mlp-ratio 0.5 over 48
+# layers); the 8B layout is the pattern examples/mamba/README.md publishes, which the same
+# ratios allocate over 56 layers. dt clamped below at dt_min, as HF NemotronH runs it, so
+# the model exports as NemotronHForCausalLM. Vocabulary: the report's 256K SentencePiece;
+# set vocab_size to your tokenizer's.
 _MEGATRON_HYBRID = dict(vocab_size=256000, pad_vocab_size_multiple=128, tie_embeddings=False)
 _MEGATRON_MAMBA = dict(ngroups=8, chunk_size=128, dt_limit=(0.001, math.inf))
 
@@ -263,15 +341,15 @@ PRESETS: dict[str, Mamba2Config] = {
     "mamba2-1.3b": Mamba2Config(d_model=2048, n_layer=48),
     "mamba2-2.7b": Mamba2Config(d_model=2560, n_layer=64),
     "megatron-hybrid-800m": Mamba2Config(
-        **_MEGATRON_HYBRID, d_model=1024, n_layer=48,
-        layer_pattern="M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-",
-        mamba2=_MEGATRON_MAMBA, attention=dict(num_heads=16, num_heads_kv=8, head_dim=64),
-        mlp=dict(d_intermediate=4096, activation="relu2")),
+        **_MEGATRON_HYBRID, d_model=1024, n_layer=48, hybrid_attention_ratio=0.08,
+        hybrid_mlp_ratio=0.5, mamba2=_MEGATRON_MAMBA,
+        attention=dict(num_heads=16, num_heads_kv=8, head_dim=64),
+        mlp=dict(d_intermediate=4096, activation="gelu")),
     "megatron-hybrid-8b": Mamba2Config(
         **_MEGATRON_HYBRID, d_model=4096, n_layer=56,
         layer_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
         mamba2=_MEGATRON_MAMBA, attention=dict(num_heads=32, num_heads_kv=8, head_dim=128),
-        mlp=dict(d_intermediate=16384, activation="relu2")),
+        mlp=dict(d_intermediate=16384, activation="gelu")),
     # NVIDIA's Nemotron-H Base-8K and Nemotron Nano 2 (their config.json; layer patterns as
     # Megatron-Bridge's providers spell them). Nano 2's widths are not hidden_size's: 128
     # Mamba heads of 80 and 40 attention heads of 128 over d_model 4480 (9B).

@@ -40,7 +40,7 @@ from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.model import Mamba2LM
 from mamba_jax.sharding import param_name
-from mamba_jax.tokenizer import load_tokenizer, special_token_ids
+from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer, special_token_ids
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")
 _EMBEDDING_KEY = {"hf": "backbone.embeddings.weight", "mamba_ssm": "backbone.embedding.weight",
@@ -309,8 +309,8 @@ def main(argv=None):
             parser.error(f"--step picks a step of a trainer's --checkpoint-dir; {args.src} is "
                          "not one")
         model, source = from_pretrained(args.src), args.src
-        if (Path(args.src) / "tokenizer.json").is_file():
-            tokenizer = load_tokenizer(Path(args.src) / "tokenizer.json")
+        if find_tokenizer(args.src):
+            tokenizer = load_tokenizer(find_tokenizer(args.src))
     export(model, args.dst, tokenizer, format=args.to)
     print(f"wrote {args.dst} ({args.to}) from {source}")
 
@@ -336,14 +336,15 @@ def _index_shards(index: Path) -> list[str]:
 
 
 def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
-    """save_pretrained, then the tokenizer (if given) beside the weights as tokenizer.json,
+    """save_pretrained, then the tokenizer (if given) beside the weights (tokenizer.json, or
+    a SentencePiece model's tokenizer.model),
     its bos / eos / pad ids in config.json where the layout has them
     (formats.with_token_ids; null for a tokenizer without them)."""
     save_pretrained(model, path, format=format)
     if tokenizer is None:
         return
     path = Path(path)
-    tokenizer.save(str(path / "tokenizer.json"))
+    save_tokenizer(tokenizer, path)
     config = json.loads((path / "config.json").read_text())
     replace_text(path / "config.json", json.dumps(
         with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
@@ -388,9 +389,10 @@ def load_training_checkpoint(path, step: int | None = None, dtype=None):
 
 def training_tokenizer(path, meta: dict) -> str:
     """The tokenizer of a trainer's --checkpoint-dir, as load_tokenizer takes it: the copy
-    the trainer keeps there (tokenizer.json), else what the run's flags name, else bytes."""
-    copy = Path(path) / "tokenizer.json"
-    return str(copy) if copy.is_file() else meta["config"]["train"].get("tokenizer") or "bytes"
+    the trainer keeps there (tokenizer.json or tokenizer.model), else what the run's flags
+    name, else bytes."""
+    copy = find_tokenizer(path)
+    return str(copy) if copy else meta["config"]["train"].get("tokenizer") or "bytes"
 
 
 if __name__ == "__main__":

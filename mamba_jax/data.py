@@ -1,18 +1,35 @@
-"""Prepared token datasets, and the batches the trainer reads.
+"""Prepared token datasets, Megatron-LM's indexed datasets, blends of several, and the
+batches the trainer reads.
 
     python -m mamba_jax.data prepare a.txt b.jsonl --tokenizer bytes --out data/corpus
+    python -m mamba_jax.data prepare c.jsonl --json-keys text --tokenizer tokenizer.model \
+        --out data/c
+    python -m mamba_jax.train --data 0.3 data/corpus 0.7 /megatron/corpus_text_document
 
 A prepared dataset is a directory:
-  tokens.bin      every document's tokens back to back (uint16, or uint32 for vocabularies
-                  over 65536), each followed by the tokenizer's end-of-document token
-                  (Megatron's --append-eod; `--no-append-eod` leaves it out), read through a
-                  memory map;
+  tokens.bin      every document's tokens back to back (uint16, or int32 for vocabularies
+                  of 65500 and more: Megatron's choice), each followed by the tokenizer's
+                  end-of-document token (Megatron's --append-eod; `--no-append-eod` leaves
+                  it out), read through a memory map;
+  tokens.idx      its index in Megatron-LM's MMapIndexedDataset format (one sequence per
+                  document; INDEXED_DATASET below), so that DIR/tokens is a Megatron
+                  --data-path as its tools/preprocess_data.py would have written it;
   docs.npy        int64 [n_docs + 1]: where each document starts in tokens.bin, then the end;
-  tokenizer.json  a copy of the tokenizer it was made with (none for the byte tokenizer);
-  meta.json       dtype, counts, the largest token id, the tokenizer ("bytes" or
-                  "tokenizer.json", the copy; `tokenizer_source`: what --tokenizer named),
-                  `eod_token` and `eod_id` (null when none was appended), the sources, and
-                  `train_docs`: the documents before it train, the rest are held out.
+  tokenizer.json  a copy of the tokenizer it was made with (tokenizer.model for a
+                  SentencePiece model; none for the byte tokenizer);
+  meta.json       dtype, counts, the largest token id, the tokenizer ("bytes",
+                  "tokenizer.json" or "tokenizer.model", the copy; `tokenizer_source`: what
+                  --tokenizer named), `eod_token` and `eod_id` (null when none was
+                  appended), the sources, and `train_docs`: the documents before it train,
+                  the rest are held out.
+
+Input: text files (one document each) and JSON-lines files (.jsonl, .json), one JSON object
+per line whose --json-keys fields (Megatron's flag; "text" by default) are its documents, in
+key order (Megatron's preprocess_data writes a dataset per key instead).
+
+--data (the trainer) takes a dataset directory, a text file, a Megatron dataset by its path
+prefix (PREFIX.bin + PREFIX.idx, trained as they are: no re-tokenising; the last
+EVAL_FRACTION of its documents held out), or a blend `W1 PATH1 W2 PATH2 ...` (BlendedDataset).
 
 The end-of-document token is the tokenizer's end-of-sequence token (tokenizer.special_tokens,
 e.g. GPT-NeoX's <|endoftext|>), so that a model learns to stop where generation's eos stops
@@ -29,9 +46,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -41,12 +60,81 @@ import numpy as np
 
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.files import locked
-from mamba_jax.tokenizer import SPECIAL_TOKENS, byte_tokenizer, load_tokenizer, special_tokens
+from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
+                                 copy_tokenizer, load_tokenizer, special_tokens)
 
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "licenses.txt"
 FORMAT_VERSION = 1
 # What a dataset directory holds; meta.json, written last, makes it a dataset.
-DATASET_FILES = ("tokens.bin", "docs.npy", "tokenizer.json", "meta.json")
+DATASET_FILES = ("tokens.bin", "tokens.idx", "docs.npy", *TOKENIZER_FILES, "meta.json")
+# The share of a Megatron dataset's documents held out (the last ones; prepare's default).
+EVAL_FRACTION = 0.01
+
+# Megatron-LM's MMapIndexedDataset index, PREFIX.idx (megatron/core/datasets/
+# indexed_dataset.py), little-endian: INDEX_HEADER, the version (uint64 1), the tokens'
+# dtype code (uint8, DTYPE_CODES), the sequence count S (uint64), the document count D + 1
+# (uint64), then int32 [S] sequence lengths in tokens, int64 [S] each sequence's byte offset
+# in PREFIX.bin, int64 [D + 1] the sequence each document begins at, then S. PREFIX.bin
+# holds the sequences' tokens back to back.
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+               7: np.float32, 8: np.uint16}
+
+
+def token_dtype(vocab_size: int):
+    """The token dtype of a dataset for this vocabulary: Megatron's (DType.optimal_dtype),
+    uint16 below 65500 ids, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+def write_index(path, lengths, dtype) -> None:
+    """Write Megatron's index (INDEX_HEADER) of documents of `lengths` tokens of `dtype`,
+    back to back in the .bin, each document one sequence."""
+    lengths = np.asarray(lengths, np.int64)
+    code = {np.dtype(t): c for c, t in DTYPE_CODES.items()}[np.dtype(dtype)]
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * np.dtype(dtype).itemsize
+    with open(path, "wb") as f:
+        f.write(INDEX_HEADER + struct.pack("<QBQQ", 1, code, len(lengths), len(lengths) + 1))
+        f.write(lengths.astype("<i4").tobytes())
+        f.write(pointers.astype("<i8").tobytes())
+        f.write(np.arange(len(lengths) + 1, dtype="<i8").tobytes())
+
+
+def read_indexed(prefix) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's indexed dataset PREFIX.bin + PREFIX.idx -> (its tokens [t], a read-only
+    memory map, and int64 [n_docs + 1]: where each document starts, then t). A document may
+    be several sequences (preprocess_data's --split-sentences); the sequences must lie back
+    to back, as Megatron's writer lays them."""
+    index, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    fix = "write it again with Megatron's tools/preprocess_data.py or `mamba_jax.data prepare`"
+    raw = np.memmap(index, np.uint8, mode="r")
+    if raw.size < 34 or bytes(raw[:9]) != INDEX_HEADER:
+        raise ValueError(f"--data {prefix}: {index} is not a Megatron MMapIndexedDataset index "
+                         f"(it does not begin with {INDEX_HEADER!r}); {fix}")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", bytes(raw[9:34]))
+    if version != 1 or code not in DTYPE_CODES or raw.size < 34 + 12 * n_seq + 8 * n_doc \
+            or n_doc < 1:
+        raise ValueError(f"--data {prefix}: {index} has version {version}, dtype code {code}, "
+                         f"{n_seq} sequences and {n_doc} document indices in {raw.size} bytes, "
+                         f"which is not an index this code reads (version 1); {fix}")
+    dtype = np.dtype(DTYPE_CODES[code])
+    lengths = np.frombuffer(raw, "<i4", n_seq, 34).astype(np.int64)
+    pointers = np.frombuffer(raw, "<i8", n_seq, 34 + 4 * n_seq)
+    documents = np.frombuffer(raw, "<i8", n_doc, 34 + 12 * n_seq)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.memmap(data, dtype, mode="r")
+    if not np.array_equal(pointers, starts[:-1] * dtype.itemsize) or tokens.size != starts[-1] \
+            or documents[0] != 0 or documents[-1] != n_seq or np.any(np.diff(documents) < 0):
+        raise ValueError(f"--data {prefix}: {index} does not describe {data} ({tokens.size} "
+                         f"{dtype.name} tokens; the index's {n_seq} sequences of {starts[-1]} "
+                         f"tokens, back to back, in {n_doc - 1} documents); {fix}")
+    return tokens, starts[documents]
+
+
+def is_indexed(path) -> bool:
+    """Whether `path` names a Megatron indexed dataset by its prefix (PREFIX.bin, .idx)."""
+    return not Path(path).exists() and Path(f"{path}.idx").is_file() \
+        and Path(f"{path}.bin").is_file()
 # prepare's working directory inside --out; one left behind was a prepare killed mid-way.
 _WORK_PREFIX = ".prepare-"
 
@@ -60,24 +148,30 @@ def _not_utf8(path, error: UnicodeDecodeError) -> ValueError:
 # ---------------------------------------------------------------- preparing
 
 
-def _documents(path: Path, lines_per_piece: int = 4096):
+def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
     """Yield (document_starts, text_piece) for one input file, reading it line by line.
 
-    A .jsonl file has one document per line (its "text" field); any other file is one
-    document of plain text, handed out in pieces of whole lines so that a large file never
-    sits in memory (a piece boundary is a line boundary, where tokenizers rarely merge).
+    A .jsonl / .json file has a JSON object per line, whose json_keys fields are each a
+    document; any other file is one document of plain text, handed out in pieces of whole
+    lines so that a large file never sits in memory (a piece boundary is a line boundary,
+    where tokenizers rarely merge).
     """
     with open(path, encoding="utf-8") as f:
-        if path.suffix == ".jsonl":
+        if path.suffix in (".jsonl", ".json"):
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    text = json.loads(line)["text"]
+                    texts = [json.loads(line)[key] for key in json_keys]
+                    if not all(isinstance(text, str) for text in texts):
+                        raise TypeError
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{path}:{number}: expected a JSON object with a 'text' "
-                                     "field on every line") from None
-                yield True, text
+                    fields = " and ".join(repr(key) for key in json_keys)
+                    raise ValueError(f"{path}:{number}: expected a JSON object with the text "
+                                     f"field(s) {fields} on every line (--json-keys names "
+                                     "them)") from None
+                for text in texts:
+                    yield True, text
         else:
             piece, first = [], True
             for line in f:
@@ -92,7 +186,7 @@ def _documents(path: Path, lines_per_piece: int = 4096):
 def _tokenize_file(job):
     """Worker: tokenize one file into a temporary shard, eod_id (or None) after each
     non-empty document; returns the shard's path, the documents' lengths, the largest id."""
-    path, tokenizer_spec, dtype, tmp, eod_id = job
+    path, tokenizer_spec, dtype, tmp, eod_id, json_keys = job
     tokenizer = load_tokenizer(tokenizer_spec)
     shard = Path(tempfile.mkstemp(dir=tmp, suffix=".bin")[1])
     lengths, max_token = [], -1
@@ -106,7 +200,7 @@ def _tokenize_file(job):
                 max_token = max(max_token, eod_id)
 
         try:
-            for starts_doc, text in _documents(Path(path)):
+            for starts_doc, text in _documents(Path(path), json_keys):
                 ids = np.asarray(tokenizer.encode(text).ids, np.int64)
                 if ids.size:
                     max_token = max(max_token, int(ids.max()))
@@ -147,20 +241,27 @@ def _tokenize_all(jobs: list, workers: int, log) -> list:
     return results
 
 
-def _is_given_tokenizer(out: Path, tokenizer_spec) -> bool:
-    """Whether out/tokenizer.json is the very file --tokenizer names (kept as it is)."""
-    copy, given = out / "tokenizer.json", Path(str(tokenizer_spec))
+def _is_given_tokenizer(copy: Path, tokenizer_spec) -> bool:
+    """Whether the tokenizer file `copy` is the very file --tokenizer names (kept as it is)."""
+    given = Path(str(tokenizer_spec))
     return copy.exists() and given.is_file() and os.path.samefile(given, copy)
 
 
 def _check_replaceable(out: Path, tokenizer_spec, overwrite: bool):
     """Refuse to write over a dataset in `out` unless overwrite."""
     existing = [name for name in DATASET_FILES if (out / name).exists()
-                and not (name == "tokenizer.json" and _is_given_tokenizer(out, tokenizer_spec))]
+                and not _is_given_tokenizer(out / name, tokenizer_spec)]
     if existing and not overwrite:
         raise FileExistsError(f"prepare: --out {out} already holds a dataset "
                               f"({', '.join(existing)}); pass --overwrite to replace it, or "
                               "choose another --out")
+
+
+def _held_out(n_docs: int, eval_fraction: float) -> int:
+    """How many of n_docs documents (the last) are held out: eval_fraction of them, rounded,
+    and at least one where eval_fraction > 0 and more than one document is there."""
+    n_eval = int(round(n_docs * eval_fraction))
+    return 1 if eval_fraction and n_eval == 0 and n_docs > 1 else n_eval
 
 
 def _install(work: Path, out: Path):
@@ -172,8 +273,9 @@ def _install(work: Path, out: Path):
             os.replace(work / name, out / name)
 
 
-def prepare(inputs, tokenizer_spec, out, eval_fraction=0.01, workers=None, log=sys.stderr,
-            *, append_eod: bool = True, overwrite: bool = False):
+def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=None,
+            log=sys.stderr, *, append_eod: bool = True, overwrite: bool = False,
+            json_keys=("text",)):
     """Tokenize text / JSON-lines files into a dataset directory `out` (see module doc).
 
     Files are tokenized in parallel (one process per file), each streamed to a shard, and
@@ -190,7 +292,7 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=0.01, workers=None, log=s
         raise ValueError(f"prepare: --eval-fraction={eval_fraction} must be in [0, 1)")
     tokenizer = load_tokenizer(tokenizer_spec)
     vocab = tokenizer.get_vocab_size()
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    dtype = token_dtype(vocab)
     eod = special_tokens(tokenizer)["eos"] if append_eod else None
     out = Path(out)
     workers = workers or min(len(inputs), os.cpu_count())
@@ -207,7 +309,8 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=0.01, workers=None, log=s
         with tempfile.TemporaryDirectory(dir=out, prefix=_WORK_PREFIX) as work:
             work = Path(work)
             results = _tokenize_all([(str(p), str(tokenizer_spec), dtype, work,
-                                      None if eod is None else eod[1]) for p in inputs],
+                                      None if eod is None else eod[1], tuple(json_keys))
+                                     for p in inputs],
                                     workers, log)
             lengths = [n for _, file_lengths, _ in results for n in file_lengths]
             if not lengths:
@@ -218,22 +321,23 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=0.01, workers=None, log=s
                         while block := f.read(1 << 24):
                             joined.write(block)
             docs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-            n_eval = int(round(len(lengths) * eval_fraction))
-            if eval_fraction and n_eval == 0 and len(lengths) > 1:
-                n_eval = 1
+            n_eval = _held_out(len(lengths), eval_fraction)
             bytes_level = str(tokenizer_spec) == "bytes"
             meta = {"version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
                     "n_tokens": int(docs[-1]), "n_docs": len(lengths),
                     "train_docs": len(lengths) - n_eval,
                     "max_token": max(m for _, _, m in results), "vocab_size": vocab,
-                    "tokenizer": "bytes" if bytes_level else "tokenizer.json",
+                    "tokenizer": "bytes",
                     "tokenizer_source": str(tokenizer_spec),
                     "eod_token": None if eod is None else eod[0],
                     "eod_id": None if eod is None else eod[1],
                     "sources": [str(p) for p in inputs]}
             np.save(work / "docs.npy", docs)
-            if not bytes_level and not _is_given_tokenizer(out, tokenizer_spec):
-                shutil.copyfile(tokenizer_spec, work / "tokenizer.json")
+            write_index(work / "tokens.idx", lengths, dtype)
+            if not bytes_level:
+                meta["tokenizer"] = copy_tokenizer(tokenizer_spec, work)
+                if _is_given_tokenizer(out / meta["tokenizer"], tokenizer_spec):
+                    (work / meta["tokenizer"]).unlink()  # --tokenizer is the copy: keep it
             (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             _install(work, out)
     return meta
@@ -249,10 +353,13 @@ def dataset_meta(path) -> dict | None:
     path = Path(path)
     if path.is_file():
         return None
+    if is_indexed(path):
+        return None
     if not path.exists():
         raise FileNotFoundError(f"--data {path}: no such file or directory; give a UTF-8 text "
-                                "file or a dataset directory made by `python -m mamba_jax.data "
-                                "prepare FILES --out DIR`")
+                                "file, a dataset directory made by `python -m mamba_jax.data "
+                                "prepare FILES --out DIR`, or a Megatron dataset's prefix "
+                                "(PREFIX.bin and PREFIX.idx)")
     if not (path / "meta.json").is_file():
         raise FileNotFoundError(f"--data {path} is a directory but not a prepared dataset (it "
                                 "has no meta.json); make one with `python -m mamba_jax.data "
@@ -271,8 +378,8 @@ def dataset_meta(path) -> dict | None:
 
 def dataset_tokenizer(path, meta: dict) -> str:
     """The tokenizer a prepared dataset was made with, as load_tokenizer takes it: "bytes",
-    or its tokenizer.json (the copy in the dataset; datasets made before prepare kept a copy
-    name the file it was given)."""
+    or its tokenizer.json / tokenizer.model (the copy in the dataset; datasets made before
+    prepare kept a copy name the file it was given)."""
     spec = meta["tokenizer"]
     if spec == "bytes":
         return spec
@@ -284,22 +391,33 @@ class TokenDataset:
     """Token ids and document starts, split into a training and a held-out range.
 
     `tokens` [t] ints, `doc_starts` [n_docs + 1] (0, ..., t), `train_docs` documents train.
+    `vocab_size`: where the largest id is not known before reading (a Megatron dataset),
+    each batch is checked against it as it is read.
     """
 
-    def __init__(self, tokens, doc_starts, train_docs: int, name: str = "dataset"):
+    def __init__(self, tokens, doc_starts, train_docs: int, name: str = "dataset",
+                 vocab_size: int | None = None):
         self.tokens, self.doc_starts, self.name = tokens, np.asarray(doc_starts), name
         self.train_end = int(self.doc_starts[train_docs])
+        self.vocab_size = vocab_size
 
     @classmethod
     def load(cls, path, vocab_size: int, tokenizer=None) -> "TokenDataset":
-        """A prepared directory, or a UTF-8 text file (tokenized in memory with `tokenizer`,
-        by default byte-level).
+        """A prepared directory, a Megatron dataset's prefix, or a UTF-8 text file (tokenized
+        in memory with `tokenizer`, by default byte-level).
 
         Checks, before any compute, that the data exists, is not empty, and that every
-        token id is < vocab_size.
+        token id is < vocab_size (a Megatron dataset's ids as each batch is read).
         """
         path = Path(path)
         meta = dataset_meta(path)
+        if meta is None and is_indexed(path):
+            tokens, starts = read_indexed(path)
+            n_docs = len(starts) - 1
+            if tokens.size == 0:
+                raise ValueError(f"--data {path}: the Megatron dataset holds no tokens")
+            return cls(tokens, starts, n_docs - _held_out(n_docs, EVAL_FRACTION), str(path),
+                       vocab_size)
         if meta is None:
             tokenizer = tokenizer or byte_tokenizer()
             from_text = cls.from_text_file(path, tokenizer)
@@ -360,6 +478,8 @@ class TokenDataset:
 
     def _batch(self, starts, seq_len: int) -> dict[str, np.ndarray]:
         rows = np.stack([np.asarray(self.tokens[s:s + seq_len + 1]) for s in starts])
+        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:
+            self.check_vocab(int(rows.max()), self.vocab_size, int(rows.max()) + 1)
         positions = np.asarray(starts)[:, None] + np.arange(seq_len)
         seq_idx = np.searchsorted(self.doc_starts, positions, side="right") - 1
         return {"inputs": rows[:, :-1].astype(np.int32), "targets": rows[:, 1:].astype(np.int32),
@@ -388,12 +508,99 @@ class TokenDataset:
         rows = rows[process_index * local:(process_index + 1) * local]
         return self._batch(rows * seq_len, seq_len)
 
+    def sample_starts(self, samples, seq_len: int, seed: int) -> np.ndarray:
+        """The training windows' starts of global sample numbers `samples` [n]: sample s is
+        window order[s % windows] of epoch s // windows, order a seeded permutation per
+        epoch (as train_batch's); BlendedDataset draws its rows from here."""
+        n = self._windows(0, self.train_end, seq_len)
+        epochs, index = np.divmod(np.asarray(samples, np.int64), n)
+        windows = np.empty_like(index)
+        for epoch in np.unique(epochs):
+            order = np.random.default_rng([seed, int(epoch)]).permutation(n)
+            windows[epochs == epoch] = order[index[epochs == epoch]]
+        return windows * seq_len
+
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """Consecutive windows of the held-out range, at most max_batches batches."""
         n = min(self.eval_windows(seq_len), batch_size * max_batches)
         starts = self.train_end + np.arange(n) * seq_len
         for i in range(0, n, batch_size):
             yield self._batch(starts[i:i + batch_size], seq_len)
+
+
+class BlendedDataset:
+    """Several datasets trained as one, each row of a batch drawn from dataset i with
+    probability weights[i] (normalised): Megatron's --data-path W1 P1 W2 P2 blend, sampled
+    rather than by Megatron's greedy schedule. Batch `step` is a pure function of (step,
+    seed): the rows' datasets come from a generator seeded with (seed, step), and the k-th
+    sample of the run (step * batch_size + row) is window k of the chosen dataset's own
+    seeded order (TokenDataset.sample_starts), so resuming at a step restores the exact
+    position. Evaluation reads each dataset's held-out range in turn."""
+
+    def __init__(self, datasets: list[TokenDataset], weights):
+        weights = np.asarray(weights, np.float64)
+        self.datasets, self.weights = datasets, weights / weights.sum()
+        self.name = " + ".join(f"{w:g} x {d.name}" for w, d in zip(self.weights, datasets))
+
+    def train_batch(self, step: int, batch_size: int, seq_len: int, seed: int,
+                    process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+        """TokenDataset.train_batch's rows, each from its drawn dataset."""
+        if batch_size % process_count:
+            raise ValueError(f"--batch-size {batch_size} is not divisible by the "
+                             f"{process_count} processes")
+        choice = np.random.default_rng([seed, step, len(self.datasets)]).choice(
+            len(self.datasets), size=batch_size, p=self.weights)
+        local = batch_size // process_count
+        rows = np.arange(process_index * local, (process_index + 1) * local)
+        out = {name: np.empty((local, seq_len), np.int32)
+               for name in ("inputs", "targets", "seq_idx")}
+        for i, dataset in enumerate(self.datasets):
+            mine = choice[rows] == i
+            if mine.any():
+                samples = step * batch_size + rows[mine]
+                part = dataset._batch(dataset.sample_starts(samples, seq_len, seed), seq_len)
+                for name in out:
+                    out[name][mine] = part[name]
+        return out
+
+    def eval_windows(self, seq_len: int) -> int:
+        return sum(d.eval_windows(seq_len) for d in self.datasets)
+
+    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
+        """Each dataset's TokenDataset.eval_batches, one after the other."""
+        for dataset in self.datasets:
+            yield from dataset.eval_batches(batch_size, seq_len, max_batches)
+
+    def prompt(self, tokenizer, max_chars: int = 24) -> str:
+        return self.datasets[0].prompt(tokenizer, max_chars)
+
+
+def parse_blend(items: list[str]) -> list[tuple[float, str]]:
+    """--data's values -> [(weight, path)]: one path (weight 1), or `W1 P1 W2 P2 ...` with
+    positive weights."""
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    weights = []
+    for weight in items[0::2]:
+        try:
+            weights.append(float(weight))
+        except ValueError:
+            weights.append(math.nan)
+    if len(items) % 2 or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"--data {' '.join(items)}: give one dataset, or a blend of weights "
+                         "and datasets, each weight a positive number before its dataset: "
+                         "--data 0.3 data/a 0.7 data/b")
+    return list(zip(weights, items[1::2]))
+
+
+def load_data(items: list[str], vocab_size: int, tokenizer=None):
+    """--data's values -> a TokenDataset (one path) or a BlendedDataset (parse_blend), each
+    loaded and checked by TokenDataset.load."""
+    blend = parse_blend(items)
+    datasets = [TokenDataset.load(path, vocab_size, tokenizer) for _, path in blend]
+    if len(datasets) == 1:
+        return datasets[0]
+    return BlendedDataset(datasets, [w for w, _ in blend])
 
 
 @command("python -m mamba_jax.data")
@@ -403,8 +610,11 @@ def main(argv=None):
     p = sub.add_parser("prepare", help="tokenize text or JSON-lines files into a dataset dir",
                        formatter_class=HelpFormatter)
     p.add_argument("inputs", nargs="+", help="text files (one document each) or .jsonl files "
-                                             "(one document per line, field 'text')")
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json path or 'bytes'")
+                                             "(one document per line and --json-keys field)")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer.json or SentencePiece tokenizer.model path, or 'bytes'")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="the fields of each JSON line that are documents (Megatron's flag)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the dataset already in --out (refused otherwise)")
@@ -416,7 +626,8 @@ def main(argv=None):
                    help="processes (default: one per input file, at most the cores)")
     args = parser.parse_args(argv)
     meta = prepare(args.inputs, args.tokenizer, args.out, args.eval_fraction, args.workers,
-                   append_eod=args.append_eod, overwrite=args.overwrite)
+                   append_eod=args.append_eod, overwrite=args.overwrite,
+                   json_keys=args.json_keys)
     print(f"{args.out}: {meta['n_tokens']} tokens in {meta['n_docs']} documents "
           f"({meta['n_docs'] - meta['train_docs']} held out)")
 

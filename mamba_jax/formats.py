@@ -319,8 +319,10 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
     heads), dt is clamped below at time_step_min whatever time_step_limit says, the residual
     stays in the compute dtype (residual_in_fp32 is not read), the head is never tied to the
     embedding (tie_word_embeddings is not read), and multi-token-prediction layers
-    (num_nextn_predict_layers, tensors mtp.*) are not part of the model. The legacy mamba_*
-    spellings of the Mamba fields are taken as NemotronHConfig takes them."""
+    (num_nextn_predict_layers, tensors mtp.*) are not part of the model, and the MLP is up ->
+    activation -> down (mlp_hidden_act: relu2, gelu or gelu_pytorch_tanh,
+    NEMOTRON_MLP_ACTIVATIONS). The legacy mamba_* spellings of the Mamba fields are taken as
+    NemotronHConfig takes them."""
     _check_fields(d, path, _NEMOTRON_H_FIELDS, ("hidden_size", "vocab_size"))
     _require(d.get("layers_block_type") or "hybrid_override_pattern" in d, path,
              "layers_block_type or hybrid_override_pattern is required")
@@ -338,7 +340,10 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
     d_model, expand = d["hidden_size"], get("expand", "mamba_expand", 2)
     heads, headdim = d.get("mamba_num_heads", 128), d.get("mamba_head_dim", 64)
     _require(d.get("mamba_hidden_act", "silu") == "silu", path, "mamba_hidden_act must be silu")
-    _require(d.get("mlp_hidden_act", "relu2") == "relu2", path, "mlp_hidden_act must be relu2")
+    activation = {hf: ours for ours, hf in NEMOTRON_MLP_ACTIVATIONS.items()}.get(
+        d.get("mlp_hidden_act", "relu2"))
+    _require(activation is not None, path, f"mlp_hidden_act must be one of "
+             f"{sorted(NEMOTRON_MLP_ACTIVATIONS.values())}")
     _require(not d.get("mlp_bias", False), path, "mlp_bias=true is not supported")
     dt_min = get("time_step_min", "mamba_dt_min", 0.001)
     attn_heads = d.get("num_attention_heads", 32)
@@ -357,7 +362,7 @@ def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
         bias=d.get("use_bias", False), norm_eps=d.get("layer_norm_epsilon", 1e-5),
         residual_in_fp32=False, tie_embeddings=False,
         d_intermediate=d.get("intermediate_size", 21504) if "-" in pattern else 0,
-        mlp_activation="relu2", attn_num_heads=attn_heads,
+        mlp_activation=activation, attn_num_heads=attn_heads,
         # Absent: NemotronHConfig's default 8; null: one per query head.
         attn_num_heads_kv=_default(d.get("num_key_value_heads", 8), attn_heads),
         attn_head_dim=_default(d.get("head_dim", 128), 128)))
@@ -504,11 +509,18 @@ def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
             "tie_embeddings": cfg.tie_embeddings}
 
 
+# Our MLP activations NemotronH's up -> act -> down MLP holds -> its mlp_hidden_act (the
+# names of transformers' ACT2FN: "gelu" is the exact GeLU, "gelu_pytorch_tanh" the tanh one).
+# Not SwiGLU: a gated MLP has a third matrix that layout has no place for.
+NEMOTRON_MLP_ACTIVATIONS = {"relu2": "relu2", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
 def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
     layers, m, a = cfg.layers, cfg.mamba2, cfg.attention
     problems = [text for bad, text in (
-        ("-" in layers and cfg.mlp.activation != "relu2",
-         f"mlp.activation={cfg.mlp.activation!r} (NemotronH's MLP is relu2)"),
+        ("-" in layers and cfg.mlp.activation not in NEMOTRON_MLP_ACTIVATIONS,
+         f"mlp.activation={cfg.mlp.activation!r} (NemotronH's MLP is ungated: "
+         f"{', '.join(NEMOTRON_MLP_ACTIVATIONS)})"),
         ("*" in layers and a.rotary_emb_dim > 0,
          f"attention.rotary_emb_dim={a.rotary_emb_dim} (NemotronH has no rotary)"),
         ("*" in layers and (a.qkv_bias or a.out_bias),
@@ -533,7 +545,8 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
         "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_heads_kv,
         "head_dim": a.head_dim,
         "attention_bias": False, "intermediate_size": cfg.mlp.d_intermediate,
-        "mlp_hidden_act": "relu2", "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
+        "mlp_hidden_act": NEMOTRON_MLP_ACTIVATIONS.get(cfg.mlp.activation, "relu2"),
+        "mlp_bias": False, "layer_norm_epsilon": cfg.norm_eps,
         "residual_in_fp32": cfg.residual_in_fp32,
         # NemotronHForCausalLM never ties its head: a tied model is written with its
         # embedding as lm_head.weight too (convert.params_to_torch).

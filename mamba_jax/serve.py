@@ -4,12 +4,31 @@ generation server (aiohttp). DIR is a model dir (HF or mamba_ssm) or a trainer's
 
 Endpoints:
   PUT  /api             Megatron-LM's text-generation request: {"prompts": [str],
-                        "tokens_to_generate", "temperature", "top_k", "top_p"} ->
-                        {"text": [prompt + continuation]}
+                        "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs",
+                        "random_seed", "add_BOS", "stop_on_eol", "stop_on_double_eol",
+                        "prevent_newline_after_colon", "top_p_decay", "top_p_bound",
+                        "length_penalty"} -> Megatron's {"text": [prompt + continuation],
+                        "segments": [[each token's text]], "tokens": [[prompt and new
+                        ids]], "logprobs": [[log p of each token after the first]] (with
+                        "logprobs": true)}. "beam_width" is a 400 (BEAM_SEARCH says why).
   POST /v1/completions  OpenAI-style: {"prompt": str | [str], "max_tokens", "temperature",
-                        "top_p", "stream", "model"} -> a text_completion, or with "stream":
-                        server-sent events, one chunk per token, then "data: [DONE]"
+                        "top_p", "n", "stop", "logprobs", "stream", "model"} -> a
+                        text_completion, or with "stream": server-sent events, one chunk
+                        per token, then "data: [DONE]"
   GET  /health          {"status": "ok", ...}
+
+Megatron's fields as its server reads them: stop_on_eol ends a continuation at its first
+token whose text holds a newline, stop_on_double_eol at two newlines in a row (the prompt's
+last newline counts), the ending token kept (Megatron stops at GPT-2's newline ids; here
+the tokens' text decides, for any tokenizer); prevent_newline_after_colon bans the
+token of "\n" right after the token of ":" (each as it reads after other text); top_p
+decays to max(top_p * top_p_decay**i, top_p_bound) at new token i; random_seed makes a
+request's samples reproducible (its prompts decode in a batch of their own, seeded with
+it); add_BOS puts the tokenizer's BOS token first. The stops end the text after the decode
+loop, which runs to the token limit or eos. length_penalty is accepted and unused, as
+Megatron's sampling path does (it weighs beam search's hypotheses). logprobs come from one
+forward pass over the prompt and continuation (token_logprobs): the raw logits'
+log-softmax, as Megatron's.
 
 Bad input (a body that is not UTF-8 JSON or nests deeper than Python parses, unknown or
 mistyped fields, numbers that are not finite in float32, more prompts than --max-prompts,
@@ -51,7 +70,8 @@ from aiohttp import web
 
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
-                                load_for_generation)
+                                load_for_generation, token_logprobs)
+from mamba_jax.tokenizer import special_token_ids
 
 log = logging.getLogger("mamba_jax.serve")
 
@@ -105,6 +125,11 @@ class _Row:
     future: asyncio.Future  # -> (new token ids, finish_reason)
     stream: asyncio.Queue | None = None  # new token ids one at a time, then None
     started: bool = False  # taken into a batch
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
+    ban: tuple[int, int] = (-1, -1)  # (after, banned): generate's banned_after
+    seed: int | None = None  # a request's random_seed: its rows decode alone, with it
+    group: object = None  # the rows of one seeded request share it; None for the others
 
     @property
     def tokens(self) -> int:
@@ -147,7 +172,13 @@ class Engine:
                                                        deadline - loop.time()))
                 except TimeoutError:
                     break
-            await self._generate(loop, rows)
+            # Rows of a request with a random_seed decode in a batch of their own (the same
+            # rows, shapes and seed each time: the same samples); the others together.
+            groups: dict[object, list[_Row]] = {}
+            for row in rows:
+                groups.setdefault(row.group, []).append(row)
+            for group in groups.values():
+                await self._generate(loop, group)
 
     async def _generate(self, loop, rows: list[_Row]):
         lim = self.limits
@@ -179,14 +210,21 @@ class Engine:
         vocab = self.model.config.vocab_size
         top_k = [min(r.top_k, vocab) or vocab for r in batch]
         top_p = [r.top_p for r in batch]
+        decay = [r.top_p_decay for r in batch]
+        ban = np.asarray([r.ban for r in batch]).T
+        seed = next(self.seeds) if rows[0].seed is None else rows[0].seed
         try:
             out = await loop.run_in_executor(self.executor, lambda: np.asarray(generate(
                 self.model, ids, t, [r.temperature for r in batch],
                 top_k if sampled and min(top_k) < vocab else None,
-                top_p if sampled and min(top_p) < 1 else None,
-                next(self.seeds), self.eos, prompt_lengths=[len(r.ids) for r in batch],
+                top_p if sampled and (min(top_p) < 1 or max(decay) > 0) else None,
+                seed, self.eos, prompt_lengths=[len(r.ids) for r in batch],
                 max_new_tokens_per_row=[r.max_new for r in batch],
-                on_token=on_token if any(streams) else None, **self.generate_options)))
+                on_token=on_token if any(streams) else None,
+                top_p_decay=decay if max(decay) > 0 else None,
+                top_p_bound=[r.top_p_bound for r in batch] if max(decay) > 0 else None,
+                banned_after=tuple(ban) if ban.max() >= 0 else None,
+                **self.generate_options)))
         except Exception as err:  # noqa: BLE001 - keep serving whatever failed
             waiting = [r for r in rows if not r.future.done()]
             if len(waiting) > 1 and not streamed:
@@ -212,26 +250,86 @@ class Engine:
             if not r.future.done():
                 r.future.set_result((new, reason))
 
-    def tokenize(self, prompt: str, field: str) -> list[int]:
-        """A prompt's token ids; a 400 naming field if it is empty or too long."""
+    def tokenize(self, prompt: str, field: str, add_bos: bool = False) -> list[int]:
+        """A prompt's token ids (after the tokenizer's BOS token with add_bos); a 400 naming
+        field if it is empty or too long, or add_bos and the tokenizer has no BOS."""
         ids = self.tokenizer.encode(prompt).ids
+        if add_bos:
+            bos = special_token_ids(self.tokenizer)["bos_token_id"]
+            if bos is None:
+                raise BadRequest("add_BOS", "add_BOS: this server's tokenizer has no BOS "
+                                 "token; leave add_BOS out")
+            ids = [bos] + ids
         if not 1 <= len(ids) <= self.limits.max_prompt_tokens:
             raise BadRequest(field, f"{field}: the prompt is {len(ids)} tokens; it must be 1 "
                              f"to {self.limits.max_prompt_tokens} (the server's limit)")
         return ids
 
     def submit(self, ids: list[int], max_new: int, temperature: float, top_k: int,
-               top_p: float, stream: bool) -> _Row:
-        """Queue one prompt for the next batch."""
+               top_p: float, stream: bool, **extra) -> _Row:
+        """Queue one prompt for the next batch; extra: _Row's optional settings."""
         row = _Row(ids, max_new, temperature, top_k, top_p,
                    asyncio.get_running_loop().create_future(),
-                   asyncio.Queue() if stream else None)
+                   asyncio.Queue() if stream else None, **extra)
         self.pending.put_nowait(row)
         self.queued_tokens += row.tokens
         return row
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def continuation(self, prompt: list[int], new: list[int]) -> str:
+        """The text new adds after prompt (decoded together: a SentencePiece model drops the
+        space that begins a text decoded alone)."""
+        head, whole = self.text(prompt), self.text(prompt + new)
+        return whole[len(head):] if whole.startswith(head) else self.text(new)
+
+    def token_of(self, text: str) -> int:
+        """The first token text adds after other text (how ":" and "\n" reach the sampler:
+        Megatron takes the first token of each alone, which for GPT-2 is the same, and for a
+        SentencePiece model the word-start piece)."""
+        before = self.tokenizer.encode("a").ids
+        ids = self.tokenizer.encode("a" + text).ids
+        ids = ids[len(before):] if ids[:len(before)] == before else ids
+        return ids[0] if ids else -1
+
+    def segments(self, ids: list[int], window: int = 8) -> list[str]:
+        """Each token's text: what decoding it adds to the tokens before it (decoded from up
+        to `window` tokens back, so the cost is linear); a token that ends inside a
+        multi-byte character adds "" and the one that completes it the character."""
+        pieces = []
+        for j in range(len(ids)):
+            start = max(0, j - window)
+            before = self.text(ids[start:j]).rstrip("\ufffd") if j > start else ""
+            after = self.text(ids[start:j + 1])
+            after = after if j == len(ids) - 1 else after.rstrip("\ufffd")
+            pieces.append(after[len(before):] if after.startswith(before) else after)
+        return pieces
+
+    async def logprobs(self, sequences: list[list[int]]):
+        """token_logprobs of each sequence (prompt and continuation), on the generation
+        thread: [log p of each token after the first] per sequence, and the TOP_LOGPROBS
+        most likely tokens' [(log p, id)] at each of those positions (always that many:
+        one compiled program per shape for either endpoint)."""
+        lim = self.limits
+        b = _bucket(len(sequences), max(len(sequences), lim.max_batch))
+        l = _bucket(max(map(len, sequences)), lim.max_prompt_tokens + lim.max_new_tokens,
+                    least=16)
+        ids = np.zeros((b, l), np.int32)
+        for row, seq in zip(ids, sequences):
+            row[l - len(seq):] = seq
+        lengths = [len(s) for s in sequences] + [1] * (b - len(sequences))
+
+        def score():
+            chosen, top = token_logprobs(self.model, ids, lengths, TOP_LOGPROBS)
+            return np.asarray(chosen), tuple(map(np.asarray, top))
+
+        chosen, top = await asyncio.get_running_loop().run_in_executor(self.executor, score)
+        mine = [slice(l - len(s), None) for s in sequences]  # each row's own positions
+        return ([chosen[i, at].tolist() for i, at in enumerate(mine)],
+                [[list(zip(values, ids)) for values, ids in zip(top[0][i, at].tolist(),
+                                                               top[1][i, at].tolist())]
+                 for i, at in enumerate(mine)])
 
 
 def _float32(value) -> float | None:
@@ -250,25 +348,53 @@ def _temperature(value) -> bool:
     return f is not None and f >= 0
 
 
-# Request schemas: field -> (accepted types, default, check or None, what it must be).
+# Request schemas: field -> (accepted types, default, check or None, what it must be). A
+# default of REQUIRED makes the field required; OPTIONAL leaves it None when absent.
 # Settings are checked as the float32 they become: a top_p of 1e-300 is 0 there.
+REQUIRED, OPTIONAL = object(), object()
+TOP_LOGPROBS = 5  # the most likely tokens /v1/completions lists per position at most
 _NUMBER = (int, float)
+_UNIT = lambda v: 0 <= (_float32(v) if _float32(v) is not None else -1) <= 1
 MEGATRON = {
-    "prompts": (list, None, lambda v: v and all(isinstance(p, str) for p in v),
+    "prompts": (list, REQUIRED, lambda v: v and all(isinstance(p, str) for p in v),
                 "a non-empty list of strings"),
     "tokens_to_generate": (int, 64, None, "an integer"),
     "temperature": (_NUMBER, 1.0, _temperature, "a finite number >= 0 (0 is greedy)"),
     "top_k": (int, 0, lambda v: v >= 0, "an integer >= 0 (0 is off)"),
     "top_p": (_NUMBER, 0.0, lambda v: v == 0 or 0 < (_float32(v) or 0) <= 1,
               "0 (off) or a number in (0, 1] that stays above 0 in float32"),
+    "logprobs": (bool, False, None, "true or false"),
+    # A jax PRNG key takes 32 bits of a seed: larger ones would collide.
+    "random_seed": (int, OPTIONAL, lambda v: 0 <= v < 1 << 32, "an integer in [0, 2**32)"),
+    "add_BOS": (bool, False, None, "true or false"),
+    "stop_on_eol": (bool, False, None, "true or false"),
+    "stop_on_double_eol": (bool, False, None, "true or false"),
+    "prevent_newline_after_colon": (bool, False, None, "true or false"),
+    "top_p_decay": (_NUMBER, 0.0, _UNIT, "a number in [0, 1] (0 is off)"),
+    "top_p_bound": (_NUMBER, 0.0, _UNIT, "a number in [0, 1] (0 is off)"),
+    "length_penalty": (_NUMBER, 1.0, lambda v: _float32(v) is not None, "a finite number"),
+    "beam_width": (int, OPTIONAL, None, "an integer"),
 }
+# Why PUT /api answers a beam_width with a 400 (Megatron-LM's own server now refuses it too:
+# "Beam search is no longer supported").
+BEAM_SEARCH = ("beam_width: beam search is not supported: the compiled decode loop carries "
+               "one recurrent state per row (every Mamba layer's conv window and SSM state), "
+               "and beam search would have to copy those states between beams at every "
+               "token; sample instead (temperature, top_k, top_p), or send several prompts")
 COMPLETIONS = {
-    "prompt": ((str, list), None, lambda v: isinstance(v, str) or (
+    "prompt": ((str, list), REQUIRED, lambda v: isinstance(v, str) or (
         v and all(isinstance(p, str) for p in v)), "a string or a non-empty list of strings"),
     "max_tokens": (int, 16, None, "an integer"),
     "temperature": (_NUMBER, 1.0, _temperature, "a finite number >= 0 (0 is greedy)"),
     "top_p": (_NUMBER, 1.0, lambda v: 0 < (_float32(v) or 0) <= 1,
               "a number in (0, 1] that stays above 0 in float32"),
+    "n": (int, 1, lambda v: v >= 1, "an integer >= 1 (completions per prompt)"),
+    "stop": ((str, list), OPTIONAL, lambda v: (isinstance(v, str) and v) or (
+        isinstance(v, list) and 1 <= len(v) <= 4 and all(isinstance(s, str) and s for s in v)),
+        "a non-empty string or a list of 1 to 4 of them"),
+    "logprobs": (int, OPTIONAL, lambda v: 0 <= v <= TOP_LOGPROBS,
+                 f"an integer in [0, {TOP_LOGPROBS}] (the most likely tokens listed per "
+                 "position)"),
     "stream": (bool, False, None, "true or false"),
     "model": (str, "", None, "a string"),
 }
@@ -293,8 +419,10 @@ async def _body(request: web.Request):
         raise BadRequest("body", f"the request body is not valid JSON: {err}") from None
 
 
-async def _parse(request: web.Request, schema: dict, max_new_field: str, limits: Limits):
-    """The request's JSON object checked against schema, defaults filled in."""
+async def _parse(request: web.Request, schema: dict, max_new_field: str, limits: Limits,
+                 least_new: int = 1):
+    """The request's JSON object checked against schema, defaults filled in;
+    max_new_field in [least_new, the server's limit]."""
     body = await _body(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "the request body must be a JSON object")
@@ -305,9 +433,9 @@ async def _parse(request: web.Request, schema: dict, max_new_field: str, limits:
     values = {}
     for name, (types, default, check, must) in schema.items():
         if name not in body:
-            if default is None:
+            if default is REQUIRED:
                 raise BadRequest(name, f"{name} is required: {must}")
-            values[name] = default
+            values[name] = None if default is OPTIONAL else default
             continue
         value = body[name]
         # JSON true/false are Python bools, which are also ints: only "stream" takes them.
@@ -318,20 +446,30 @@ async def _parse(request: web.Request, schema: dict, max_new_field: str, limits:
                              f" must be {must}")
         values[name] = value
     n = values[max_new_field]
-    if not 1 <= n <= limits.max_new_tokens:
-        raise BadRequest(max_new_field, f"{max_new_field}={n} must be in [1, "
+    if not least_new <= n <= limits.max_new_tokens:
+        raise BadRequest(max_new_field, f"{max_new_field}={n} must be in [{least_new}, "
                          f"{limits.max_new_tokens}] (the server's limit)")
     return values
 
 
-def _rows(engine: Engine, prompts, field, max_new, temperature, top_k, top_p, stream=False):
-    """Tokenize every prompt before queueing any, so a 400 or 503 leaves nothing running."""
+def _tokenized(engine: Engine, prompts, field, add_bos=False) -> list[list[int]]:
+    """Every prompt's ids (Engine.tokenize), at most the server's --max-prompts of them."""
     lim = engine.limits
     if len(prompts) > lim.max_prompts:
         raise BadRequest(field, f"{field}: {len(prompts)} prompts; at most {lim.max_prompts} "
                          "per request (the server's limit)")
     names = [f"{field}[{i}]" if len(prompts) > 1 else field for i in range(len(prompts))]
-    ids = [engine.tokenize(p, name) for p, name in zip(prompts, names)]
+    return [engine.tokenize(p, name, add_bos) for p, name in zip(prompts, names)]
+
+
+def _rows(engine: Engine, ids, field, max_new, temperature, top_k, top_p, stream=False,
+          **extra):
+    """Queue every prompt's ids (checked first, so a 400 or 503 leaves nothing running);
+    extra: _Row's optional settings."""
+    lim = engine.limits
+    if len(ids) > lim.max_prompts:
+        raise BadRequest(field, f"{field}: {len(ids)} prompts; at most {lim.max_prompts} per "
+                         "request (the server's limit)")
     tokens = sum(len(i) + max_new for i in ids)
     if tokens > lim.max_queued_tokens:
         raise BadRequest(field, f"{field}: the request needs {tokens} prompt and new tokens, "
@@ -340,7 +478,7 @@ def _rows(engine: Engine, prompts, field, max_new, temperature, top_k, top_p, st
     if engine.queued_tokens + tokens > lim.max_queued_tokens:
         raise Busy(f"the server is busy ({engine.queued_tokens} tokens queued, at most "
                    f"{lim.max_queued_tokens}); retry shortly")
-    return [engine.submit(i, max_new, float(temperature), top_k, float(top_p), stream)
+    return [engine.submit(i, max_new, float(temperature), top_k, float(top_p), stream, **extra)
             for i in ids]
 
 
@@ -371,30 +509,119 @@ async def _results(request: web.Request, rows: list[_Row]):
             content_type="application/json") from None
 
 
+def _first_stop(text: str, stops) -> int | None:
+    """Where the first of the stop strings begins in text, or None."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _line_end(engine: Engine, prompt: list[int], new: list[int], double: bool) -> list[int]:
+    """new up to and with its first token that completes a newline (double: two newlines in
+    a row, the prompt's last character counting): Megatron's stop_on_eol and
+    stop_on_double_eol, on the tokens' text."""
+    context = prompt[-8:]  # to decode the first new tokens as they read after the prompt
+    text = engine.text(prompt)[-1:] if double else ""
+    for j, piece in enumerate(engine.segments(context + new)[len(context):]):
+        text += piece
+        if ("\n\n" if double else "\n") in text:
+            return new[:j + 1]
+    return new
+
+
 async def megatron_api(request: web.Request):
     engine: Engine = request.app[ENGINE]
-    v = await _parse(request, MEGATRON, "tokens_to_generate", engine.limits)
-    rows = _rows(engine, v["prompts"], "prompts", v["tokens_to_generate"], v["temperature"],
-                 v["top_k"], v["top_p"] or 1.0)
-    results = await _results(request, rows)
-    return web.json_response({"text": [p + engine.text(new)
-                                       for p, (new, _) in zip(v["prompts"], results)]})
+    v = await _parse(request, MEGATRON, "tokens_to_generate", engine.limits, least_new=0)
+    if v["beam_width"] is not None:
+        raise BadRequest("beam_width", BEAM_SEARCH)
+    if v["tokens_to_generate"] == 0 and not v["logprobs"]:
+        raise BadRequest("tokens_to_generate", "tokens_to_generate=0 generates nothing: it "
+                         "scores the prompts, and needs logprobs=true")
+    for name in ("top_p_decay", "top_p_bound"):
+        if v[name] and not v["top_p"]:
+            raise BadRequest(name, f"{name}={v[name]} needs top_p > 0: it changes top_p")
+    if v["top_p_bound"] > v["top_p"]:
+        raise BadRequest("top_p_bound", f"top_p_bound={v['top_p_bound']} must be at most "
+                         f"top_p={v['top_p']} (top_p decays down to it)")
+    ids = _tokenized(engine, v["prompts"], "prompts", v["add_BOS"])
+    new = [[] for _ in ids]
+    if v["tokens_to_generate"]:
+        ban = ((engine.token_of(":"), engine.token_of("\n"))
+               if v["prevent_newline_after_colon"] else (-1, -1))
+        seed = v["random_seed"]
+        rows = _rows(engine, ids, "prompts", v["tokens_to_generate"], v["temperature"],
+                     v["top_k"], v["top_p"] or 1.0, top_p_decay=float(v["top_p_decay"]),
+                     top_p_bound=float(v["top_p_bound"]), ban=ban, seed=seed,
+                     group=None if seed is None else object())
+        new = [tokens for tokens, _ in await _results(request, rows)]
+        if v["stop_on_eol"] or v["stop_on_double_eol"]:
+            new = [_line_end(engine, i, n, v["stop_on_double_eol"]) for i, n in zip(ids, new)]
+    tokens = [i + n for i, n in zip(ids, new)]
+    response = {"text": [p + engine.continuation(i, n)
+                         for p, i, n in zip(v["prompts"], ids, new)],
+                "segments": [engine.segments(t) for t in tokens], "tokens": tokens}
+    if v["logprobs"]:
+        response["logprobs"], _ = await engine.logprobs(tokens)
+    return web.json_response(response)
+
+
+async def _openai_logprobs(engine: Engine, rows: list[_Row], new: list[list[int]],
+                           prompts: list[str], top_n: int) -> list[dict]:
+    """OpenAI's completion logprobs of each row's new tokens: their texts, log-probabilities,
+    the top_n most likely tokens at each position ({text: log p}; null for 0) and each
+    token's character offset from the start of the prompt."""
+    sequences = [r.ids + n for r, n in zip(rows, new)]
+    chosen, top = await engine.logprobs(sequences)
+    def listed(position):  # {text: log p}, most likely first; tokens of one text: the first
+        found = {}
+        for logp, token in position:
+            found.setdefault(engine.text([token]), logp)
+        return found
+
+    out = []
+    for r, n, prompt, lp, t in zip(rows, new, prompts, chosen, top):
+        context = r.ids[-8:]
+        pieces = engine.segments(context + n)[len(context):]
+        offsets = np.cumsum([len(prompt)] + [len(p) for p in pieces])[:-1].tolist()
+        first = len(r.ids) - 1  # position of the first new token's log-probability
+        out.append({"tokens": pieces, "token_logprobs": lp[first:], "text_offset": offsets,
+                    "top_logprobs": None if not top_n else [
+                        listed(p[:top_n]) for p in t[first:]]})
+    return out
 
 
 async def completions(request: web.Request):
     engine: Engine = request.app[ENGINE]
     v = await _parse(request, COMPLETIONS, "max_tokens", engine.limits)
     prompts = [v["prompt"]] if isinstance(v["prompt"], str) else v["prompt"]
-    rows = _rows(engine, prompts, "prompt", v["max_tokens"], v["temperature"], 0, v["top_p"],
+    stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
+    if v["stream"] and v["logprobs"] is not None:
+        raise BadRequest("logprobs", "logprobs are not streamed; ask for them without stream")
+    ids = [i for i in _tokenized(engine, prompts, "prompt") for _ in range(v["n"])]
+    rows = _rows(engine, ids, "prompt", v["max_tokens"], v["temperature"], 0, v["top_p"],
                  stream=v["stream"])
+    prompts = [p for p in prompts for _ in range(v["n"])]
     meta = {"id": f"cmpl-{id(rows[0]):x}", "object": "text_completion",
             "created": int(time.time()), "model": v["model"] or request.app[MODEL_NAME]}
     if not v["stream"]:
         results = await _results(request, rows)
-        return web.json_response({**meta, "choices": [
-            {"index": i, "text": engine.text(new), "finish_reason": reason}
-            for i, (new, reason) in enumerate(results)], "usage": {
-            "prompt_tokens": sum(len(r.ids) for r in rows),
+        choices, kept = [], []
+        for i, (row, (new, reason)) in enumerate(zip(rows, results)):
+            text = engine.continuation(row.ids, new)
+            cut = _first_stop(text, stops)
+            if cut is not None:  # the tokens that the text before the stop needs
+                context = row.ids[-8:]
+                ends = np.cumsum([len(p) for p in engine.segments(context + new)[len(context):]])
+                new = new[:int(np.searchsorted(ends, cut)) + 1 if cut else 0]
+                text, reason = text[:cut], "stop"
+            kept.append(new)
+            choices.append({"index": i, "text": text, "finish_reason": reason,
+                            "logprobs": None})
+        if v["logprobs"] is not None:
+            for choice, lp in zip(choices, await _openai_logprobs(engine, rows, kept, prompts,
+                                                                  v["logprobs"])):
+                choice["logprobs"] = lp
+        return web.json_response({**meta, "choices": choices, "usage": {
+            "prompt_tokens": sum(len(r.ids) for r in rows[::v["n"]]),
             "completion_tokens": sum(len(new) for new, _ in results)}})
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -402,28 +629,35 @@ async def completions(request: web.Request):
     async def send(payload):
         await response.write(f"data: {payload}\n\n".encode())
 
+    hold = max(map(len, stops), default=1) - 1  # text that may be a stop's beginning waits
     try:
         await response.prepare(request)
         for i, row in enumerate(rows):
-            tokens, sent = [], ""
+            tokens, sent, stopped = [], "", False
             while (token := await row.stream.get()) is not None:
                 if token == engine.eos:
                     break
                 tokens.append(token)
-                text = engine.text(tokens)
+                text = engine.continuation(row.ids, tokens)
                 if text.endswith("\ufffd"):  # a multi-byte character not yet complete
                     continue
-                await send(json.dumps({**meta, "choices": [
-                    {"index": i, "text": text[len(sent):], "finish_reason": None}]}))
-                sent = text
+                cut = _first_stop(text, stops)
+                stopped = cut is not None
+                text = text[:cut] if stopped else text[:len(text) - hold]
+                if len(text) > len(sent):
+                    await send(json.dumps({**meta, "choices": [
+                        {"index": i, "text": text[len(sent):], "finish_reason": None}]}))
+                    sent = text
+                if stopped:
+                    break
             try:
                 _, reason = await row.future
             except Exception as err:  # noqa: BLE001 - logged by the engine
                 await send(_error_body(None, f"generation failed: {type(err).__name__}: {err}"))
                 break
+            rest = "" if stopped else engine.continuation(row.ids, tokens)[len(sent):]
             await send(json.dumps({**meta, "choices": [
-                {"index": i, "text": engine.text(tokens)[len(sent):],
-                 "finish_reason": reason}]}))
+                {"index": i, "text": rest, "finish_reason": "stop" if stopped else reason}]}))
         await send("[DONE]")
     except (asyncio.CancelledError, ConnectionResetError) as left:
         _drop(request, rows)
@@ -477,7 +711,8 @@ def main(argv=None):
                         help="address to listen on (0.0.0.0 exposes the server to the network)")
     parser.add_argument("--port", type=int, default=6000)
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json path or 'bytes' (default: the checkpoint's)")
+                        help="tokenizer.json or tokenizer.model path, or 'bytes' (default: "
+                             "the checkpoint's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
     parser.add_argument("--max-new-tokens", type=int, default=Limits.max_new_tokens)

@@ -1,11 +1,18 @@
-"""Tokenizers: a byte-level one (ids are UTF-8 bytes, vocabulary 256) and any Hugging Face
-`tokenizer.json`, as `tokenizers.Tokenizer` objects. Used by the trainer's data preparation,
-by generation and by the server; it imports nothing else of ours.
+"""Tokenizers: a byte-level one (ids are UTF-8 bytes, vocabulary 256), any Hugging Face
+`tokenizer.json` (`tokenizers.Tokenizer` objects) and a SentencePiece `tokenizer.model`
+(SentencePieceTokenizer: Megatron-LM's GPTSentencePieceTokenizer, which needs the optional
+`sentencepiece` package: `pip install mamba-jax[sentencepiece]`). Each has encode(text).ids,
+decode(ids), get_vocab_size(), to_str() (equal for equal tokenizers) and save(path); a
+directory holds it as TOKENIZER_FILES names it (save_tokenizer, find_tokenizer). Used by the
+trainer's data preparation, by generation and by the server; it imports nothing else of ours.
 """
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -33,8 +40,93 @@ def byte_tokenizer():
     return tok
 
 
+class Encoding(NamedTuple):
+    """What SentencePieceTokenizer.encode returns: the ids, as tokenizers' Encoding has them."""
+
+    ids: list[int]
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model file (tokenizer.model) with Megatron-LM's GPTSentencePieceTokenizer
+    semantics: encode is the model's encode_as_ids (no BOS or EOS added), decode its
+    decode_ids, the vocabulary its pieces, the end-of-document token its eos piece (</s>),
+    and bos / pad its bos / pad pieces, where the model has them."""
+
+    file_name = "tokenizer.model"
+
+    def __init__(self, path):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ValueError(f"tokenizer {path} is a SentencePiece model, which needs the "
+                             "sentencepiece package: pip install 'mamba-jax[sentencepiece]'"
+                             ) from None
+        self.path = Path(path)
+        self.model = self.path.read_bytes()
+        self.processor = sentencepiece.SentencePieceProcessor()
+        try:
+            self.processor.LoadFromSerializedProto(self.model)
+        except RuntimeError as error:
+            raise ValueError(f"tokenizer {path} is not a SentencePiece model ({error}); pass "
+                             "a tokenizer.model or a tokenizer.json") from None
+
+    def encode(self, text: str) -> Encoding:
+        return Encoding(self.processor.encode_as_ids(text))
+
+    def decode(self, ids) -> str:
+        return self.processor.decode_ids([int(i) for i in ids])
+
+    def get_vocab_size(self) -> int:
+        return self.processor.get_piece_size()
+
+    def to_str(self) -> str:
+        """The model's digest: equal for the same model file."""
+        return "sentencepiece:" + hashlib.sha256(self.model).hexdigest()
+
+    def save(self, path) -> None:
+        Path(path).write_bytes(self.model)
+
+    def special_tokens(self) -> dict[str, tuple[str, int] | None]:
+        """tokenizer.special_tokens' answer: the model's bos, eos and pad pieces."""
+        sp = self.processor
+        ids = {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
+        return {role: None if i < 0 else (sp.id_to_piece(i), i) for role, i in ids.items()}
+
+
+# The file a tokenizer of each kind is saved as beside a model or a dataset, first looked for.
+TOKENIZER_FILES = ("tokenizer.json", SentencePieceTokenizer.file_name)
+
+
+def tokenizer_file_name(tokenizer) -> str:
+    """The name a tokenizer is saved as (TOKENIZER_FILES)."""
+    return getattr(tokenizer, "file_name", "tokenizer.json")
+
+
+def save_tokenizer(tokenizer, directory) -> Path:
+    """Save the tokenizer in `directory` under its file name; returns the path."""
+    path = Path(directory) / tokenizer_file_name(tokenizer)
+    tokenizer.save(str(path))
+    return path
+
+
+def find_tokenizer(directory) -> Path | None:
+    """The tokenizer file saved in `directory` (TOKENIZER_FILES), or None."""
+    return next((Path(directory) / name for name in TOKENIZER_FILES
+                 if (Path(directory) / name).is_file()), None)
+
+
+def copy_tokenizer(spec, directory) -> str:
+    """Copy the tokenizer file `spec` names into `directory` under its kind's file name
+    (TOKENIZER_FILES); returns that name."""
+    name = tokenizer_file_name(load_tokenizer(spec))
+    shutil.copyfile(spec, Path(directory) / name)
+    return name
+
+
 def load_tokenizer(spec):
-    """'bytes' -> byte_tokenizer(); a path -> tokenizers.Tokenizer.from_file(path)."""
+    """'bytes' -> byte_tokenizer(); a SentencePiece model file (a .model) ->
+    SentencePieceTokenizer; a tokenizer.json (a .json) -> tokenizers.Tokenizer.from_file(path);
+    a file named otherwise, whichever of the two reads it."""
     from tokenizers import Tokenizer
 
     if str(spec) == "bytes":
@@ -42,8 +134,16 @@ def load_tokenizer(spec):
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer file {path} not found: pass --tokenizer "
-                                "PATH/tokenizer.json, or --tokenizer bytes for byte-level models")
-    return Tokenizer.from_file(str(path))
+                                "PATH/tokenizer.json or PATH/tokenizer.model (SentencePiece), "
+                                "or --tokenizer bytes for byte-level models")
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises its own Exception for any bad file
+        if path.suffix == ".json":
+            raise ValueError(f"tokenizer {path} is not a tokenizer.json: {error}") from None
+        return SentencePieceTokenizer(path)
 
 
 # The usual spellings of the special tokens, most common first: GPT-2 / GPT-NeoX (whose
@@ -56,7 +156,10 @@ SPECIAL_TOKENS = {"bos": ("<|endoftext|>", "<|begin_of_text|>", "<s>", "<bos>"),
 def special_tokens(tokenizer) -> dict[str, tuple[str, int] | None]:
     """{"bos", "eos", "pad"} -> (token, id) of the tokenizer's added token with a usual
     spelling (SPECIAL_TOKENS), or None. Only added tokens count: the byte tokenizer has
-    none (its 256 ids are all bytes), and text that merely spells "</s>" is not one."""
+    none (its 256 ids are all bytes), and text that merely spells "</s>" is not one. A
+    SentencePiece model's are its own bos, eos and pad pieces."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return tokenizer.special_tokens()
     added = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items()}
     return {role: next(((t, added[t]) for t in spellings if t in added), None)
             for role, spellings in SPECIAL_TOKENS.items()}

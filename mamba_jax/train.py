@@ -44,14 +44,15 @@ from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import export
-from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, dataset_meta, dataset_tokenizer
+from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
+                            load_data, parse_blend)
 from mamba_jax.files import locked, replace_text
 from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM
 from mamba_jax.optim import SCHEDULES, init_opt_state, make_optimizer, make_train_step
-from mamba_jax.tokenizer import load_tokenizer
+from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -83,6 +84,12 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
+# The train flags of Megatron-LM's layer settings (Mamba2Config.MEGATRON_NAMES' and the
+# ratios), passed to the config under their own names.
+MEGATRON_FLAGS = ("num_layers", "hybrid_attention_ratio", "hybrid_mlp_ratio",
+                  "hybrid_override_pattern")
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m mamba_jax.train",
                                 description="Train a Mamba2 language model.",
@@ -91,20 +98,35 @@ def build_parser():
                    help="a recipe (train/*.toml): flag values at the top level, Mamba2Config "
                         "overrides under [model]; flags on the command line win")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    megatron = p.add_argument_group(
+        "Megatron-LM's layer flags", "the model's layers as Megatron-LM's flags give them "
+        "(the same as --set n_layer=, hybrid_attention_ratio=, hybrid_mlp_ratio=, "
+        "layer_pattern=; in a recipe's [model] too)")
+    megatron.add_argument("--num-layers", type=int, default=None, help="n_layer")
+    megatron.add_argument("--hybrid-attention-ratio", type=float, default=None, metavar="R",
+                          help="the share of attention layers, placed as Megatron does")
+    megatron.add_argument("--hybrid-mlp-ratio", type=float, default=None, metavar="R",
+                          help="the share of MLP layers, placed as Megatron does")
+    megatron.add_argument("--hybrid-override-pattern", "--hybrid-layer-pattern",
+                          dest="hybrid_override_pattern", default=None, metavar="PATTERN",
+                          help="layer_pattern: one of M * - per layer")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a Mamba2Config field (repeatable): a shared one, e.g. "
                         "--set d_model=512, or a layer kind's as SECTION.FIELD, e.g. --set "
                         "mamba2.ngroups=2 --set attention.num_heads=16")
-    p.add_argument("--data", default=str(DEFAULT_CORPUS),
-                   help="a dataset dir made by `python -m mamba_jax.data prepare`, or a UTF-8 "
-                        "text file (tokenized with --tokenizer; the bundled corpus by default)")
+    p.add_argument("--data", nargs="+", default=[str(DEFAULT_CORPUS)], metavar="[WEIGHT] PATH",
+                   help="a dataset dir made by `python -m mamba_jax.data prepare`, a Megatron "
+                        "indexed dataset's prefix (PREFIX.bin + PREFIX.idx), or a UTF-8 text "
+                        "file (tokenized with --tokenizer; the bundled corpus by default); or "
+                        "a blend of them with weights: --data 0.3 data/a 0.7 data/b")
     p.add_argument("--no-cross-document-state", dest="cross_document_state",
                    action="store_false",
                    help="restart the conv and the SSM state at every document boundary of the "
                         "packed sequences (passes seq_idx to the scan)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json path or 'bytes', saved with the exported model "
-                        "(default: the one --data was prepared with; bytes for a text file)")
+                   help="tokenizer.json or SentencePiece tokenizer.model path, or 'bytes', "
+                        "saved with the exported model (default: the one --data was prepared "
+                        "with; bytes for a text file; a Megatron dataset needs it given)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     p.add_argument("--seq-len", type=int, default=128)
@@ -176,12 +198,21 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
                              f"with underscores: {sorted(known)}")
         parser.set_defaults(**recipe)
         args = parser.parse_args(argv)
+    if isinstance(args.data, str):  # a recipe's data = "PATH"
+        args.data = [args.data]
+    try:
+        args.data = [str(v) for v in args.data]
+        parse_blend(args.data)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    layer_flags = {name: getattr(args, name) for name in MEGATRON_FLAGS
+                   if getattr(args, name) is not None}
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "save_every", "eval_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SystemExit(f"--lr={args.lr} must be a positive number (the peak learning rate)")
-    return args, {**model_overrides, **parse_overrides(args.set)}
+    return args, {**model_overrides, **layer_flags, **parse_overrides(args.set)}
 
 
 def model_config(preset: str, overrides: dict) -> Mamba2Config:
@@ -198,19 +229,27 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
 
 
 def resolve_tokenizer(args) -> str:
-    """--tokenizer, else the tokenizer --data was prepared with (its meta.json), else
-    bytes (a text file). A --tokenizer other than the dataset's is refused, naming both."""
-    meta = dataset_meta(args.data)
-    if meta is None:
-        return args.tokenizer or "bytes"
-    prepared_with = dataset_tokenizer(args.data, meta)
-    if args.tokenizer is None:
-        return prepared_with
-    if load_tokenizer(args.tokenizer).to_str() != load_tokenizer(prepared_with).to_str():
-        raise SystemExit(f"--tokenizer {args.tokenizer} is not the tokenizer --data {args.data} "
-                         f"was prepared with ({prepared_with}); leave --tokenizer out to use "
-                         "the dataset's, or prepare the data with this one")
-    return args.tokenizer
+    """--tokenizer, else the tokenizer the --data datasets were prepared with (their
+    meta.json), else bytes (text files). A --tokenizer other than a dataset's, or datasets
+    of different tokenizers, are refused, naming both; a Megatron dataset, which does not
+    record its tokenizer, needs --tokenizer."""
+    paths = [path for _, path in parse_blend(args.data)]
+    prepared = {path: dataset_tokenizer(path, meta) for path in paths
+                if (meta := dataset_meta(path)) is not None}
+    chosen, source = args.tokenizer, "--tokenizer"
+    for path, prepared_with in prepared.items():
+        if chosen is None:
+            chosen, source = prepared_with, f"the tokenizer --data {path} was prepared with"
+        elif load_tokenizer(chosen).to_str() != load_tokenizer(prepared_with).to_str():
+            raise SystemExit(f"--data {path} was prepared with {prepared_with}, not {source} "
+                             f"({chosen}); prepare every dataset with one tokenizer, and give "
+                             "it as --tokenizer or leave --tokenizer out")
+    indexed = [path for path in paths if is_indexed(path)]
+    if chosen is None and indexed:
+        raise SystemExit(f"--data {indexed[0]} is a Megatron indexed dataset, which does not "
+                         "record its tokenizer: pass the one it was made with, e.g. "
+                         "--tokenizer tokenizer.model")
+    return chosen or "bytes"
 
 
 class _StopRequest:
@@ -266,12 +305,12 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
     if steps and not (args.resume or args.resume_if_exists):
         raise SystemExit(f"--checkpoint-dir {directory} already holds checkpoints (steps "
                          f"{steps}): pass --resume to continue, or choose another directory")
-    copy = directory / "tokenizer.json"
-    if steps and copy.is_file() and load_tokenizer(copy).to_str() != tokenizer.to_str():
+    copy = find_tokenizer(directory)
+    if steps and copy and load_tokenizer(copy).to_str() != tokenizer.to_str():
         raise SystemExit(f"the checkpoints in {directory} were trained with another tokenizer "
                          f"({copy}) than {args.tokenizer}; pass that one with --tokenizer")
     if lead:
-        tokenizer.save(str(copy))
+        save_tokenizer(tokenizer, directory)
     return ckpt
 
 
@@ -307,7 +346,7 @@ def _train(argv, held: contextlib.ExitStack):
         except ValueError as error:
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     # Refuses bad data before any compute.
-    dataset = TokenDataset.load(args.data, cfg.vocab_size, tokenizer)
+    dataset = load_data(args.data, cfg.vocab_size, tokenizer)
     dtype = jnp.dtype(args.dtype)
     try:
         mesh = parallel.make_mesh(args.mesh)

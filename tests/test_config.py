@@ -1,12 +1,15 @@
 import dataclasses
+import json
 import math
+import tomllib
+from pathlib import Path
 
 import jax
 import pytest
 from flax import nnx
 
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.config import PRESETS
+from mamba_jax.config import PRESETS, hybrid_pattern
 
 
 def test_config_is_frozen_and_hashable():
@@ -89,3 +92,68 @@ def test_presets_have_the_published_sizes(name, published):
     assert cfg.mamba2.d_state == 128 and cfg.mamba2.headdim == 64
     # The names round the parameter counts; within 10% of the name.
     assert abs(_n_params(cfg) - published) / published < 0.1
+
+
+# ------------------------------------------------------------------ Megatron's hybrid ratios
+
+MEGATRON_PATTERNS = json.loads(
+    (Path(__file__).parent / "fixtures" / "megatron" / "hybrid_patterns.json").read_text())
+# examples/mamba/train.sh's HYBRID_LAYER_PATTERN for MODEL_SCALE 800M and 8B.
+TRAIN_SH_800M = "M-M-M--M-*M-M-M-M--*M-M-M-M-*M--M-M-M-*M-M--M-M-"
+TRAIN_SH_8B = "M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-"
+
+
+def test_ratios_allocate_the_layers_megatrons_function_does():
+    """The table: Megatron-LM's own pattern_from_ratios run on each case
+    (tests/fixtures/make_megatron_fixtures.py), its unit tests' and the recipes' included."""
+    assert [48, 0.08, 0.5, TRAIN_SH_800M] in MEGATRON_PATTERNS
+    assert [56, 0.08, 0.5, TRAIN_SH_8B] in MEGATRON_PATTERNS
+    for n, attention, mlp, pattern in MEGATRON_PATTERNS:
+        assert hybrid_pattern(n, attention, mlp) == pattern, (n, attention, mlp)
+        cfg = Mamba2Config(d_model=64, n_layer=n, hybrid_attention_ratio=attention,
+                           hybrid_mlp_ratio=mlp, d_intermediate=64 if mlp else 0,
+                           attn_num_heads=8)
+        assert cfg.layers == pattern and cfg.layer_pattern == ""
+
+
+def test_the_megatron_recipes_layouts_come_from_ratios_and_megatrons_defaults():
+    small, large = PRESETS["megatron-hybrid-800m"], PRESETS["megatron-hybrid-8b"]
+    assert small.layer_pattern == "" and (small.hybrid_attention_ratio,
+                                          small.hybrid_mlp_ratio) == (0.08, 0.5)
+    assert small.layers == TRAIN_SH_800M and large.layers == TRAIN_SH_8B
+    assert small.mlp.activation == large.mlp.activation == "gelu"  # Megatron's default
+    recipe = tomllib.loads((Path(__file__).parents[1] / "train" /
+                            "megatron-hybrid-800m.toml").read_text())
+    assert recipe["model"] == {"num_layers": 48, "hybrid_attention_ratio": 0.08,
+                               "hybrid_mlp_ratio": 0.5}
+
+
+def test_megatron_layer_flags_set_the_layers_on_the_command_line_and_in_recipes(tmp_path):
+    from mamba_jax.train import parse_args
+
+    base = ["--preset", "tiny", "--set", "d_intermediate=64", "--set", "attn_num_heads=8"]
+    _, cfg = parse_args(base + ["--num-layers", "10", "--hybrid-attention-ratio", "0.3",
+                                "--hybrid-mlp-ratio", "0.3"])
+    assert cfg.n_layer == 10 and cfg.layers == "M-*MM*-*M-"
+    for flag in ("--hybrid-override-pattern", "--hybrid-layer-pattern"):
+        _, cfg = parse_args(base + ["--num-layers", "3", flag, "M*-"])
+        assert cfg.layer_pattern == "M*-"
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('preset = "tiny"\n[model]\nnum_layers = 5\nhybrid_attention_ratio = 0.2\n'
+                      'hybrid_mlp_ratio = 0.2\nd_intermediate = 64\nattn_num_heads = 8\n')
+    _, cfg = parse_args(["--config", str(recipe)])
+    assert cfg.layers == "MM*M-"
+    assert Mamba2Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(hybrid_attention_ratio=0.6, hybrid_mlp_ratio=0.5), r"= 1.1 must be at most 1"),
+    (dict(hybrid_attention_ratio=-0.1), r"hybrid_attention_ratio=-0.1 must be a number in"),
+    (dict(hybrid_attention_ratio=0.2, attn_layer_idx=[1]), "not both"),
+    (dict(hybrid_attention_ratio=0.1, layer_pattern="MM*MM*MMMM"),
+     r"'MM\*MM\*MMMM' \(8 M, 2 \*, 0 -\) does not hold .* \('MMMMM\*MMMM': 9 M, 1 \*, 0 -\)"
+     r"; give a pattern with those counts, or set both ratios to 0"),
+])
+def test_bad_ratios_name_the_value_and_the_fix(changes, match):
+    with pytest.raises(ValueError, match=match):
+        Mamba2Config(n_layer=10, attn_num_heads=8, **changes)

@@ -4,14 +4,15 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bpe import EOS_ID, bpe_tokenizer
-from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, main, prepare
+from mamba_jax.data import DEFAULT_CORPUS, TokenDataset, load_data, main, prepare
 from mamba_jax.files import locked
-from mamba_jax.tokenizer import byte_tokenizer
+from mamba_jax.tokenizer import byte_tokenizer, load_tokenizer, special_tokens
 
 
 @pytest.fixture
@@ -204,3 +205,101 @@ def test_data_errors_name_the_input_and_the_fix(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"token id 119 >= the model's vocab_size=100; pass "
                                          r"--set vocab_size=256"):
         TokenDataset.load(tmp_path / "ds", vocab_size=100)
+
+
+# ------------------------------------------------------------------ Megatron-LM's data
+
+SP_MODEL = Path(__file__).parent / "fixtures" / "megatron" / "tokenizer.model"
+
+
+def megatron_index(lengths, documents, code, itemsize) -> bytes:
+    """An MMapIndexedDataset .idx, written here from the layout of Megatron-LM's
+    megatron/core/datasets/indexed_dataset.py (_IndexWriter): header, version 1, dtype
+    code, sequence and document-index counts, lengths, byte pointers, document indices."""
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * itemsize
+    return (b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([code])
+            + len(lengths).to_bytes(8, "little") + len(documents).to_bytes(8, "little")
+            + np.asarray(lengths, "<i4").tobytes() + np.asarray(pointers, "<i8").tobytes()
+            + np.asarray(documents, "<i8").tobytes())
+
+
+def test_sentencepiece_model_has_megatrons_gpt_sentencepiece_semantics(tmp_path):
+    import sentencepiece
+
+    tok = load_tokenizer(SP_MODEL)
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(SP_MODEL))
+    text = "Permission is granted, free of charge: ünïcode 日本"
+    # GPTSentencePieceTokenizer: tokenize = encode_as_ids (no BOS / EOS), detokenize =
+    # decode_ids, eod = the model's eos, vocab = its pieces.
+    assert tok.encode(text).ids == reference.encode_as_ids(text) and 2 not in tok.encode(text).ids
+    assert tok.decode(tok.encode(text).ids) == text
+    assert tok.get_vocab_size() == 512
+    assert special_tokens(tok) == {"bos": ("<s>", 1), "eos": ("</s>", 2), "pad": None}
+    renamed = tmp_path / "spm.bin"  # not named .model: found out by reading it
+    renamed.write_bytes(SP_MODEL.read_bytes())
+    assert load_tokenizer(renamed).to_str() == tok.to_str() != byte_tokenizer().to_str()
+    (tmp_path / "bad.model").write_text("not a model")
+    with pytest.raises(ValueError, match=r"bad.model is not a SentencePiece model"):
+        load_tokenizer(tmp_path / "bad.model")
+
+
+def test_prepare_reads_json_keys_appends_eod_and_writes_megatrons_index(tmp_path):
+    rows = [{"title": f"t{i}", "body": f"document {i} " + "words " * i} for i in range(5)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    meta = prepare([tmp_path / "c.jsonl"], SP_MODEL, tmp_path / "ds", eval_fraction=0.2,
+                   json_keys=["body"])
+    ds = tmp_path / "ds"
+    assert (meta["eod_token"], meta["eod_id"], meta["tokenizer"]) == ("</s>", 2,
+                                                                       "tokenizer.model")
+    assert (ds / "tokenizer.model").read_bytes() == SP_MODEL.read_bytes()
+    tok = load_tokenizer(SP_MODEL)
+    docs = [tok.encode(r["body"]).ids + [2] for r in rows]
+    assert np.fromfile(ds / "tokens.bin", np.uint16).tolist() == sum(docs, [])
+    assert meta["dtype"] == "uint16"  # Megatron's for vocabularies under 65500 (code 8)
+    lengths = [len(d) for d in docs]
+    assert (ds / "tokens.idx").read_bytes() == megatron_index(lengths, range(6), 8, 2)
+    # Two keys: each line's fields are documents in key order.
+    meta = prepare([tmp_path / "c.jsonl"], SP_MODEL, tmp_path / "two", json_keys=["title", "body"])
+    assert meta["n_docs"] == 10
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: .* field\(s\) 'title' and 'body'"):
+        prepare([tmp_path / "bad.jsonl"], "bytes", tmp_path / "bad", json_keys=["title", "body"])
+
+
+def test_a_megatron_indexed_dataset_trains_as_it_is(tmp_path):
+    # int32 tokens (code 4), documents of 1, 2 and 1 sequences (--split-sentences).
+    seqs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [70000, 15, 16, 17, 18]]
+    prefix = tmp_path / "corpus_text_document"
+    Path(f"{prefix}.bin").write_bytes(np.asarray(sum(seqs, []), "<i4").tobytes())
+    Path(f"{prefix}.idx").write_bytes(megatron_index([3, 2, 4, 5], [0, 1, 3, 4], 4, 4))
+    ds = TokenDataset.load(prefix, vocab_size=100000)
+    assert np.asarray(ds.tokens).tolist() == sum(seqs, [])
+    assert ds.doc_starts.tolist() == [0, 3, 9, 14]
+    assert ds.train_end == 9  # the last of 3 documents held out (rounded up to one)
+    batch = ds._batch([0], 8)
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+    with pytest.raises(ValueError, match=r"token id 70000 >= the model's vocab_size=1000"):
+        TokenDataset.load(prefix, vocab_size=1000)._batch([9], 4)
+    Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00" + bytes(40))
+    with pytest.raises(ValueError, match=r"version 0, .* not an index this code reads"):
+        TokenDataset.load(prefix, vocab_size=100000)
+
+
+def test_a_blend_draws_rows_by_weight_deterministically_per_step_and_seed(tmp_path):
+    for name, offset in (("a", 0), ("b", 200)):
+        Path(tmp_path / f"{name}.bin").write_bytes(
+            (np.arange(4000) % 100 + offset).astype("<u2").tobytes())
+        Path(tmp_path / f"{name}.idx").write_bytes(megatron_index([4000], [0, 1], 8, 2))
+    ds = load_data(["0.3", str(tmp_path / "a"), "0.7", str(tmp_path / "b")], 300)
+    batches = [ds.train_batch(step, 16, 8, seed=3) for step in range(40)]
+    from_b = np.mean([row[0] >= 200 for b in batches for row in b["inputs"]])
+    assert 0.63 < from_b < 0.77  # 640 rows drawn with p = 0.7: 4.5 standard deviations
+    again = ds.train_batch(17, 16, 8, seed=3)  # straight to step 17, as a resume does
+    np.testing.assert_array_equal(again["inputs"], batches[17]["inputs"])
+    assert not np.array_equal(ds.train_batch(17, 16, 8, seed=4)["inputs"], again["inputs"])
+    halves = [ds.train_batch(17, 16, 8, seed=3, process_index=i, process_count=2)
+              for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]),
+                                  again["inputs"])
+    with pytest.raises(ValueError, match=r"each weight a positive number before its dataset"):
+        load_data(["0.3", str(tmp_path / "a"), str(tmp_path / "b")], 300)

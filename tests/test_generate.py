@@ -99,6 +99,31 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert only_best == {0}
 
 
+def test_megatrons_top_p_decay_and_banned_token_after_another():
+    """The sampler as the decode loop calls it at new token `step` after `previous`: top_p
+    shrinks to max(top_p * decay**step, bound); the banned token never follows `after`."""
+    from mamba_jax.generate import Sampling, Settings, _sample
+
+    sample = jax.jit(_sample, static_argnums=3)
+    rows = 256  # one row per draw: each row samples on its own
+    logits = jnp.log(jnp.tile(jnp.asarray([[0.4, 0.35, 0.25]]), (rows, 1)))
+    off = np.full(rows, -1, np.int32)
+    settings = Settings(np.ones(rows, np.float32), np.zeros(rows, np.int32),
+                        np.full(rows, 0.9, np.float32), np.full(rows, 0.5, np.float32),
+                        np.full(rows, 0.2, np.float32), off, off)
+    sampling = Sampling(greedy=False, top_k=False, top_p=True, top_p_decay=True)
+    draws = [set(np.asarray(sample(logits, jax.random.key(step), settings, sampling, step,
+                                   off)).tolist()) for step in range(3)]
+    # top_p 0.9, then 0.45 (0.4 < 0.45 keeps two), then max(0.225, 0.2) (one).
+    assert draws == [{0, 1, 2}, {0, 1}, {0}]
+    ban = settings._replace(ban_after=np.full(rows, 7, np.int32),
+                            ban_token=np.zeros(rows, np.int32))
+    greedy = Sampling(greedy=True, top_k=False, top_p=False, banned_after=True)
+    after = lambda previous: set(np.asarray(sample(
+        logits, jax.random.key(0), ban, greedy, 0, np.full(rows, previous))).tolist())
+    assert after(7) == {1} and after(6) == {0}  # token 0 is banned only after token 7
+
+
 def test_left_padded_batch_equals_each_row_generated_alone(model):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 250, n) for n in (9, 2, 5)]  # 2 < d_conv - 1 pads to read

@@ -3,6 +3,8 @@ checkpoints of the PyTorch implementations (tests/fixtures, made by
 tests/fixtures/make_hybrid_fixtures.py: transformers' NemotronHForCausalLM and mamba_ssm's
 MambaLMHeadModel with attention and MLP blocks)."""
 
+import json
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -55,7 +57,7 @@ def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
     (dict(layer_pattern="*", n_layer=1, attn_num_heads_kv=3),
      r"attention.num_heads_kv=3 does not divide attention.num_heads=4"),
     (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=5), "attention.rotary_emb_dim=5"),
-    (dict(layer_pattern="-", n_layer=1, mlp_activation="gelu"), "mlp.activation='gelu'"),
+    (dict(layer_pattern="-", n_layer=1, mlp_activation="silu"), "mlp.activation='silu'"),
 ])
 def test_bad_layer_settings_name_the_value_and_the_fix(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -183,6 +185,8 @@ def test_megatron_pattern_round_trips_through_mamba_ssm_blocks(tmp_path):
     ("mamba_ssm", dict(layer_pattern="M-"), r"multiple of 128;.* mlp.d_intermediate=48"),
     ("nemotron_h", dict(layer_pattern="M*"), r"attention.rotary_emb_dim=4"),
     ("hf", dict(layer_pattern="M-"), r"mlp.activation='swiglu' .* dt_limit="),
+    ("mamba_ssm", dict(layer_pattern="M-", d_intermediate=128, mlp_activation="gelu"),
+     r"GatedMLP is SwiGLU .* mlp.activation='gelu'"),
 ])
 def test_a_layout_that_cannot_express_the_model_says_what_does_not_fit(tmp_path, fmt, changes,
                                                                         match):
@@ -190,3 +194,47 @@ def test_a_layout_that_cannot_express_the_model_says_what_does_not_fit(tmp_path,
     with pytest.raises(ValueError, match=match):
         mamba_jax.save_pretrained(model, tmp_path, format=fmt)
     assert not (tmp_path / "config.json").exists()
+
+
+# ------------------------------------------------------------------ MLP activations
+
+
+def megatron_gelu(x, tanh: bool):
+    """Megatron-LM's GeLUs in float64: erf_gelu (torch's F.gelu, its default) and
+    openai_gelu (--openai-gelu), written from megatron/core/transformer/utils.py."""
+    if tanh:
+        return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gelu_mlp_matches_megatrons_gelu_in_float64(activation):
+    cfg = hybrid_config(layer_pattern="-", mlp_activation=activation)
+    mlp = Mamba2LM(cfg, rngs=nnx.Rngs(1)).layers[0].mixer
+    u = np.random.default_rng(0).normal(size=(2, 5, 32)).astype(np.float32) * 3
+    out, _ = mlp(jnp.asarray(u))
+    up, down = (np.asarray(p[...], np.float64) for p in (mlp.up_proj, mlp.down_proj))
+    want = megatron_gelu(u.astype(np.float64) @ up, activation == "gelu_tanh") @ down
+    # float32 matmuls over d=32 and f=48 against float64: a few ulps of |want| ~ 1.
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    # The two differ by up to ~1e-3 near |x| ~ 2: the test tells them apart.
+    assert np.abs(megatron_gelu(u.astype(np.float64) @ up, activation != "gelu_tanh")
+                  @ down - want).max() > 1e-5
+    step, _ = mlp.step(jnp.asarray(u[:, 0]), None, mlp.step_weights())
+    np.testing.assert_allclose(np.asarray(step), want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation,hf_name", [("gelu", "gelu"),
+                                                ("gelu_tanh", "gelu_pytorch_tanh")])
+def test_gelu_hybrid_exports_as_nemotron_h_and_decodes_with_the_fused_kernels(
+        tmp_path, activation, hf_name):
+    from mamba_jax.generate.plan import decode_plan
+
+    cfg = hybrid_config(layer_pattern="M-", attn_rotary_emb_dim=0, dt_limit=(0.001, math.inf),
+                        mlp_activation=activation)
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    mamba_jax.save_pretrained(Mamba2LM(cfg, rngs=nnx.Rngs(0)), tmp_path, format="nemotron_h")
+    assert json.loads((tmp_path / "config.json").read_text())["mlp_hidden_act"] == hf_name
+    loaded, fmt = load_config(tmp_path)
+    assert fmt == "nemotron_h" and loaded.mlp == cfg.mlp and loaded.layers == "M-"
+    assert decode_plan(model, 1, "triton").steps == ("fused", "fused")

@@ -12,7 +12,7 @@ from flax import nnx
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, decode_plan
 from mamba_jax.layers.common import dense, gated_rms_norm, matmul, rms_norm
-from pallas_kernels.decode.norm_matmul import Blocks, rms_norm_matmul
+from pallas_kernels.decode.norm_matmul import Blocks, _activate, rms_norm_matmul
 
 
 def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
@@ -65,17 +65,25 @@ def test_the_gated_out_projection_at_headdims_that_are_no_power_of_two(p):
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(product).max())
 
 
-@pytest.mark.parametrize("activation", ["relu2", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu2", "swiglu", "gelu"])
 def test_without_a_norm_it_is_an_mlps_down_projection(activation):
-    """weight None: no norm. v = relu(x)**2 ("relu2"), or x * silu(z) (swiglu's up times
-    silu(gate)), rounded to w's dtype, then the product, rounded, plus the residual: the MLP
-    layer's arithmetic (layers.MLP), by the reference and the kernel."""
+    """weight None: no norm. v = relu(x)**2 ("relu2"), x * silu(z) (swiglu's up times
+    silu(gate)), or exact GeLU (whose erf the kernel approximates to 1.5e-7; its tanh
+    approximation checked beside) against jax.nn.gelu, rounded to w's dtype, then the
+    product, rounded, plus the residual: the MLP layer's arithmetic (layers.MLP), by the
+    reference and the kernel."""
     rng = np.random.default_rng()
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     up, gate, down, residual = arr(2, 512), arr(2, 512), arr(512, 40) / 512 ** 0.5, arr(2, 40)
     down = down.astype(jnp.bfloat16)
     if activation == "relu2":
         kw, a = dict(activation="relu2"), jnp.square(jax.nn.relu(up))
+    elif activation.startswith("gelu"):
+        kw, a = dict(activation="gelu"), jax.nn.gelu(up, approximate=False)
+        grid = jnp.linspace(-8.0, 8.0, 4001)  # the kernel's GeLUs themselves, against XLA's
+        for name, approximate in (("gelu", False), ("gelu_tanh", True)):
+            np.testing.assert_allclose(_activate(grid, name), jax.nn.gelu(grid, approximate),
+                                       rtol=0, atol=1.5e-7 * 8 + 1e-6)
     else:
         kw, a = dict(z=gate), up * jax.nn.silu(gate)
     expected = residual + matmul("bf,fd->bd", a.astype(jnp.bfloat16), down, jnp.bfloat16,
@@ -211,5 +219,5 @@ def test_bad_arguments_are_refused():
         rms_norm_matmul(**args, eps=1e-5, implementation="cuda")
     with pytest.raises(ValueError, match="does not match w"):
         rms_norm_matmul(**{**args, "w_transposed": True}, eps=1e-5)
-    with pytest.raises(ValueError, match="activation='gelu'"):
-        rms_norm_matmul(**args, eps=1e-5, activation="gelu")
+    with pytest.raises(ValueError, match="activation='silu'"):
+        rms_norm_matmul(**args, eps=1e-5, activation="silu")

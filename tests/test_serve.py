@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import statistics
 import threading
 import time
@@ -18,7 +19,8 @@ from flax import nnx
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.tokenizer import byte_tokenizer
-from mamba_jax.serve import Limits, make_app
+from mamba_jax.generate import token_logprobs
+from mamba_jax.serve import TOP_LOGPROBS, Limits, make_app
 
 LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16, max_batch=32, batch_window_s=0.02)
 
@@ -53,6 +55,12 @@ def url(model):
     asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+def expected_tokens(model, prompt: str, n: int) -> list[int]:
+    """The prompt's bytes and their greedy continuation of n tokens."""
+    return np.asarray(mamba_jax.generate(model, np.asarray([list(prompt.encode())]), n))[0] \
+        .tolist()
 
 
 def expected(model, prompts, n):
@@ -90,7 +98,8 @@ def test_greedy_completion_and_megatron_api_equal_generate(url, model):
     assert status == 200 and body["choices"][0]["text"] == want
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8}
-    assert megatron == (200, {"text": ["Hello" + want]})
+    assert megatron[0] == 200 and megatron[1]["text"] == ["Hello" + want]
+    assert megatron[1]["tokens"][0][:5] == list(b"Hello") and len(megatron[1]["tokens"][0]) == 13
     assert health[0] == 200 and health[1]["status"] == "ok"
 
 
@@ -457,3 +466,148 @@ def test_a_failed_generation_is_a_500_naming_it_and_a_stream_ends_with_done(mode
     assert body["error"]["message"] == "generation failed: RuntimeError: the device is gone"
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == body["error"]["message"]
+
+
+# ------------------------------------------------------------------ Megatron's /api fields
+
+
+def scored(model, tokens):
+    """Reference logprobs of tokens, log p(tokens[j + 1] | tokens[:j + 1]), and the ids of
+    the most likely tokens [len - 1]: the server's program (token_logprobs at its [1, 16]
+    bucket) run on the tokens right-padded, where the server left-pads them (a causal
+    model: the padding after a sequence cannot change it)."""
+    ids = np.zeros((1, 16), np.int32)
+    ids[0, :len(tokens)] = tokens
+    chosen, (_, top) = token_logprobs(model, ids, [16], TOP_LOGPROBS)
+    return np.asarray(chosen)[0, :len(tokens) - 1], np.asarray(top)[0, :len(tokens) - 1, 0]
+
+
+def test_megatron_api_answers_its_documented_examples_in_its_shape(url, model):
+    """Megatron-LM's README: curl 'http://localhost:5000/api' -X 'PUT' -d '{"prompts":["Hello
+    world"], "tokens_to_generate":1}'; its text_generation_cli.py sends the same fields."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for body in ({"prompts": ["Hello world"], "tokens_to_generate": 1},
+                         {"prompts": ["Hello"], "tokens_to_generate": 8,
+                          "temperature": 0, "logprobs": True},
+                         {"prompts": ["Hi"], "tokens_to_generate": 0, "logprobs": True}):
+                async with s.put(url + "/api", json=body) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    (s1, doc), (s2, greedy), (s3, scoring) = run(go())
+    assert s1 == s2 == s3 == 200
+    assert set(doc) == {"text", "segments", "tokens"}  # logprobs only when asked
+    assert doc["tokens"][0][:11] == list(b"Hello world") and len(doc["tokens"][0]) == 12
+    assert doc["text"][0].startswith("Hello world")
+    assert "".join(doc["segments"][0]) == doc["text"][0]
+    assert greedy["text"] == ["Hello" + expected(model, ["Hello"], 8)[0]]
+    [tokens], [got] = greedy["tokens"], greedy["logprobs"]
+    want, most_likely = scored(model, tokens)
+    assert len(got) == len(tokens) - 1 == 12
+    # Left-padded against right-padded, float32: ~1e-6 apart.
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    # The decode loop's greedy tokens are the scoring forward's most likely ones.
+    assert tokens[5:] == most_likely[4:].tolist()
+    assert scoring["text"] == ["Hi"] and scoring["tokens"] == [list(b"Hi")]
+    np.testing.assert_allclose(scoring["logprobs"][0], scored(model, list(b"Hi"))[0],
+                               atol=1e-4)
+
+
+def test_random_seed_repeats_a_request_and_beam_search_is_a_400_saying_why(url):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for body in ({"random_seed": 7}, {"random_seed": 7}, {"random_seed": 8},
+                         {"beam_width": 2}, {"add_BOS": True}, {"top_p_decay": 0.5},
+                         {"tokens_to_generate": 0}):
+                async with s.put(url + "/api", json={"prompts": ["Seed"],
+                                                     "tokens_to_generate": 8, **body}) as r:
+                    out.append((r.status, await r.json()))
+            return out
+
+    (s1, a), (s2, b), (s3, c), *refused = run(go())
+    assert s1 == s2 == s3 == 200 and a["tokens"] == b["tokens"] != c["tokens"]
+    for (status, error), field, says in zip(refused, (
+            "beam_width", "add_BOS", "top_p_decay", "tokens_to_generate"), (
+            r"beam search is not supported: the compiled decode loop carries one recurrent "
+            r"state per row", "tokenizer has no BOS token", "needs top_p > 0",
+            "needs logprobs=true")):
+        assert status == 400 and error["error"]["field"] == field
+        assert re.search(says, error["error"]["message"])
+
+
+class _Scripted:
+    """A stand-in for generate: every row continues with `text`'s bytes; records the
+    keyword arguments of each call."""
+
+    def __init__(self, text: bytes):
+        self.text, self.calls = text, []
+
+    def __call__(self, model, ids, t, *args, **kwargs):
+        self.calls.append(kwargs)
+        new = np.resize(np.frombuffer(self.text, np.uint8), t)[None].repeat(ids.shape[0], 0)
+        if kwargs.get("on_token"):
+            for step in range(t):
+                kwargs["on_token"](step, new[:, step])
+        return np.concatenate([ids, new.astype(np.int32)], axis=1)
+
+
+def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch):
+    scripted = _Scripted(b"ab:\ncd\n\nef")
+
+    async def go():
+        runner, url, _ = await _server_with(scripted, model, LIMITS, monkeypatch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                out = []
+                for body in ({"stop_on_eol": True}, {"stop_on_double_eol": True},
+                             {"prevent_newline_after_colon": True, "top_p": 0.9,
+                              "top_p_decay": 0.5, "top_p_bound": 0.2}):
+                    async with s.put(url + "/api", json={"prompts": ["x"],
+                                                         "tokens_to_generate": 10,
+                                                         **body}) as r:
+                        out.append(await r.json())
+                out.append(await complete(s, url, prompt=["p", "q"], max_tokens=10, n=2,
+                                          stop=["d\n", "zz"]))
+                chunks = []
+                async with s.post(url + "/v1/completions", json={
+                        "prompt": "s", "max_tokens": 10, "stop": "\n\n", "stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            chunks.append(json.loads(line[6:]))
+                return out, chunks
+        finally:
+            await runner.cleanup()
+
+    (eol, double, sampling, (status, openai)), chunks = run(go())
+    assert eol["text"] == ["xab:\n"] and eol["tokens"] == [list(b"xab:\n")]
+    assert double["text"] == ["xab:\ncd\n\n"]
+    kwargs = scripted.calls[2]  # the sampling request's batch: its row, then filler
+    assert [list(v[:1]) for v in kwargs["banned_after"]] == [[ord(":")], [ord("\n")]]
+    assert kwargs["top_p_decay"][0] == 0.5 and kwargs["top_p_bound"][0] == 0.2
+    assert scripted.calls[0]["banned_after"] is None and scripted.calls[0]["top_p_decay"] is None
+    assert status == 200 and [c["index"] for c in openai["choices"]] == [0, 1, 2, 3]
+    assert {(c["text"], c["finish_reason"]) for c in openai["choices"]} == {("ab:\nc", "stop")}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "ab:\ncd"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_logprobs_list_each_new_token_and_the_most_likely(url, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return (await complete(s, url, prompt="Hello", max_tokens=8, temperature=0,
+                                   logprobs=2),
+                    await complete(s, url, prompt="Hello", logprobs=1, stream=True))
+
+    (status, body), (refused, error) = run(go())
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == len(lp["token_logprobs"]) == 8
+    assert lp["text_offset"][0] == 5  # the first new token begins after the prompt
+    greedy = expected_tokens(model, "Hello", 8)
+    np.testing.assert_allclose(lp["token_logprobs"], scored(model, greedy)[0][4:], atol=1e-4)
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
+    assert refused == 400 and error["error"]["field"] == "logprobs"

@@ -202,3 +202,31 @@ def test_the_help_of_every_command_shows_the_defaults(module, argv, default, cap
         importlib.import_module(module).main([*argv, "--help"])
     assert done.value.code == 0
     assert default in capsys.readouterr().out
+
+
+def test_trains_a_sentencepiece_blend_of_a_prepared_and_a_megatron_dataset(tmp_path, capsys):
+    from pathlib import Path
+
+    from mamba_jax.data import DEFAULT_CORPUS, prepare
+    from mamba_jax.generate import load_for_generation
+    from mamba_jax.tokenizer import SentencePieceTokenizer
+
+    model_file = Path(__file__).parent / "fixtures" / "megatron" / "tokenizer.model"
+    (tmp_path / "text.txt").write_text(DEFAULT_CORPUS.read_text()[:4000])
+    prepare([tmp_path / "text.txt"], model_file, tmp_path / "ds", eval_fraction=0.0)
+    megatron = str(tmp_path / "ds" / "tokens")  # tokens.bin + tokens.idx: a Megatron prefix
+    with pytest.raises(SystemExit, match=r"tokens is a Megatron indexed dataset, which does "
+                                         r"not record its tokenizer: pass .* --tokenizer"):
+        main(["--data", megatron, "--steps", "1"])
+    main(["--data", "0.5", str(tmp_path / "ds"), "0.5", megatron, "--tokenizer", str(model_file),
+          "--steps", "1", "--batch-size", "8", "--seq-len", "16", "--set", "n_layer=1",
+          "--set", "d_model=32", "--set", "headdim=16", "--set", "d_state=8",
+          "--set", "chunk_size=16", "--out", str(tmp_path / "hf")])
+    assert "vocab_size 512: the tokenizer's" in capsys.readouterr().err
+    saved = tmp_path / "hf" / "tokenizer.model"
+    assert saved.read_bytes() == model_file.read_bytes()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (2, 1)
+    model, tok, eos = load_for_generation(tmp_path / "hf")
+    assert isinstance(tok, SentencePieceTokenizer) and eos == 2
+    assert model.config.vocab_size == 512

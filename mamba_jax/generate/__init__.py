@@ -18,7 +18,7 @@ Which implementation each layer's step runs is the decode plan's choice (plan.py
 
 Sampling settings are traced values, one per row, so requests with different temperatures
 share a batch and a compiled program; only which filters exist at all (greedy-only, top-k,
-top-p) is static.
+top-p, top-p decay, a banned token pair) is static.
 """
 
 from __future__ import annotations
@@ -49,6 +49,24 @@ class Sampling(NamedTuple):
     greedy: bool  # every row has temperature 0: argmax only
     top_k: bool
     top_p: bool
+    top_p_decay: bool = False  # some row's top_p shrinks with each new token
+    banned_after: bool = False  # some row bans a token right after another
+
+
+class Settings(NamedTuple):
+    """The per-row sampling values [b] each (traced): temperature, top_k, top_p, then top_p's
+    decay and bound (Megatron-LM's top_p_decay, top_p_bound: new token i samples with
+    max(top_p * decay**i, bound) where decay > 0), then the banned pair: after token
+    ban_after the next is never ban_token (-1: off; Megatron's prevent_newline_after_colon
+    as (":", "\n"))."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    top_p_decay: np.ndarray
+    top_p_bound: np.ndarray
+    ban_after: np.ndarray
+    ban_token: np.ndarray
 
 
 def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
@@ -84,12 +102,21 @@ def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
     return jnp.where(t[:, 0] > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-def _sample(logits, key, settings, sampling: Sampling):
-    """sample_logits with the static Sampling deciding which traced settings it reads."""
+def _sample(logits, key, settings: Settings, sampling: Sampling, step, previous):
+    """sample_logits of new token `step` (0: the prefill's) after the tokens `previous` [b],
+    with the static Sampling deciding which traced settings it reads."""
+    s = settings
+    if sampling.banned_after:  # the banned token's logit, as Megatron, before any filter
+        banned = (previous == s.ban_after)[:, None] & (
+            jnp.arange(logits.shape[-1])[None, :] == s.ban_token[:, None])
+        logits = jnp.where(banned, -jnp.inf, logits)
     if sampling.greedy:
         return sample_logits(logits, key)
-    temperature, top_k, top_p = settings
-    return sample_logits(logits, key, temperature, top_k if sampling.top_k else None,
+    top_p = s.top_p
+    if sampling.top_p_decay:
+        top_p = jnp.where(s.top_p_decay > 0, jnp.maximum(
+            top_p * s.top_p_decay ** jnp.asarray(step, jnp.float32), s.top_p_bound), top_p)
+    return sample_logits(logits, key, s.temperature, s.top_k if sampling.top_k else None,
                          top_p if sampling.top_p else None)
 
 
@@ -112,7 +139,8 @@ def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan:
     logits, cache = model.prefill(input_ids, seq_idx=seq_idx, cache_len=cache_len)
     cache = model.cache_for_decoding(cache, plan.steps, ssm_state_dtype)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
-    first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling)
+    first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling, 0,
+                    input_ids[:, -1])
     return first, cache
 
 
@@ -153,7 +181,8 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     def body(carry):
         i, token, cache, done, out = carry
         logits, cache = model.step(token, cache, weights, plan.steps)
-        token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling)
+        token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling, i,
+                        token)
         token = jnp.where(done, pad, token)
         if stream:
             io_callback(_emit, None, stream_id, i, token, ordered=True)
@@ -188,8 +217,9 @@ def _per_row(name, value, b, dtype, off):
 
 
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-           max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto"):
-    """Validate generate's arguments; -> (settings, Sampling, prompt_lengths, limits)."""
+           max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto",
+           top_p_decay=None, top_p_bound=None, banned_after=None):
+    """Validate generate's arguments; -> (Settings, Sampling, prompt_lengths, limits)."""
     # The output tokens [b, max_new_tokens] (and a hybrid's KV cache, [b, l +
     # max_new_tokens] per attention layer) are allocated whole before the first step: a cap
     # of a million tokens keeps a typo (1e9) from claiming gigabytes.
@@ -238,14 +268,50 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     if not np.all((limits >= 1) & (limits <= max_new_tokens)):
         raise ValueError(f"generate: max_new_tokens_per_row={limits.tolist()} must each be "
                          f"in [1, max_new_tokens={max_new_tokens}]")
-    sampling = Sampling(greedy=not sampled, top_k=sampled and use_k, top_p=sampled and use_p)
-    return (t, k, p), sampling, prompt_lengths, limits
+    decay, use_decay = per_row("top_p_decay", top_p_decay, np.float32, 0.0)
+    bound, _ = per_row("top_p_bound", top_p_bound, np.float32, 0.0)
+    if not np.all((decay >= 0) & (decay <= 1) & (bound >= 0) & (bound <= 1)):
+        raise ValueError(f"generate: top_p_decay={top_p_decay} and top_p_bound={top_p_bound} "
+                         "must be in [0, 1] (0: off)")
+    after, banned = banned_after if banned_after is not None else (None, None)
+    after, use_ban = per_row("banned_after", after, np.int32, -1)
+    banned, _ = per_row("banned_after", banned, np.int32, -1)
+    # A decaying top_p filters even where it starts at 1.
+    sampling = Sampling(greedy=not sampled, top_k=sampled and use_k,
+                        top_p=sampled and (use_p or use_decay),
+                        top_p_decay=sampled and use_decay, banned_after=use_ban)
+    return (Settings(t, k, p, decay, bound, after, banned), sampling, prompt_lengths, limits)
+
+
+@functools.partial(jax.jit, static_argnames=("top_n",))
+def _score(model, input_ids, prompt_lengths, *, top_n):
+    """token_logprobs' program (the model a pytree, as generate's)."""
+    l = input_ids.shape[1]
+    seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
+    logits = model(input_ids, seq_idx=seq_idx)[:, :-1, :model.config.vocab_size]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
+    return chosen, jax.lax.top_k(logp, top_n) if top_n else None
+
+
+def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
+    """The model's log-probabilities of each token after the first: input_ids [b, l] (left
+    padded: row r's tokens are its last lengths[r], default all l) -> (logprobs [b, l - 1]
+    float32, log p(input_ids[:, j + 1] | input_ids[:, :j + 1]) from the raw logits (no
+    temperature; Megatron-LM's logprobs), and with top_n > 0 the top_n most likely tokens'
+    (log-probabilities, ids) [b, l - 1, top_n] each, else None). Positions in the padding
+    are meaningless. One forward pass, compiled per (shapes, top_n)."""
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    b, l = input_ids.shape
+    lengths = np.full((b,), l, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    return _score(model, input_ids, lengths, top_n=top_n)
 
 
 def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     """(model, tokenizer, eos_token_id) from a checkpoint dir: a model dir (HF or mamba_ssm;
-    its tokenizer.json unless `tokenizer`, a path or 'bytes', is given) or a trainer's
-    --checkpoint-dir (its newest step; `tokenizer`, else the run's, else bytes). eos is
+    its tokenizer.json or tokenizer.model unless `tokenizer`, a path or 'bytes', is given) or
+    a trainer's --checkpoint-dir (its newest step; `tokenizer`, else the run's, else bytes).
+    eos is
     config.json's eos_token_id, else the tokenizer's end-of-sequence token
     (tokenizer.special_tokens), else None."""
     # Imported here: the package imports this module, and `python -m mamba_jax.convert`
@@ -255,7 +321,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
 
     from mamba_jax.convert import (from_pretrained, is_training_checkpoint,
                                    load_training_checkpoint, training_tokenizer)
-    from mamba_jax.tokenizer import load_tokenizer, special_token_ids
+    from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -265,7 +331,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
         tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))
         eos = None
     else:
-        tok = load_tokenizer(tokenizer or path / "tokenizer.json")
+        tok = load_tokenizer(tokenizer or find_tokenizer(path) or path / "tokenizer.json")
         model = from_pretrained(path, dtype=jnp.dtype(dtype))
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
     if not isinstance(eos, int):
@@ -293,7 +359,7 @@ def decode_options(args) -> dict:
 class Prepared(NamedTuple):
     """A generate call's validated arguments, as its two programs take them (prepare)."""
 
-    settings: tuple  # temperature, top_k, top_p [b] each
+    settings: Settings
     sampling: Sampling
     prompt_lengths: np.ndarray | None
     limits: np.ndarray  # new tokens each row may generate [b]
@@ -305,13 +371,15 @@ class Prepared(NamedTuple):
 
 def prepare(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, *,
             prompt_lengths=None, max_new_tokens_per_row=None, ssm_state_dtype="float32",
-            step_implementation="auto") -> Prepared:
+            step_implementation="auto", top_p_decay=None, top_p_bound=None,
+            banned_after=None) -> Prepared:
     """generate's arguments validated (a ValueError naming the one that is wrong) and its
     decode plan chosen (mamba_jax.generate.plan)."""
     input_ids = jnp.asarray(input_ids)
     settings, sampling, prompt_lengths, limits = _check(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
-        max_new_tokens_per_row, ssm_state_dtype, step_implementation)
+        max_new_tokens_per_row, ssm_state_dtype, step_implementation, top_p_decay,
+        top_p_bound, banned_after)
     b, l = input_ids.shape
     return Prepared(settings, sampling, prompt_lengths, limits, int(max_new_tokens),
                     decode_plan(model, b, step_implementation),
@@ -355,7 +423,8 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
 
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
-             on_token=None, ssm_state_dtype="float32", step_implementation="auto"):
+             on_token=None, ssm_state_dtype="float32", step_implementation="auto",
+             top_p_decay=None, top_p_bound=None, banned_after=None):
     """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
 
     temperature, top_k, top_p: a number for all rows, or one value per row (see
@@ -369,6 +438,11 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
 
     on_token(step, tokens [b] numpy): called from a runtime thread as each step's tokens
     are sampled (step 0 is the first new token), for streaming.
+
+    top_p_decay, top_p_bound (a number or [b], 0: off): Megatron-LM's decaying top-p, new
+    token i sampled with max(top_p * top_p_decay**i, top_p_bound). banned_after (after,
+    banned), each a token id or [b] (-1: off): the token right after `after` is never
+    `banned` (Megatron's prevent_newline_after_colon bans "\n" after ":").
 
     ssm_state_dtype: "float32" (the default) or "bfloat16", what the decoding cache stores
     the SSM states in between tokens; each step computes in float32 either way. "bfloat16"
@@ -392,7 +466,9 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     prepared = prepare(model, input_ids, max_new_tokens, temperature, top_k, top_p,
                        prompt_lengths=prompt_lengths,
                        max_new_tokens_per_row=max_new_tokens_per_row,
-                       ssm_state_dtype=ssm_state_dtype, step_implementation=step_implementation)
+                       ssm_state_dtype=ssm_state_dtype, step_implementation=step_implementation,
+                       top_p_decay=top_p_decay, top_p_bound=top_p_bound,
+                       banned_after=banned_after)
     first, cache = prefill(model, input_ids, prepared, seed)
     out = decode(model, first, cache, prepared, seed, eos_token_id, on_token=on_token)
     return jnp.concatenate([input_ids.astype(jnp.int32), out], axis=1)

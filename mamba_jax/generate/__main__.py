@@ -1,10 +1,10 @@
 """`python -m mamba_jax.generate --checkpoint DIR --prompt TEXT`: generate from a checkpoint.
 
 DIR is a model dir (HF or mamba_ssm layout, as the trainer's --out or convert write) or a
-trainer's --checkpoint-dir (its newest step). Uses the checkpoint's tokenizer.json (or
---tokenizer PATH|bytes). With `--server URL` instead of --checkpoint it is the client of
-`python -m mamba_jax.serve`: it streams the continuation from URL/v1/completions and prints
-it as it arrives.
+trainer's --checkpoint-dir (its newest step). Uses the checkpoint's tokenizer.json or
+tokenizer.model (or --tokenizer PATH|bytes). With `--server URL` instead of --checkpoint it
+is the client of `python -m mamba_jax.serve`: it streams the continuation from
+URL/v1/completions and prints it as it arrives.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def main(argv=None):
     source.add_argument("--server", help="a mamba_jax.serve URL, e.g. http://127.0.0.1:6000")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json path or 'bytes' (default: the checkpoint's "
-                             "tokenizer.json)")
+                        help="tokenizer.json or tokenizer.model path, or 'bytes' (default: "
+                             "the checkpoint's tokenizer.json or tokenizer.model)")
     parser.add_argument("--max-new-tokens", type=int, default=64,
                         help="at most 1048576: the output is allocated whole up front")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

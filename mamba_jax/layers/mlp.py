@@ -1,7 +1,9 @@
 """The MLP layer (layer_pattern symbol -): SwiGLU, `down(up(u) * silu(gate(u)))` (mamba_ssm's
-GatedMLP, whose fc1 is [up | gate]), or squared ReLU, `down(relu(up(u))**2)` (NemotronH,
-Megatron's squared-relu); its config section (cfg.mlp), one-token steps, checkpoint keys and
-FLOPs. No biases (neither source uses them).
+GatedMLP, whose fc1 is [up | gate]; Megatron's --swiglu), squared ReLU, `down(relu(up(u))**2)`
+(NemotronH, Megatron's --squared-relu), or GeLU, `down(gelu(up(u)))`: "gelu" the exact
+x * Phi(x) (Megatron's default, torch's F.gelu) and "gelu_tanh" its tanh approximation
+(Megatron's --openai-gelu); its config section (cfg.mlp), one-token steps, checkpoint keys
+and FLOPs. No biases (neither source uses them).
 
 Legend: b batch, l sequence, d d_model, f the MLP width (mlp.d_intermediate).
 Tensor parallel: up and gate column-parallel on f/tp columns, down row-parallel.
@@ -22,14 +24,15 @@ from mamba_jax.layers.common import Mixer, dense, param, uniform
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 
-ACTIVATIONS = ("swiglu", "relu2")
+ACTIVATIONS = ("swiglu", "relu2", "gelu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class MLPSection:
     """cfg.mlp: the MLP's hidden width and activation ("swiglu": mamba_ssm's GatedMLP,
-    "relu2": NemotronH's). In mamba_ssm's layer form (no layer_pattern) d_intermediate > 0
-    gives every block an MLP layer."""
+    "relu2": NemotronH's, "gelu" / "gelu_tanh": Megatron's default / --openai-gelu). In
+    mamba_ssm's layer form (no layer_pattern) d_intermediate > 0 gives every block an MLP
+    layer."""
 
     d_intermediate: int = 0
     activation: str = "swiglu"
@@ -85,8 +88,10 @@ class MLP(Mixer):
         up = dense(u, weights.up, self.dtype)
         if self.activation == "swiglu":
             hidden = up * jax.nn.silu(dense(u, weights.gate, self.dtype))
-        else:
+        elif self.activation == "relu2":
             hidden = jnp.square(jax.nn.relu(up))
+        else:
+            hidden = jax.nn.gelu(up, approximate=self.activation == "gelu_tanh")
         return dense(hidden.astype(self.dtype), weights.down, self.dtype)
 
     def step_weights(self, how: str = "xla") -> MLPWeights:

@@ -13,8 +13,9 @@ Legend: b rows (a decoding batch), k input features, n output features.
 
 x [b, k], any float dtype. z [b, >= k] or None: the gate, its first k columns (so a fused
 projection's output can be passed whole); mamba_ssm's RMSNormGated(norm_before_gate=False).
-weight [k]: the norm's scale, or None for no norm. activation: None, or "relu2" (squared
-ReLU, applied to x first). w [k, n], or [n, k] with w_transposed (nn.Linear's layout), in
+weight [k]: the norm's scale, or None for no norm. activation: None, "relu2" (squared ReLU),
+"gelu" (x * Phi(x), its erf to within 1.5e-7: Triton has no erf) or "gelu_tanh" (the tanh
+approximation), applied to x first. w [k, n], or [n, k] with w_transposed (nn.Linear's layout), in
 the compute dtype. bias [n] or None. residual [b, n] or None.
 
 In float32: v = x, or its activation (times silu(z)). Without weight: v rounded to w's
@@ -63,7 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import hardware
 
 IMPLEMENTATIONS = ("xla", "triton")
-ACTIVATIONS = (None, "relu2")
+ACTIVATIONS = (None, "relu2", "gelu", "gelu_tanh")
 SLAB_ELEMENTS = 32768  # the most of w a program loads at once (filled_blocks)
 
 
@@ -145,7 +146,23 @@ def reference(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed,
 
 def _activate(v, activation):
     """v float32 -> its activation (ACTIVATIONS)."""
-    return v if activation is None else jnp.square(jnp.maximum(v, 0.0))
+    if activation is None:
+        return v
+    if activation == "relu2":
+        return jnp.square(jnp.maximum(v, 0.0))
+    if activation == "gelu_tanh":  # jax.nn.gelu(approximate=True), Megatron's openai_gelu
+        return 0.5 * v * (1.0 + jnp.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+    return 0.5 * v * (1.0 + _erf(v * 0.7071067811865476))
+
+
+def _erf(x):
+    """erf of float32 x from exp alone (Pallas's Triton lowering has no erf): Abramowitz and
+    Stegun's 7.1.26, |error| < 1.5e-7, about an ulp of float32 near 1."""
+    t = 1.0 / (1.0 + 0.3275911 * jnp.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (
+        -1.453152027 + t * 1.061405429))))
+    y = 1.0 - poly * jnp.exp(-x * x)
+    return jnp.where(x < 0, -y, y)
 
 
 def _largest_power_of_two_dividing(v, at_most):
