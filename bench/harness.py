@@ -165,6 +165,13 @@ def result(value: dict):
     print("RESULT " + json.dumps(value), flush=True)
 
 
+def child_environment(env: dict | None = None) -> dict:
+    """The environment of a `python -m bench.<module>` child: ours, with env's variables and
+    the repository first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, **(env or {}), PYTHONPATH=path)
+
+
 def run_module(module: str, argv: list[str], *, visible: str | None = None,
                env: dict | None = None, timeout: float | None = None) -> list[dict]:
     """Run `python -m bench.<module> *argv` in a child process and return what it reported
@@ -172,8 +179,7 @@ def run_module(module: str, argv: list[str], *, visible: str | None = None,
     past timeout seconds. visible: the child's CUDA_VISIBLE_DEVICES (gpus()); env: more
     variables for it. Its stderr lines that start with two spaces (progress, and a
     traceback's frames) pass on to ours."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    environ = dict(os.environ, **(env or {}), PYTHONPATH=path)
+    environ = child_environment(env)
     if visible is not None:
         environ["CUDA_VISIBLE_DEVICES"] = visible
     cmd = [sys.executable, "-m", f"bench.{module}", *argv]
