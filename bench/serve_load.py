@@ -222,7 +222,7 @@ def main(argv=None):
             latencies, failed, wall = load(port, clients, texts, args.new_tokens, args.seconds,
                                            args.max_requests)
             answered = len(latencies)
-            print(table_row((clients, answered, f"{wall:.1f}", f"{answered / wall:.2f}",
+            print(table_row((clients, answered, f"{wall:.2f}", f"{answered / wall:.2f}",
                              f"{answered * args.new_tokens / wall:.0f}",
                              f"{1e3 * percentile(latencies, 0.5):.1f}" if latencies else "-",
                              f"{1e3 * percentile(latencies, 0.99):.1f}" if latencies else "-",
