@@ -56,9 +56,8 @@ def check_kernel(label, f, kwargs, tolerance=2.0 ** -8):
     largest value of any output, exits on one over `tolerance` (default one bf16 ulp, where
     float32 sums in another order round to the neighbour), and returns it. kwargs: arrays,
     pytrees of them (an Int8State) and None are the jitted arguments, the rest static. The
-    reference runs on the CPU because XLA's GPU
-    fusions may skip the model's bf16 roundings (xla_allow_excess_precision), which alone
-    moves the SSM update by about 2e-3 relative."""
+    reference runs on the CPU because XLA's GPU fusions may skip the model's bf16 roundings
+    (xla_allow_excess_precision), which alone moves the SSM update by about 2e-3 relative."""
     cpu = jax.devices("cpu")[0]
     args = {k: v for k, v in kwargs.items() if v is None or jax.tree.leaves(v) and all(
         isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(v))}
