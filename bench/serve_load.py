@@ -121,11 +121,15 @@ def start_server(argv: list[str], port: int, timeout: float) -> tuple[subprocess
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.serve_load", "--serve-child", "--port", str(port), *argv],
         cwd=ROOT, env=child_environment(), stdout=subprocess.PIPE, text=True)
-    line = child.stdout.readline()  # its result() line, or '' where it exited
-    if not line.startswith("RESULT "):
+    line = " "
+    while line and not line.startswith("RESULT "):  # its result() line, or '' at its exit
+        line = child.stdout.readline()
+    if not line:
         child.kill()
         raise SystemExit(f"the server did not start (exit {child.wait()}); its stderr is "
                          "above")
+    # Whatever it prints later is read and dropped, so that a full pipe never stalls it.
+    threading.Thread(target=child.stdout.read, daemon=True).start()
     deadline = time.monotonic() + timeout
     while True:
         try:
