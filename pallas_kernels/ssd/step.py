@@ -20,14 +20,14 @@ one with it appended, which is also the conv_state returned. Its dt [b, h] is us
 dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, in float32. conv_w [e, k] and
 conv_b [e] (or None): the depthwise conv. A [h] (negative), D [h], dt_bias [h] float32.
 state [b, h, p, n], float32 or bfloat16, or an Int8State (int8 values and a float32 scale per
-headdim channel, below). `mamba_step_shifted` takes the window already
-shifted, with this token's input its last column (the batch-1 decoding step's in-projection
-kernel, norm_matmul's `window=`, shifts it in place): no window copy after it.
+headdim channel, below). `mamba_step_shifted` takes the window already shifted, with this
+token's input its last column (the batch-1 decoding step's in-projection kernel,
+norm_matmul's `window=`, shifts it in place): no window copy after it.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
-in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state in state's
-dtype (an Int8State for an Int8State), computed in float32. x, B and C leave the conv rounded to the window's dtype, as from
-mamba_ssm's causal_conv1d_update.
+in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state stored as
+state is (its dtype, or an Int8State), computed in float32. x, B and C leave the conv
+rounded to the window's dtype, as from mamba_ssm's causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
 "triton" (`step_program`, grid (b, h, p / bp), one kernel: each program convolves bp of its
