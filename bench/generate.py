@@ -3,7 +3,8 @@
     python3 -m bench.generate [--baseline .baseline] [--allow-slow-baseline]
                               [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
-                              [--ssm-state-dtypes float32,bfloat16] [--command-buffers on,off]
+                              [--ssm-state-dtypes float32,bfloat16,int8]
+                              [--command-buffers on,off]
                               [--step-implementations auto,xla,triton]
                               [--theirs-process child|same]
 
@@ -17,9 +18,9 @@ is mamba_jax.generate(max_new_tokens=new) minus generate(max_new_tokens=1). What
 costs once (the host's work to start the programs, casting the weights for the loop) cancels
 on both sides. The roofline: bytes one decode step must read (bf16 matmul weights, float32
 conv weights and norms, the conv and SSM states read and written; mamba_ssm's cache keeps
-its states in bf16, ours in the row's --ssm-state-dtypes; an attention layer's keys and
-values for the average context, prompt + (new - 1) / 2 tokens) over the measured copy
-bandwidth. Median of --reps after one warm-up.
+its states in bf16, ours in the row's --ssm-state-dtypes, int8 with its scales; an
+attention layer's keys and values for the average context, prompt + (new - 1) / 2 tokens)
+over the measured copy bandwidth. Median of --reps after one warm-up.
 
 A preset with attention or MLP layers (megatron-hybrid-800m) gets our rows only:
 mamba_ssm's MambaLMHeadModel puts an MLP in every block, so it cannot spell such a layer
@@ -65,14 +66,22 @@ from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
 from mamba_jax.layers import mamba1, mamba2
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
-from pallas_kernels.ssd.step import mamba_step, mamba_step_shifted
+from pallas_kernels.ssd.step import dequantize, mamba_step, mamba_step_shifted, quantize
 
 
-def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: int, context: float) -> int:
+def state_bytes(cfg: Mamba2Config, dtype: str) -> float:
+    """Bytes an SSM state element takes in generate's ssm_state_dtype: int8's 1 and its
+    float32 scale's share, one per d_state elements (pallas_kernels.ssd.step.Int8State)."""
+    if dtype == "int8":
+        return 1 + 4 / cfg.mamba2.d_state
+    return jnp.dtype(dtype).itemsize
+
+
+def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: float, context: float) -> float:
     """Bytes one decode step reads or writes at the least: every weight once (matmuls bf16,
-    the rest float32), each row's conv window and SSM state read and written, and an
-    attention layer's keys and values for `context` tokens read (bf16) and one token's
-    written."""
+    the rest float32), each row's conv window and SSM state (state_bytes an element) read
+    and written, and an attention layer's keys and values for `context` tokens read (bf16)
+    and one token's written."""
     d, _, h, p, g, n, k, e = mamba2.dims(cfg)
     matmul = d * (2 * h * p + 2 * g * n + h) + h * p * d  # in projections, out_proj
     small = k * e + e + 4 * h + h * p + d  # conv, A, D, dt, norms
@@ -129,10 +138,12 @@ def check_streaming():
     print("check: streamed tokens equal the unstreamed ones, every step in order")
 
 
-def check_kernels(preset, cfg, batch):
+def check_kernels(preset, cfg, batch, int8=False):
     """Our decoding kernels (pallas_kernels.ssd.step and .norm_matmul, as a step of this
     preset at this batch calls them) on the GPU against their plain-JAX references run on
-    the CPU, on random inputs (harness.check_kernel); exits on a miss."""
+    the CPU, on random inputs (harness.check_kernel); exits on a miss. int8: the step kernel
+    over an Int8State too, its state compared dequantised, where one value may round to
+    its neighbour (one step, 1/127 of its row's largest)."""
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     matrix = lambda n, k: (arr(n, k) / k ** 0.5).astype(jnp.bfloat16)  # a w [n, k]
@@ -143,6 +154,13 @@ def check_kernels(preset, cfg, batch):
         zxbcdt=arr(batch, zxbcdt).astype(jnp.bfloat16), conv_w=0.5 * arr(e, k), conv_b=None,
         A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
         D=arr(h), dt_bias=0.5 * arr(h), state=arr(batch, h, p, n), y_dtype=jnp.bfloat16))}
+    if int8:
+        def step_int8(**kw):  # the new state dequantised: the values it stands for
+            y, window, state = mamba_step(**kw)
+            return y, window, dequantize(state)
+        check_kernel(f"{preset} batch {batch} mamba_step (int8 state)", step_int8, dict(
+            cases["mamba_step"][1], state=quantize(cases["mamba_step"][1]["state"])),
+            tolerance=1 / 127 + 2.0 ** -8)
     if batch <= FUSED_STEP_MAX_BATCH:  # the fused steps' kernels (generate.plan)
         shifted = {key: v for key, v in cases["mamba_step"][1].items() if key != "conv_state"}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
@@ -279,7 +297,7 @@ def main(argv=None):
         resolved = {impl: resolve_implementation(impl, model) for impl in implementations}
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values() and "M" in cfg.layers:  # Mamba2's kernels
-                check_kernels(preset, cfg, batch)
+                check_kernels(preset, cfg, batch, int8="int8" in dtypes)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
             if set(cfg.layers) != {"M"}:
                 ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
@@ -324,8 +342,8 @@ def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_th
     ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
     context = prompt + steps / 2  # the tokens an attention layer reads, on average
-    floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, state_bytes, context) / bandwidth
-                                for state_bytes in (jnp.dtype(dtype).itemsize, 2))
+    floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, size, context) / bandwidth
+                                for size in (state_bytes(cfg, dtype), 2))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
             f"{ms_ours:.3f}", f"{ms_theirs:.3f}", ratio(ms_ours, ms_theirs, ".3f"),
             f"{tps_ours:.0f}", f"{tps_theirs:.0f}", ratio(tps_ours, tps_theirs, ".2f"),

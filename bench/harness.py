@@ -50,16 +50,17 @@ def copy_bandwidth(warmup, reps):
 
 # ---- our kernels against their references ----
 
-def check_kernel(label, f, kwargs):
+def check_kernel(label, f, kwargs, tolerance=2.0 ** -8):
     """f(**kwargs, implementation="triton") on the default device against
     f(**kwargs, implementation="xla") on the CPU: prints the worst difference over the
-    largest value of any output, exits on one over 2**-8 (one bf16 ulp, where float32 sums in
-    another order round to the neighbour), and returns it. kwargs: arrays (and None) are the
-    jitted arguments, the rest static. The reference runs on the CPU because XLA's GPU
-    fusions may skip the model's bf16 roundings (xla_allow_excess_precision), which alone
-    moves the SSM update by about 2e-3 relative."""
+    largest value of any output, exits on one over `tolerance` (default one bf16 ulp, where
+    float32 sums in another order round to the neighbour), and returns it. kwargs: arrays,
+    pytrees of them (an Int8State) and None are the jitted arguments, the rest static. The
+    reference runs on the CPU because XLA's GPU fusions may skip the model's bf16 roundings
+    (xla_allow_excess_precision), which alone moves the SSM update by about 2e-3 relative."""
     cpu = jax.devices("cpu")[0]
-    args = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array) or v is None}
+    args = {k: v for k, v in kwargs.items() if v is None or jax.tree.leaves(v) and all(
+        isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(v))}
     static = {k: v for k, v in kwargs.items() if k not in args}
     ours = jax.jit(lambda a: f(**a, **static, implementation="triton"))(args)
     with jax.default_device(cpu):
@@ -69,7 +70,7 @@ def check_kernel(label, f, kwargs):
                     / np.abs(np.asarray(r, np.float64)).max())
               for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)))
     print(f"check {label}: worst error relative to the largest value {err:.1e}", flush=True)
-    if not err <= 2.0 ** -8:  # NaN fails too
+    if not err <= tolerance:  # NaN fails too
         raise SystemExit(f"CHECK FAILED: {label}: {err:.2e}")
     return err
 
@@ -165,6 +166,13 @@ def result(value: dict):
     print("RESULT " + json.dumps(value), flush=True)
 
 
+def child_environment(env: dict | None = None) -> dict:
+    """The environment of a `python -m bench.<module>` child: ours, with env's variables and
+    the repository first on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, **(env or {}), PYTHONPATH=path)
+
+
 def run_module(module: str, argv: list[str], *, visible: str | None = None,
                env: dict | None = None, timeout: float | None = None) -> list[dict]:
     """Run `python -m bench.<module> *argv` in a child process and return what it reported
@@ -172,8 +180,7 @@ def run_module(module: str, argv: list[str], *, visible: str | None = None,
     past timeout seconds. visible: the child's CUDA_VISIBLE_DEVICES (gpus()); env: more
     variables for it. Its stderr lines that start with two spaces (progress, and a
     traceback's frames) pass on to ours."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    environ = dict(os.environ, **(env or {}), PYTHONPATH=path)
+    environ = child_environment(env)
     if visible is not None:
         environ["CUDA_VISIBLE_DEVICES"] = visible
     cmd = [sys.executable, "-m", f"bench.{module}", *argv]

@@ -17,7 +17,7 @@ import pytest
 from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "norm_matmul", "profile_step", "dispatch",
-           "headdim", "selective_scan"]
+           "headdim", "selective_scan", "serve_load"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
@@ -89,6 +89,26 @@ def test_a_script_runs_as_a_module():
     run = subprocess.run([sys.executable, "-m", "bench.dispatch", "--help"],
                          capture_output=True, text=True, cwd=harness.ROOT, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith("usage:"), run.stderr
+
+
+@pytest.mark.subprocess
+def test_serve_load_times_a_server_it_starts_and_stops(capsys):
+    """bench.serve_load on the tiny preset: the server in a child process on loopback,
+    warmed for batches of 1 and 2, then 1 and 2 clients for at most 4 requests (the last
+    in flight finish) or 60 s each; a row per concurrency, every request answered."""
+    from bench import serve_load
+
+    serve_load.main(["--preset", "tiny", "--dtype", "float32", "--concurrency", "1,2",
+                     "--seconds", "60", "--max-requests", "4", "--prompt-tokens", "8",
+                     "--new-tokens", "4", "--start-timeout", "120"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "cpu, jax " in lines[0] and "tiny (random weights)" in lines[0]
+    assert lines[1].startswith("| clients | requests | seconds | requests/s |")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[3:]]
+    assert [row[0] for row in rows] == ["1", "2"]
+    for clients, requests, seconds, rate, _, p50, p99, failed in rows:
+        assert 4 <= int(requests) <= 4 + int(clients) - 1 and failed == "0"
+        assert float(seconds) > 0 and float(rate) > 0 and 0 < float(p50) <= float(p99)
 
 
 def test_guard_refuses_a_ratio_without_causal_conv1d(copy, monkeypatch):

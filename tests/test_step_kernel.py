@@ -12,7 +12,8 @@ import pytest
 from pallas_kernels import hardware
 from pallas_kernels.decode import step_out
 from pallas_kernels.decode.step_out import mamba_step_out
-from pallas_kernels.ssd.step import Blocks, mamba_step, mamba_step_shifted
+from pallas_kernels.ssd.step import (Blocks, Int8State, dequantize, mamba_step,
+                                     mamba_step_shifted, quantize)
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
@@ -85,6 +86,70 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
     np.testing.assert_allclose(state.astype(jnp.float32), state_ref.astype(jnp.float32),
                                rtol=tol, atol=tol * float(jnp.max(jnp.abs(
                                    state_ref.astype(jnp.float32)))))
+
+
+def test_int8_round_trip_is_within_half_a_step_of_each_row():
+    """quantize: per (row, head, headdim channel) a scale max|state| / 127 over d_state, the
+    values integers in [-127, 127] each within half a step of the state; a row's largest
+    value is exact, an all-zero row stays zero (scale 0), and a decay of the whole row (a
+    head's, at every token) moves the scale, not the values."""
+    rng = np.random.default_rng()  # fresh inputs every run
+    # rows of magnitudes 1e-6 to 1e3: each row's step is its own
+    state = rng.standard_normal((2, 4, 16, 32)) * 10.0 ** rng.uniform(-6, 3, (2, 4, 16, 1))
+    state[1, 2, 3] = 0.0
+    state = jnp.asarray(state, jnp.float32)
+    q = quantize(state)
+    assert q.values.dtype == jnp.int8 and q.scale.dtype == jnp.float32
+    assert q.shape == (2, 4, 16, 32) and q.scale.shape == (2, 4, 16)
+    values = np.asarray(q.values, np.int32)
+    assert values.min() >= -127 and values.max() <= 127
+    np.testing.assert_allclose(q.scale, jnp.max(jnp.abs(state), axis=-1) / 127, rtol=1e-6)
+    back = np.asarray(dequantize(q))
+    # half a step, and the float32 rounding of the product and of the scale's division
+    bound = np.asarray(q.scale)[..., None] * (0.5 + 1e-5)
+    assert np.all(np.abs(back - np.asarray(state)) <= bound)
+    peak = np.argmax(np.abs(np.asarray(state)), axis=-1)[..., None]
+    assert np.all(np.abs(np.take_along_axis(values, peak, -1)[np.asarray(q.scale) > 0]) == 127)
+    assert float(q.scale[1, 2, 3]) == 0.0 and not values[1, 2, 3].any()
+    decayed = quantize(state * 0.93)
+    np.testing.assert_allclose(decayed.scale, q.scale * 0.93, rtol=1e-6)
+    # a value within float32's rounding of a half step may round the other way: rarely
+    moved = np.abs(np.asarray(decayed.values, np.int32) - values)
+    assert moved.max() <= 1 and moved.mean() < 1e-3
+
+
+def test_int8_states_step_in_the_kernel_as_in_the_reference():
+    """The step over an Int8State: the kernel (each program dequantises its rows after the
+    load and quantises them before the store, values and scale updated in place) against the
+    reference, with each head's headdim split over two programs. y and the scales are the
+    same float32 arithmetic (1e-5 of the largest value); a value within float32's rounding
+    of a half step may round to its neighbour, one step of its row."""
+    rng = np.random.default_rng()  # fresh inputs every run
+    args = _inputs(rng, b=2, h=8, p=32, g=4, n=32, k=4, window_dtype=jnp.float32,
+                   state_dtype=jnp.float32, bias=True)
+    args["state"] = quantize(args["state"].at[0, 3].set(0.0))  # a head with zero state
+    y_ref, window_ref, state_ref = mamba_step(**args, implementation="xla")
+    y, window, state = mamba_step(**args, implementation="triton")
+    for s in (state, state_ref):
+        assert isinstance(s, Int8State) and s.values.dtype == jnp.int8
+        assert s.values.shape == (2, 8, 32, 32) and s.scale.shape == (2, 8, 32)
+        assert s.scale.dtype == jnp.float32 and np.all(np.isfinite(s.scale))
+    np.testing.assert_array_equal(window, window_ref)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(y_ref))))
+    np.testing.assert_allclose(state.scale, state_ref.scale, rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(state_ref.scale)))
+    moved = np.abs(np.asarray(state.values, np.int32) - np.asarray(state_ref.values, np.int32))
+    assert moved.max() <= 1 and moved.mean() < 1e-3
+    # And the float32 step's state, quantised, is what the int8 step stores.
+    dense = dict(args, state=dequantize(args["state"]))
+    y32, _, state32 = mamba_step(**dense, implementation="xla")
+    np.testing.assert_allclose(y_ref, y32, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(y32))))
+    np.testing.assert_allclose(dequantize(state_ref), state32, rtol=0,
+                               atol=float(jnp.max(state_ref.scale)) * (0.5 + 1e-5))
+    # The fused block step takes float states only (the decode plan never fuses int8's).
+    with pytest.raises(ValueError, match="an int8 state"):
+        mamba_step_out(window_ref, **{k: v for k, v in args.items() if k != "conv_state"},
+                       residual=None, norm_weight=None, w_out=None, eps=1e-5, ngroups=4)
 
 
 @pytest.mark.parametrize("block_p", [8, 32])

@@ -40,7 +40,7 @@ from mamba_jax.generate.plan import STEP_IMPLEMENTATIONS, DecodePlan, decode_pla
 # (bench/generate.py --command-buffers on,off; BENCHMARKS.md). Ignored on CPU.
 DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
                            "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
-SSM_STATE_DTYPES = ("float32", "bfloat16")
+SSM_STATE_DTYPES = ("float32", "bfloat16", "int8")
 
 
 class Sampling(NamedTuple):
@@ -343,7 +343,9 @@ def add_decode_arguments(parser):
     """The generate and serve CLIs' options for how a decode step runs (decode_options)."""
     parser.add_argument("--ssm-state-dtype", choices=SSM_STATE_DTYPES, default="float32",
                         help="what the decoding cache stores the SSM states in (bfloat16: as "
-                             "mamba_ssm's cache, half the bytes per step)")
+                             "mamba_ssm's cache, half the bytes per step; int8: with a float32 "
+                             "scale per headdim channel, about half bf16's, for large "
+                             "batches)")
     parser.add_argument("--step-implementation", choices=STEP_IMPLEMENTATIONS, default="auto",
                         help="the Mamba layers' decode step: XLA fusions or Pallas kernels "
                              "(triton); auto: the kernels on a GPU, where they were faster at "
@@ -382,7 +384,8 @@ def prepare(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, to
         top_p_bound, banned_after)
     b, l = input_ids.shape
     return Prepared(settings, sampling, prompt_lengths, limits, int(max_new_tokens),
-                    decode_plan(model, b, step_implementation),
+                    decode_plan(model, b, step_implementation,
+                                ssm_state_dtype=ssm_state_dtype),
                     l + max_new_tokens if model.cache_grows else None, ssm_state_dtype)
 
 
@@ -444,11 +447,15 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     banned), each a token id or [b] (-1: off): the token right after `after` is never
     `banned` (Megatron's prevent_newline_after_colon bans "\n" after ":").
 
-    ssm_state_dtype: "float32" (the default) or "bfloat16", what the decoding cache stores
-    the SSM states in between tokens; each step computes in float32 either way. "bfloat16"
-    is what mamba_ssm's cache holds for a bf16 model: it halves the bytes a step moves,
-    which at large batches are mostly states (bench/generate.py), and rounds the state at
-    every token.
+    ssm_state_dtype: "float32" (the default), "bfloat16" or "int8", what the decoding cache
+    stores the SSM states in between tokens; each step computes in float32 either way.
+    "bfloat16" is what mamba_ssm's cache holds for a bf16 model: it halves the bytes a step
+    moves, which at large batches are mostly states (bench/generate.py), and rounds the
+    state at every token. "int8" stores each headdim channel's d_state values as int8 with
+    a float32 scale (pallas_kernels.ssd.step.Int8State), quantised afresh from float32 at
+    every token: 0.52x bf16's bytes at d_state 128, each value off by at most half its
+    row's step (max / 254). Its steps never run fused (mamba_jax.generate.plan): it is for
+    large batches.
 
     step_implementation: "auto" (the default), "xla" or "triton": each layer's one-token
     step as XLA fusions, or as Pallas kernels: at batch 1 every layer as its fused kernels

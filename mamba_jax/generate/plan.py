@@ -1,7 +1,7 @@
 """The decode plan: which implementation each layer's one-token step runs, for a model, a
 batch size and a device. The one place that decides it; generate and the server ask it.
 
-    plan = decode_plan(model, batch_size, "auto")
+    plan = decode_plan(model, batch_size, "auto", ssm_state_dtype="float32")
     plan.steps   # per layer: "xla", "kernel" or "fused"
 
 "xla": the step as XLA fusions. "kernel": the layer's step kernel between XLA's projections
@@ -26,6 +26,10 @@ STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 # and mamba2-1.3b (the norm-matmul kernels unroll the rows: each row's products are reduced
 # apart).
 FUSED_STEP_MAX_BATCH = 1
+# The SSM state dtypes the fused steps take. An int8 state (generate's ssm_state_dtype="int8")
+# is for large batches, where its bytes are what a step moves and no layer is fused anyway:
+# its steps run "kernel" at every batch.
+FUSED_STATE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +63,18 @@ def resolve_implementation(implementation: str, model, backend: str | None = Non
 
 
 def decode_plan(model, batch_size: int, implementation: str = "auto",
-                backend: str | None = None) -> DecodePlan:
+                backend: str | None = None, ssm_state_dtype: str = "float32") -> DecodePlan:
     """The DecodePlan of `model` at `batch_size` rows for a step implementation of
-    STEP_IMPLEMENTATIONS: under "triton", each layer "fused" where its kind has it and the
-    batch is at most FUSED_STEP_MAX_BATCH, else "kernel" where its kind has one, else
-    "xla"; under "xla", every layer "xla"."""
+    STEP_IMPLEMENTATIONS and the SSM states stored in ssm_state_dtype: under "triton", each
+    layer "fused" where its kind has it, the batch is at most FUSED_STEP_MAX_BATCH and the
+    states' dtype is one of FUSED_STATE_DTYPES (so an int8 cache takes "kernel" at batch 1
+    too), else "kernel" where its kind has one, else "xla"; under "xla", every layer
+    "xla"."""
     kernels = resolve_implementation(implementation, model, backend) == "triton"
+    fused = batch_size <= FUSED_STEP_MAX_BATCH and ssm_state_dtype in FUSED_STATE_DTYPES
 
     def step(mixer):
-        if kernels and batch_size <= FUSED_STEP_MAX_BATCH and "fused" in mixer.step_kernels:
+        if kernels and fused and "fused" in mixer.step_kernels:
             return "fused"
         if kernels and "kernel" in mixer.step_kernels:
             return "kernel"

@@ -35,7 +35,7 @@ from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd import document_ids, ssd
-from pallas_kernels.ssd.step import mamba_step
+from pallas_kernels.ssd.step import mamba_step, quantize
 from pallas_kernels.ssd.step import supports as step_supports
 
 
@@ -92,7 +92,8 @@ class MambaCache(NamedTuple):
     """One Mamba layer's decoding state.
 
     conv_state [b, e, k]: the last k conv inputs, newest last (mamba_ssm's layout);
-    ssm_state [b, h, p, n] float32 (or bfloat16 where generate is asked to store it so);
+    ssm_state [b, h, p, n] float32, or as generate is asked to store it: bfloat16, or int8
+    with a float32 scale per headdim channel (an Int8State, pallas_kernels.ssd.step);
     sync: None, or the int32 [1] counter of the cooperative step kernel
     (pallas_kernels.decode.step_out), carried from token to token by a "fused" decode.
     """
@@ -321,10 +322,12 @@ class Mamba2Mixer(Mixer):
                           jnp.zeros((batch_size, h, p, n), jnp.float32))
 
     def cache_for_decoding(self, cache: MambaCache, how: str, ssm_state_dtype: str):
-        """The SSM state stored in ssm_state_dtype; a "fused" step's cooperative kernel gets
-        its counter (zeros)."""
+        """The SSM state stored in ssm_state_dtype ("int8": an Int8State); a "fused" step's
+        cooperative kernel gets its counter (zeros)."""
         sync = jnp.zeros((1,), jnp.int32) if how == "fused" else None
-        return cache._replace(ssm_state=cache.ssm_state.astype(ssm_state_dtype), sync=sync)
+        state = cache.ssm_state.astype(jnp.float32)
+        state = quantize(state) if ssm_state_dtype == "int8" else state.astype(ssm_state_dtype)
+        return cache._replace(ssm_state=state, sync=sync)
 
     def step_weights(self, how: str = "xla") -> StepWeights:
         """The StepWeights of the current parameters (build them outside the decode loop),
@@ -342,8 +345,8 @@ class Mamba2Mixer(Mixer):
         updated MambaCache).
 
         weights: `step_weights()`, built before the decode loop. The new SSM state is
-        computed in float32 and stored in the cache's dtype (float32, or bfloat16 as
-        mamba_ssm's decoding cache of a bf16 model). how: the conv and SSM
+        computed in float32 and stored as the cache's is (float32; bfloat16 as mamba_ssm's
+        decoding cache of a bf16 model; or int8, quantised afresh). how: the conv and SSM
         update as XLA fusions ("xla") or as one Pallas kernel, pallas_kernels.ssd.step
         ("kernel")."""
         zxbcdt = self.project_packed(u, weights.in_proj)
@@ -371,7 +374,8 @@ class Mamba2Mixer(Mixer):
         else two. The arithmetic of Block.step over `step` (but for where the norms'
         operands are rounded: pallas_kernels.decode.norm_matmul) in a third of its kernels
         or fewer, for a decoding step at small batch, which is bound by its kernel count
-        (BENCHMARKS.md). weights: step_weights("fused")."""
+        (BENCHMARKS.md). weights: step_weights("fused"). The SSM state float32 or bfloat16:
+        the decode plan runs an int8 one's step as "kernel"."""
         w, bias = weights.in_proj
         # [b, h*p (z) + e (xBC) + h (dt)] in the compute dtype, as project's
         zxbcdt, conv_state = rms_norm_matmul(

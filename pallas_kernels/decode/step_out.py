@@ -8,7 +8,9 @@ kernel where the GPU holds all its programs at once.
                                            ngroups=g, sync=sync, implementation="triton")
 
 Legend and operands as pallas_kernels.ssd.step's mamba_step_shifted (window already shifted),
-plus residual [b, d], norm_weight [h*p], w_out [d, h*p] (nn.Linear's layout) and sync.
+plus residual [b, d], norm_weight [h*p], w_out [d, h*p] (nn.Linear's layout) and sync; the
+state float32 or bfloat16 (an Int8State is for large batches, where the step kernel runs
+alone: mamba_jax.generate.plan).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def mamba_step_out(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residua
     GPU holds (hardware.cooperative_programs); elsewhere, and in Pallas's interpreter (which
     runs programs one at a time), "triton" runs the step kernel and the norm-matmul kernel,
     one after the other, the same code per program."""
+    if isinstance(state, ssd_step.Int8State):
+        raise ValueError("mamba_step_out: an int8 state (Int8State) is not taken here; run "
+                         "pallas_kernels.ssd.step.mamba_step_shifted and the out-projection "
+                         "apart")
     b = state.shape[0]
     planned = _cooperative_plan(state, w_out, sync) if implementation == "triton" else None
     if planned is None:

@@ -19,14 +19,15 @@ rounded to conv_state's dtype, as the cache stores it): the conv sees conv_state
 one with it appended, which is also the conv_state returned. Its dt [b, h] is used before
 dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, in float32. conv_w [e, k] and
 conv_b [e] (or None): the depthwise conv. A [h] (negative), D [h], dt_bias [h] float32.
-state [b, h, p, n], float32 or bfloat16. `mamba_step_shifted` takes the window already
-shifted, with this token's input its last column (the batch-1 decoding step's in-projection
-kernel, norm_matmul's `window=`, shifts it in place): no window copy after it.
+state [b, h, p, n], float32 or bfloat16, or an Int8State (int8 values and a float32 scale per
+headdim channel, below). `mamba_step_shifted` takes the window already shifted, with this
+token's input its last column (the batch-1 decoding step's in-projection kernel,
+norm_matmul's `window=`, shifts it in place): no window copy after it.
 
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
-in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state in state's
-dtype, computed in float32. x, B and C leave the conv rounded to the window's dtype, as from
-mamba_ssm's causal_conv1d_update.
+in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state stored as
+state is (its dtype, or an Int8State), computed in float32. x, B and C leave the conv
+rounded to the window's dtype, as from mamba_ssm's causal_conv1d_update.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
 "triton" (`step_program`, grid (b, h, p / bp), one kernel: each program convolves bp of its
@@ -38,6 +39,15 @@ in Pallas's interpreter). A decode step at batch 1 is bound by its kernel count,
 bytes (BENCHMARKS.md, Generation): the window's shift and the projection's split are in
 kernels rather than XLA fusions of their own. pallas_kernels.decode.step_out goes on
 through the out-projection, at batch 1 in the same kernel where it can.
+
+An Int8State stores each (row, head, headdim channel)'s n state values as int8 with one
+float32 scale, max |value| / 127 over the n (`quantize`; 0 for a row of zeros), which is
+every program's own: a program of the kernel owns whole [bp, n] rows, so it dequantises what
+it loads and quantises what it stores with no reduction across programs, at any block_p
+(a scale per (row, head) would need every program of a head). 1 + 4/n bytes an element:
+0.52x bf16's at n = 128. Each step quantises the new state from float32 afresh, so a head's
+decay, the same factor over the whole row, moves the scale and leaves the int8 values
+as they were: only the new input's term is rounded.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +67,50 @@ from pallas_kernels.decode.norm_matmul import shift_window
 from pallas_kernels.ssd.reference import process_dt
 
 IMPLEMENTATIONS = ("xla", "triton")
+INT8_LEVELS = 127  # symmetric int8: -127..127, so a row's scale maps its max to 127
+
+
+class Int8State(NamedTuple):
+    """An SSM state in int8: values [b, h, p, n] int8 and scale [b, h, p] float32, the state
+    being values * scale[..., None] (module docstring). shape and dtype are the values', as an
+    array's."""
+
+    values: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def quantize(state) -> Int8State:
+    """A float32 state [..., n] -> Int8State: per row of n, scale = max |state| / 127 and
+    values = state / scale rounded to the nearest integer (half up; in operations the Triton
+    lowering has), 0 where the row is all zeros. Each value is off by at most scale / 2."""
+    peak = jnp.max(jnp.abs(state), axis=-1)
+    inverse = jnp.where(peak > 0, INT8_LEVELS / jnp.where(peak > 0, peak, 1.0), 0.0)
+    # |state * inverse| <= 127 up to a rounding of the product: never past 127.5
+    values = jnp.floor(state * inverse[..., None] + 0.5).astype(jnp.int8)
+    return Int8State(values, peak / INT8_LEVELS)
+
+
+def dequantize(state: Int8State):
+    """An Int8State -> the float32 state [..., n] it stores."""
+    return state.values.astype(jnp.float32) * state.scale[..., None]
+
+
+def _load(state):
+    """A state (array or Int8State) as float32."""
+    return dequantize(state) if isinstance(state, Int8State) else state.astype(jnp.float32)
+
+
+def _store(new, like):
+    """The float32 state `new` stored as `like` is (its dtype, or an Int8State)."""
+    return quantize(new) if isinstance(like, Int8State) else new.astype(like.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +209,7 @@ def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     B_h = jnp.repeat(B, h // g, axis=1)  # [b, h, n]
     C_h = jnp.repeat(C, h // g, axis=1)
     dtx = dt[:, :, None] * x  # [b, h, p]
-    old = state.astype(jnp.float32)
+    old = _load(state)
     # y = C.h_new = decay * C.h_old + dtx * (C.B): both terms read the old state, so XLA
     # fuses the state update and the read-out into one pass over the state (read once,
     # written once) instead of writing h_new and reading it back.
@@ -162,7 +217,7 @@ def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h,
                                         precision=jax.lax.Precision.HIGHEST)
          + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
-    return y, new.astype(state.dtype)
+    return y, _store(new, state)
 
 
 def _softplus(v):
@@ -177,22 +232,31 @@ def _step_kernel(conv_ref, *refs, **kw):
 
 
 def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit,
-                  y_dtype, gate, ids, flat_y=False):
-    """The kernel's work for program ids (bi, hi, pi); flat_y: y_ref is [b, h*p]."""
+                  y_dtype, gate, ids, int8=False, flat_y=False):
+    """The kernel's work for program ids (bi, hi, pi); flat_y: y_ref is [b, h*p]; int8: the
+    state is an Int8State's values, its scale the next operand and the last output."""
     shifts = xbc_at is not None  # else the window already ends with this token's input
     if shifts:
         xbc_ref, *refs = refs
     w_ref, *refs = refs
     if has_bias:
         bias_ref, *refs = refs
-    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, y_ref, *refs = refs
-    window_ref, new_ref = refs if shifts else (None, refs[0])
+    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, *refs = refs
+    if int8:
+        scale_ref, *refs = refs
+    y_ref, *refs = refs
+    if shifts:
+        window_ref, *refs = refs
+    new_ref, *refs = refs
+    new_scale_ref = refs[0] if int8 else None
     bi, hi, pi = ids
     gi = hi // r
     h_p = conv_ref.shape[1] - 2 * g * n  # the x channels, h * p
     rows = pl.ds(pl.multiple_of(pi * bp, bp), bp)  # this program's bp of the head's p
     # The state first: its load, the largest, is then in flight during the conv.
-    old = state_ref[bi, hi, rows, :].astype(jnp.float32)  # [bp, n]
+    old = state_ref[bi, hi, rows, :]  # [bp, n]
+    old = (dequantize(Int8State(old, scale_ref[bi, hi, rows])) if int8
+           else old.astype(jnp.float32))
 
     def conv(start, size, write):
         """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
@@ -240,7 +304,11 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
         y_ref[bi, pl.ds(pl.multiple_of(hi * p + pi * bp, bp), bp)] = y
     else:
         y_ref[bi, hi, rows] = y
-    new_ref[bi, hi, rows, :] = (old * decay + dtx[:, None] * B[None, :]).astype(new_ref.dtype)
+    new = old * decay + dtx[:, None] * B[None, :]
+    if int8:  # this program's rows, each quantised alone (module docstring)
+        new, scale = quantize(new)
+        new_scale_ref[bi, hi, rows] = scale
+    new_ref[bi, hi, rows, :] = new.astype(new_ref.dtype)
 
 
 def filled_blocks(blocks, b, h, p, n):
@@ -262,17 +330,19 @@ def filled_blocks(blocks, b, h, p, n):
 
 def step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, bp, dt_limit,
                y_dtype, gate):
-    """(the static options of `_step_program`, its operands in order) for _triton's
-    arguments."""
+    """(the static options of `step_program`, its operands in order) for _triton's
+    arguments; an Int8State's values and scale are the last two operands."""
     h, p, n = state.shape[1:]
     g = (conv_state.shape[1] - h * p) // (2 * n)
     (xbc, xbc_at), (dt, dt_at) = xbc or (None, None), dt
+    int8 = isinstance(state, Int8State)
     options = dict(p=p, bp=bp, n=n, r=h // g, g=g, k=conv_state.shape[2], xbc_at=xbc_at,
                    dt_at=dt_at, has_bias=conv_b is not None, dt_limit=tuple(dt_limit),
-                   y_dtype=jnp.dtype(y_dtype), gate=gate)
+                   y_dtype=jnp.dtype(y_dtype), gate=gate, int8=int8)
     args = (conv_state,) + (() if xbc is None else (xbc,)) + (conv_w,) + (
         () if conv_b is None else (conv_b,)) + (
-        dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32), state)
+        dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32)) + (
+        tuple(state) if int8 else (state,))
     return options, args
 
 
@@ -284,13 +354,18 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     bp, warps = filled_blocks(blocks, b, h, p, n)
     options, args = step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state,
                                bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=gate)
-    # The state is updated in place; a shifted window is a new buffer (module docstring).
+    # The state (an Int8State's values and scale) is updated in place; a shifted window is
+    # a new buffer (module docstring).
     window = [] if xbc is None else [jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)]
+    states = jax.tree.leaves(state)
     out_shape = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype), *window,
-                 jax.ShapeDtypeStruct(state.shape, state.dtype)]
-    return pl.pallas_call(
+                 *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)]
+    y, *outs = pl.pallas_call(
         functools.partial(_step_kernel, **options), grid=(b, h, p // bp),
         interpret=jax.default_backend() != "gpu", name="mamba_step", out_shape=out_shape,
-        input_output_aliases={len(args) - 1: len(out_shape) - 1},
+        input_output_aliases={len(args) - i: len(out_shape) - i
+                              for i in range(1, len(states) + 1)},
         compiler_params=plgpu.CompilerParams(num_warps=warps),
     )(*args)
+    new = jax.tree.unflatten(jax.tree.structure(state), outs[len(window):])
+    return (y, *outs[:len(window)], new)
