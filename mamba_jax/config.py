@@ -33,7 +33,8 @@ class ModelFields:
     mamba_ssm does).
 
     The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
-    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP: the registry's symbols),
+    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP; and 3 Mamba-3: the
+    registry's symbols),
     each its own pre-norm residual layer. Empty: mamba_ssm's form, n_layer blocks of a mixer
     (attention where the block index is in attn_layer_idx, else Mamba2) each followed by an
     MLP layer when mlp.d_intermediate > 0 (mamba_ssm's Block adds the mixer to the residual,
@@ -255,7 +256,14 @@ PRESETS: dict[str, Mamba2Config] = {
         layer_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
         mamba2=_MEGATRON_MAMBA, attention=dict(num_heads=32, num_heads_kv=8, head_dim=128),
         mlp=dict(d_intermediate=16384, activation="relu2")),
+    # Mamba-3 (mamba_ssm's Mamba3 defaults: d_state 128, headdim 64, ngroups 1, rope_fraction
+    # 0.5, SISO, chunk 64) at the Mamba2 checkpoints' sizes, GPT-NeoX vocabulary.
+    **{f"mamba3-{size}": Mamba2Config(d_model=d, n_layer=n, layer_pattern="3" * n)
+       for size, d, n in (("130m", 768, 24), ("370m", 1024, 48), ("780m", 1536, 48),
+                          ("1.3b", 2048, 48), ("2.7b", 2560, 64))},
     # Byte-level, small enough to train on a laptop CPU in minutes.
     "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
                          mamba2=dict(d_state=32, headdim=32, chunk_size=64)),
+    "mamba3-tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, layer_pattern="33",
+                                mamba3=dict(d_state=32, headdim=32, chunk_size=64)),
 }

@@ -24,7 +24,8 @@ from mesh_check import assert_matches_single_device, tiny_config
 # Small sections for the kinds whose defaults are too large (or empty) for a tiny model.
 SECTIONS = dict(attention=dict(num_heads=4, num_heads_kv=2, head_dim=8, rotary_emb_dim=4,
                                qkv_bias=True, out_bias=True),
-                mlp=dict(d_intermediate=48))
+                mlp=dict(d_intermediate=48),
+                mamba3=dict(d_state=16, headdim=16, chunk_size=16))
 SYMBOLS = sorted(KINDS)
 
 

@@ -1,6 +1,7 @@
 """The layer kinds by layer_pattern symbol: the one place that names them.
 
     KINDS["M"]  -> Mamba2Mixer       KINDS["*"] -> Attention       KINDS["-"] -> MLP
+    KINDS["3"]  -> Mamba3Mixer
 
 A kind is a mamba_jax.layers.common.Mixer subclass in a module of its own: its config
 section, parameters with logical axes, forward, cache and one-token steps, checkpoint keys
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 from mamba_jax.layers.attention import Attention
 from mamba_jax.layers.mamba2 import Mamba2Mixer
+from mamba_jax.layers.mamba3 import Mamba3Mixer
 from mamba_jax.layers.mlp import MLP
 
 KINDS = {kind.symbol: kind for kind in (
     Mamba2Mixer,
     Attention,
     MLP,
+    Mamba3Mixer,
 )}
