@@ -82,22 +82,40 @@ def wrap(theta):
     return theta - 2 * math.pi * jnp.floor(theta / (2 * math.pi))
 
 
-def cumulative_angles(increments, starts, initial=None):
+def cumulative_angles(increments, starts, initial=None, block=64):
     """The angle state after each token: increments [b, l, h, a], starts [b, l] bool (a
-    document starts: the sum restarts there) -> theta [b, l, h, a] in [0, 2 pi).
+    document starts: the sum restarts there), initial [b, h, a] or None (the angle entering
+    the row's first document) -> theta [b, l, h, a] in [0, 2 pi).
 
-    A segmented sum as an associative scan whose combine wraps to [0, 2 pi), so no partial
-    sum grows with the sequence (a plain cumulative sum of a long row would lose float32
-    precision before the wrap)."""
-    if initial is not None:
-        increments = increments.at[:, 0].add(initial.astype(increments.dtype))
+    Summed within blocks of `block` tokens, and the wrapped block totals carried from block
+    to block, so that no partial sum grows with the sequence (a plain cumulative sum over a
+    long row would lose float32 precision before the wrap)."""
+    b, l, h, a = increments.shape
+    pad = (-l) % block
+    inc = jnp.pad(increments, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    starts = jnp.pad(starts, ((0, 0), (0, pad)))
+    c = (l + pad) // block
+    inc = inc.reshape(b, c, block, h, a)
+    starts = starts.reshape(b, c, block)
+    cs = jnp.cumsum(inc, axis=2)
+    # The last start at or before each position inside its block (-1: none): the sum runs
+    # from there, else from the block's entry angle.
+    last = jax.lax.cummax(jnp.where(starts, jnp.arange(block), -1), axis=2)  # [b, c, t]
+    before = cs - inc  # the sum of the block's tokens before each position
+    base = jnp.take_along_axis(before, jnp.maximum(last, 0)[..., None, None], axis=2)
+    local = jnp.where((last >= 0)[..., None, None], cs - base, cs)  # [b, c, t, h, a]
+    opened = (last[..., -1] >= 0)[..., None, None]  # [b, c, 1, 1]: a document starts
 
-    def combine(left, right):
-        (a, a_start), (b, b_start) = left, right
-        return (jnp.where(b_start[..., None, None], b, wrap(a + b)), a_start | b_start)
+    def carry(entry, block_inputs):
+        local_end, opened_c = block_inputs
+        return wrap(local_end + jnp.where(opened_c, 0.0, entry)), entry
 
-    theta, _ = jax.lax.associative_scan(combine, (increments, starts), axis=1)
-    return wrap(theta)
+    entry0 = jnp.zeros((b, h, a), inc.dtype) if initial is None else initial.astype(inc.dtype)
+    _, entries = jax.lax.scan(carry, entry0, (jnp.moveaxis(local[:, :, -1], 1, 0),
+                                              jnp.moveaxis(opened, 1, 0)))
+    entries = jnp.moveaxis(entries, 0, 1)[:, :, None]  # [b, c, 1, h, a]
+    theta = local + jnp.where((last >= 0)[..., None, None], 0.0, entries)
+    return wrap(theta.reshape(b, c * block, h, a)[:, :l])
 
 
 def _document_starts(seq_idx, b, l):
@@ -226,16 +244,17 @@ def mamba3_naive(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mimo
 
 
 def prepare(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, seq_idx,
-            initial_angle=None):
+            initial_angle=None, block=64):
     """The per-token terms of the chunked form: theta [b, l, h, a] (the angle state after
     each token), q, k [b, l, r, h, n] (rotated, with biases) and v [b, l, r, h, p] in x's
     dtype, sigma [b, l, h], w [b, l, h] (the weight of v_s k_s^T in every later state) and
-    eta [b, l, h] (the part of w that the next token adds), in float32 (float64)."""
+    eta [b, l, h] (the part of w that the next token adds), in float32 (float64); block:
+    cumulative_angles'."""
     b, l, h, _ = x.shape
     acc = accumulation_dtype(x)
     dt = dt.astype(acc)
     starts = _document_starts(seq_idx, b, l)
-    theta = cumulative_angles(angle_increments(angles, dt), starts, initial_angle)
+    theta = cumulative_angles(angle_increments(angles, dt), starts, initial_angle, block)
     q = rotate(_by_head(C, h) + jnp.swapaxes(C_bias, 0, 1).astype(C.dtype),
                theta[:, :, None], rotary).astype(x.dtype)
     k = rotate(_by_head(B, h) + jnp.swapaxes(B_bias, 0, 1).astype(B.dtype),
@@ -266,7 +285,7 @@ def mamba3_chunked(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size
 
     theta, q, k, v, sigma, w, eta = prepare(
         C, B, x, adt, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
-        seq_idx=seq_idx, initial_angle=None if init is None else init.angle)
+        seq_idx=seq_idx, initial_angle=None if init is None else init.angle, block=chunk_size)
 
     # The state entering the row, with the trapezoid's term of its previous token: the
     # first token's decay applies to both (it is applied with the chunk decays below).
