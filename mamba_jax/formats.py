@@ -1,7 +1,7 @@
 """config.json of each checkpoint layout <-> Mamba2Config.
 
 Layouts: Hugging Face `Mamba2ForCausalLM` ("hf"), mamba_ssm `MambaLMHeadModel`
-("mamba_ssm", Mamba2 with optional attention blocks and MLPs), Hugging Face
+("mamba_ssm", Mamba2 or Mamba-3 with optional attention blocks and MLPs), Hugging Face
 `NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers). Every field a layout has
 and we cannot represent is refused by name rather than silently dropped.
 """
@@ -139,7 +139,10 @@ _MAMBA_SSM_FIELDS = {
                 "A_init_range": _list(_number, "numbers", 2, 2), "conv_bias": _flag,
                 "bias": _flag,
                 "D_has_hdim": _flag, "norm_before_gate": _flag, "rmsnorm": _flag,
-                "d_ssm": _optional(_WIDTH)},
+                "d_ssm": _optional(_WIDTH),
+                # Mamba3's own arguments
+                "rope_fraction": _number, "A_floor": _number, "is_outproj_norm": _flag,
+                "is_mimo": _flag, "mimo_rank": _WIDTH, "fuse_pregate_headwise_norm": _flag},
     "attn_cfg": {"num_heads": _WIDTH, "num_heads_kv": _optional(_WIDTH),
                  "head_dim": _optional(_WIDTH), "rotary_emb_dim": _integer(MAX_WIDTH, low=0),
                  "rotary_emb_base": _number, "rotary_emb_interleaved": _flag,
@@ -216,8 +219,11 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     form (attn_layer_idx, d_intermediate rounded up as GatedMLP does)."""
     _check_fields(d, path, _MAMBA_SSM_FIELDS, ("d_model", "n_layer", "vocab_size"))
     ssm = dict(d.get("ssm_cfg", {}))
-    _require(ssm.pop("layer", "Mamba1") == "Mamba2", path,
-             "ssm_cfg.layer must be 'Mamba2' (Mamba1 checkpoints are not supported)")
+    layer = ssm.pop("layer", "Mamba1")
+    _require(layer in ("Mamba2", "Mamba3"), path, f"ssm_cfg.layer={layer!r} must be 'Mamba2' "
+             "or 'Mamba3' (Mamba1 checkpoints are not supported)")
+    if layer == "Mamba3":
+        return _mamba3_from_mamba_ssm(d, ssm, path)
     _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     hybrid = {}
     if d.get("attn_layer_idx"):
@@ -235,6 +241,35 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
         pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
         residual_in_fp32=d.get("residual_in_fp32", True),
         tie_embeddings=d.get("tie_embeddings", True), **ssm, **hybrid))
+
+
+_MAMBA3_FIELDS = ("d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min",
+                  "dt_max", "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo",
+                  "mimo_rank", "chunk_size")
+
+
+def _mamba3_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
+    """A MambaConfig with ssm_cfg.layer "Mamba3" -> Mamba2Config with a layer_pattern of
+    Mamba-3 (3), attention (*) and MLP (-) layers as its Blocks are."""
+    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
+    # How mamba_ssm runs the MIMO out-projection norm (fused or not), not what it computes.
+    ssm.pop("fuse_pregate_headwise_norm", None)
+    unknown = sorted(set(ssm) - set(_MAMBA3_FIELDS))
+    _require(not unknown, path, f"ssm_cfg has fields Mamba3 does not take: {unknown}")
+    attn = set(d.get("attn_layer_idx") or ())
+    mlp = "-" if d.get("d_intermediate", 0) else ""
+    pattern = "".join(("*" if i in attn else "3") + mlp for i in range(d["n_layer"]))
+    extra = {}
+    if attn:
+        extra.update(_attn_from_mamba_ssm(d, path))
+    if mlp:
+        m = GATED_MLP_MULTIPLE
+        extra["d_intermediate"] = -(-d["d_intermediate"] // m) * m
+    return Mamba2Config.from_dict(dict(
+        d_model=d["d_model"], n_layer=len(pattern), layer_pattern=pattern,
+        vocab_size=d["vocab_size"], pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
+        residual_in_fp32=d.get("residual_in_fp32", True),
+        tie_embeddings=d.get("tie_embeddings", True), mamba3=ssm, **extra))
 
 
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
@@ -331,13 +366,16 @@ def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
     """cfg's layers as mamba_ssm Blocks: (each block's mixer symbol, M or *; whether every
     block has an MLP). A pattern of other shape is a ValueError saying what fits."""
     layers = cfg.layers
-    if re.fullmatch(r"[M*]*", layers):
+    if "M" in layers and "3" in layers:
+        raise ValueError(f"format='mamba_ssm': layers {layers!r} mix Mamba2 (M) and Mamba-3 "
+                         "(3) layers; a MambaLMHeadModel has one ssm_cfg.layer")
+    if re.fullmatch(r"[M3*]*", layers):
         return layers, False
-    if re.fullmatch(r"([M*]-)+", layers):
+    if re.fullmatch(r"([M3*]-)+", layers):
         return layers[0::2], True
     raise ValueError(f"format='mamba_ssm': layers {layers!r} are not mamba_ssm Blocks (each a "
-                     "Mamba2 or attention mixer, every one followed by one MLP or none); use "
-                     "format='nemotron_h'")
+                     "Mamba2, Mamba-3 or attention mixer, every one followed by one MLP or "
+                     "none); use format='nemotron_h'")
 
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
@@ -348,6 +386,8 @@ def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
            "dt_limit": _encode_limit(m.dt_limit), "A_init_range": list(m.A_init_range),
            "conv_bias": m.conv_bias, "bias": m.bias}
     mixers, mlp = mamba_ssm_blocks(cfg)
+    if "3" in mixers:
+        ssm = {"layer": "Mamba3", **{f: getattr(cfg.mamba3, f) for f in _MAMBA3_FIELDS}}
     if mlp and (cfg.mlp.activation != "swiglu" or cfg.mlp.d_intermediate % GATED_MLP_MULTIPLE):
         raise ValueError(f"format='mamba_ssm': GatedMLP is SwiGLU with a width that is a "
                          f"multiple of {GATED_MLP_MULTIPLE}; this model has mlp.activation="
