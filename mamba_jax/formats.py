@@ -341,9 +341,13 @@ def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
 
 
 def export_format(cfg: Mamba2Config, fmt: str) -> str:
-    """The layout written for `fmt`: "hf" is Mamba2ForCausalLM for a Mamba-only model and
-    NemotronHForCausalLM ("nemotron_h") for a hybrid; other layouts are themselves."""
-    return "nemotron_h" if fmt == "hf" and set(cfg.layers) != {"M"} else fmt
+    """The layout written for `fmt`: "hf" is Mamba2ForCausalLM for a Mamba-only model,
+    NemotronHForCausalLM ("nemotron_h") for a hybrid, and mamba_ssm's MambaLMHeadModel for
+    a model with Mamba-3 layers (transformers has no Mamba-3); other layouts are
+    themselves."""
+    if fmt != "hf" or set(cfg.layers) == {"M"}:
+        return fmt
+    return "mamba_ssm" if "3" in cfg.layers else "nemotron_h"
 
 
 def hf_config_dict(cfg: Mamba2Config) -> dict:

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 import mamba_jax
 from mamba_jax import Mamba2Config
 from mamba_jax.convert import load_config
+from mesh_check import assert_matches_single_device, tiny_config
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
 from pallas_kernels.mamba3.context_parallel import entering_states, zero_state_finals
 from pallas_kernels.mamba3.reference import mamba3_chunked, mamba3_naive
@@ -172,3 +173,17 @@ def test_a_bad_mamba3_section_is_named():
     with pytest.raises(ValueError, match=r"mix Mamba2 \(M\) and Mamba-3 \(3\)"):
         mamba_jax.formats.mamba_ssm_blocks(
             Mamba2Config.preset("mamba3-tiny", layer_pattern="3M"))
+
+
+def test_mimo_on_a_mesh_matches_one_device():
+    # MIMO rank 2 with the out-projection norm, 2 B/C groups over tp=4 (each rank's heads
+    # read their group of the replicated ones) and cp=2 over packed documents (the angle,
+    # SSM state and the trapezoid's k and x cross the cut); mesh_check's tolerances.
+    cfg = tiny_config(n_layer=2, layer_pattern="3-", d_intermediate=32,
+                      mamba3=dict(d_state=16, headdim=16, chunk_size=8, ngroups=2,
+                                  rope_fraction=1.0, is_mimo=True, mimo_rank=2,
+                                  is_outproj_norm=True))
+    specs = assert_matches_single_device(cfg, "cp=2,tp=4", True, seq_len=32, packed=True)
+    mixer = specs["layers"][0]["mixer"]
+    assert mixer["x_proj"].get_value()[1] == "tp" and mixer["mimo_x"].get_value()[0] == "tp"
+    assert mixer["B_proj"].get_value()[2] is None  # 2 groups over 4 ranks: replicated
