@@ -16,7 +16,8 @@ import pytest
 
 from bench import baseline, harness
 
-SCRIPTS = ["generate", "train_step", "ssd", "step", "norm_matmul", "profile_step", "dispatch"]
+SCRIPTS = ["generate", "train_step", "ssd", "step", "norm_matmul", "profile_step", "dispatch",
+           "mamba3"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
