@@ -155,6 +155,38 @@ def causal_conv1d(x, weight, bias=None, doc=None):
     return jax.nn.silu(y).astype(x.dtype)
 
 
+def check_mamba_section(cfg, name: str, integers) -> None:
+    """The checks a Mamba section (cfg.<name>: mamba2's or mamba3's) shares, each a
+    ValueError naming the field, its value and the fix: `integers` and the dt init are
+    positive, dt_min <= dt_max, headdim divides d_model * expand and ngroups the heads."""
+    m = getattr(cfg, name)
+    for field in integers:
+        value = getattr(m, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"Mamba2Config.{name}.{field}={value!r} must be a positive "
+                             "integer")
+    for field in ("dt_min", "dt_max", "dt_init_floor"):
+        if not getattr(m, field) > 0:
+            raise ValueError(f"Mamba2Config.{name}.{field}={getattr(m, field)!r} must be > 0")
+    if m.dt_min > m.dt_max:
+        raise ValueError(f"Mamba2Config.{name}.dt_min={m.dt_min} > dt_max={m.dt_max}: "
+                         "swap them")
+    d_inner = m.expand * cfg.d_model
+    if d_inner % m.headdim:
+        divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
+        nearby = [v for v in divisors if m.headdim // 2 <= v <= m.headdim * 2]
+        raise ValueError(
+            f"Mamba2Config: d_model*{name}.expand = {cfg.d_model}*{m.expand} = {d_inner} "
+            f"is not divisible by {name}.headdim={m.headdim}; choose headdim among "
+            f"{nearby} or change d_model/expand")
+    nheads = d_inner // m.headdim
+    if nheads % m.ngroups:
+        divisors = [v for v in range(1, nheads + 1) if nheads % v == 0]
+        raise ValueError(
+            f"Mamba2Config: nheads = d_inner/headdim = {nheads} is not divisible by "
+            f"{name}.ngroups={m.ngroups}; choose ngroups among {divisors}")
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis; weight [d] float32, initialised to ones."""
 

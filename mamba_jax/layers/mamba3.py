@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import Flat, Linear, Tensor
-from mamba_jax.layers.common import (Mixer, dense, groups_of_local_heads, matmul, param,
-                                     rms_norm, uniform)
+from mamba_jax.layers.common import (Mixer, check_mamba_section, dense,
+                                     groups_of_local_heads, matmul, param, rms_norm, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan, mamba3_step
 
@@ -286,39 +286,17 @@ class Mamba3Mixer(Mixer):
 
     @classmethod
     def check_config(cls, cfg):
+        check_mamba_section(cfg, "mamba3", ("d_state", "expand", "headdim", "ngroups",
+                                            "mimo_rank", "chunk_size"))
         m = cfg.mamba3
-        for name in ("d_state", "expand", "headdim", "ngroups", "mimo_rank", "chunk_size"):
-            value = getattr(m, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Mamba2Config.mamba3.{name}={value!r} must be a positive "
-                                 "integer")
-        for name in ("dt_min", "dt_max", "dt_init_floor", "A_floor"):
-            if not getattr(m, name) > 0:
-                raise ValueError(f"Mamba2Config.mamba3.{name}={getattr(m, name)!r} must "
-                                 "be > 0")
-        if m.dt_min > m.dt_max:
-            raise ValueError(f"Mamba2Config.mamba3.dt_min={m.dt_min} > dt_max={m.dt_max}: "
-                             "swap them")
+        if not m.A_floor > 0:
+            raise ValueError(f"Mamba2Config.mamba3.A_floor={m.A_floor!r} must be > 0")
         if m.rope_fraction not in (0.5, 1.0):
             raise ValueError(f"Mamba2Config.mamba3.rope_fraction={m.rope_fraction!r}: "
                              "mamba_ssm's Mamba3 rotates 0.5 or 1.0 of d_state")
         if m.d_state % 2 or dims(cfg).a == 0:
             raise ValueError(f"Mamba2Config.mamba3.d_state={m.d_state} must be even and "
                              "leave at least one rotary pair (d_state * rope_fraction >= 2)")
-        d_inner = m.expand * cfg.d_model
-        if d_inner % m.headdim:
-            divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
-            nearby = [v for v in divisors if m.headdim // 2 <= v <= m.headdim * 2]
-            raise ValueError(
-                f"Mamba2Config: d_model*mamba3.expand = {cfg.d_model}*{m.expand} = {d_inner} "
-                f"is not divisible by mamba3.headdim={m.headdim}; choose headdim among "
-                f"{nearby} or change d_model/expand")
-        nheads = d_inner // m.headdim
-        if nheads % m.ngroups:
-            divisors = [v for v in range(1, nheads + 1) if nheads % v == 0]
-            raise ValueError(
-                f"Mamba2Config: nheads = d_inner/headdim = {nheads} is not divisible by "
-                f"mamba3.ngroups={m.ngroups}; choose ngroups among {divisors}")
 
     @classmethod
     def flops_per_token(cls, cfg, seq_len: int) -> float:
