@@ -187,3 +187,34 @@ def test_mimo_on_a_mesh_matches_one_device():
     mixer = specs["layers"][0]["mixer"]
     assert mixer["x_proj"].get_value()[1] == "tp" and mixer["mimo_x"].get_value()[0] == "tp"
     assert mixer["B_proj"].get_value()[2] is None  # 2 groups over 4 ranks: replicated
+
+
+def test_kernels_values_states_and_every_gradient_match_the_recurrence():
+    # The SSD's Pallas kernels (in the interpreter without a GPU) with the work around them
+    # (kernels.py), MIMO rank 2 over an odd length of packed documents from an initial state
+    # (SISO is rank 1 of the same code): values and final states within 1e-5 of the largest,
+    # and every input's gradient (the angles', trap's, the biases', mimo_x's and the initial
+    # state's included) within float32 sums in another order.
+    case = CASES[1]
+    kw = make_inputs(4, *case[:8], jnp.float32, *case[8:])
+    seq_idx, rotary = kw.pop("seq_idx", None), kw.pop("rotary")
+    y_cot = jnp.asarray(np.random.default_rng(5).standard_normal(
+        kw["x"].shape[:2] + (case[4],) + kw["x"].shape[2:]), jnp.float32)
+
+    def loss(scan, kw):
+        y, s = scan(**kw, rotary=rotary, seq_idx=seq_idx)
+        return (jnp.sum(y * y_cot) + jnp.sum(s.ssm ** 2) + jnp.sum(s.k)
+                + jnp.sum(jnp.sin(s.angle))), (y, s)
+    kernels = lambda **a: mamba3_scan(**a, chunk_size=8, implementation="triton")
+    (_, (y_ref, s_ref)), ref = jax.jit(jax.value_and_grad(
+        lambda kw: loss(mamba3_naive, kw), has_aux=True))(kw)
+    (_, (y, s)), got = jax.jit(jax.value_and_grad(lambda kw: loss(kernels, kw),
+                                                  has_aux=True))(kw)
+    assert relative(y, y_ref) < 1e-5
+    for name, a, b in zip(Mamba3State._fields, s, s_ref):
+        assert relative(a, b) < 1e-5, name
+    ref = dict(jax.tree_util.tree_leaves_with_path(ref))
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        assert np.all(np.isfinite(ref[path]))
+        np.testing.assert_allclose(g, ref[path], rtol=1e-4, atol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))

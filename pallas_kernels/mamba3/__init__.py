@@ -12,7 +12,10 @@ mimo_x [h, r, p] (None for SISO, r = 1), initial_state a Mamba3State, seq_idx [b
 (before the gate and, for MIMO, the out-projection over ranks); final_state a Mamba3State.
 What is computed is reference.py's recurrence.
 
-`implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked).
+`implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked) or "triton"
+(the SSD's Pallas kernels with XLA elementwise work around them, kernels.py; without a GPU
+they run in Pallas's interpreter). The default, "xla", stays until the kernels are measured
+on a GPU (bench/mamba3.py).
 
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
 (context parallelism), each device passes its part and the scan carries the state (angle,
@@ -22,12 +25,13 @@ SSM state and the trapezoid's previous k and x) across devices (context_parallel
 from __future__ import annotations
 
 from pallas_kernels.mamba3.context_parallel import mamba3_context_parallel
+from pallas_kernels.mamba3.kernels import mamba3_kernels
 from pallas_kernels.mamba3.reference import (Mamba3State, check_shapes, mamba3_chunked,
                                              mamba3_step)
 
 __all__ = ["mamba3_scan", "mamba3_step", "Mamba3State", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("xla",)
+IMPLEMENTATIONS = ("xla", "triton")
 
 
 def mamba3_scan(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D=None,
@@ -43,6 +47,8 @@ def mamba3_scan(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D
         raise ValueError(f"mamba3_scan: chunk_size={chunk_size!r} must be a positive int")
 
     def scan(*args, **options):
+        if implementation == "triton":  # the kernels' own chunk: the same scan
+            return mamba3_kernels(*args, **options)
         return mamba3_chunked(*args, chunk_size=chunk_size, **options)
     options = dict(D=D, mimo_x=mimo_x, rotary=rotary, initial_state=initial_state,
                    seq_idx=seq_idx)
