@@ -17,8 +17,10 @@ value). Then per shape the forward and forward+backward time of each, and ours/t
 head layout is mamba2-1.3b's (64 heads of 64, d_state 128, one B/C group), chunk 64
 (mamba_ssm's Mamba3 default), rope_fraction 0.5 (32 angles), SISO.
 
-Ours is `pallas_kernels.mamba3.mamba3_scan` (its XLA implementation: the Pallas kernels are
-not written yet). Theirs gets the angles per head, the module's expansion of the shared ones.
+Ours is `pallas_kernels.mamba3.mamba3_scan`, a column for each implementation: "xla" (the
+chunked form) and "triton" (the SSD's Pallas kernels with the work around them); the kernels
+are checked against the XLA form and mamba_ssm at every shape. Theirs gets the angles per
+head, the module's expansion of the shared ones.
 Timing as bench/ssd.py: one jitted call (or the autograd function) from call to results
 ready, median of --reps after --warmup.
 """
@@ -56,9 +58,12 @@ def make_inputs(rng, b, l, h, p, n, dtype):
                 B_bias=1 + arr(h, 1, n) / 4, D=arr(h))
 
 
-def ours(chunk):
+IMPLEMENTATIONS = ("xla", "triton")
+
+
+def ours(chunk, implementation="xla"):
     def scan(inputs):
-        y, _ = mamba3_scan(**inputs, chunk_size=chunk)
+        y, _ = mamba3_scan(**inputs, chunk_size=chunk, implementation=implementation)
         return y[:, :, 0]  # [b, l, h, p]
     return scan
 
@@ -119,21 +124,33 @@ def main(argv=None):
         import torch
         mamba3_siso_combined = baseline.import_mamba3_siso(args.baseline)
     h, p, n = args.heads, args.headdim, args.d_state
-    columns = ["b x l", "ours fwd ms", "ours fwd+bwd ms"]
+    columns = ["b x l"] + [f"{impl} {what} ms" for impl in IMPLEMENTATIONS
+                           for what in ("fwd", "fwd+bwd")]
     if not args.only_ours:
-        columns += ["theirs fwd ms", "theirs fwd+bwd ms", "fwd ours/theirs",
-                    "fwd+bwd ours/theirs"]
+        columns += ["theirs fwd ms", "theirs fwd+bwd ms"] + [
+            f"{impl} {what} ours/theirs" for impl in IMPLEMENTATIONS
+            for what in ("fwd", "fwd+bwd")]
     print(table_header(columns), flush=True)
     for shape in args.shapes:
         b, l = (int(v) for v in shape.split("x"))
         inputs = make_inputs(rng, b, l, h, p, n, jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((b, l, h, p)), jnp.bfloat16)
-        scan = ours(args.chunk)
-        fwd = jax.jit(scan)
-        fwdbwd = jax.jit(lambda i: jax.vjp(scan, i)[1](dy)[0])
-        times = [median_time(lambda: fwd(inputs).block_until_ready(), args.warmup, args.reps),
-                 median_time(lambda: jax.block_until_ready(fwdbwd(inputs)), args.warmup,
-                             args.reps)]
+        impls = {}
+        for impl in IMPLEMENTATIONS:
+            scan = ours(args.chunk, impl)
+            impls[impl] = (jax.jit(scan),
+                           jax.jit(lambda i, scan=scan: jax.vjp(scan, i)[1](dy)[0]))
+        fwd, fwdbwd = impls["triton"]
+        err = rel_err(fwd(inputs), impls["xla"][0](inputs))
+        print(f"check b={b} l={l}: kernels against XLA {err:.1e}", flush=True)
+        if not err < 3e-2:
+            raise SystemExit(f"CHECK FAILED at b={b} l={l}: kernels against XLA {err}")
+        times = []
+        for f, fb in impls.values():
+            times += [median_time(lambda: f(inputs).block_until_ready(), args.warmup,
+                                  args.reps),
+                      median_time(lambda: jax.block_until_ready(fb(inputs)), args.warmup,
+                                  args.reps)]
         if not args.only_ours:
             to_torch = lambda a: torch.from_dlpack(jax.device_put(a, jax.devices()[0]))
             run = theirs_fn(mamba3_siso_combined, {k: to_torch(v) for k, v in inputs.items()},
@@ -155,9 +172,11 @@ def main(argv=None):
                                     args.warmup, args.reps)
             t_fb = median_time(lambda: (run(True, t_dy), torch.cuda.synchronize()),
                                args.warmup, args.reps)
-            times += [t_fwd, t_fb, times[0] / t_fwd, times[1] / t_fb]
-        cells = [f"{b}x{l}"] + [f"{t * 1e3:.2f}" for t in times[:4]] + [
-            f"{r:.2f}x" for r in times[4:]]
+            times += [t_fwd, t_fb] + [t / theirs for t, theirs in
+                                      zip(times, [t_fwd, t_fb] * len(IMPLEMENTATIONS))]
+        timed = 2 * len(IMPLEMENTATIONS) + (0 if args.only_ours else 2)
+        cells = [f"{b}x{l}"] + [f"{t * 1e3:.2f}" for t in times[:timed]] + [
+            f"{r:.2f}x" for r in times[timed:]]
         print(table_row(cells), flush=True)
 
 
