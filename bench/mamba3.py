@@ -84,7 +84,7 @@ def check_against_naive(rng, chunk):
         raise SystemExit(f"CHECK FAILED: ours against the recurrence {err}")
 
 
-def theirs_fn(mamba3_siso_combined, t_in, chunk, torch):
+def theirs_fn(mamba3_siso_combined, t_in, chunk):
     """mamba_ssm's SISO scan on torch copies of our inputs (its layouts: decays and gates
     [b, h, l], angles per head), returning (y [b, l, h, p], the leaves for gradients)."""
     def run(grad, dy=None):
@@ -154,7 +154,7 @@ def main(argv=None):
         if not args.only_ours:
             to_torch = lambda a: torch.from_dlpack(jax.device_put(a, jax.devices()[0]))
             run = theirs_fn(mamba3_siso_combined, {k: to_torch(v) for k, v in inputs.items()},
-                            args.chunk, torch)
+                            args.chunk)
             t_dy = to_torch(dy)
             y_theirs, leaves = run(True, t_dy)
             torch.cuda.synchronize()

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.mamba3.reference import Mamba3State, accumulation_dtype, prepare, values
+from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
+                                             prepare)
 from pallas_kernels.ssd import triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
@@ -43,10 +44,7 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
     theta, q, k, v, sigma, w, eta = prepare(
         C, B, x, adt, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
         seq_idx=seq_idx, initial_angle=None if init is None else init.angle)
-    h0 = None
-    if init is not None:
-        prev = jnp.einsum("brhp,brhn->bhpn", values(init.x, mimo_x, acc), init.k)
-        h0 = init.ssm + ((1 - sigma[:, 0]) * dt[:, 0].astype(acc))[..., None, None] * prev
+    h0 = None if init is None else entering_ssm(init, sigma, dt, mimo_x)
 
     positions = lambda t: t.reshape(b, l * r, *t.shape[3:])  # [b, l, r, ...] -> (t, r) rows
     per_rank = lambda t: jnp.broadcast_to(t[:, :, None], (b, l, r, *t.shape[2:]))

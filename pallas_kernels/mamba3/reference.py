@@ -268,6 +268,14 @@ def prepare(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, s
     return theta, q, k, v, sigma, sigma * dt + eta, eta
 
 
+def entering_ssm(init: Mamba3State, sigma, dt, mimo_x):
+    """The SSM state entering a row with its previous token's trapezoid term added, before
+    the first token's decay: init.ssm + (1 - sigma_0) dt_0 sum_r v_r k_r^T from init's k and
+    x ([b, h, p, n] in init.ssm's dtype); sigma, dt [b, l, h]."""
+    prev = jnp.einsum("brhp,brhn->bhpn", values(init.x, mimo_x, init.ssm.dtype), init.k)
+    return init.ssm + ((1 - sigma[:, 0]) * dt[:, 0].astype(sigma.dtype))[..., None, None] * prev
+
+
 def mamba3_chunked(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D=None,
                    mimo_x=None, rotary="pairwise", initial_state=None, seq_idx=None):
     """The chunked algorithm in XLA ops; any l (padded to a chunk multiple inside).
@@ -287,13 +295,10 @@ def mamba3_chunked(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size
         C, B, x, adt, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
         seq_idx=seq_idx, initial_angle=None if init is None else init.angle, block=chunk_size)
 
-    # The state entering the row, with the trapezoid's term of its previous token: the
-    # first token's decay applies to both (it is applied with the chunk decays below).
-    if init is None:
-        h0 = jnp.zeros((b, h, p, n), acc)
-    else:
-        prev = jnp.einsum("brhp,brhn->bhpn", values(init.x, mimo_x, acc), init.k)
-        h0 = init.ssm + ((1 - sigma[:, 0]) * dt[:, 0])[..., None, None] * prev
+    # The first token's decay applies to the entering state and its trapezoid term: it is
+    # applied with the chunk decays below.
+    h0 = jnp.zeros((b, h, p, n), acc) if init is None else entering_ssm(init, sigma, dt,
+                                                                         mimo_x)
 
     pad = (-l) % chunk_size
     if pad:
