@@ -39,6 +39,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import device_line, median_time, table_header, table_row
+from bench.ssd import to_torch
 from pallas_kernels.mamba3 import mamba3_scan
 from pallas_kernels.mamba3.reference import mamba3_naive
 
@@ -152,7 +153,6 @@ def main(argv=None):
                       median_time(lambda: jax.block_until_ready(fb(inputs)), args.warmup,
                                   args.reps)]
         if not args.only_ours:
-            to_torch = lambda a: torch.from_dlpack(jax.device_put(a, jax.devices()[0]))
             run = theirs_fn(mamba3_siso_combined, {k: to_torch(v) for k, v in inputs.items()},
                             args.chunk)
             t_dy = to_torch(dy)
