@@ -73,6 +73,13 @@ def import_mamba_chunk_scan(baseline):
     return mamba_chunk_scan_combined
 
 
+def import_mamba3_siso(baseline):
+    """mamba_ssm's mamba3_siso_combined (its Mamba-3 SISO Triton kernels) from the copy."""
+    _use_copy(baseline)
+    from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
+    return mamba3_siso_combined
+
+
 def import_mamba_lm(baseline):
     """(MambaConfig, MambaLMHeadModel) from the copy at `baseline`."""
     _use_copy(baseline)

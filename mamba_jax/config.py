@@ -33,8 +33,8 @@ class ModelFields:
     mamba_ssm does).
 
     The layers are `layer_pattern`, one symbol per layer as Megatron-LM's
-    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP, and 1 Mamba-1, which
-    Megatron lacks: the registry's symbols),
+    --hybrid-layer-pattern spells it (M Mamba2, * attention, - MLP, 3 Mamba-3, and 1
+    Mamba-1, which Megatron lacks: the registry's symbols),
     each its own pre-norm residual layer. Empty, with `hybrid_attention_ratio` or
     `hybrid_mlp_ratio` above 0: the pattern Megatron-LM allocates from those ratios for
     n_layer layers (hybrid_pattern). A layer_pattern given with ratios must hold as many
@@ -369,11 +369,18 @@ PRESETS: dict[str, Mamba2Config] = {
     "nemotron-nano-12b-v2": _nemotron_h(
         5120, "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-", 128, 40, 20480,
         headdim=80),
+    # Mamba-3 (mamba_ssm's Mamba3 defaults: d_state 128, headdim 64, ngroups 1, rope_fraction
+    # 0.5, SISO, chunk 64) at the Mamba2 checkpoints' sizes, GPT-NeoX vocabulary.
+    **{f"mamba3-{size}": Mamba2Config(d_model=d, n_layer=n, layer_pattern="3" * n)
+       for size, d, n in (("130m", 768, 24), ("370m", 1024, 48), ("780m", 1536, 48),
+                          ("1.3b", 2048, 48), ("2.7b", 2560, 64))},
     # Byte-level, small enough to train on a laptop CPU in minutes.
     "tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256,
                          mamba2=dict(d_state=32, headdim=32, chunk_size=64)),
     # The same with Mamba-1 layers (mamba_ssm's Mamba defaults: d_state 16, dt_rank 8).
     "tiny-mamba1": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, layer_pattern="11"),
+    "mamba3-tiny": Mamba2Config(d_model=128, n_layer=2, vocab_size=256, layer_pattern="33",
+                                mamba3=dict(d_state=32, headdim=32, chunk_size=64)),
 }
 # The published state-spaces/mamba-* checkpoints (Mamba-1): mamba_ssm's Mamba defaults
 # (d_state 16, d_conv 4, expand 2, dt_rank ceil(d_model / 16)), GPT-NeoX vocabulary padded

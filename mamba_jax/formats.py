@@ -1,8 +1,8 @@
 """config.json of each checkpoint layout <-> Mamba2Config.
 
 Layouts: Hugging Face `Mamba2ForCausalLM`, `MambaForCausalLM` and `FalconMambaForCausalLM`
-("hf", told apart by model_type), mamba_ssm `MambaLMHeadModel` ("mamba_ssm", Mamba2 or
-Mamba-1 layers with optional attention blocks and MLPs), Hugging Face
+("hf", told apart by model_type), mamba_ssm `MambaLMHeadModel` ("mamba_ssm", Mamba2,
+Mamba-1 or Mamba-3 layers with optional attention blocks and MLPs), Hugging Face
 `NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers). Every field a layout has
 and we cannot represent is refused by name rather than silently dropped.
 """
@@ -153,7 +153,10 @@ _MAMBA_SSM_FIELDS = {
                 "bias": _flag,
                 "D_has_hdim": _flag, "norm_before_gate": _flag, "rmsnorm": _flag,
                 "d_ssm": _optional(_WIDTH), "dt_rank": _rank, "dt_init": _text,
-                "dt_scale": _number, "use_fast_path": _flag},
+                "dt_scale": _number, "use_fast_path": _flag,
+                # Mamba3's own arguments
+                "rope_fraction": _number, "A_floor": _number, "is_outproj_norm": _flag,
+                "is_mimo": _flag, "mimo_rank": _WIDTH, "fuse_pregate_headwise_norm": _flag},
     "attn_cfg": {"num_heads": _WIDTH, "num_heads_kv": _optional(_WIDTH),
                  "head_dim": _optional(_WIDTH), "rotary_emb_dim": _integer(MAX_WIDTH, low=0),
                  "rotary_emb_base": _number, "rotary_emb_interleaved": _flag,
@@ -264,8 +267,10 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     _check_fields(d, path, _MAMBA_SSM_FIELDS, ("d_model", "n_layer", "vocab_size"))
     ssm = dict(d.get("ssm_cfg", {}))
     layer = ssm.pop("layer", "Mamba1")  # MambaConfig's default
-    _require(layer in ("Mamba1", "Mamba2"), path,
-             f"ssm_cfg.layer={layer!r} must be 'Mamba1' or 'Mamba2'")
+    _require(layer in ("Mamba1", "Mamba2", "Mamba3"), path,
+             f"ssm_cfg.layer={layer!r} must be 'Mamba1', 'Mamba2' or 'Mamba3'")
+    if layer == "Mamba3":
+        return _mamba3_from_mamba_ssm(d, ssm, path)
     _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     if layer == "Mamba1":
         return _mamba1_from_mamba_ssm(d, ssm, path)
@@ -309,6 +314,35 @@ def _mamba1_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
         pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
         residual_in_fp32=d.get("residual_in_fp32", True),
         tie_embeddings=d.get("tie_embeddings", True), mamba1=ssm, **hybrid))
+
+
+_MAMBA3_FIELDS = ("d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min",
+                  "dt_max", "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo",
+                  "mimo_rank", "chunk_size")
+
+
+def _mamba3_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
+    """A MambaConfig with ssm_cfg.layer "Mamba3" -> Mamba2Config with a layer_pattern of
+    Mamba-3 (3), attention (*) and MLP (-) layers as its Blocks are."""
+    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
+    # How mamba_ssm runs the MIMO out-projection norm (fused or not), not what it computes.
+    ssm.pop("fuse_pregate_headwise_norm", None)
+    unknown = sorted(set(ssm) - set(_MAMBA3_FIELDS))
+    _require(not unknown, path, f"ssm_cfg has fields Mamba3 does not take: {unknown}")
+    attn = set(d.get("attn_layer_idx") or ())
+    mlp = "-" if d.get("d_intermediate", 0) else ""
+    pattern = "".join(("*" if i in attn else "3") + mlp for i in range(d["n_layer"]))
+    extra = {}
+    if attn:
+        extra.update(_attn_from_mamba_ssm(d, path))
+    if mlp:
+        m = GATED_MLP_MULTIPLE
+        extra["d_intermediate"] = -(-d["d_intermediate"] // m) * m
+    return Mamba2Config.from_dict(dict(
+        d_model=d["d_model"], n_layer=len(pattern), layer_pattern=pattern,
+        vocab_size=d["vocab_size"], pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
+        residual_in_fp32=d.get("residual_in_fp32", True),
+        tie_embeddings=d.get("tie_embeddings", True), mamba3=ssm, **extra))
 
 
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
@@ -393,9 +427,13 @@ def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
 
 
 def export_format(cfg: Mamba2Config, fmt: str) -> str:
-    """The layout written for `fmt`: "hf" is Mamba2ForCausalLM for a Mamba-only model and
-    NemotronHForCausalLM ("nemotron_h") for a hybrid; other layouts are themselves."""
-    return "nemotron_h" if fmt == "hf" and set(cfg.layers) not in ({"M"}, {"1"}) else fmt
+    """The layout written for `fmt`: "hf" is Mamba2ForCausalLM (or MambaForCausalLM) for a
+    model of Mamba2 (or Mamba-1) layers only, NemotronHForCausalLM ("nemotron_h") for a
+    hybrid, and mamba_ssm's MambaLMHeadModel for a model with Mamba-3 layers (transformers
+    has no Mamba-3); other layouts are themselves."""
+    if fmt != "hf" or set(cfg.layers) in ({"M"}, {"1"}):
+        return fmt
+    return "mamba_ssm" if "3" in cfg.layers else "nemotron_h"
 
 
 def hf_mamba1_config_dict(cfg: Mamba2Config) -> dict:
@@ -451,16 +489,17 @@ def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
     """cfg's layers as mamba_ssm Blocks: (each block's mixer symbol, M, 1 or *; whether
     every block has an MLP). A pattern of other shape is a ValueError saying what fits."""
     layers = cfg.layers
-    if "M" in layers and "1" in layers:
-        raise ValueError(f"format='mamba_ssm': layers {layers!r} mix Mamba2 (M) and Mamba-1 "
-                         "(1) layers; a MambaLMHeadModel has one kind (ssm_cfg.layer)")
-    if re.fullmatch(r"[M1*]*", layers):
+    kinds = set(layers) & set("M13")
+    if len(kinds) > 1:
+        raise ValueError(f"format='mamba_ssm': layers {layers!r} mix Mamba kinds "
+                         f"{sorted(kinds)}; a MambaLMHeadModel has one ssm_cfg.layer")
+    if re.fullmatch(r"[M13*]*", layers):
         return layers, False
-    if re.fullmatch(r"([M1*]-)+", layers):
+    if re.fullmatch(r"([M13*]-)+", layers):
         return layers[0::2], True
     raise ValueError(f"format='mamba_ssm': layers {layers!r} are not mamba_ssm Blocks (each a "
-                     "Mamba or attention mixer, every one followed by one MLP or none); use "
-                     "format='nemotron_h'")
+                     "Mamba2, Mamba-1, Mamba-3 or attention mixer, every one followed by one "
+                     "MLP or none); use format='nemotron_h'")
 
 
 def _mamba1_ssm_cfg(cfg: Mamba2Config) -> dict:
@@ -489,8 +528,11 @@ def _mamba2_ssm_cfg(cfg: Mamba2Config) -> dict:
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
     a = cfg.attention
-    ssm = _mamba1_ssm_cfg(cfg) if "1" in cfg.layers else _mamba2_ssm_cfg(cfg)
     mixers, mlp = mamba_ssm_blocks(cfg)
+    if "3" in mixers:
+        ssm = {"layer": "Mamba3", **{f: getattr(cfg.mamba3, f) for f in _MAMBA3_FIELDS}}
+    else:
+        ssm = _mamba1_ssm_cfg(cfg) if "1" in mixers else _mamba2_ssm_cfg(cfg)
     if mlp and (cfg.mlp.activation != "swiglu" or cfg.mlp.d_intermediate % GATED_MLP_MULTIPLE):
         raise ValueError(f"format='mamba_ssm': GatedMLP is SwiGLU with a width that is a "
                          f"multiple of {GATED_MLP_MULTIPLE}; this model has mlp.activation="

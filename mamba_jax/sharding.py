@@ -41,6 +41,8 @@ RULES = {
     "mlp": "tp",        # the MLP's hidden width
     "head_dim": None,
     "state": None,      # Mamba's d_state
+    "mimo_rank": None,  # Mamba-3's MIMO rank
+    "angles": None,     # Mamba-3's rotary angles (shared by its heads)
     "conv": None,       # a causal conv's taps
     "dt_rank": None,    # Mamba-1's low-rank dt projection
 }

@@ -27,7 +27,11 @@ from mesh_check import assert_matches_single_device, tiny_config
 SECTIONS = dict(mamba2=dict(nheads=12),
                 attention=dict(num_heads=4, num_heads_kv=2, head_dim=8, rotary_emb_dim=4,
                                qkv_bias=True, out_bias=True),
-                mlp=dict(d_intermediate=48), mamba1=dict(d_state=8, chunk_size=8))
+                mlp=dict(d_intermediate=48), mamba1=dict(d_state=8, chunk_size=8),
+                # MIMO (the rank axis split with the heads), out-projection norm, one B/C
+                # group (replicated on the tp ranks), rotary over all of d_state.
+                mamba3=dict(d_state=16, headdim=16, chunk_size=16, is_mimo=True, mimo_rank=2,
+                            is_outproj_norm=True, rope_fraction=1.0))
 SYMBOLS = sorted(KINDS)
 
 

@@ -155,6 +155,45 @@ def causal_conv1d(x, weight, bias=None, doc=None):
     return jax.nn.silu(y).astype(x.dtype)
 
 
+def check_mamba_section(cfg, name: str, integers) -> None:
+    """The checks a Mamba section (cfg.<name>: mamba2's or mamba3's) shares, each a
+    ValueError naming the field, its value and the fix: `integers` and the dt init are
+    positive, dt_min <= dt_max, headdim divides d_model * expand (unless the section sets
+    nheads) and ngroups the heads."""
+    m = getattr(cfg, name)
+    for field in integers:
+        value = getattr(m, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"Mamba2Config.{name}.{field}={value!r} must be a positive "
+                             "integer")
+    for field in ("dt_min", "dt_max", "dt_init_floor"):
+        if not getattr(m, field) > 0:
+            raise ValueError(f"Mamba2Config.{name}.{field}={getattr(m, field)!r} must be > 0")
+    if m.dt_min > m.dt_max:
+        raise ValueError(f"Mamba2Config.{name}.dt_min={m.dt_min} > dt_max={m.dt_max}: "
+                         "swap them")
+    nheads = getattr(m, "nheads", None)  # set: the width is nheads * headdim on its own
+    if nheads is not None and (not isinstance(nheads, int) or isinstance(nheads, bool)
+                               or nheads <= 0):
+        raise ValueError(f"Mamba2Config.{name}.nheads={nheads!r} must be a positive integer, "
+                         "or None for expand * d_model / headdim")
+    d_inner = m.expand * cfg.d_model
+    if nheads is None and d_inner % m.headdim:
+        divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
+        nearby = [v for v in divisors if m.headdim // 2 <= v <= m.headdim * 2]
+        raise ValueError(
+            f"Mamba2Config: d_model*{name}.expand = {cfg.d_model}*{m.expand} = {d_inner} "
+            f"is not divisible by {name}.headdim={m.headdim}; choose headdim among "
+            f"{nearby} or change d_model/expand")
+    heads = d_inner // m.headdim if nheads is None else nheads
+    if heads % m.ngroups:
+        divisors = [v for v in range(1, heads + 1) if heads % v == 0]
+        raise ValueError(
+            f"Mamba2Config: nheads = "
+            f"{'d_inner/headdim' if nheads is None else name + '.nheads'} = {heads} is not "
+            f"divisible by {name}.ngroups={m.ngroups}; choose ngroups among {divisors}")
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis; weight [d] float32, initialised to ones."""
 

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
-from mamba_jax.layers.common import (Mixer, causal_conv1d, dense, gated_rms_norm,
-                                     groups_of_local_heads, matmul, param, uniform)
+from mamba_jax.layers.common import (Mixer, causal_conv1d, check_mamba_section, dense,
+                                     gated_rms_norm, groups_of_local_heads, matmul, param,
+                                     uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
@@ -394,45 +395,15 @@ class Mamba2Mixer(Mixer):
 
     @classmethod
     def check_config(cls, cfg):
+        check_mamba_section(cfg, "mamba2", ("d_state", "d_conv", "expand", "headdim",
+                                            "ngroups", "chunk_size"))
         m = cfg.mamba2
-        for name in ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size"):
-            value = getattr(m, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Mamba2Config.mamba2.{name}={value!r} must be a positive "
-                                 "integer")
-        for name in ("dt_min", "dt_max", "dt_init_floor"):
-            if not getattr(m, name) > 0:
-                raise ValueError(f"Mamba2Config.mamba2.{name}={getattr(m, name)!r} must "
-                                 "be > 0")
-        if m.dt_min > m.dt_max:
-            raise ValueError(f"Mamba2Config.mamba2.dt_min={m.dt_min} > dt_max="
-                             f"{m.dt_max}: swap them")
         if len(m.dt_limit) != 2 or not 0.0 <= m.dt_limit[0] < m.dt_limit[1]:
             raise ValueError(f"Mamba2Config.mamba2.dt_limit={m.dt_limit} must be (lo, hi) "
                              "with 0 <= lo < hi; (0.0, inf) means no limit")
         if len(m.A_init_range) != 2 or not 0.0 < m.A_init_range[0] <= m.A_init_range[1]:
             raise ValueError(f"Mamba2Config.mamba2.A_init_range={m.A_init_range} must be "
                              "(lo, hi) with 0 < lo <= hi")
-        if m.nheads is not None and (not isinstance(m.nheads, int) or isinstance(m.nheads, bool)
-                                     or m.nheads <= 0):
-            raise ValueError(f"Mamba2Config.mamba2.nheads={m.nheads!r} must be a positive "
-                             "integer, or None for expand * d_model / headdim")
-        d_inner = m.expand * cfg.d_model
-        if m.nheads is None and d_inner % m.headdim:
-            divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
-            nearby = [v for v in divisors if m.headdim // 2 <= v <= m.headdim * 2]
-            raise ValueError(
-                f"Mamba2Config: d_model*mamba2.expand = {cfg.d_model}*{m.expand} = {d_inner} "
-                f"is not divisible by mamba2.headdim={m.headdim}; choose headdim among "
-                f"{nearby} or change d_model/expand")
-        nheads = dims(cfg).h
-        if nheads % m.ngroups:
-            divisors = [v for v in range(1, nheads + 1) if nheads % v == 0]
-            raise ValueError(
-                f"Mamba2Config: nheads = "
-                f"{'d_inner/headdim' if m.nheads is None else 'mamba2.nheads'} = {nheads} "
-                "is not divisible by "
-                f"mamba2.ngroups={m.ngroups}; choose ngroups among {divisors}")
 
     @classmethod
     def kernels_support(cls, cfg) -> bool:

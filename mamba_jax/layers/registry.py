@@ -2,6 +2,7 @@
 
     KINDS["M"]  -> Mamba2Mixer       KINDS["*"] -> Attention       KINDS["-"] -> MLP
     KINDS["1"]  -> Mamba1Mixer
+    KINDS["3"]  -> Mamba3Mixer
 
 A kind is a mamba_jax.layers.common.Mixer subclass in a module of its own: its config
 section, parameters with logical axes, forward, cache and one-token steps, checkpoint keys
@@ -15,6 +16,7 @@ from __future__ import annotations
 from mamba_jax.layers.attention import Attention
 from mamba_jax.layers.mamba1 import Mamba1Mixer
 from mamba_jax.layers.mamba2 import Mamba2Mixer
+from mamba_jax.layers.mamba3 import Mamba3Mixer
 from mamba_jax.layers.mlp import MLP
 
 KINDS = {kind.symbol: kind for kind in (
@@ -22,4 +24,5 @@ KINDS = {kind.symbol: kind for kind in (
     Attention,
     MLP,
     Mamba1Mixer,
+    Mamba3Mixer,
 )}

@@ -160,6 +160,18 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
     backward pass from args rather than keeping them (pallas_kernels.ssd.ssd).
     Returns (y [b, l, h, p] in x.dtype, final_state [b, h, p, n] float32).
     """
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32)
+    return ssd_weighted(x, dt, dt * A.astype(jnp.float32), B, C, backend=backend,
+                        config=config, interpret=interpret, D=D, initial_state=initial_state,
+                        seq_idx=seq_idx, segments=segments, inputs=inputs)
+
+
+def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret=None, D=None,
+                 initial_state=None, seq_idx=None, segments=1, inputs=None):
+    """The scan h_t = exp(log_decay_t) h_{t-1} + weights_t x_t B_t^T, y_t = h_t C_t + D x_t
+    on `backend`: the SSD with its decay given per token instead of dt_t * A (Mamba-3's
+    data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h] (float32);
+    other arguments (inputs too) and the result as `ssd`."""
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -168,15 +180,15 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
     b, l_row, h, p = x_shape
     n = B_shape[-1]
     rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
-    dt = rows(dt)
+    weights, log_decay = map(rows, (weights, log_decay))
     l = l_row // segments
     t = config.chunk
     pad = (-l) % t
-    # Padded steps have dt = 0 after softplus: no input, decay 1, as in the XLA path.
-    dt = jnp.pad(process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(jnp.float32),
-                 ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [b, h, l]
-    dt_A = (dt * A.astype(jnp.float32)[:, None]).reshape(*dt.shape[:2], -1, t)
-    cs = jnp.cumsum(dt_A, axis=-1).reshape(dt.shape)
+    # Padded steps have weight 0 and decay 1 (log 0): no input, the state kept.
+    by_head = lambda a: jnp.pad(a.astype(jnp.float32),
+                                ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1)  # [b, h, l]
+    dt = by_head(weights)
+    cs = jnp.cumsum(by_head(log_decay).reshape(*dt.shape[:2], -1, t), axis=-1).reshape(dt.shape)
     doc = None
     if seq_idx is not None:
         seq_idx = rows(seq_idx)

@@ -1,0 +1,66 @@
+"""The Mamba-3 scan on the SSD's Pallas kernels (pallas_kernels.ssd: forward and backward,
+their custom_vjp), with XLA elementwise work around them.
+
+Legend as reference.py. After `reference.prepare` (the angles, the rotated q and k, the
+trapezoid weights w and eta), the scan is an SSD whose decay is adt and whose weight on
+v_s k_s^T is w_s, read out through q, less a term local to each token:
+
+    y_t,R = sum_{(s, r) <= (t, R)} exp(adt_{s+1} + ... + adt_t) w_s (q_t,R . k_s,r) v_s,r
+            + sum_{r > R} w_t (q_t,R . k_t,r) v_t,r - eta_t sum_r (q_t,R . k_t,r) v_t,r
+            + D v_t,R
+
+The kernels run it over the l * r positions (t, r) in order, each with its rank's k (their
+B), q (C) and v (x), the weight w_t, and the decay adt_t on the first rank of each token and
+none on the others: the state at (t, R) then holds every token before t and ranks 0..R of
+t, so what the sum above needs beyond that, the ranks after R of token t, is added here with
+the next token's share of the diagonal (eta) taken off: an r x r product per token and
+head. SISO is r = 1. The initial state enters with its previous token's trapezoid term
+folded in, as in the chunked form. B and C are per head (the rotation's angle is per head).
+
+Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, the initial state
+and D; automatic differentiation carries them through the rotation, the angles and the
+trapezoid weights to every input.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
+                                             prepare)
+from pallas_kernels.ssd import triton
+from pallas_kernels.ssd.vjp import ssd_weighted
+
+
+def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mimo_x=None,
+                   rotary="pairwise", initial_state=None, seq_idx=None, interpret=None):
+    """Arguments and results as reference.mamba3_chunked (its chunk is the kernels' own);
+    interpret=None runs Pallas's interpreter where there is no GPU."""
+    b, l, h, p = x.shape
+    r, _, n = C.shape[2:]
+    acc = accumulation_dtype(x)
+    init = None if initial_state is None else Mamba3State(*(s.astype(acc)
+                                                            for s in initial_state))
+    theta, q, k, v, sigma, w, eta = prepare(
+        C, B, x, adt, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
+        seq_idx=seq_idx, initial_angle=None if init is None else init.angle)
+    h0 = None if init is None else entering_ssm(init, sigma, dt, mimo_x)
+
+    positions = lambda t: t.reshape(b, l * r, *t.shape[3:])  # [b, l, r, ...] -> (t, r) rows
+    per_rank = lambda t: jnp.broadcast_to(t[:, :, None], (b, l, r, *t.shape[2:]))
+    first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
+    y, final_ssm = ssd_weighted(
+        positions(v), positions(per_rank(w)),
+        positions(first_rank * adt.astype(acc)[:, :, None]), positions(k), positions(q),
+        backend=triton, interpret=interpret, D=D, initial_state=h0,
+        seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)))
+    y = y.reshape(b, l, r, h, p).astype(acc)
+
+    # Each token's own ranks: those after R, not yet in the state at (t, R), and eta's share.
+    qk = jnp.einsum("blRhn,blrhn->blRrh", q, k, preferred_element_type=acc)
+    later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
+    local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
+    y = y + jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
+                       preferred_element_type=acc)
+    final = Mamba3State(theta[:, -1], final_ssm, k[:, -1], x[:, -1])
+    return y.astype(x.dtype), final

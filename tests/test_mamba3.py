@@ -1,0 +1,204 @@
+"""Mamba-3: the scan's chunked XLA form equals the token-by-token oracle (values, final
+states, gradients, and the state passed between parts of a row as context parallelism
+passes it), its Pallas kernels equal the oracle, and the model equals mamba_ssm's Mamba3 (its torch references' outputs,
+tests/fixtures/make_mamba3_fixtures.py) for the mixer, the LM and greedy decoding; its
+mamba_ssm checkpoints round-trip. The shared cases (mesh equality, decoding steps against
+the forward, checkpoint tables) run in tests/test_layer_kinds.py, on MIMO."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+import mamba_jax
+from mamba_jax import Mamba2Config
+from mamba_jax.convert import load_config
+from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
+from pallas_kernels.mamba3.context_parallel import entering_states, zero_state_finals
+from pallas_kernels.mamba3.reference import mamba3_chunked, mamba3_naive
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ARGS = ("C", "B", "x", "adt", "dt", "trap", "angles", "C_bias", "B_bias")
+naive = jax.jit(mamba3_naive, static_argnames="rotary")
+chunked = jax.jit(mamba3_chunked, static_argnames=("rotary", "chunk_size"))
+
+
+def make_inputs(seed, b, l, h, p, r, g, n, a, dtype, docs=True, state=True):
+    """The scan's inputs: dt after softplus, adt = A dt with A in [-3, -0.5], documents
+    starting at random, on a chunk edge (8) and inside one (13); a random initial state."""
+    rng = np.random.default_rng(seed)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    dt = jax.nn.softplus(arr(b, l, h) - 1.0)
+    kw = dict(C=arr(b, l, r, g, n), B=arr(b, l, r, g, n), x=arr(b, l, h, p),
+              adt=-dt * jnp.asarray(rng.uniform(0.5, 3, (b, l, h)), dtype), dt=dt,
+              trap=arr(b, l, h), angles=arr(b, l, a), C_bias=arr(h, r, n), B_bias=arr(h, r, n),
+              D=arr(h), mimo_x=arr(h, r, p) if r > 1 else None,
+              rotary="halves" if r > 1 else "pairwise")
+    if docs:
+        starts = rng.random((b, l)) < 0.1
+        starts[:, [i for i in (8, 13) if i < l]] = True
+        kw["seq_idx"] = jnp.asarray(np.cumsum(starts, axis=1))
+    if state:
+        kw["initial_state"] = Mamba3State(jnp.asarray(rng.uniform(0, 6, (b, h, a)), dtype),
+                                          arr(b, h, p, n), arr(b, r, h, n), arr(b, h, p))
+    return kw
+
+
+CASES = [  # (b, l, h, p, r, g, n, a, docs, state)
+    (2, 37, 4, 8, 1, 1, 16, 8, False, False),  # SISO, odd length, rope over all of n, from 0
+    (1, 29, 4, 4, 2, 2, 8, 2, True, True),     # MIMO rank 2 over 2 groups, rope over half of
+]                                              # n, packed documents, an initial state
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_equals_the_recurrence_in_float64(case):
+    # Chunks of 8 (the angles are summed in blocks of 8 too, so their carry is exercised).
+    with jax.enable_x64(True):
+        kw = make_inputs(0, *case[:8], jnp.float64, *case[8:])
+        y_ref, s_ref = naive(**kw)
+        y, s = jax.jit(mamba3_scan, static_argnames=("rotary", "chunk_size"))(**kw, chunk_size=8)
+        assert y.dtype == jnp.float64 and y.shape == y_ref.shape
+        # float64: only rounding separates the two orders of summation.
+        np.testing.assert_allclose(y, y_ref, rtol=1e-10, atol=1e-10)
+        for name, got, want in zip(Mamba3State._fields, s, s_ref):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_chunked_gradients_equal_the_recurrence_gradients():
+    # Every input's gradient (angles, trap, biases, mimo_x and the initial state included),
+    # through y and the final state, float32: within float32 sums in another order.
+    kw = make_inputs(1, *CASES[1][:-2], jnp.float32)
+    seq_idx, rotary = kw.pop("seq_idx"), kw.pop("rotary")
+    rng = np.random.default_rng(2)
+    y_cot = jnp.asarray(rng.standard_normal((1, 29, 2, 4, 4)), jnp.float32)
+
+    def loss(scan, kw):
+        y, s = scan(**kw, rotary=rotary, seq_idx=seq_idx)
+        return jnp.sum(y * y_cot) + jnp.sum(s.ssm ** 2) + jnp.sum(s.k) + jnp.sum(jnp.sin(s.angle))
+    ref = jax.jit(jax.grad(lambda kw: loss(mamba3_naive, kw)))(kw)
+    got = jax.jit(jax.grad(lambda kw: loss(lambda **a: mamba3_chunked(**a, chunk_size=8),
+                                           kw)))(kw)
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        want = dict(jax.tree_util.tree_leaves_with_path(ref))[path]
+        assert np.all(np.isfinite(want))
+        np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_parts_entered_by_the_passed_state_scan_the_whole_row():
+    # Context parallelism's fold (context_parallel.py), the parts of a row side by side as
+    # devices hold them: 3 parts of 12 tokens, documents starting inside and on their edges
+    # (12, 24), the angle, SSM state and the trapezoid's k and x crossing every edge.
+    b, _, *shape, docs, state = CASES[1]  # MIMO, packed documents, an initial state
+    with jax.enable_x64(True):
+        kw = make_inputs(3, b, 36, *shape, jnp.float64, docs, state)
+        if docs:
+            starts = np.diff(np.asarray(kw["seq_idx"]), prepend=0, axis=1) > 0
+            starts[0, 24] = True
+            kw["seq_idx"] = jnp.asarray(np.cumsum(starts, axis=1))
+        y_ref, s_ref = naive(**kw)
+        init, seq_idx = kw.pop("initial_state"), kw.pop("seq_idx")
+        D, mimo_x, rotary = kw.pop("D"), kw.pop("mimo_x"), kw.pop("rotary")
+        parts = [{k: (v[:, 12 * i:12 * (i + 1)] if k in ARGS[:7] else v) for k, v in kw.items()}
+                 for i in range(3)]
+        docs = [seq_idx[:, 12 * i:12 * (i + 1)] for i in range(3)]
+
+        @jax.jit
+        def scan_parts(parts, docs, init, D, mimo_x):
+            finals = [zero_state_finals(**part, mimo_x=mimo_x, rotary=rotary, seq_idx=d)
+                      for part, d in zip(parts, docs)]
+            entering = entering_states(*jax.tree.map(lambda *t: jnp.stack(t), *finals), init,
+                                       mimo_x, rotary)
+            return [mamba3_scan(**part, chunk_size=8, D=D, mimo_x=mimo_x, rotary=rotary,
+                                seq_idx=d, initial_state=Mamba3State(*(e[i] for e in entering)))
+                    for i, (part, d) in enumerate(zip(parts, docs))]
+        outs = scan_parts(parts, docs, init, D, mimo_x)
+        ys, s = [y for y, _ in outs], outs[-1][1]
+        np.testing.assert_allclose(jnp.concatenate(ys, axis=1), y_ref, rtol=1e-10, atol=1e-10)
+        for name, got, want in zip(Mamba3State._fields, s, s_ref):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+# ------------------------------------------------------------------ against mamba_ssm
+
+CHECKPOINTS = ["mamba_ssm_mamba3_siso", "mamba_ssm_mamba3_mimo"]
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def checkpoint(request):
+    return request.param, mamba_jax.from_pretrained(FIXTURES / request.param)
+
+
+def relative(got, want):
+    return np.abs(np.asarray(got) - want).max() / np.abs(want).max()
+
+
+def test_mixer_lm_and_greedy_tokens_match_mamba_ssm(checkpoint):
+    # float32 against mamba_ssm's float32 torch references: 1e-4 of the largest value.
+    case, model = checkpoint
+    assert model.config.layers == {"mamba_ssm_mamba3_siso": "33",
+                                   "mamba_ssm_mamba3_mimo": "3-3-"}[case]
+    mixer_in, mixer_out = (np.load(FIXTURES / case / f"mixer_{io}.npy") for io in ("in", "out"))
+    out, _ = nnx.jit(lambda mixer, u: mixer(u))(model.layers[0].mixer, jnp.asarray(mixer_in))
+    assert relative(out, mixer_out) < 1e-4
+    ids, logits = (np.load(FIXTURES / case / f"{name}.npy") for name in ("input_ids", "logits"))
+    ours = nnx.jit(lambda model, ids: model(ids))(model, jnp.asarray(ids))
+    assert relative(np.asarray(ours)[..., :logits.shape[-1]], logits) < 1e-4
+    # The prefill, then the compiled decode loop of one-token steps.
+    greedy = np.load(FIXTURES / case / "greedy.npy")  # 10 prompt tokens + 12 new
+    tokens = mamba_jax.generate(model, jnp.asarray(greedy[:, :10]), max_new_tokens=12)
+    np.testing.assert_array_equal(np.asarray(tokens), greedy)
+
+
+def test_mamba_ssm_checkpoints_round_trip_their_tensors_and_config(tmp_path, checkpoint):
+    case, model = checkpoint
+    mamba_jax.save_pretrained(model, tmp_path, format="mamba_ssm")
+    cfg, fmt = load_config(tmp_path)
+    assert fmt == "mamba_ssm" and cfg == model.config
+    ours, theirs = (load_file(d / "model.safetensors") for d in (tmp_path, FIXTURES / case))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+
+
+def test_a_bad_mamba3_section_is_named():
+    with pytest.raises(ValueError, match=r"mamba3.rope_fraction=0.25.*0.5 or 1.0"):
+        Mamba2Config.preset("mamba3-tiny", **{"mamba3.rope_fraction": 0.25})
+    with pytest.raises(ValueError, match=r"mix Mamba2 \(M\) and Mamba-3 \(3\)"):
+        mamba_jax.formats.mamba_ssm_blocks(
+            Mamba2Config.preset("mamba3-tiny", layer_pattern="3M"))
+
+
+def test_kernels_values_states_and_every_gradient_match_the_recurrence():
+    # The SSD's Pallas kernels (in the interpreter without a GPU) with the work around them
+    # (kernels.py), MIMO rank 2 over an odd length of packed documents from an initial state
+    # (SISO is rank 1 of the same code): values and final states within 1e-5 of the largest,
+    # and every input's gradient (the angles', trap's, the biases', mimo_x's and the initial
+    # state's included) within float32 sums in another order.
+    case = CASES[1]
+    kw = make_inputs(4, *case[:8], jnp.float32, *case[8:])
+    seq_idx, rotary = kw.pop("seq_idx", None), kw.pop("rotary")
+    y_cot = jnp.asarray(np.random.default_rng(5).standard_normal(
+        kw["x"].shape[:2] + (case[4],) + kw["x"].shape[2:]), jnp.float32)
+
+    def loss(scan, kw):
+        y, s = scan(**kw, rotary=rotary, seq_idx=seq_idx)
+        return (jnp.sum(y * y_cot) + jnp.sum(s.ssm ** 2) + jnp.sum(s.k)
+                + jnp.sum(jnp.sin(s.angle))), (y, s)
+    kernels = lambda **a: mamba3_scan(**a, chunk_size=8, implementation="triton")
+    (_, (y_ref, s_ref)), ref = jax.jit(jax.value_and_grad(
+        lambda kw: loss(mamba3_naive, kw), has_aux=True))(kw)
+    (_, (y, s)), got = jax.jit(jax.value_and_grad(lambda kw: loss(kernels, kw),
+                                                  has_aux=True))(kw)
+    assert relative(y, y_ref) < 1e-5
+    for name, a, b in zip(Mamba3State._fields, s, s_ref):
+        assert relative(a, b) < 1e-5, name
+    ref = dict(jax.tree_util.tree_leaves_with_path(ref))
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        assert np.all(np.isfinite(ref[path]))
+        np.testing.assert_allclose(g, ref[path], rtol=1e-4, atol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
