@@ -122,7 +122,9 @@ class ModelFields:
         if pattern and any(ratios):
             allocated = hybrid_pattern(self.n_layer, *ratios)
             if sorted(pattern) != sorted(allocated):
-                count = lambda p: ", ".join(f"{p.count(s)} {s}" for s in KINDS)
+                # Megatron's three kinds, and any other the pattern uses
+                shown = [s for s in KINDS if s in "M*-" or s in pattern]
+                count = lambda p: ", ".join(f"{p.count(s)} {s}" for s in shown)
                 raise ValueError(
                     f"Mamba2Config: layer_pattern {pattern!r} ({count(pattern)}) does not hold "
                     f"the layers hybrid_attention_ratio={ratios[0]}, hybrid_mlp_ratio="

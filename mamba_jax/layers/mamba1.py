@@ -233,8 +233,12 @@ class Mamba1Mixer(Mixer):
         return dt, B.astype(self.dtype), C.astype(self.dtype)
 
     def gate(self, y, z):
-        """y * silu(z) in float32, rounded to the compute dtype (out_proj's input)."""
-        return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(self.dtype)
+        """y * silu(z) in float32, rounded to the compute dtype (out_proj's input).
+        Checkpointed: the backward pass recomputes its float32 intermediates from y and z,
+        which it keeps anyway (kept, they were five [b, l, i] float32 arrays a layer)."""
+        dtype = self.dtype
+        return jax.checkpoint(lambda y, z: (y.astype(jnp.float32) * jax.nn.silu(
+            z.astype(jnp.float32))).astype(dtype))(y, z)
 
     def out_proj_partial(self, y, out_proj=None):
         """y [..., i] -> [..., d] float32 without the bias: over a shard of the channels one
