@@ -56,6 +56,10 @@ class Mamba2Section:
     A_init_range: tuple[float, float] = (1.0, 16.0)
     conv_bias: bool = True
     bias: bool = False
+    # A trained state [h, p, n] (zeros at init) entering every row's scan where no initial
+    # state is given, as mamba_ssm's Mamba2Simple(learnable_init_states=True); parameter
+    # init_states, held by our checkpoints, not by the HF, mamba_ssm or NemotronH formats.
+    learnable_init_state: bool = False
 
     def __post_init__(self):
         # Lists from JSON become tuples, so configs stay hashable and compare equal.
@@ -131,6 +135,7 @@ class Mamba2Mixer(Mixer):
     # HF Mamba2ForCausalLM, mamba_ssm and NemotronH name a Mamba2 layer's tensors alike.
     checkpoint_keys = {"hf": _KEYS, "mamba_ssm": _KEYS, "nemotron_h": _KEYS}
     step_kernels = ("kernel", "fused")
+    takes_initial_state = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d, _, h, p, g, n, k, _ = dims(cfg)
@@ -171,6 +176,9 @@ class Mamba2Mixer(Mixer):
         self.A_log = undecayed(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
                                                           *m.A_init_range)), "heads")
         self.D = undecayed(jnp.ones((h,), jnp.float32), "heads")
+        if m.learnable_init_state:
+            self.init_states = undecayed(jnp.zeros((h, p, n), jnp.float32), "heads",
+                                         "head_dim", "state")
         self.norm = undecayed(jnp.ones((h, p), jnp.float32), "heads", "head_dim")
         # Rescaled by 1/sqrt(residual layers) (mamba_ssm's rescale_prenorm_residual: n_layer
         # without MLPs, 2*n_layer with them).
@@ -180,29 +188,64 @@ class Mamba2Mixer(Mixer):
     # ------------------------------------------------------------ the forward
 
     def __call__(self, u, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 cache_len=None):
+                 cache_len=None, initial_state: MambaCache | None = None):
         """Mixer.__call__: u [b, l, d] -> (this rank's share of out_proj [b, l, d] float32,
         a MambaCache or None). seq_idx [b, l]: packed documents; the conv and the SSM state
-        restart where it changes."""
+        restart where it changes. initial_state: the MambaCache the sequence continues
+        from (its conv window and SSM state, both differentiable; either may be None: zeros,
+        or for the SSM state the learned one), entering the row's first document."""
         z, xBC_in, dt = self.project(u)
-        x, B, C = self.conv(xBC_in, seq_idx, ctx)
+        before = self.window_before(initial_state)
+        x, B, C = self.conv(xBC_in, seq_idx, ctx, before)
         m = self.cfg.mamba2
         if m.ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
             B, C = (groups_of_local_heads(t, dims(self.cfg).h, m.ngroups, ctx) for t in (B, C))
-        y, ssm_state = self.scan(x, dt, B, C, seq_idx, ctx)
+        y, ssm_state = self.scan(x, dt, B, C, seq_idx, ctx,
+                                 self.entering_state(u.shape[0], initial_state))
         out = self.out_proj_partial(gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps,
                                                    m.ngroups, ctx))
         if cache_len is None:
             return out, None
-        # The conv's window holds the last k inputs; zeros stand before the first token and
-        # in place of inputs of an earlier document (e.g. left padding), which the next
-        # token's conv must not read.
+        window = self.final_window(xBC_in, seq_idx, ctx, before)
+        return out, MambaCache(window, ctx.from_last_cp(ssm_state))
+
+    def window_before(self, initial_state: MambaCache | None):
+        """The conv inputs before the first token [b, k - 1, e] from a cache's window (its
+        last k - 1 inputs), or None."""
+        if initial_state is None or initial_state.conv_state is None:
+            return None
+        return jnp.swapaxes(initial_state.conv_state, 1, 2)[:, 1:]
+
+    def entering_state(self, batch_size: int, initial_state: MambaCache | None):
+        """The SSM state [b, h, p, n] float32 entering the scan: the given one, else the
+        learned one (learnable_init_state), else None (zeros)."""
+        if initial_state is not None and initial_state.ssm_state is not None:
+            return initial_state.ssm_state
+        if self.cfg.mamba2.learnable_init_state:
+            return jnp.broadcast_to(self.init_states[...], (batch_size, *self.init_states.shape))
+        return None
+
+    def final_window(self, xBC_in, seq_idx, ctx: ParallelContext, before=None):
+        """The conv window after the last token [b, e, k] (MambaCache.conv_state): the last k
+        inputs of the whole sequence (on every cp device), with the window it continued
+        (before) in front of a sequence shorter than k. Zeros stand before the first token
+        and in place of inputs of an earlier document (e.g. left padding), which the next
+        token's conv must not read."""
+        k = self.cfg.mamba2.d_conv
+        xBC = ctx.with_previous_tokens(xBC_in, k - 1, before)
         if seq_idx is not None:
-            doc = document_ids(seq_idx)
-            xBC_in = jnp.where((doc == doc[:, -1:])[..., None], xBC_in, 0)
-        k, l = m.d_conv, u.shape[1]
-        window = jnp.pad(xBC_in, ((0, 0), (max(k - l, 0), 0), (0, 0)))[:, -k:]
-        return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
+            doc = document_ids(ctx.with_previous_tokens(seq_idx, k - 1,
+                                                        self._seq_before(seq_idx, before)))
+            xBC = jnp.where((doc == doc[:, -1:])[..., None], xBC, 0)
+        window = jnp.pad(xBC, ((0, 0), (max(k - xBC.shape[1], 0), 0), (0, 0)))[:, -k:]
+        return ctx.from_last_cp(jnp.swapaxes(window, 1, 2))
+
+    @staticmethod
+    def _seq_before(seq_idx, before):
+        """The seq_idx of a continued window's inputs: the first token's document."""
+        if before is None:
+            return None
+        return jnp.broadcast_to(seq_idx[:, :1], (seq_idx.shape[0], before.shape[1]))
 
     def output_bias(self):
         return self.out_bias[...] if self.cfg.mamba2.bias else None
@@ -247,31 +290,39 @@ class Mamba2Mixer(Mixer):
         return w, jnp.concatenate([b[...].reshape(-1) for b in
                                    (self.x_conv_bias, self.B_conv_bias, self.C_conv_bias)])
 
-    def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
+    def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE, before=None):
         """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]
         (this rank's heads and groups: the split follows the conv weights' shapes). Under
         cp the first d_conv - 1 outputs read the previous device's last inputs, with their
-        seq_idx, so that no tap reads across a document start."""
+        seq_idx, so that no tap reads across a document start; before [b, d_conv - 1, e]:
+        the inputs before the first token (window_before), else zeros."""
         w, bias = self._conv_params()
         width, l = self.cfg.mamba2.d_conv - 1, xBC.shape[1]
         doc = None
         if seq_idx is not None:
-            doc = document_ids(ctx.with_previous_tokens(seq_idx, width))
-        out = causal_conv1d(ctx.with_previous_tokens(xBC, width), w, bias, doc)[:, -l:]
+            doc = document_ids(ctx.with_previous_tokens(seq_idx, width,
+                                                        self._seq_before(seq_idx, before)))
+        out = causal_conv1d(ctx.with_previous_tokens(xBC, width, before), w, bias, doc)[:, -l:]
+        return self.split_conv_output(out)
+
+    def split_conv_output(self, out):
+        """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n]."""
         (_, h, p), (_, g, n) = self.x_conv.shape, self.B_conv.shape
         x, B, C = jnp.split(out, [h * p, h * p + g * n], axis=-1)
         return x.reshape(*x.shape[:-1], h, p), B.reshape(*B.shape[:-1], g, n), \
             C.reshape(*C.shape[:-1], g, n)
 
-    def scan(self, x, dt, B, C, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
+    def scan(self, x, dt, B, C, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE,
+             initial_state=None):
         """The SSD with D skip: x [b, l, h, p], dt [b, l, h] (before bias and softplus),
-        B, C [b, l, g, n] -> (y [b, l, h, p], final state [b, h, p, n] float32). Under cp
-        the state is carried across the devices (pallas_kernels.ssd)."""
+        B, C [b, l, g, n], initial_state [b, h, p, n] or None -> (y [b, l, h, p], final
+        state [b, h, p, n] float32: this device's, under cp). Under cp the state is carried
+        across the devices (pallas_kernels.ssd)."""
         m = self.cfg.mamba2
         return ssd(x, dt, -jnp.exp(self.A_log[...]), B, C, chunk_size=m.chunk_size,
                    D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
-                   dt_limit=m.dt_limit, seq_idx=seq_idx, return_final_state=True,
-                   sequence_axis=ctx.sequence_axis)
+                   dt_limit=m.dt_limit, initial_state=initial_state, seq_idx=seq_idx,
+                   return_final_state=True, sequence_axis=ctx.sequence_axis)
 
     def out_proj_partial(self, y, out_proj=None):
         """y [..., h, p] (normed) -> [..., d] float32, without the bias: over a shard of the
@@ -289,8 +340,10 @@ class Mamba2Mixer(Mixer):
 
     def init_cache(self, batch_size: int, cache_len: int = 0) -> MambaCache:
         _, _, h, p, _, n, k, e = dims(self.cfg)
+        ssm_state = self.entering_state(batch_size, None)
         return MambaCache(jnp.zeros((batch_size, e, k), self.dtype),
-                          jnp.zeros((batch_size, h, p, n), jnp.float32))
+                          jnp.zeros((batch_size, h, p, n), jnp.float32) if ssm_state is None
+                          else ssm_state)
 
     def cache_for_decoding(self, cache: MambaCache, how: str, ssm_state_dtype: str):
         """The SSM state stored in ssm_state_dtype; a "fused" step's cooperative kernel gets
