@@ -184,9 +184,10 @@ class Mixer(nnx.Module):
     mamba_jax.layers.checkpoint_keys entries over its parameters), `step_kernels` (the
     decode step implementations it has beside "xla": "kernel", a kernel between XLA's
     projections, and "fused", the whole layer as fused kernels), `cache_grows` (its
-    cache holds a slot per token, sized by cache_len) and `takes_initial_state` (its
+    cache holds a slot per token, sized by cache_len), `takes_initial_state` (its
     __call__ takes `initial_state=`, a cache the sequence continues from, differentiably:
-    the recurrent kinds). Its parameters declare their
+    the recurrent kinds) and `causal` (False: a token's output reads later tokens, so the
+    kind has no cache or step; for encoders). Its parameters declare their
     logical axes (`param`). Parameters are float32; `dtype` is the compute dtype.
 
     Legend: b batch, l sequence (this device's part under cp), d d_model. Every kind
@@ -219,6 +220,7 @@ class Mixer(nnx.Module):
     step_kernels: ClassVar[tuple[str, ...]] = ()
     cache_grows: ClassVar[bool] = False
     takes_initial_state: ClassVar[bool] = False
+    causal: ClassVar[bool] = True
     dtype: Any
 
     def output_bias(self):

@@ -159,15 +159,7 @@ class Mamba2Mixer(Mixer):
             self.C_bias = undecayed(zeros(g, n), "groups", "state")
             self.dt_proj_bias = undecayed(zeros(h), "heads")
             self.out_bias = undecayed(zeros(d), "embed")
-        # nn.Conv1d's default init: fan_in = d_conv for a depthwise conv.
-        conv_bound = 1.0 / math.sqrt(k)
-        self.x_conv = param(uniform(rngs, (k, h, p), conv_bound), "conv", "heads", "head_dim")
-        self.B_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
-        self.C_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
-        if m.conv_bias:
-            self.x_conv_bias = undecayed(uniform(rngs, (h, p), conv_bound), "heads", "head_dim")
-            self.B_conv_bias = undecayed(uniform(rngs, (g, n), conv_bound), "groups", "state")
-            self.C_conv_bias = undecayed(uniform(rngs, (g, n), conv_bound), "groups", "state")
+        self._init_conv(rngs)
         # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
         log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
                                     math.log(m.dt_min), math.log(m.dt_max))
@@ -184,6 +176,21 @@ class Mamba2Mixer(Mixer):
         # without MLPs, 2*n_layer with them).
         self.out_proj = param(uniform(rngs, (h, p, d), 1.0 / math.sqrt(h * p))
                               / math.sqrt(len(cfg.layers)), "heads", "head_dim", "embed")
+
+    def _init_conv(self, rngs: nnx.Rngs, suffix: str = ""):
+        """The conv's parameters x_conv{suffix}, B_conv{suffix}, C_conv{suffix} [k, ...] and
+        their biases, with nn.Conv1d's default init (fan_in = d_conv for a depthwise conv)."""
+        _, _, h, p, g, n, k, _ = dims(self.cfg)
+        bound = 1.0 / math.sqrt(k)
+        shapes = {"x": ((h, p), ("heads", "head_dim")), "B": ((g, n), ("groups", "state")),
+                  "C": ((g, n), ("groups", "state"))}
+        for role, (shape, axes) in shapes.items():
+            setattr(self, f"{role}_conv{suffix}",
+                    param(uniform(rngs, (k, *shape), bound), "conv", *axes))
+        if self.cfg.mamba2.conv_bias:
+            for role, (shape, axes) in shapes.items():
+                setattr(self, f"{role}_conv_bias{suffix}",
+                        param(uniform(rngs, shape, bound), *axes, decay=False))
 
     # ------------------------------------------------------------ the forward
 
@@ -280,15 +287,17 @@ class Mamba2Mixer(Mixer):
         w, bias = self.in_proj() if in_proj is None else in_proj
         return dense(u, w, self.dtype, bias, out_dtype=self.dtype)
 
-    def _conv_params(self):
-        """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
+    def _conv_params(self, suffix: str = ""):
+        """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels, of the
+        parameters x_conv{suffix}, B_conv{suffix}, C_conv{suffix} and their biases."""
         k = self.cfg.mamba2.d_conv
-        w = jnp.concatenate([c[...].reshape(k, -1)
-                             for c in (self.x_conv, self.B_conv, self.C_conv)], axis=-1)
+        get = lambda name: getattr(self, name + suffix)[...]
+        w = jnp.concatenate([get(c).reshape(k, -1) for c in ("x_conv", "B_conv", "C_conv")],
+                            axis=-1)
         if not self.cfg.mamba2.conv_bias:
             return w, None
-        return w, jnp.concatenate([b[...].reshape(-1) for b in
-                                   (self.x_conv_bias, self.B_conv_bias, self.C_conv_bias)])
+        return w, jnp.concatenate([get(b).reshape(-1) for b in
+                                   ("x_conv_bias", "B_conv_bias", "C_conv_bias")])
 
     def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE, before=None):
         """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]

@@ -1,6 +1,7 @@
 """The layer kinds by layer_pattern symbol: the one place that names them.
 
     KINDS["M"]  -> Mamba2Mixer       KINDS["*"] -> Attention       KINDS["-"] -> MLP
+    KINDS["B"]  -> BidirectionalMamba2 (non-causal: encoders)
 
 A kind is a mamba_jax.layers.common.Mixer subclass in a module of its own: its config
 section, parameters with logical axes, forward, cache and one-token steps, checkpoint keys
@@ -12,6 +13,7 @@ tests enumerate KINDS.
 from __future__ import annotations
 
 from mamba_jax.layers.attention import Attention
+from mamba_jax.layers.bidirectional import BidirectionalMamba2
 from mamba_jax.layers.mamba2 import Mamba2Mixer
 from mamba_jax.layers.mlp import MLP
 
@@ -19,4 +21,5 @@ KINDS = {kind.symbol: kind for kind in (
     Mamba2Mixer,
     Attention,
     MLP,
+    BidirectionalMamba2,
 )}
