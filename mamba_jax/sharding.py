@@ -236,6 +236,19 @@ class ParallelContext:
                             [(i + 1, i) for i in range(self.cp - 1)])
         return jnp.concatenate([x, halo], axis=1)
 
+    def psum_cp(self, x):
+        """The sum over the cp devices (x itself on one cp)."""
+        return lax.psum(x, self.axis_names.cp) if self.cp > 1 else x
+
+    def sequence_shard(self, x):
+        """The residual stream [b, l, d] whole on every tp rank -> this rank's part [b, l/tp,
+        d] under sequence parallel (else x itself): an input that is not looked up in the
+        embedding, e.g. an encoder's features."""
+        if not self.sequence_parallel:
+            return x
+        part = x.shape[1] // self.tp
+        return lax.dynamic_slice_in_dim(x, self.tp_index() * part, part, axis=1)
+
     def from_last_cp(self, x):
         """The last cp device's x on every cp device (the state after the whole sequence,
         which only the device holding its end computes); x itself on one cp."""
