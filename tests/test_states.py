@@ -104,8 +104,9 @@ def test_states_continue_under_a_mesh(one_device):
     # and 20, a's padding in front (a document of its own, which leaves no state) and b's
     # behind.
     ids, seq_idx = batch(CFG)
-    pad = lambda x, before, after, v: np.pad(x, ((0, 0), (before, after)) + ((0, 0),) * (x.ndim - 2),
-                                             constant_values=v)
+    def pad(x, before, after, value):
+        return np.pad(x, ((0, 0), (before, after)) + ((0, 0),) * (x.ndim - 2),
+                      constant_values=value)
     a_ids, b_ids = pad(ids[:, :CUT], 3, 0, 0), pad(ids[:, CUT:], 0, 1, 0)
     a_seq, b_seq = pad(seq_idx[:, :CUT], 3, 0, -1), pad(seq_idx[:, CUT:], 0, 1, 9)
     tokens = NamedSharding(mesh, parallel.TOKENS)
