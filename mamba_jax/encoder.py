@@ -17,12 +17,10 @@ trainer's or a user's shard_map with a ParallelContext).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_jax.layers.common import RMSNorm, param
-from mamba_jax.model import Block, Mamba2LM
+from mamba_jax.model import Mamba2LM, init_backbone
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 
 POOLS = (None, "mean")
@@ -33,14 +31,7 @@ class Mamba2Encoder(nnx.Module):
     float32; `dtype` the compute dtype."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.config = cfg
-        self.dtype = dtype
-        v, d = cfg.padded_vocab_size, cfg.d_model
-        self.embedding = param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32),
-                               "vocab", "embed")
-        self.layers = nnx.List([Block(cfg, symbol, rngs=rngs, dtype=dtype)
-                                for symbol in cfg.layers])
-        self.norm_f = RMSNorm(d, cfg.norm_eps)
+        init_backbone(self, cfg, rngs, dtype)
 
     # The LM's backbone code, which reads only the attributes above.
     residual_dtype = Mamba2LM.residual_dtype

@@ -124,6 +124,19 @@ class DecodeWeights(NamedTuple):
     layers: tuple
 
 
+def init_backbone(module: nnx.Module, cfg, rngs: nnx.Rngs, dtype):
+    """module's config, compute dtype, embedding, layers (of cfg.layers) and final norm:
+    what Mamba2LM and mamba_jax.encoder.Mamba2Encoder share."""
+    module.config = cfg
+    module.dtype = dtype
+    v, d = cfg.padded_vocab_size, cfg.d_model
+    module.embedding = param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32),
+                             "vocab", "embed")
+    module.layers = nnx.List([Block(cfg, symbol, rngs=rngs, dtype=dtype)
+                              for symbol in cfg.layers])
+    module.norm_f = RMSNorm(d, cfg.norm_eps)
+
+
 class Mamba2LM(nnx.Module):
     """A Mamba2 language model (mamba_ssm's MambaLMHeadModel / HF Mamba2ForCausalLM), or a
     hybrid of the registered layer kinds (NemotronHForCausalLM).
@@ -133,14 +146,8 @@ class Mamba2LM(nnx.Module):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.config = cfg
-        self.dtype = dtype
+        init_backbone(self, cfg, rngs, dtype)
         v, d = cfg.padded_vocab_size, cfg.d_model
-        self.embedding = param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32),
-                               "vocab", "embed")
-        self.layers = nnx.List([Block(cfg, symbol, rngs=rngs, dtype=dtype)
-                                for symbol in cfg.layers])
-        self.norm_f = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             # Stored [v, d] like the embedding (torch's nn.Linear layout).
             self.lm_head = param(uniform(rngs, (v, d), 1.0 / math.sqrt(d)), "vocab", "embed")

@@ -1,6 +1,7 @@
 """The bidirectional layer (B) against a float64 NumPy reference written from its definition
 (mamba_jax/layers/bidirectional.py: a naive recurrence forward and backward, summed), with
-packed documents; and Mamba2Encoder's pooling and its inputs. Its mesh equality (fsdp, cp,
+packed documents; Mamba2Encoder's pooling and its inputs; one layer sharded by
+parallel.make_block_fn. Its mesh equality (fsdp, cp,
 tp at once, packed) is test_layer_kinds' for every kind.
 
 Tolerances: float32 against float64, outputs within 2e-5 absolute (O(1) values).
@@ -11,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import Mamba2Config
+from mamba_jax import Mamba2Config, parallel
 from mamba_jax.encoder import Mamba2Encoder
 from mamba_jax.layers.bidirectional import BidirectionalMamba2
 
@@ -103,3 +105,20 @@ def test_encoder_pools_the_tokens_it_is_given():
         encoder(jnp.zeros((2, 20, 8)))
     with pytest.raises(ValueError, match="pool='max'"):
         encoder(ids, pool="max")
+
+
+def test_one_sharded_layer_matches_one_device():
+    # parallel.make_block_fn: fsdp, cp and tp (sequence parallel) at once; float32 sums over
+    # tp ranks in another order (1e-5).
+    cfg = Mamba2Config(**{**CFG, "d_model": 32})
+    graphdef, params = nnx.split(Mamba2Encoder(cfg, rngs=nnx.Rngs(3)).layers[0])
+    mesh = parallel.make_mesh("fsdp=2,cp=2,tp=2")
+    specs = parallel.param_specs(params, mesh)
+    residual = jax.random.normal(jax.random.key(4), (2, 16, 32))
+    seq_idx = jnp.asarray(np.repeat([[0] * 7 + [1] * 9], 2, 0))
+    block = jax.jit(parallel.make_block_fn(graphdef, specs, mesh))
+    out = block(jax.device_put(params, parallel.shardings(mesh, specs)),
+                jax.device_put(residual, NamedSharding(mesh, P(("dp", "fsdp"), ("cp", "tp")))),
+                jax.device_put(seq_idx, NamedSharding(mesh, parallel.TOKENS)))
+    want, _ = nnx.merge(graphdef, params)(residual, seq_idx)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)

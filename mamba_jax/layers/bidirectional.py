@@ -33,14 +33,11 @@ tokens after it); use it in mamba_jax.encoder.Mamba2Encoder.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_jax.layers.common import causal_conv1d, gated_rms_norm, groups_of_local_heads, param
+from mamba_jax.layers.common import causal_conv1d, gated_rms_norm, groups_of_local_heads
 from mamba_jax.layers.mamba2 import Mamba2Mixer, dims
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.ssd import document_ids, ssd
@@ -69,18 +66,9 @@ class BidirectionalMamba2(Mamba2Mixer):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         super().__init__(cfg, rngs=rngs, dtype=dtype)
-        m = cfg.mamba2
-        h = dims(cfg).h
-        undecayed = functools.partial(param, decay=False)
-        # The backward direction's own decay, step size and skip, initialised as the
-        # forward direction's (mamba2.py).
-        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                    math.log(m.dt_min), math.log(m.dt_max))
-        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
-        self.dt_bias_b = undecayed(dt + jnp.log(-jnp.expm1(-dt)), "heads")
-        self.A_log_b = undecayed(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                                            *m.A_init_range)), "heads")
-        self.D_b = undecayed(jnp.ones((h,), jnp.float32), "heads")
+        # The backward direction's own decay, step size and skip, initialised as the forward
+        # direction's.
+        self._init_ssm(rngs, suffix="_b")
         if not cfg.bidirectional.centred_conv:
             self._init_conv(rngs, suffix="_b")
 

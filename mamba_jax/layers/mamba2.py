@@ -160,14 +160,7 @@ class Mamba2Mixer(Mixer):
             self.dt_proj_bias = undecayed(zeros(h), "heads")
             self.out_bias = undecayed(zeros(d), "embed")
         self._init_conv(rngs)
-        # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
-        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                    math.log(m.dt_min), math.log(m.dt_max))
-        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
-        self.dt_bias = undecayed(dt + jnp.log(-jnp.expm1(-dt)), "heads")
-        self.A_log = undecayed(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                                          *m.A_init_range)), "heads")
-        self.D = undecayed(jnp.ones((h,), jnp.float32), "heads")
+        self._init_ssm(rngs)
         if m.learnable_init_state:
             self.init_states = undecayed(jnp.zeros((h, p, n), jnp.float32), "heads",
                                          "head_dim", "state")
@@ -176,6 +169,19 @@ class Mamba2Mixer(Mixer):
         # without MLPs, 2*n_layer with them).
         self.out_proj = param(uniform(rngs, (h, p, d), 1.0 / math.sqrt(h * p))
                               / math.sqrt(len(cfg.layers)), "heads", "head_dim", "embed")
+
+    def _init_ssm(self, rngs: nnx.Rngs, suffix: str = ""):
+        """dt_bias{suffix}, A_log{suffix}, D{suffix} [h], as mamba_ssm initialises them: dt
+        log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus; A
+        uniform in A_init_range; D ones. Trained without weight decay."""
+        m, h = self.cfg.mamba2, dims(self.cfg).h
+        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
+                                    math.log(m.dt_min), math.log(m.dt_max))
+        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
+        A = jax.random.uniform(rngs.params(), (h,), jnp.float32, *m.A_init_range)
+        for name, value in (("dt_bias", dt + jnp.log(-jnp.expm1(-dt))), ("A_log", jnp.log(A)),
+                            ("D", jnp.ones((h,), jnp.float32))):
+            setattr(self, name + suffix, param(value, "heads", decay=False))
 
     def _init_conv(self, rngs: nnx.Rngs, suffix: str = ""):
         """The conv's parameters x_conv{suffix}, B_conv{suffix}, C_conv{suffix} [k, ...] and
