@@ -138,7 +138,7 @@ class Mamba2Mixer(Mixer):
     takes_initial_state = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        d, _, h, p, g, n, k, _ = dims(cfg)
+        d, _, h, p, g, n, _, _ = dims(cfg)
         m = cfg.mamba2
         self.cfg = cfg
         self.dtype = dtype
