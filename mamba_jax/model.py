@@ -199,19 +199,18 @@ class Mamba2LM(nnx.Module):
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
                              initial_states=initial_states, return_states=return_states)
         hidden, states = hidden if return_states else (hidden, None)
+        with_states = lambda losses: (losses, states) if return_states else losses
         head = self.head_weight(ctx)
         b, l, _ = hidden.shape
         if loss_chunk is None or loss_chunk >= l:
-            losses = cross_entropy(self._vocab(hidden, head), targets, ctx)
-        else:
-            @jax.checkpoint
-            def piece(_, xs):
-                return None, cross_entropy(self._vocab(xs[0], head), xs[1], ctx)
-            pieces = lambda a: a.reshape(b, l // loss_chunk, loss_chunk,
-                                         *a.shape[2:]).swapaxes(0, 1)
-            _, losses = lax.scan(piece, None, (pieces(hidden), pieces(targets)))
-            losses = losses.swapaxes(0, 1).reshape(b, l)
-        return (losses, states) if return_states else losses
+            return with_states(cross_entropy(self._vocab(hidden, head), targets, ctx))
+
+        @jax.checkpoint
+        def piece(_, xs):
+            return None, cross_entropy(self._vocab(xs[0], head), xs[1], ctx)
+        pieces = lambda a: a.reshape(b, l // loss_chunk, loss_chunk, *a.shape[2:]).swapaxes(0, 1)
+        _, losses = lax.scan(piece, None, (pieces(hidden), pieces(targets)))
+        return with_states(losses.swapaxes(0, 1).reshape(b, l))
 
     def embed(self, input_ids, ctx: ParallelContext = SINGLE_DEVICE):
         """input_ids [b, l] int -> residual stream [b, l, d] ([b, l/tp, d] under sequence
