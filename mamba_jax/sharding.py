@@ -14,7 +14,8 @@ Mesh axes (mamba_jax.parallel.make_mesh): `dp` batch rows; `fsdp` batch rows and
 "embed" axis of every parameter (ZeRO-3: gathered where a layer runs, re-gathered in the
 backward pass); `cp` the sequence, for the whole model; `tp` heads, groups, KV heads, the
 MLP width and the vocabulary, and (sequence parallel) the residual stream's sequence between
-layers.
+layers. These are roles: a user's mesh may name them otherwise (AxisNames, given to
+param_specs and ParallelContext.for_mesh).
 
 The parallel context is the only thing a layer knows of the mesh. On one device it is
 SINGLE_DEVICE, whose collectives are the identity, so one forward serves both.
