@@ -13,7 +13,7 @@ import train_loop  # noqa: E402
 
 
 def test_custom_training_loop_with_carried_states_learns():
-    losses = train_loop.main(steps=8)
+    losses = train_loop.main(steps=6, pieces=3)
     assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -26,4 +26,4 @@ def test_linear_probe_reads_token_parity_from_sharded_hidden_states():
 
 
 def test_encoder_classifier_trains_on_cpu():
-    assert encoder_classification.main(steps=20) > 0.9  # chance: about 0.5
+    assert encoder_classification.main(steps=14) > 0.85  # chance: about 0.5

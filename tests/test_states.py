@@ -21,7 +21,7 @@ from mamba_jax.checkpoint import Checkpointer
 from mesh_check import FAST_COMPILE, tiny_config
 
 CUT, SEQ = 13, 32  # a's length: not a multiple of the chunk (16)
-CFG = tiny_config(n_layer=3, layer_pattern="MM-", mlp=dict(d_intermediate=32))
+CFG = tiny_config(n_layer=3, layer_pattern="MM-", d_model=32, mlp=dict(d_intermediate=32))
 
 
 def batch(cfg, rows=2, seq=SEQ, seed=0):
@@ -43,7 +43,8 @@ def objective(hidden_fn):
     """A scalar of the hidden states of [a; b], whole or in two pieces joined by the states:
     hidden_fn(params, ids, seq_idx, initial_states, return_states)."""
     def whole(params, ids, seq_idx):
-        return (hidden_fn(params, ids, seq_idx, None, False) * WEIGHT).sum()
+        hidden = hidden_fn(params, ids, seq_idx, None, False)
+        return (hidden * WEIGHT).sum(), hidden
 
     def pieces(params, ids, seq_idx):
         h_a, states = hidden_fn(params, ids[:, :CUT], seq_idx[:, :CUT], None, True)
@@ -73,9 +74,10 @@ def one_device():
 
     @jax.jit
     def run(params, ids, seq_idx):
-        hidden = hidden_fn(params, ids, seq_idx, None, False)
-        (_, joined), grads = jax.value_and_grad(pieces, has_aux=True)(params, ids, seq_idx)
-        return hidden, jax.grad(whole)(params, ids, seq_idx), joined, grads
+        (_, hidden), grads = jax.value_and_grad(whole, has_aux=True)(params, ids, seq_idx)
+        (_, joined), joined_grads = jax.value_and_grad(pieces, has_aux=True)(params, ids,
+                                                                             seq_idx)
+        return hidden, grads, joined, joined_grads
     return graphdef, params, run(params, *batch(CFG))
 
 
@@ -126,11 +128,13 @@ def test_states_continue_under_a_mesh(one_device):
 
 
 def test_prefill_continues_a_cache():
-    model = Mamba2LM(CFG, rngs=nnx.Rngs(1))
-    ids, _ = batch(CFG)
-    logits, cache = model.prefill(ids)
-    logits_a, cache_a = model.prefill(ids[:, :CUT])
-    logits_b, cache_b = model.prefill(ids[:, CUT:], cache=cache_a)
+    cfg = tiny_config(n_layer=1, d_model=32)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(1))
+    ids, _ = batch(cfg)
+    prefill = jax.jit(lambda ids, cache: model.prefill(ids, cache=cache))
+    logits, cache = prefill(ids, None)
+    logits_a, cache_a = prefill(ids[:, :CUT], None)
+    logits_b, cache_b = prefill(ids[:, CUT:], cache_a)
     np.testing.assert_allclose(jnp.concatenate([logits_a, logits_b], 1), logits, rtol=0,
                                atol=1e-5)
     for got, want in zip(jax.tree.leaves(cache_b), jax.tree.leaves(cache)):
@@ -138,36 +142,41 @@ def test_prefill_continues_a_cache():
 
 
 def test_a_learnable_initial_state_trains_and_is_checkpointed(tmp_path):
-    cfg = CFG.replace(**{"mamba2.learnable_init_state": True})
+    cfg = tiny_config(n_layer=1, d_model=32, **{"mamba2.learnable_init_state": True})
     model = Mamba2LM(cfg, rngs=nnx.Rngs(2))
-    assert not model.layers[0].mixer.init_states[...].any()  # zeros at init
+    mixer = model.layers[0].mixer
+    assert not mixer.init_states[...].any()  # zeros at init
     ids, _ = batch(cfg)
-    grads = nnx.grad(lambda m: m.loss(ids[:, :-1], ids[:, 1:]).mean())(model)
+
+    @nnx.jit
+    def grads_and_logits(model, initial_states):
+        grads = nnx.grad(lambda m: m.loss(ids[:, :-1], ids[:, 1:]).mean())(model)
+        return grads, model(ids), model(ids, initial_states=initial_states)
+    trained = jax.random.normal(jax.random.key(0), mixer.init_states.shape)
+    mixer.init_states[...] = trained
+    zeros = mixer.init_cache(2)
+    zeros = (zeros._replace(ssm_state=jnp.zeros_like(zeros.ssm_state)),)
+    grads, logits, from_zeros = grads_and_logits(model, zeros)
     assert np.abs(grads["layers"][0]["mixer"]["init_states"][...]).max() > 0  # it trains
-    # It is the state a sequence starts from: a state given in its place changes the output.
-    trained = jax.random.normal(jax.random.key(0), model.layers[1].mixer.init_states.shape)
-    model.layers[1].mixer.init_states[...] = trained
-    start = model.layers[1].mixer.init_cache(2).ssm_state
+    # It is the state a sequence starts from (and decoding: init_cache) where none is given.
+    start = mixer.init_cache(2).ssm_state
     np.testing.assert_array_equal(start, jnp.broadcast_to(trained, start.shape))
-    empty = model.layers[0].mixer.init_cache(2)._replace(ssm_state=jnp.zeros_like(start))
-    zeros = (empty, empty, None)
-    assert np.abs(model(ids) - model(ids, initial_states=zeros)).max() > 1e-3
+    assert np.abs(logits - from_zeros).max() > 1e-3
     # Our (trainer's) checkpoints hold it; the published layouts refuse it by name.
     ckpt = Checkpointer(tmp_path, async_save=False)
     ckpt.save(1, {"params": nnx.state(model)}, {"config": {"model": cfg.to_dict(),
                                                            "train": {}}})
     ckpt.close()
     restored, _ = load_training_checkpoint(tmp_path)
-    np.testing.assert_array_equal(restored.layers[1].mixer.init_states[...], trained)
-    plain = Mamba2LM(tiny_config(**{"mamba2.learnable_init_state": True}), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(restored.layers[0].mixer.init_states[...], trained)
     with pytest.raises(ValueError, match="cannot hold layer 0's parameters.*init_states"):
-        save_pretrained(plain, tmp_path / "hf", format="hf")
+        save_pretrained(model, tmp_path / "hf", format="hf")
 
 
 def test_initial_states_for_a_layer_without_state_are_refused():
     model = Mamba2LM(CFG, rngs=nnx.Rngs(3))
     ids, _ = batch(CFG)
-    _, states = model(ids, return_states=True)
+    states = model.init_cache(2)  # (MambaCache, MambaCache, None): the MLP has none
     with pytest.raises(ValueError, match=r"initial_states\[2\]: layer 2 is MLP"):
         model(ids, initial_states=states[:2] + (states[0],))
     with pytest.raises(ValueError, match="give a state for all of them or for none"):
