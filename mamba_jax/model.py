@@ -80,11 +80,13 @@ class Block(nnx.Module):
         self.mixer = KINDS[symbol](cfg, rngs=rngs, dtype=dtype)
 
     def __call__(self, residual, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 cache_len=None):
+                 cache_len=None, initial_state=None):
         """residual [b, l, d] ([b, l/tp, d] under sequence parallel) -> (the same shape, the
-        layer's cache: None unless cache_len; Mixer.__call__)."""
+        layer's cache: None unless cache_len; Mixer.__call__). initial_state: the cache the
+        sequence continues from, for a kind that takes_initial_state."""
         hidden = ctx.layer_input(self.norm(residual).astype(self.mixer.dtype))
-        out, cache = self.mixer(hidden, seq_idx, ctx=ctx, cache_len=cache_len)
+        state = {} if initial_state is None else {"initial_state": initial_state}
+        out, cache = self.mixer(hidden, seq_idx, ctx=ctx, cache_len=cache_len, **state)
         return self._add(residual, ctx.layer_output(out, self.mixer.dtype)), cache
 
     def _add(self, residual, out):
@@ -122,6 +124,19 @@ class DecodeWeights(NamedTuple):
     layers: tuple
 
 
+def init_backbone(module: nnx.Module, cfg, rngs: nnx.Rngs, dtype):
+    """module's config, compute dtype, embedding, layers (of cfg.layers) and final norm:
+    what Mamba2LM and mamba_jax.encoder.Mamba2Encoder share."""
+    module.config = cfg
+    module.dtype = dtype
+    v, d = cfg.padded_vocab_size, cfg.d_model
+    module.embedding = param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32),
+                             "vocab", "embed")
+    module.layers = nnx.List([Block(cfg, symbol, rngs=rngs, dtype=dtype)
+                              for symbol in cfg.layers])
+    module.norm_f = RMSNorm(d, cfg.norm_eps)
+
+
 class Mamba2LM(nnx.Module):
     """A Mamba2 language model (mamba_ssm's MambaLMHeadModel / HF Mamba2ForCausalLM), or a
     hybrid of the registered layer kinds (NemotronHForCausalLM).
@@ -131,14 +146,8 @@ class Mamba2LM(nnx.Module):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.config = cfg
-        self.dtype = dtype
+        init_backbone(self, cfg, rngs, dtype)
         v, d = cfg.padded_vocab_size, cfg.d_model
-        self.embedding = param(0.02 * jax.random.normal(rngs.params(), (v, d), jnp.float32),
-                               "vocab", "embed")
-        self.layers = nnx.List([Block(cfg, symbol, rngs=rngs, dtype=dtype)
-                                for symbol in cfg.layers])
-        self.norm_f = RMSNorm(d, cfg.norm_eps)
         if not cfg.tie_embeddings:
             # Stored [v, d] like the embedding (torch's nn.Linear layout).
             self.lm_head = param(uniform(rngs, (v, d), 1.0 / math.sqrt(d)), "vocab", "embed")
@@ -150,40 +159,58 @@ class Mamba2LM(nnx.Module):
     # ------------------------------------------------------------ the forward
 
     def __call__(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 remat="none"):
+                 remat="none", initial_states=None, return_states=False):
         """input_ids [b, l] -> logits [b, l, v] float32 ([b, l, v/tp] under tp: this rank's
         slice of the vocabulary). seq_idx [b, l]: packed documents (no state crosses a
-        document start)."""
-        return self._vocab(self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat),
-                           self.head_weight(ctx))
+        document start). initial_states, return_states: as `hidden`'s; with return_states,
+        (logits, states)."""
+        hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
+                             initial_states=initial_states, return_states=return_states)
+        if return_states:
+            return self._vocab(hidden[0], self.head_weight(ctx)), hidden[1]
+        return self._vocab(hidden, self.head_weight(ctx))
 
     def hidden(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-               remat="none"):
+               remat="none", initial_states=None, return_states=False):
         """input_ids [b, l] -> the final norm's output [b, l, d] in the compute dtype (every
         position of this device's part, whatever the sequence parallelism). remat: "none",
-        "block" or "full" activation checkpointing of each layer (remat_policy)."""
-        residual, _ = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat)
-        return self._final(residual, ctx)
+        "block" or "full" activation checkpointing of each layer (remat_policy).
+
+        initial_states: per layer, the state the sequence continues from (a MambaCache, whose
+        conv window and SSM state may each be None; None for a layer without one), e.g. the
+        states a previous call returned; gradients flow into it. return_states: also return
+        each layer's state after the last token (its decoding cache; under cp every device
+        gets the end of the whole sequence): (hidden, states)."""
+        residual, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
+                                        cache_len=input_ids.shape[1] if return_states else None,
+                                        initial_states=initial_states)
+        hidden = self._final(residual, ctx)
+        return (hidden, states) if return_states else hidden
 
     def loss(self, input_ids, targets, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-             remat="none", loss_chunk=None):
-        """Per-token next-token cross-entropy [b, l] float32 (nats) of targets [b, l].
+             remat="none", loss_chunk=None, initial_states=None, return_states=False):
+        """Per-token next-token cross-entropy [b, l] float32 (nats) of targets [b, l] (with
+        return_states, (that, the states): `hidden`'s initial_states and return_states, for
+        truncated backpropagation through time over the pieces of a long sequence).
 
         loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
         backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l,
         v/tp] (at 64K tokens and a 50K vocabulary that is 13 GB of float32 per row)."""
-        hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat)
+        hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
+                             initial_states=initial_states, return_states=return_states)
+        hidden, states = hidden if return_states else (hidden, None)
+        with_states = lambda losses: (losses, states) if return_states else losses
         head = self.head_weight(ctx)
         b, l, _ = hidden.shape
         if loss_chunk is None or loss_chunk >= l:
-            return cross_entropy(self._vocab(hidden, head), targets, ctx)
+            return with_states(cross_entropy(self._vocab(hidden, head), targets, ctx))
 
         @jax.checkpoint
         def piece(_, xs):
             return None, cross_entropy(self._vocab(xs[0], head), xs[1], ctx)
         pieces = lambda a: a.reshape(b, l // loss_chunk, loss_chunk, *a.shape[2:]).swapaxes(0, 1)
         _, losses = lax.scan(piece, None, (pieces(hidden), pieces(targets)))
-        return losses.swapaxes(0, 1).reshape(b, l)
+        return with_states(losses.swapaxes(0, 1).reshape(b, l))
 
     def embed(self, input_ids, ctx: ParallelContext = SINGLE_DEVICE):
         """input_ids [b, l] int -> residual stream [b, l, d] ([b, l/tp, d] under sequence
@@ -206,8 +233,10 @@ class Mamba2LM(nnx.Module):
         head = self.embedding if self.config.tie_embeddings else self.lm_head
         return ctx.gather_params(head)[...]
 
-    def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None, scan=True):
+    def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None, scan=True,
+                initial_states=None):
         """Every layer: residual [b, l(/tp), d] -> (residual, per layer its cache or None).
+        initial_states: per layer the cache it continues from, or None (`hidden`).
 
         scan: one scan per run of consecutive layers of one kind, not a copy of the layer per
         layer: compile time and program size stay those of one layer per run (48 unrolled
@@ -217,16 +246,19 @@ class Mamba2LM(nnx.Module):
         for its scan, a copy of this device's shards, which a prefill (no backward pass to
         compile) does not pay: scan=False calls the layers one after the other."""
         policy = remat_policy(remat, ctx.fsdp > 1)
+        initial_states = self._check_initial_states(initial_states)
         caches = []
         for first, end in _runs(self.config.layers):
             graphdef = nnx.graphdef(self.layers[first])  # the same in the whole run
 
-            def layer(residual, state, graphdef=graphdef):
+            def layer(residual, xs, graphdef=graphdef):
+                state, initial_state = xs
                 block = nnx.merge(graphdef, ctx.gather_params(state))
-                return block(residual, seq_idx, ctx=ctx, cache_len=cache_len)
+                return block(residual, seq_idx, ctx=ctx, cache_len=cache_len,
+                             initial_state=initial_state)
             if policy is not None:
                 layer = jax.checkpoint(layer, policy=policy)
-            states = [nnx.state(self.layers[i]) for i in range(first, end)]
+            states = [(nnx.state(self.layers[i]), initial_states[i]) for i in range(first, end)]
             if len(states) == 1 or not scan:
                 for state in states:
                     residual, cache = layer(residual, state)
@@ -237,6 +269,30 @@ class Mamba2LM(nnx.Module):
                 caches.extend(jax.tree.map(lambda c, i=i: c[i], stacked)
                               for i in range(end - first))
         return residual, tuple(caches)
+
+    def _check_initial_states(self, initial_states) -> tuple:
+        """initial_states (None, or one entry per layer) -> one per layer; a ValueError where
+        a layer that cannot continue a sequence is given a state, or a run of layers of one
+        kind is given states for some layers and not for others (its layers run as one
+        scan)."""
+        n = len(self.layers)
+        if initial_states is None:
+            return (None,) * n
+        if len(initial_states) != n:
+            raise ValueError(f"initial_states has {len(initial_states)} entries for {n} "
+                             "layers: give one per layer (None for a layer without state)")
+        for i, (layer, state) in enumerate(zip(self.layers, initial_states)):
+            if state is not None and not layer.mixer.takes_initial_state:
+                raise ValueError(f"initial_states[{i}]: layer {i} is "
+                                 f"{type(layer.mixer).__name__}, which cannot continue from a "
+                                 "state; give None for it")
+        for first, end in _runs(self.config.layers):
+            given = {initial_states[i] is None for i in range(first, end)}
+            if len(given) > 1:
+                raise ValueError(f"initial_states: layers {first}..{end - 1} "
+                                 f"({self.config.layers[first]}) run as one scan; give a state "
+                                 "for all of them or for none")
+        return tuple(initial_states)
 
     def _final(self, residual, ctx: ParallelContext = SINGLE_DEVICE):
         """residual [b, l(/tp), d] -> norm_f's output [b, l, d] in the compute dtype."""
@@ -258,15 +314,19 @@ class Mamba2LM(nnx.Module):
         where it grows with the tokens."""
         return tuple(layer.mixer.init_cache(batch_size, cache_len) for layer in self.layers)
 
-    def prefill(self, input_ids, seq_idx=None, cache_len=None):
+    def prefill(self, input_ids, seq_idx=None, cache_len=None, cache=None):
         """input_ids [b, l] -> (logits [b, l, v], cache after the last token).
+
+        cache: a cache to continue from (a previous prefill's or decode's, as returned,
+        before cache_for_decoding), for models whose layers all take_initial_state (a cache
+        that grows, attention's, is refused); None starts afresh.
 
         seq_idx [b, l]: the cache holds only the last document of each row (so left padding
         given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
         that grow with the tokens (the prompt and every token to come; default l)."""
         cache_len = cache_len or input_ids.shape[1]
         residual, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
-                                       cache_len=cache_len, scan=False)
+                                       cache_len=cache_len, scan=False, initial_states=cache)
         return self._vocab(self._final(residual), self.head_weight()), cache
 
     def cache_for_decoding(self, cache, steps, ssm_state_dtype="float32") -> tuple:

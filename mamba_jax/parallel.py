@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import sharding
 from mamba_jax.model import Mamba2LM
-from mamba_jax.sharding import ParallelContext
+from mamba_jax.sharding import AxisNames, ParallelContext
 
 AXES = ("dp", "fsdp", "cp", "tp")
 BATCH_AXES = ("dp", "fsdp")  # the batch rows are split over both
@@ -105,10 +105,10 @@ def check_layout(cfg, mesh, *, batch_size=None, seq_len=None, sequence_parallel=
                          f"cp={cp}); use a divisor of {seq_len // cp}")
 
 
-def param_specs(params, mesh):
+def param_specs(params, mesh, axis_names: AxisNames = AxisNames()):
     """A PartitionSpec per parameter, from each one's logical axes (a pytree shaped like
     params; leaves may be abstract): mamba_jax.sharding.param_specs."""
-    return sharding.param_specs(params, mesh)
+    return sharding.param_specs(params, mesh, axis_names)
 
 
 def shardings(mesh, specs):
@@ -165,6 +165,81 @@ def make_logits_fn(graphdef, specs, mesh, *, sequence_parallel=True):
     def body(params, input_ids):
         return nnx.merge(graphdef, params)(input_ids, ctx=ctx)
     return _shard_map(body, mesh, specs, 1, P(BATCH_AXES, "cp", "tp"))
+
+
+def token_spec(axis_names: AxisNames = AxisNames()) -> P:
+    """TOKENS on a mesh whose axes axis_names names: rows over dp and fsdp, the sequence
+    over cp."""
+    return P((axis_names.dp, axis_names.fsdp), axis_names.cp)
+
+
+def state_specs(states, axis_names: AxisNames = AxisNames()):
+    """A PartitionSpec per leaf of per-layer states (Mamba2LM.hidden's initial_states and
+    the states it returns): rows over dp and fsdp, the channels or heads (axis 1) over tp,
+    the rest whole (a state is the same on every cp device). Under tp a MambaCache's
+    conv_state then holds the ranks' channels one rank after the other (each rank's x, B, C
+    in turn), not a one-device cache's order: states a sharded call returns go back into
+    one with the same tp, as they are."""
+    rows = (axis_names.dp, axis_names.fsdp)
+    return jax.tree.map(lambda a: P(rows, axis_names.tp, *(None,) * (a.ndim - 2)), states)
+
+
+def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
+                   axis_names: AxisNames = AxisNames(), return_states=False, remat="none"):
+    """hidden(params, inputs [b, l], seq_idx=None, initial_states=None) -> the final norm's
+    output [b, l, d] in the compute dtype, rows over dp and fsdp and the sequence over cp:
+    the model's `hidden` (Mamba2LM's, or Mamba2Encoder's, whose inputs may also be [b, l,
+    d] features) on every device of `mesh`, whose axes axis_names names (a role the mesh
+    lacks has size 1). params placed as `specs` (param_specs(params, mesh, axis_names)).
+
+    return_states (Mamba2LM): (hidden, states), each layer's state after the last token,
+    placed as state_specs; initial_states: the states to continue from, placed so. Both
+    differentiable: a custom training loop takes gradients through them."""
+    ctx = ParallelContext.for_mesh(mesh, sequence_parallel, axis_names)
+    tokens = token_spec(axis_names)
+    out = P(*tokens, None)
+
+    def hidden(params, inputs, seq_idx=None, initial_states=None):
+        def body(params, inputs, seq_idx, initial_states):
+            model = nnx.merge(graphdef, params)
+            options = {} if initial_states is None else {"initial_states": initial_states}
+            if return_states:
+                options["return_states"] = True
+            return model.hidden(inputs, seq_idx, ctx=ctx, remat=remat, **options)
+        batch = P(*tokens, *(None,) * (inputs.ndim - 2))
+        states_out = state_specs(nnx.eval_shape(
+            lambda: nnx.merge(graphdef, params).init_cache(1)), axis_names) if return_states \
+            else None
+        return jax.shard_map(
+            body, mesh=mesh, check_vma=False,
+            in_specs=(specs, batch, None if seq_idx is None else tokens,
+                      state_specs(initial_states, axis_names)),
+            out_specs=(out, states_out) if return_states else out)(
+                params, inputs, seq_idx, initial_states)
+    return hidden
+
+
+def make_block_fn(graphdef, specs, mesh, *, sequence_parallel=True,
+                  axis_names: AxisNames = AxisNames()):
+    """block(params, residual [b, l, d], seq_idx=None) -> the residual stream after one
+    layer (model.Block: norm, mixer, added), on every device of `mesh`: graphdef and params
+    one layer's, `nnx.split(model.layers[i])`, params placed as `specs`. The residual
+    stream's rows over dp and fsdp, its sequence over cp and, under sequence parallel, tp
+    (as between the trainer's layers); seq_idx [b, l] as the tokens."""
+    ctx = ParallelContext.for_mesh(mesh, sequence_parallel, axis_names)
+    tokens = token_spec(axis_names)
+    sequence = (axis_names.cp, axis_names.tp) if ctx.sequence_parallel else axis_names.cp
+    stream = P(tokens[0], sequence, None)
+
+    def body(params, residual, seq_idx):
+        block = nnx.merge(graphdef, ctx.gather_params(params))
+        return block(residual, seq_idx, ctx=ctx)[0]
+
+    def block(params, residual, seq_idx=None):
+        return jax.shard_map(body, mesh=mesh, check_vma=False,
+                             in_specs=(specs, stream, None if seq_idx is None else tokens),
+                             out_specs=stream)(params, residual, seq_idx)
+    return block
 
 
 def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):

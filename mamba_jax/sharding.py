@@ -14,7 +14,8 @@ Mesh axes (mamba_jax.parallel.make_mesh): `dp` batch rows; `fsdp` batch rows and
 "embed" axis of every parameter (ZeRO-3: gathered where a layer runs, re-gathered in the
 backward pass); `cp` the sequence, for the whole model; `tp` heads, groups, KV heads, the
 MLP width and the vocabulary, and (sequence parallel) the residual stream's sequence between
-layers.
+layers. These are roles: a user's mesh may name them otherwise (AxisNames, given to
+param_specs and ParallelContext.for_mesh).
 
 The parallel context is the only thing a layer knows of the mesh. On one device it is
 SINGLE_DEVICE, whose collectives are the identity, so one forward serves both.
@@ -23,6 +24,7 @@ SINGLE_DEVICE, whose collectives are the identity, so one forward serves both.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-# Logical axis -> mesh axis (None: never split). One table for every layer kind.
+# Logical axis -> the role of its mesh axis (None: never split), whose name on a mesh
+# AxisNames gives. One table for every layer kind.
 RULES = {
     "vocab": "tp",      # the embedding's and LM head's rows (vocabulary-parallel)
     "embed": "fsdp",    # d_model: the axis FSDP shards every large parameter on
@@ -59,6 +62,22 @@ _AXIS_HELP = {
     "heads": "heads; tensor parallelism splits whole heads",
     "mlp": "the MLP width (mlp.d_intermediate)",
 }
+
+
+class AxisNames(NamedTuple):
+    """The mesh's axis names by role (RULES and ParallelContext speak of roles): a user's
+    mesh may call them anything, e.g. AxisNames(dp="data", tp="model"); a role the mesh
+    lacks has size 1."""
+
+    dp: str = "dp"
+    fsdp: str = "fsdp"
+    cp: str = "cp"
+    tp: str = "tp"
+
+
+def axis_size(mesh, name: str) -> int:
+    """The size of mesh axis `name`, 1 where the mesh has no such axis."""
+    return dict(mesh.shape).get(name, 1)
 
 
 def is_param(x) -> bool:
@@ -91,9 +110,11 @@ def logical_axes(variable, name: str = "parameter") -> tuple:
     return tuple(axes)
 
 
-def param_specs(params, mesh):
+def param_specs(params, mesh, axis_names: AxisNames = AxisNames()):
     """A PartitionSpec per parameter: a pytree shaped like params (an nnx.State whose
-    Variables hold specs; params' leaves may be abstract), each axis on RULES' mesh axis. An axis whose mesh axis does not divide it is
+    Variables hold specs; params' leaves may be abstract), each axis on RULES' mesh axis,
+    named as axis_names says (a role the mesh lacks is not split). An axis whose mesh axis
+    does not divide it is
     replicated if REPLICATED_WHEN_UNEVEN says so, else a ValueError naming the parameter,
     the sizes, and the mesh sizes that would work."""
     def spec(path, variable):
@@ -101,8 +122,9 @@ def param_specs(params, mesh):
         axes = logical_axes(variable, name)
         placed = []
         for axis, dim in zip(axes, variable.shape):
-            mesh_axis = RULES[axis]
-            size = 1 if mesh_axis is None else mesh.shape[mesh_axis]
+            role = RULES[axis]
+            mesh_axis = None if role is None else getattr(axis_names, role)
+            size = 1 if mesh_axis is None else axis_size(mesh, mesh_axis)
             if size == 1:
                 placed.append(None)
             elif dim % size == 0:
@@ -133,29 +155,36 @@ class ParallelContext:
     cp: int = 1
     fsdp: int = 1
     sequence_parallel: bool = False  # the residual stream [b, l/tp, d] between layers
+    axis_names: AxisNames = AxisNames()  # the mesh's names of the tp, cp and fsdp axes
 
     @classmethod
-    def for_mesh(cls, mesh, sequence_parallel: bool = True) -> "ParallelContext":
-        tp = mesh.shape["tp"]
-        return cls(tp=tp, cp=mesh.shape["cp"], fsdp=mesh.shape["fsdp"],
-                   sequence_parallel=sequence_parallel and tp > 1)
+    def for_mesh(cls, mesh, sequence_parallel: bool = True,
+                 axis_names: AxisNames = AxisNames()) -> "ParallelContext":
+        """The context of `mesh`, whose axes are named as axis_names says (roles the mesh
+        lacks have size 1)."""
+        size = lambda role: axis_size(mesh, getattr(axis_names, role))
+        return cls(tp=size("tp"), cp=size("cp"), fsdp=size("fsdp"),
+                   sequence_parallel=sequence_parallel and size("tp") > 1,
+                   axis_names=axis_names)
 
     # ------------------------------------------------------------ tensor parallel
 
     def tp_index(self):
         """This device's rank in tp (0 on one device)."""
-        return lax.axis_index("tp") if self.tp > 1 else 0
+        return lax.axis_index(self.axis_names.tp) if self.tp > 1 else 0
 
     def psum_tp(self, x):
-        return lax.psum(x, "tp") if self.tp > 1 else x
+        return lax.psum(x, self.axis_names.tp) if self.tp > 1 else x
 
     def pmax_tp(self, x):
-        return lax.pmax(x, "tp") if self.tp > 1 else x
+        return lax.pmax(x, self.axis_names.tp) if self.tp > 1 else x
 
     def layer_input(self, x):
         """A layer's normed input [b, l/tp, d] under sequence parallel -> [b, l, d]: the
         all-gather before a column-parallel projection (else x itself)."""
-        return lax.all_gather(x, "tp", axis=1, tiled=True) if self.sequence_parallel else x
+        if not self.sequence_parallel:
+            return x
+        return lax.all_gather(x, self.axis_names.tp, axis=1, tiled=True)
 
     def layer_output(self, x, dtype=None):
         """The tp ranks' shares of a row-parallel output [b, l, d] -> their sum: [b, l/tp, d]
@@ -167,31 +196,70 @@ class ParallelContext:
             return x
         x = x if dtype is None else x.astype(dtype)
         if self.sequence_parallel:
-            return lax.psum_scatter(x, "tp", scatter_dimension=1, tiled=True)
-        return lax.psum(x, "tp")
+            return lax.psum_scatter(x, self.axis_names.tp, scatter_dimension=1, tiled=True)
+        return lax.psum(x, self.axis_names.tp)
 
     # ------------------------------------------------------------ context parallel
 
     @property
     def sequence_axis(self) -> str | None:
         """The mesh axis the sequence is split over, for the scan's state passing."""
-        return "cp" if self.cp > 1 else None
+        return self.axis_names.cp if self.cp > 1 else None
 
     def cp_index(self):
-        return lax.axis_index("cp") if self.cp > 1 else 0
+        return lax.axis_index(self.axis_names.cp) if self.cp > 1 else 0
 
     def all_gather_cp(self, x, axis: int = 1):
         """This device's part of the sequence -> the whole sequence (x itself on one cp)."""
-        return lax.all_gather(x, "cp", axis=axis, tiled=True) if self.cp > 1 else x
+        return lax.all_gather(x, self.axis_names.cp, axis=axis, tiled=True) if self.cp > 1 \
+            else x
 
-    def with_previous_tokens(self, x, width: int):
+    def with_previous_tokens(self, x, width: int, before=None):
         """x [b, l, ...] -> [b, width + l, ...]: the previous cp device's last `width` tokens
-        before this device's (zeros on the first device), for a causal conv's window across
-        the cut; x itself on one cp."""
+        before this device's, for a conv's window across the cut; on the first device (and
+        on one device) `before` [b, width, ...], what stands before the sequence (a
+        continued sequence's last inputs), or zeros where None (then x itself on one
+        cp)."""
+        if width == 0 or (self.cp == 1 and before is None):
+            return x
+        if self.cp == 1:
+            return jnp.concatenate([before.astype(x.dtype), x], axis=1)
+        halo = lax.ppermute(x[:, -width:], self.axis_names.cp,
+                            [(i, i + 1) for i in range(self.cp - 1)])
+        if before is not None:
+            halo = jnp.where(self.cp_index() == 0, before.astype(x.dtype), halo)
+        return jnp.concatenate([halo, x], axis=1)
+
+    def with_next_tokens(self, x, width: int):
+        """x [b, l, ...] -> [b, l + width, ...]: the next cp device's first `width` tokens
+        after this device's (zeros after the last device's), for a non-causal conv's window
+        across the cut; x itself on one cp."""
         if self.cp == 1 or width == 0:
             return x
-        halo = lax.ppermute(x[:, -width:], "cp", [(i, i + 1) for i in range(self.cp - 1)])
-        return jnp.concatenate([halo, x], axis=1)
+        halo = lax.ppermute(x[:, :width], self.axis_names.cp,
+                            [(i + 1, i) for i in range(self.cp - 1)])
+        return jnp.concatenate([x, halo], axis=1)
+
+    def psum_cp(self, x):
+        """The sum over the cp devices (x itself on one cp)."""
+        return lax.psum(x, self.axis_names.cp) if self.cp > 1 else x
+
+    def sequence_shard(self, x):
+        """The residual stream [b, l, d] whole on every tp rank -> this rank's part [b, l/tp,
+        d] under sequence parallel (else x itself): an input that is not looked up in the
+        embedding, e.g. an encoder's features."""
+        if not self.sequence_parallel:
+            return x
+        part = x.shape[1] // self.tp
+        return lax.dynamic_slice_in_dim(x, self.tp_index() * part, part, axis=1)
+
+    def from_last_cp(self, x):
+        """The last cp device's x on every cp device (the state after the whole sequence,
+        which only the device holding its end computes); x itself on one cp."""
+        if self.cp == 1:
+            return x
+        mine = jnp.where(self.cp_index() == self.cp - 1, x, jnp.zeros_like(x))
+        return lax.psum(mine, self.axis_names.cp)
 
     # ------------------------------------------------------------ fsdp
 
@@ -206,7 +274,8 @@ class ParallelContext:
             axes = logical_axes(variable)
             if "embed" not in axes:
                 return variable
-            full = lax.all_gather(variable[...], "fsdp", axis=axes.index("embed"), tiled=True)
+            full = lax.all_gather(variable[...], self.axis_names.fsdp,
+                                  axis=axes.index("embed"), tiled=True)
             return variable.copy(checkpoint_name(full, GATHERED))
         return jax.tree.map(gather, tree, is_leaf=is_param)
 

@@ -68,8 +68,8 @@ def test_sections_round_trip_through_dicts_and_take_their_old_flat_names():
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(d_stat=3), r"no field 'd_stat'; fields are .* sections \['attention', 'mamba1', "
-                     r"'mamba2', 'mamba3', 'mlp'\]"),
+    (dict(d_stat=3), r"no field 'd_stat'; fields are .* sections \['attention', "
+                     r"'bidirectional', 'mamba1', 'mamba2', 'mamba3', 'mlp'\]"),
     ({"mamba2.d_stat": 3}, r"Mamba2Config.mamba2 has no field 'd_stat'; its fields are"),
     (dict(mlp={"width": 3}), r"Mamba2Config.mlp has no fields \['width'\]"),
 ])

@@ -44,8 +44,8 @@ def test_set_overrides_config_fields(tmp_path):
 
 
 @pytest.mark.parametrize("arg,match", [
-    ("nope=1", r"no field 'nope'; fields are .* sections \['attention', 'mamba1', 'mamba2', "
-               r"'mamba3', 'mlp'\]"),
+    ("nope=1", r"no field 'nope'; fields are .* sections \['attention', 'bidirectional', "
+               r"'mamba1', 'mamba2', 'mamba3', 'mlp'\]"),
     ("mamba2.nope=1", r"Mamba2Config.mamba2 has no field 'nope'; its fields are"),
     ("ngroups", "expected FIELD=VALUE"),
     ("mamba2.ngroups=two", "'two' is not a valid int for mamba2.ngroups"),

@@ -129,23 +129,30 @@ def groups_of_local_heads(x, heads: int, groups: int, ctx: ParallelContext):
     return jnp.take(x, (first + jnp.arange(local)) // per_group, axis=2)
 
 
-@jax.checkpoint
-def causal_conv1d(x, weight, bias=None, doc=None):
-    """Depthwise causal conv along l followed by SiLU, as mamba_ssm's causal_conv1d.
+def causal_conv1d(x, weight, bias=None, doc=None, left=None):
+    """Depthwise causal conv along l followed by SiLU, as mamba_ssm's causal_conv1d; or,
+    with `left` < k - 1, a non-causal one that reads k - 1 - left tokens ahead (a centred
+    conv: left = (k - 1) // 2).
 
     x [b, l, ...], weight [k, ...], bias [...] or None, doc [b, l] document ids or None
-    (no tap reads across a document start). Float32 accumulation; returns x.dtype.
-    y_t = silu(bias + sum_j weight[j] * x_{t-k+1+j}).
+    (no tap reads across a document boundary); zeros stand outside x. Float32
+    accumulation; returns x.dtype. y_t = silu(bias + sum_j weight[j] * x_{t-left+j}), left
+    = k - 1 by default.
     """
+    return _conv1d(x, weight, bias, doc, weight.shape[0] - 1 if left is None else left)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(4,))
+def _conv1d(x, weight, bias, doc, left):
     k = weight.shape[0]
     l = x.shape[1]
-    pad = [(0, 0), (k - 1, 0)] + [(0, 0)] * (x.ndim - 2)
+    pad = [(0, 0), (left, k - 1 - left)] + [(0, 0)] * (x.ndim - 2)
     xp = jnp.pad(x.astype(jnp.float32), pad)
     w = weight.astype(jnp.float32)
     y = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(
         bias.astype(jnp.float32), x.shape)
     if doc is not None:
-        docp = jnp.pad(doc, ((0, 0), (k - 1, 0)), constant_values=-1)
+        docp = jnp.pad(doc, pad[:2], constant_values=-1)
     for j in range(k):
         tap = xp[:, j:j + l] * w[j]
         if doc is not None:
@@ -215,8 +222,11 @@ class Mixer(nnx.Module):
     `checkpoint_keys` (per checkpoint format, its torch tensors as
     mamba_jax.layers.checkpoint_keys entries over its parameters), `step_kernels` (the
     decode step implementations it has beside "xla": "kernel", a kernel between XLA's
-    projections, and "fused", the whole layer as fused kernels) and `cache_grows` (its
-    cache holds a slot per token, sized by cache_len). Its parameters declare their
+    projections, and "fused", the whole layer as fused kernels), `cache_grows` (its
+    cache holds a slot per token, sized by cache_len), `takes_initial_state` (its
+    __call__ takes `initial_state=`, a cache the sequence continues from, differentiably:
+    the recurrent kinds) and `causal` (False: a token's output reads later tokens, so the
+    kind has no cache or step; for encoders). Its parameters declare their
     logical axes (`param`). Parameters are float32; `dtype` is the compute dtype.
 
     Legend: b batch, l sequence (this device's part under cp), d d_model. Every kind
@@ -248,6 +258,8 @@ class Mixer(nnx.Module):
     checkpoint_keys: ClassVar[dict[str, dict[str, Any]]]
     step_kernels: ClassVar[tuple[str, ...]] = ()
     cache_grows: ClassVar[bool] = False
+    takes_initial_state: ClassVar[bool] = False
+    causal: ClassVar[bool] = True
     dtype: Any
 
     def output_bias(self):

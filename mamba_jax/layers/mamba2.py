@@ -61,6 +61,10 @@ class Mamba2Section:
     # width h * headdim is independent of expand * d_model, as NemotronH's mamba_num_heads *
     # mamba_head_dim (Nemotron Nano 2's 128 heads of 80 over d_model 4480).
     nheads: int | None = None
+    # A trained state [h, p, n] (zeros at init) entering every row's scan where no initial
+    # state is given, as mamba_ssm's Mamba2Simple(learnable_init_states=True); parameter
+    # init_states, held by our checkpoints, not by the HF, mamba_ssm or NemotronH formats.
+    learnable_init_state: bool = False
 
     def __post_init__(self):
         # Lists from JSON become tuples, so configs stay hashable and compare equal.
@@ -129,18 +133,22 @@ _KEYS = {"in_proj.weight": Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_pr
 
 
 def _conv_x_B_C(xBC, w, bias, doc, *, length, x_shape, B_shape, heads, ngroups, ctx):
-    """The causal conv and SiLU over xBC [b, width + length, e] (the previous device's last
-    `width` inputs first under cp) with w [k, e], bias [e] or None and doc [b, width +
-    length] (document ids) or None -> x [b, length, *x_shape], B, C [b, length, *B_shape]:
-    this rank's heads and the groups they read."""
-    out = causal_conv1d(xBC, w, bias, doc)[:, -length:]
-    x, B, C = jnp.split(out, [math.prod(x_shape), math.prod(x_shape) + math.prod(B_shape)],
-                        axis=-1)
-    x = x.reshape(*x.shape[:-1], *x_shape)
-    B, C = (t.reshape(*t.shape[:-1], *B_shape) for t in (B, C))
+    """The causal conv and SiLU over xBC [b, width + length, e] (what precedes this device's
+    first token first: Mamba2Mixer._conv_operands) with w [k, e], bias [e] or None and doc
+    [b, width + length] (document ids) or None -> x [b, length, *x_shape], B, C [b, length,
+    *B_shape]: this rank's heads and the groups they read."""
+    x, B, C = _split_x_B_C(causal_conv1d(xBC, w, bias, doc)[:, -length:], x_shape, B_shape)
     if ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
         B, C = (groups_of_local_heads(t, heads, ngroups, ctx) for t in (B, C))
     return x, B, C
+
+
+def _split_x_B_C(out, x_shape, B_shape):
+    """The conv's output [..., e] -> x [..., *x_shape], B, C [..., *B_shape]."""
+    x, B, C = jnp.split(out, [math.prod(x_shape), math.prod(x_shape) + math.prod(B_shape)],
+                        axis=-1)
+    return (x.reshape(*x.shape[:-1], *x_shape),
+            *(t.reshape(*t.shape[:-1], *B_shape) for t in (B, C)))
 
 
 class Mamba2Mixer(Mixer):
@@ -153,9 +161,10 @@ class Mamba2Mixer(Mixer):
     # HF Mamba2ForCausalLM, mamba_ssm and NemotronH name a Mamba2 layer's tensors alike.
     checkpoint_keys = {"hf": _KEYS, "mamba_ssm": _KEYS, "nemotron_h": _KEYS}
     step_kernels = ("kernel", "fused")
+    takes_initial_state = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        d, _, h, p, g, n, k, _ = dims(cfg)
+        d, _, h, p, g, n, _, _ = dims(cfg)
         m = cfg.mamba2
         self.cfg = cfg
         self.dtype = dtype
@@ -176,51 +185,101 @@ class Mamba2Mixer(Mixer):
             self.C_bias = undecayed(zeros(g, n), "groups", "state")
             self.dt_proj_bias = undecayed(zeros(h), "heads")
             self.out_bias = undecayed(zeros(d), "embed")
-        # nn.Conv1d's default init: fan_in = d_conv for a depthwise conv.
-        conv_bound = 1.0 / math.sqrt(k)
-        self.x_conv = param(uniform(rngs, (k, h, p), conv_bound), "conv", "heads", "head_dim")
-        self.B_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
-        self.C_conv = param(uniform(rngs, (k, g, n), conv_bound), "conv", "groups", "state")
-        if m.conv_bias:
-            self.x_conv_bias = undecayed(uniform(rngs, (h, p), conv_bound), "heads", "head_dim")
-            self.B_conv_bias = undecayed(uniform(rngs, (g, n), conv_bound), "groups", "state")
-            self.C_conv_bias = undecayed(uniform(rngs, (g, n), conv_bound), "groups", "state")
-        # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
-        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                    math.log(m.dt_min), math.log(m.dt_max))
-        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
-        self.dt_bias = undecayed(dt + jnp.log(-jnp.expm1(-dt)), "heads")
-        self.A_log = undecayed(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                                          *m.A_init_range)), "heads")
-        self.D = undecayed(jnp.ones((h,), jnp.float32), "heads")
+        self._init_conv(rngs)
+        self._init_ssm(rngs)
+        if m.learnable_init_state:
+            self.init_states = undecayed(jnp.zeros((h, p, n), jnp.float32), "heads",
+                                         "head_dim", "state")
         self.norm = undecayed(jnp.ones((h, p), jnp.float32), "heads", "head_dim")
         # Rescaled by 1/sqrt(residual layers) (mamba_ssm's rescale_prenorm_residual: n_layer
         # without MLPs, 2*n_layer with them).
         self.out_proj = param(uniform(rngs, (h, p, d), 1.0 / math.sqrt(h * p))
                               / math.sqrt(len(cfg.layers)), "heads", "head_dim", "embed")
 
+    def _init_ssm(self, rngs: nnx.Rngs, suffix: str = ""):
+        """dt_bias{suffix}, A_log{suffix}, D{suffix} [h], as mamba_ssm initialises them: dt
+        log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus; A
+        uniform in A_init_range; D ones. Trained without weight decay."""
+        m, h = self.cfg.mamba2, dims(self.cfg).h
+        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
+                                    math.log(m.dt_min), math.log(m.dt_max))
+        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
+        A = jax.random.uniform(rngs.params(), (h,), jnp.float32, *m.A_init_range)
+        for name, value in (("dt_bias", dt + jnp.log(-jnp.expm1(-dt))), ("A_log", jnp.log(A)),
+                            ("D", jnp.ones((h,), jnp.float32))):
+            setattr(self, name + suffix, param(value, "heads", decay=False))
+
+    def _init_conv(self, rngs: nnx.Rngs, suffix: str = ""):
+        """The conv's parameters x_conv{suffix}, B_conv{suffix}, C_conv{suffix} [k, ...] and
+        their biases, with nn.Conv1d's default init (fan_in = d_conv for a depthwise conv)."""
+        _, _, h, p, g, n, k, _ = dims(self.cfg)
+        bound = 1.0 / math.sqrt(k)
+        shapes = {"x": ((h, p), ("heads", "head_dim")), "B": ((g, n), ("groups", "state")),
+                  "C": ((g, n), ("groups", "state"))}
+        for role, (shape, axes) in shapes.items():
+            setattr(self, f"{role}_conv{suffix}",
+                    param(uniform(rngs, (k, *shape), bound), "conv", *axes))
+        if self.cfg.mamba2.conv_bias:
+            for role, (shape, axes) in shapes.items():
+                setattr(self, f"{role}_conv_bias{suffix}",
+                        param(uniform(rngs, shape, bound), *axes, decay=False))
+
     # ------------------------------------------------------------ the forward
 
     def __call__(self, u, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 cache_len=None):
+                 cache_len=None, initial_state: MambaCache | None = None):
         """Mixer.__call__: u [b, l, d] -> (this rank's share of out_proj [b, l, d] float32,
         a MambaCache or None). seq_idx [b, l]: packed documents; the conv and the SSM state
-        restart where it changes."""
+        restart where it changes. initial_state: the MambaCache the sequence continues
+        from (its conv window and SSM state, both differentiable; either may be None: zeros,
+        or for the SSM state the learned one), entering the row's first document."""
         z, xBC_in, dt = self.project(u)
-        m = self.cfg.mamba2
-        y, ssm_state = self.conv_and_scan(xBC_in, dt, seq_idx, ctx)
+        before = self.window_before(initial_state)
+        y, ssm_state = self.conv_and_scan(xBC_in, dt, seq_idx, ctx, before,
+                                          self.entering_state(u.shape[0], initial_state))
         out = self.gated_out_proj(y, z, ctx)
         if cache_len is None:
             return out, None
-        # The conv's window holds the last k inputs; zeros stand before the first token and
-        # in place of inputs of an earlier document (e.g. left padding), which the next
-        # token's conv must not read.
+        window = self.final_window(xBC_in, seq_idx, ctx, before)
+        return out, MambaCache(window, ctx.from_last_cp(ssm_state))
+
+    def window_before(self, initial_state: MambaCache | None):
+        """The conv inputs before the first token [b, k - 1, e] from a cache's window (its
+        last k - 1 inputs), or None."""
+        if initial_state is None or initial_state.conv_state is None:
+            return None
+        return jnp.swapaxes(initial_state.conv_state, 1, 2)[:, 1:]
+
+    def entering_state(self, batch_size: int, initial_state: MambaCache | None):
+        """The SSM state [b, h, p, n] float32 entering the scan: the given one, else the
+        learned one (learnable_init_state), else None (zeros)."""
+        if initial_state is not None and initial_state.ssm_state is not None:
+            return initial_state.ssm_state
+        if self.cfg.mamba2.learnable_init_state:
+            return jnp.broadcast_to(self.init_states[...], (batch_size, *self.init_states.shape))
+        return None
+
+    def final_window(self, xBC_in, seq_idx, ctx: ParallelContext, before=None):
+        """The conv window after the last token [b, e, k] (MambaCache.conv_state): the last k
+        inputs of the whole sequence (on every cp device), with the window it continued
+        (before) in front of a sequence shorter than k. Zeros stand before the first token
+        and in place of inputs of an earlier document (e.g. left padding), which the next
+        token's conv must not read."""
+        k = self.cfg.mamba2.d_conv
+        xBC = ctx.with_previous_tokens(xBC_in, k - 1, before)
         if seq_idx is not None:
-            doc = document_ids(seq_idx)
-            xBC_in = jnp.where((doc == doc[:, -1:])[..., None], xBC_in, 0)
-        k, l = m.d_conv, u.shape[1]
-        window = jnp.pad(xBC_in, ((0, 0), (max(k - l, 0), 0), (0, 0)))[:, -k:]
-        return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
+            doc = document_ids(ctx.with_previous_tokens(seq_idx, k - 1,
+                                                        self._seq_before(seq_idx, before)))
+            xBC = jnp.where((doc == doc[:, -1:])[..., None], xBC, 0)
+        window = jnp.pad(xBC, ((0, 0), (max(k - xBC.shape[1], 0), 0), (0, 0)))[:, -k:]
+        return ctx.from_last_cp(jnp.swapaxes(window, 1, 2))
+
+    @staticmethod
+    def _seq_before(seq_idx, before):
+        """The seq_idx of a continued window's inputs: the first token's document."""
+        if before is None:
+            return None
+        return jnp.broadcast_to(seq_idx[:, :1], (seq_idx.shape[0], before.shape[1]))
 
     def output_bias(self):
         return self.out_bias[...] if self.cfg.mamba2.bias else None
@@ -255,42 +314,65 @@ class Mamba2Mixer(Mixer):
         w, bias = self.in_proj() if in_proj is None else in_proj
         return dense(u, w, self.dtype, bias, out_dtype=self.dtype)
 
-    def _conv_params(self):
-        """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels."""
+    def _conv_params(self, suffix: str = ""):
+        """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels, of the
+        parameters x_conv{suffix}, B_conv{suffix}, C_conv{suffix} and their biases."""
         k = self.cfg.mamba2.d_conv
-        w = jnp.concatenate([c[...].reshape(k, -1)
-                             for c in (self.x_conv, self.B_conv, self.C_conv)], axis=-1)
+        get = lambda name: getattr(self, name + suffix)[...]
+        w = jnp.concatenate([get(c).reshape(k, -1) for c in ("x_conv", "B_conv", "C_conv")],
+                            axis=-1)
         if not self.cfg.mamba2.conv_bias:
             return w, None
-        return w, jnp.concatenate([b[...].reshape(-1) for b in
-                                   (self.x_conv_bias, self.B_conv_bias, self.C_conv_bias)])
+        return w, jnp.concatenate([get(b).reshape(-1) for b in
+                                   ("x_conv_bias", "B_conv_bias", "C_conv_bias")])
 
-    def conv_and_scan(self, xBC, dt, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE):
+    def conv_and_scan(self, xBC, dt, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE,
+                      before=None, initial_state=None):
         """The causal conv and SiLU over xBC [b, l, e], then the SSD with D skip over its x
-        [b, l, h, p], B, C [b, l, g, n] and dt [b, l, h] (before bias and softplus) -> (y
-        [b, l, h, p], final state [b, h, p, n] float32).
+        [b, l, h, p], B, C [b, l, g, n] and dt [b, l, h] (before bias and softplus), entered
+        by initial_state [b, h, p, n] (or zeros) -> (y [b, l, h, p], final state [b, h, p,
+        n] float32: this device's, under cp).
 
         The conv runs inside the scan's custom_vjp where the kernels run
         (pallas_kernels.ssd's `inputs`): the backward pass recomputes x, B, C from xBC, which
-        out of the three it keeps, as mamba_ssm's fused path does. Under cp the first
-        d_conv - 1 outputs read the previous device's last inputs, with their seq_idx, so
-        that no tap reads across a document start, and the scan carries the state across the
+        out of the three it keeps, as mamba_ssm's fused path does. The conv's reach before
+        the first token is as in `conv`; under cp the scan carries the state across the
         devices. Under tp, a rank whose heads share groups that tp does not divide takes the
         groups its heads read."""
         m = self.cfg.mamba2
-        w, bias = self._conv_params()
-        width = m.d_conv - 1
-        doc = None
-        if seq_idx is not None:
-            doc = document_ids(ctx.with_previous_tokens(seq_idx, width))
         conv = functools.partial(_conv_x_B_C, length=xBC.shape[1],
                                  x_shape=self.x_conv.shape[1:], B_shape=self.B_conv.shape[1:],
                                  heads=dims(self.cfg).h, ngroups=m.ngroups, ctx=ctx)
         return ssd(None, dt, -jnp.exp(self.A_log[...]), None, None, chunk_size=m.chunk_size,
                    D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
-                   dt_limit=m.dt_limit, seq_idx=seq_idx, return_final_state=True,
-                   sequence_axis=ctx.sequence_axis,
-                   inputs=(conv, (ctx.with_previous_tokens(xBC, width), w, bias, doc)))
+                   dt_limit=m.dt_limit, initial_state=initial_state, seq_idx=seq_idx,
+                   return_final_state=True, sequence_axis=ctx.sequence_axis,
+                   inputs=(conv, self._conv_operands(xBC, seq_idx, ctx, before)))
+
+    def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE, before=None):
+        """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]
+        (this rank's heads and groups: the split follows the conv weights' shapes)."""
+        xBC_ext, w, bias, doc = self._conv_operands(xBC, seq_idx, ctx, before)
+        out = causal_conv1d(xBC_ext, w, bias, doc)[:, -xBC.shape[1]:]
+        return self.split_conv_output(out)
+
+    def _conv_operands(self, xBC, seq_idx, ctx: ParallelContext, before):
+        """(the conv's input with what precedes the first token, w [k, e], bias [e] or None,
+        its document ids or None). Under cp the first d_conv - 1 outputs read the previous
+        device's last inputs, with their seq_idx, so that no tap reads across a document
+        start; before [b, d_conv - 1, e]: the inputs before the first token
+        (window_before), else zeros."""
+        w, bias = self._conv_params()
+        width = self.cfg.mamba2.d_conv - 1
+        doc = None
+        if seq_idx is not None:
+            doc = document_ids(ctx.with_previous_tokens(seq_idx, width,
+                                                        self._seq_before(seq_idx, before)))
+        return ctx.with_previous_tokens(xBC, width, before), w, bias, doc
+
+    def split_conv_output(self, out):
+        """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n]."""
+        return _split_x_B_C(out, self.x_conv.shape[1:], self.B_conv.shape[1:])
 
     def gated_out_proj(self, y, z, ctx: ParallelContext = SINGLE_DEVICE):
         """The gated norm and out_proj: y, z [b, l, h, p] -> [b, l, d] float32 (this rank's
@@ -319,8 +401,10 @@ class Mamba2Mixer(Mixer):
 
     def init_cache(self, batch_size: int, cache_len: int = 0) -> MambaCache:
         _, _, h, p, _, n, k, e = dims(self.cfg)
+        ssm_state = self.entering_state(batch_size, None)
         return MambaCache(jnp.zeros((batch_size, e, k), self.dtype),
-                          jnp.zeros((batch_size, h, p, n), jnp.float32))
+                          jnp.zeros((batch_size, h, p, n), jnp.float32) if ssm_state is None
+                          else ssm_state)
 
     def cache_for_decoding(self, cache: MambaCache, how: str, ssm_state_dtype: str):
         """The SSM state stored in ssm_state_dtype ("int8": an Int8State); a "fused" step's

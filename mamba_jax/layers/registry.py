@@ -3,6 +3,7 @@
     KINDS["M"]  -> Mamba2Mixer       KINDS["*"] -> Attention       KINDS["-"] -> MLP
     KINDS["1"]  -> Mamba1Mixer
     KINDS["3"]  -> Mamba3Mixer
+    KINDS["B"]  -> BidirectionalMamba2 (non-causal: encoders)
 
 A kind is a mamba_jax.layers.common.Mixer subclass in a module of its own: its config
 section, parameters with logical axes, forward, cache and one-token steps, checkpoint keys
@@ -14,6 +15,7 @@ tests enumerate KINDS.
 from __future__ import annotations
 
 from mamba_jax.layers.attention import Attention
+from mamba_jax.layers.bidirectional import BidirectionalMamba2
 from mamba_jax.layers.mamba1 import Mamba1Mixer
 from mamba_jax.layers.mamba2 import Mamba2Mixer
 from mamba_jax.layers.mamba3 import Mamba3Mixer
@@ -25,4 +27,5 @@ KINDS = {kind.symbol: kind for kind in (
     MLP,
     Mamba1Mixer,
     Mamba3Mixer,
+    BidirectionalMamba2,
 )}

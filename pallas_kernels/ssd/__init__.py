@@ -21,6 +21,11 @@ once, pallas_kernels.fallback, never a silent slow path).
 (context parallelism), each device passes its part and the scan carries the state across
 devices (context_parallel.py): the result is the scan of the whole sequence.
 
+`reverse`: scan each row from its end to its start (a bidirectional layer's backward
+direction): the scan of the reversed sequence, its y put back in the forward order; under
+`sequence_axis` the state passes from the last device to the first. final_state is then the
+state after the row's first token.
+
 `segments`: split each row (each device's part, under `sequence_axis`) into this many equal
 parts, scanned as rows of their own and joined by the same state passing: the result is
 the same scan. For the kernels, which walk a row's chunks in order, it multiplies the
@@ -60,13 +65,17 @@ IMPLEMENTATIONS = ("auto", "xla", "triton")
 def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
         return_final_state=False, sequence_axis=None, segments="auto", implementation="auto",
-        inputs=None):
+        inputs=None, reverse=False):
     """The chunked SSD scan; see the module docstring for shapes and dtypes."""
     if inputs is not None:
-        if any(a is not None for a in (x, B, C)):
-            raise ValueError("ssd: with inputs=(fn, args), pass x, B and C as None")
+        if any(a is not None for a in (x, B, C)) or reverse:
+            raise ValueError("ssd: with inputs=(fn, args), pass x, B and C as None (and no "
+                             "reverse)")
         x, B, C = jax.eval_shape(inputs[0], *inputs[1])
     _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx)
+    if reverse:
+        flip = lambda a: None if a is None else jnp.flip(a, axis=1)
+        x, dt, B, C, seq_idx = map(flip, (x, dt, B, C, seq_idx))
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"ssd: implementation={implementation!r} is not one of "
                          f"{IMPLEMENTATIONS}")
@@ -97,7 +106,9 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
         y, final_state = scan(x, dt, A, B, C, **options)
     else:
         y, final_state = ssd_context_parallel(scan, x, dt, A, B, C, axis_name=sequence_axis,
-                                              **options)
+                                              reverse=reverse, **options)
+    if reverse:
+        y = jnp.flip(y, axis=1)
     return (y, final_state) if return_final_state else y
 
 

@@ -101,20 +101,26 @@ def entering_states(finals, decays, ends, initial_state):
 
 def ssd_context_parallel(scan, x, dt, A, B, C, *, axis_name, D=None, dt_bias=None,
                          dt_softplus=False, dt_limit=(0.0, math.inf), initial_state=None,
-                         seq_idx=None):
+                         seq_idx=None, reverse=False):
     """This device's part of the SSD over a sequence split on `axis_name` (in shard_map).
 
     scan(x, dt, A, B, C, **options) -> (y, final_state): the single-device scan (ssd's
     chosen implementation), run once on the local part entered by the state the parts
     before it pass on (steps 1-4 above). Arguments and results as `pallas_kernels.ssd.ssd`
     for x [b, l, h, p] etc., with l this device's part; initial_state [b, h, p, n] enters
-    the first part; final_state is the state after this device's last token.
+    the first part; final_state is the state after this device's last token. reverse: the
+    parts are in reverse device order (each device passes its part flipped, the scan of a
+    reversed sequence): the state passes from the last device to the first.
     """
     options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    seq_idx=seq_idx)
     finals, decays, ends = lax.all_gather(_zero_state_finals(x, dt, A, B, **options),
                                           axis_name)
-    s_in = entering_states(finals, decays, ends, initial_state)[lax.axis_index(axis_name)]
+    index = lax.axis_index(axis_name)
+    if reverse:
+        finals, decays, ends = (jnp.flip(a, axis=0) for a in (finals, decays, ends))
+        index = finals.shape[0] - 1 - index
+    s_in = entering_states(finals, decays, ends, initial_state)[index]
     return scan(x, dt, A, B, C, D=D, initial_state=s_in, **options)
 
 

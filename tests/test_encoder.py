@@ -1,0 +1,124 @@
+"""The bidirectional layer (B) against a float64 NumPy reference written from its definition
+(mamba_jax/layers/bidirectional.py: a naive recurrence forward and backward, summed), with
+packed documents; Mamba2Encoder's pooling and its inputs; one layer sharded by
+parallel.make_block_fn. Its mesh equality (fsdp, cp,
+tp at once, packed) is test_layer_kinds' for every kind.
+
+Tolerances: float32 against float64, outputs within 2e-5 absolute (O(1) values).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mamba_jax import Mamba2Config, parallel
+from mamba_jax.encoder import Mamba2Encoder
+from mamba_jax.layers.bidirectional import BidirectionalMamba2
+
+CFG = dict(d_model=16, n_layer=1, layer_pattern="B", vocab_size=20, d_state=4, headdim=8,
+           chunk_size=8)
+SEQ_IDX = np.array([[0] * 11 + [1] * 9, [0] * 20])
+
+
+def reference(mixer, u, seq_idx):
+    """The layer's output [b, l, d] in float64 from its parameters: per document, each
+    token's output reads the conv of the inputs around it and both recurrences."""
+    P = {".".join(map(str, path)): np.asarray(v[...], np.float64)
+         for path, v in nnx.state(mixer).flat_state()}
+    m, d = mixer.cfg.mamba2, mixer.cfg.d_model
+    u = np.asarray(u, np.float64)
+    b, l, _ = u.shape
+    h, p, g, n, k = P["dt_bias"].shape[0], m.headdim, m.ngroups, m.d_state, m.d_conv
+    z = np.einsum("bld,dhp->blhp", u, P["z_proj"])
+    xBC = np.concatenate([np.einsum("bld,d...->bl...", u, P[r]).reshape(b, l, -1)
+                          for r in ("x_proj", "B_proj", "C_proj")], -1)
+    dt_raw = np.einsum("bld,dh->blh", u, P["dt_proj"])
+    silu = lambda a: a / (1 + np.exp(-a))
+
+    def conv(suffix, left):
+        w = np.concatenate([P[r + "_conv" + suffix].reshape(k, -1) for r in "xBC"], -1)
+        bias = np.concatenate([P[r + "_conv_bias" + suffix].reshape(-1) for r in "xBC"])
+        out = np.zeros_like(xBC)
+        for i in range(b):
+            for t in range(l):
+                acc = bias.copy()
+                for j in range(k):
+                    s = t - left + j
+                    if 0 <= s < l and seq_idx[i, s] == seq_idx[i, t]:
+                        acc += w[j] * xBC[i, s]
+                out[i, t] = silu(acc)
+        return out
+
+    def scan(xBC_conv, suffix, order):
+        x = xBC_conv[..., :h * p].reshape(b, l, h, p)
+        B = xBC_conv[..., h * p:h * p + g * n].reshape(b, l, g, n)
+        C = xBC_conv[..., h * p + g * n:].reshape(b, l, g, n)
+        dt = np.logaddexp(0, dt_raw + P["dt_bias" + suffix])
+        A = -np.exp(P["A_log" + suffix])
+        y = np.zeros((b, l, h, p))
+        for i in range(b):
+            state, prev = np.zeros((h, p, n)), None
+            for t in order:
+                if seq_idx[i, t] != prev:
+                    state, prev = np.zeros((h, p, n)), seq_idx[i, t]
+                grp = np.arange(h) // (h // g)
+                state = (np.exp(dt[i, t] * A)[:, None, None] * state
+                         + dt[i, t][:, None, None] * x[i, t][:, :, None] * B[i, t, grp][:, None])
+                y[i, t] = np.einsum("hpn,hn->hp", state, C[i, t, grp]) \
+                    + P["D" + suffix][:, None] * x[i, t]
+        return y
+    if mixer.cfg.bidirectional.centred_conv:
+        forward = backward = conv("", (k - 1) // 2)
+    else:
+        forward, backward = conv("", k - 1), conv("_b", 0)
+    y = scan(forward, "", range(l)) + scan(backward, "_b", range(l - 1, -1, -1))
+    gated = y * silu(z)
+    grouped = gated.reshape(b, l, g, -1)
+    normed = grouped / np.sqrt((grouped ** 2).mean(-1, keepdims=True) + mixer.cfg.norm_eps)
+    return np.einsum("blhp,hpd->bld", normed.reshape(b, l, h, p) * P["norm"], P["out_proj"])
+
+
+@pytest.mark.parametrize("centred", [True, False])
+def test_bidirectional_layer_matches_its_definition(centred):
+    cfg = Mamba2Config(**CFG, **{"bidirectional.centred_conv": centred})
+    mixer = BidirectionalMamba2(cfg, rngs=nnx.Rngs(0))
+    u = jax.random.normal(jax.random.key(1), (2, 20, 16))
+    out, cache = mixer(u, jnp.asarray(SEQ_IDX))
+    assert cache is None
+    np.testing.assert_allclose(out, reference(mixer, u, SEQ_IDX), rtol=0, atol=2e-5)
+
+
+def test_encoder_pools_the_tokens_it_is_given():
+    encoder = Mamba2Encoder(Mamba2Config(**CFG), rngs=nnx.Rngs(2))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 20, (2, 20)))
+    tokens = encoder(ids)
+    assert tokens.shape == (2, 20, 16)
+    mask = jnp.arange(20)[None] < jnp.array([[20], [7]])
+    np.testing.assert_allclose(encoder(ids, mask=mask, pool="mean"),
+                               [tokens[0].mean(0), tokens[1, :7].mean(0)], rtol=1e-6)
+    # Features in place of token ids skip the embedding: its rows give the same outputs.
+    np.testing.assert_allclose(encoder(encoder.embedding[...][ids]), tokens, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"features of shape \(2, 20, 8\)"):
+        encoder(jnp.zeros((2, 20, 8)))
+    with pytest.raises(ValueError, match="pool='max'"):
+        encoder(ids, pool="max")
+
+
+def test_one_sharded_layer_matches_one_device():
+    # parallel.make_block_fn: fsdp, cp and tp (sequence parallel) at once; float32 sums over
+    # tp ranks in another order (1e-5).
+    cfg = Mamba2Config(**{**CFG, "d_model": 32})
+    graphdef, params = nnx.split(Mamba2Encoder(cfg, rngs=nnx.Rngs(3)).layers[0])
+    mesh = parallel.make_mesh("fsdp=2,cp=2,tp=2")
+    specs = parallel.param_specs(params, mesh)
+    residual = jax.random.normal(jax.random.key(4), (2, 16, 32))
+    seq_idx = jnp.asarray(np.repeat([[0] * 7 + [1] * 9], 2, 0))
+    block = jax.jit(parallel.make_block_fn(graphdef, specs, mesh))
+    out = block(jax.device_put(params, parallel.shardings(mesh, specs)),
+                jax.device_put(residual, NamedSharding(mesh, P(("dp", "fsdp"), ("cp", "tp")))),
+                jax.device_put(seq_idx, NamedSharding(mesh, parallel.TOKENS)))
+    want, _ = nnx.merge(graphdef, params)(residual, seq_idx)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
