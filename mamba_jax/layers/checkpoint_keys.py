@@ -7,8 +7,7 @@ naming our parameters it holds:
     Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_proj")   # in_proj.weight [z|x|B|C|dt]
     Conv("x_conv", "B_conv", "C_conv")                          # conv1d.weight
     Flat("norm")                                                # norm.weight
-    AsIs("A_log")                                               # A_log [d_inner, d_state]
-    Tensor("B_bias")                                            # B_bias, its own shape
+    AsIs("A_log")                                   # Mamba-1's A_log [d_inner, d_state]
 
 An entry applies where the layer has all its parameters (an optional bias is simply absent);
 a layer that has only some of them is an error.
@@ -70,7 +69,8 @@ class Conv(_Entry):
 
 
 class AsIs(_Entry):
-    """A tensor of the one parameter's own shape (Mamba-1's A_log [d_inner, d_state])."""
+    """One parameter stored with its own shape (Mamba-1's A_log [d_inner, d_state],
+    mamba_ssm's Mamba3 B_bias [h, r, n])."""
 
     def torch_shape(self, shapes):
         return tuple(shapes[0])
@@ -94,19 +94,6 @@ class Flat(_Entry):
     def from_torch(self, tensor, shapes):
         sizes = [math.prod(s) for s in shapes]
         return [a.reshape(s) for a, s in zip(self._split(tensor, sizes, 0), shapes)]
-
-
-class Tensor(_Entry):
-    """One parameter stored with its own shape (mamba_ssm's Mamba3 B_bias [h, r, n])."""
-
-    def torch_shape(self, shapes):
-        return tuple(shapes[0])
-
-    def to_torch(self, arrays):
-        return arrays[0]
-
-    def from_torch(self, tensor, shapes):
-        return [tensor]
 
 
 def _applies(key, entry, names) -> bool:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mamba_jax.layers.checkpoint_keys import Flat, Linear, Tensor
+from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, dense,
                                      groups_of_local_heads, matmul, param, rms_norm, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
@@ -104,9 +104,9 @@ class Mamba3Weights(NamedTuple):
 
 _KEYS = {"in_proj.weight": Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_proj",
                                   "A_proj", "trap_proj", "angle_proj"),
-         "dt_bias": Flat("dt_bias"), "B_bias": Tensor("B_bias"), "C_bias": Tensor("C_bias"),
+         "dt_bias": Flat("dt_bias"), "B_bias": AsIs("B_bias"), "C_bias": AsIs("C_bias"),
          "B_norm.weight": Flat("B_norm"), "C_norm.weight": Flat("C_norm"),
-         "mimo_x": Tensor("mimo_x"), "mimo_z": Tensor("mimo_z"), "mimo_o": Tensor("mimo_o"),
+         "mimo_x": AsIs("mimo_x"), "mimo_z": AsIs("mimo_z"), "mimo_o": AsIs("mimo_o"),
          "D": Flat("D"), "norm.weight": Flat("norm"),
          "out_proj.weight": Linear("out_proj", inputs=2)}
 
