@@ -122,8 +122,10 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
     args = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--mesh", "dp=2,tp=4",
             "--eval-every", "1000", "--set", "d_model=64", "--set", "d_state=16",
             "--set", "headdim=16", "--set", "chunk_size=16"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    # Four devices a process; the rest of conftest's flags (its quick compiles) kept.
+    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=4"),
+        JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "mamba_jax.train", *args, "--out", str(tmp_path / "ck"),
