@@ -234,14 +234,15 @@ class Mamba2Mixer(Mixer):
         from (its conv window and SSM state, both differentiable; either may be None: zeros,
         or for the SSM state the learned one), entering the row's first document."""
         z, xBC_in, dt = self.project(u)
-        before = self.window_before(initial_state)
-        y, ssm_state = self.conv_and_scan(xBC_in, dt, seq_idx, ctx, before,
+        operands = self._conv_operands(xBC_in, seq_idx, ctx, self.window_before(initial_state))
+        y, ssm_state = self.conv_and_scan(operands, dt, seq_idx, ctx,
                                           self.entering_state(u.shape[0], initial_state))
         out = self.gated_out_proj(y, z, ctx)
         if cache_len is None:
             return out, None
-        window = self.final_window(xBC_in, seq_idx, ctx, before)
-        return out, MambaCache(window, ctx.from_last_cp(ssm_state))
+        xBC_ext, _, _, doc = operands
+        return out, MambaCache(self.final_window(xBC_ext, doc, ctx),
+                               ctx.from_last_cp(ssm_state))
 
     def window_before(self, initial_state: MambaCache | None):
         """The conv inputs before the first token [b, k - 1, e] from a cache's window (its
@@ -259,19 +260,16 @@ class Mamba2Mixer(Mixer):
             return jnp.broadcast_to(self.init_states[...], (batch_size, *self.init_states.shape))
         return None
 
-    def final_window(self, xBC_in, seq_idx, ctx: ParallelContext, before=None):
-        """The conv window after the last token [b, e, k] (MambaCache.conv_state): the last k
-        inputs of the whole sequence (on every cp device), with the window it continued
-        (before) in front of a sequence shorter than k. Zeros stand before the first token
-        and in place of inputs of an earlier document (e.g. left padding), which the next
-        token's conv must not read."""
+    def final_window(self, xBC_ext, doc, ctx: ParallelContext):
+        """The conv window after the last token [b, e, k] (MambaCache.conv_state) from the
+        conv's input and document ids (`_conv_operands`: what precedes the first token in
+        front): the last k inputs of the whole sequence (on every cp device). Zeros stand
+        before the first token and in place of inputs of an earlier document (e.g. left
+        padding), which the next token's conv must not read."""
         k = self.cfg.mamba2.d_conv
-        xBC = ctx.with_previous_tokens(xBC_in, k - 1, before)
-        if seq_idx is not None:
-            doc = document_ids(ctx.with_previous_tokens(seq_idx, k - 1,
-                                                        self._seq_before(seq_idx, before)))
-            xBC = jnp.where((doc == doc[:, -1:])[..., None], xBC, 0)
-        window = jnp.pad(xBC, ((0, 0), (max(k - xBC.shape[1], 0), 0), (0, 0)))[:, -k:]
+        if doc is not None:
+            xBC_ext = jnp.where((doc == doc[:, -1:])[..., None], xBC_ext, 0)
+        window = jnp.pad(xBC_ext, ((0, 0), (max(k - xBC_ext.shape[1], 0), 0), (0, 0)))[:, -k:]
         return ctx.from_last_cp(jnp.swapaxes(window, 1, 2))
 
     @staticmethod
@@ -326,28 +324,28 @@ class Mamba2Mixer(Mixer):
         return w, jnp.concatenate([get(b).reshape(-1) for b in
                                    ("x_conv_bias", "B_conv_bias", "C_conv_bias")])
 
-    def conv_and_scan(self, xBC, dt, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE,
-                      before=None, initial_state=None):
-        """The causal conv and SiLU over xBC [b, l, e], then the SSD with D skip over its x
-        [b, l, h, p], B, C [b, l, g, n] and dt [b, l, h] (before bias and softplus), entered
-        by initial_state [b, h, p, n] (or zeros) -> (y [b, l, h, p], final state [b, h, p,
-        n] float32: this device's, under cp).
+    def conv_and_scan(self, operands, dt, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE,
+                      initial_state=None):
+        """The causal conv and SiLU over the conv's operands (`_conv_operands`: xBC [b, l,
+        e] with what precedes it, the weights, the document ids), then the SSD with D skip
+        over its x [b, l, h, p], B, C [b, l, g, n] and dt [b, l, h] (before bias and
+        softplus), entered by initial_state [b, h, p, n] (or zeros) -> (y [b, l, h, p],
+        final state [b, h, p, n] float32: this device's, under cp).
 
         The conv runs inside the scan's custom_vjp where the kernels run
         (pallas_kernels.ssd's `inputs`): the backward pass recomputes x, B, C from xBC, which
-        out of the three it keeps, as mamba_ssm's fused path does. The conv's reach before
-        the first token is as in `conv`; under cp the scan carries the state across the
-        devices. Under tp, a rank whose heads share groups that tp does not divide takes the
-        groups its heads read."""
+        out of the three it keeps, as mamba_ssm's fused path does. Under cp the scan carries
+        the state across the devices. Under tp, a rank whose heads share groups that tp does
+        not divide takes the groups its heads read."""
         m = self.cfg.mamba2
-        conv = functools.partial(_conv_x_B_C, length=xBC.shape[1],
+        conv = functools.partial(_conv_x_B_C, length=dt.shape[1],
                                  x_shape=self.x_conv.shape[1:], B_shape=self.B_conv.shape[1:],
                                  heads=dims(self.cfg).h, ngroups=m.ngroups, ctx=ctx)
         return ssd(None, dt, -jnp.exp(self.A_log[...]), None, None, chunk_size=m.chunk_size,
                    D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
                    dt_limit=m.dt_limit, initial_state=initial_state, seq_idx=seq_idx,
                    return_final_state=True, sequence_axis=ctx.sequence_axis,
-                   inputs=(conv, self._conv_operands(xBC, seq_idx, ctx, before)))
+                   inputs=(conv, operands))
 
     def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE, before=None):
         """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]
