@@ -53,6 +53,8 @@ USES = {
     # The SSD op alone calls no conv: the same Triton kernels as both training paths.
     "scan": ((), "mamba_chunk_scan_combined (its Triton SSD kernels, which both Mamba2 "
                  "training paths run; it calls no causal_conv1d)", None),
+    "mamba3": ((), "mamba3_siso_combined (its Triton Mamba-3 SISO kernels; Mamba3 has no "
+                   "short conv, so calls no causal_conv1d)", None),
 }
 MODULES = {"mamba2": "mamba_ssm.modules.mamba2",
            "ssd_combined": "mamba_ssm.ops.triton.ssd_combined"}
@@ -135,12 +137,16 @@ class Install:
                 f"{', '.join(unbound)}" if unbound else "")
 
 
+def version(baseline) -> str:
+    """The version of the mamba_ssm copy at `baseline`, read from its __init__."""
+    with open(os.path.join(baseline, "mamba_ssm", "__init__.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
 def probe(baseline) -> Install:
     """The Install of the copy at `baseline`, read in this process: it imports torch, triton and
     mamba_ssm's Mamba2 and SSD modules, and reads what they bound at import."""
     _use_copy(baseline)
-    with open(os.path.join(baseline, "mamba_ssm", "__init__.py")) as f:
-        version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
     conv, missing = causal_conv1d_version()
     modules = {short: importlib.import_module(name) for short, name in MODULES.items()}
 
@@ -148,7 +154,7 @@ def probe(baseline) -> Install:
         module, attribute = name.split(".")
         return getattr(modules[module], attribute) is not None
     bound = {name: is_bound(name) for names, _, _ in USES.values() for name in names}
-    return Install(version, conv, missing, bound)
+    return Install(version(baseline), conv, missing, bound)
 
 
 def probe_in_child(baseline) -> Install:
@@ -180,16 +186,16 @@ def guard(install: Install, use: str, allow_slow: bool) -> Comparison:
     causal_conv1d) unless allow_slow, and then every ratio marked SLOW."""
     _, fast, fallback = USES[use]
     why = install.slow(use)
-    version = install.mamba_ssm
+    release = install.mamba_ssm
     if not why:
         conv = (f"causal_conv1d {install.causal_conv1d}" if install.causal_conv1d
                 else "causal_conv1d absent")
-        return Comparison(f"mamba_ssm {version} {fast}, {conv} (fast path)")
+        return Comparison(f"mamba_ssm {release} {fast}, {conv} (fast path)")
     if not allow_slow:
-        raise SystemExit(f"mamba_ssm {version} would run its slow path, {why}: no ours/theirs "
+        raise SystemExit(f"mamba_ssm {release} would run its slow path, {why}: no ours/theirs "
                          f"ratio against it. Install causal_conv1d: {INSTALL}; or pass "
                          f"--allow-slow-baseline to mark every such ratio{SLOW}.")
-    return Comparison(f"mamba_ssm {version} {fallback}, {why}: every ratio against it is "
+    return Comparison(f"mamba_ssm {release} {fallback}, {why}: every ratio against it is "
                       f"marked{SLOW}", SLOW)
 
 

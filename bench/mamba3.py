@@ -106,7 +106,7 @@ def theirs_fn(mamba3_siso_combined, t_in, chunk):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    baseline.add_arguments(parser, "scan")
+    baseline.add_arguments(parser, "mamba3")
     parser.add_argument("--only-ours", action="store_true",
                         help="time ours alone (no mamba_ssm, no torch): a smoke run")
     parser.add_argument("--warmup", type=int, default=5)
@@ -124,6 +124,10 @@ def main(argv=None):
     if not args.only_ours:
         import torch
         mamba3_siso_combined = baseline.import_mamba3_siso(args.baseline)
+        # Its one path (the kernels call no causal_conv1d), named in the table's header.
+        install = baseline.Install(baseline.version(args.baseline),
+                                   *baseline.causal_conv1d_version(), bound={})
+        print(baseline.guard(install, "mamba3", allow_slow=False).line, flush=True)
     h, p, n = args.heads, args.headdim, args.d_state
     columns = ["b x l"] + [f"{impl} {what} ms" for impl in IMPLEMENTATIONS
                            for what in ("fwd", "fwd+bwd")]

@@ -176,9 +176,7 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     make, args = inputs or ((lambda *xBC: xBC), (x, B, C))
-    x_shape, B_shape, _ = (a.shape for a in jax.eval_shape(make, *args))
-    b, l_row, h, p = x_shape
-    n = B_shape[-1]
+    b, l_row, h, p = jax.eval_shape(make, *args)[0].shape
     rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
     weights, log_decay = map(rows, (weights, log_decay))
     l = l_row // segments
