@@ -5,7 +5,6 @@ row's tokens from the lower half of the vocabulary?
     python examples/encoder_classification.py
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

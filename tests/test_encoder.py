@@ -28,7 +28,7 @@ def reference(mixer, u, seq_idx):
     token's output reads the conv of the inputs around it and both recurrences."""
     P = {".".join(map(str, path)): np.asarray(v[...], np.float64)
          for path, v in nnx.state(mixer).flat_state()}
-    m, d = mixer.cfg.mamba2, mixer.cfg.d_model
+    m = mixer.cfg.mamba2
     u = np.asarray(u, np.float64)
     b, l, _ = u.shape
     h, p, g, n, k = P["dt_bias"].shape[0], m.headdim, m.ngroups, m.d_state, m.d_conv
