@@ -12,7 +12,7 @@ from flax import nnx
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, decode_plan
 from mamba_jax.layers.common import dense, gated_rms_norm, matmul, rms_norm
-from pallas_kernels.decode.norm_matmul import Blocks, _activate, rms_norm_matmul
+from pallas_kernels.decode.norm_matmul import Blocks, _activate, k_tiles, rms_norm_matmul
 
 
 def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
@@ -25,7 +25,7 @@ def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
 
 
 # Each dtype meets each layout, gate/groups and bias/residual setting; k = 1536 is several
-# of the kernel's power-of-two feature tiles (3 of 512, or 6 of 256), n = 40 one-column
+# of the kernel's power-of-two feature tiles (1024 and 512, or 6 of 256), n = 40 one-column
 # programs (the default blocks for so small an n) or five 8-column ones. The last case
 # keeps a bf16 product in float32 (out_dtype, as MLP.fused_step asks).
 @pytest.mark.parametrize("b,dtype,gate,ngroups,bias,residual,w_transposed,blocks,out_dtype", [
@@ -55,8 +55,8 @@ def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_
 @pytest.mark.parametrize("p", [80, 96, 192])
 def test_the_gated_out_projection_at_headdims_that_are_no_power_of_two(p):
     """A Mamba block's out_proj input of 4 heads of p (80, Nemotron Nano 2's; 96; 192) in 2
-    norm groups: k = 4p features, groups of 2p, read in power-of-two tiles that divide a
-    group (32, 64, 128 here); float32, the same arithmetic summed in another order."""
+    norm groups: k = 4p features, groups of 2p, each read in power-of-two tiles (128 and 32,
+    128 and 64, 256 and 128 here); float32, the same arithmetic summed in another order."""
     rng = np.random.default_rng()
     args = _inputs(rng, 2, 4 * p, 8, 2, jnp.float32, True, False, True, True)
     ref = rms_norm_matmul(**args, eps=1e-5, implementation="xla")
@@ -65,16 +65,33 @@ def test_the_gated_out_projection_at_headdims_that_are_no_power_of_two(p):
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(product).max())
 
 
+def test_k_is_read_in_few_power_of_two_tiles_that_cover_each_group():
+    """Each group's features exactly once, in order, in power-of-two widths of at most bk:
+    Nemotron Nano 2's MLP (k 15680, whose largest power-of-two divisor is 64) in 10 loads,
+    not 245; its Mamba out_proj (10240 in 8 norm groups of 1280) in 2 a group."""
+    for k_group, ngroups, bk, count in ((15680, 1, 2048, 10), (1280, 8, 2048, 16),
+                                        (1536, 4, 256, 24), (7, 1, 4, 3)):
+        tiles = k_tiles(k_group, ngroups, bk)
+        assert sum(len(group) for group in tiles) == count
+        for g, group in enumerate(tiles):
+            assert group[0][0] == g * k_group
+            assert sum(width for _, width in group) == k_group
+            assert all(first + width == after for (first, width), (after, _) in
+                       zip(group, group[1:]))
+            assert all(width & (width - 1) == 0 and width <= bk for _, width in group)
+
+
 @pytest.mark.parametrize("activation", ["relu2", "swiglu", "gelu"])
 def test_without_a_norm_it_is_an_mlps_down_projection(activation):
     """weight None: no norm. v = relu(x)**2 ("relu2"), x * silu(z) (swiglu's up times
     silu(gate)), or exact GeLU (whose erf the kernel approximates to 1.5e-7; its tanh
     approximation checked beside) against jax.nn.gelu, rounded to w's dtype, then the
     product, rounded, plus the residual: the MLP layer's arithmetic (layers.MLP), by the
-    reference and the kernel."""
+    reference and the kernel. k = 448 = 7 x 64 (as Nemotron Nano 2's 15680 = 245 x 64) is
+    read in tiles of 256, 128 and 64."""
     rng = np.random.default_rng()
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    up, gate, down, residual = arr(2, 512), arr(2, 512), arr(512, 40) / 512 ** 0.5, arr(2, 40)
+    up, gate, down, residual = arr(2, 448), arr(2, 448), arr(448, 40) / 448 ** 0.5, arr(2, 40)
     down = down.astype(jnp.bfloat16)
     if activation == "relu2":
         kw, a = dict(activation="relu2"), jnp.square(jax.nn.relu(up))

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -70,8 +71,9 @@ SLAB_ELEMENTS = 32768  # the most of w a program loads at once (filled_blocks)
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """The kernel's tiles: output columns per program (block_n), features per load (block_k;
-    a power of two dividing k / ngroups) and warps per program. None: chosen from the shapes
+    """The kernel's tiles: output columns per program (block_n), features per load (block_k,
+    a power of two: each group's k / ngroups features in loads of block_k, the rest in
+    smaller powers of two, `k_tiles`) and warps per program. None: chosen from the shapes
     (`filled_blocks`)."""
     block_n: int | None = None
     block_k: int | None = None
@@ -181,10 +183,29 @@ def filled_blocks(blocks, k, k_group, n, columns_divisor):
     2048. bn divides columns_divisor (n, or where a window's columns start and end)."""
     bn = blocks.block_n or (min(8, SLAB_ELEMENTS // k) if k >= 4096
                             else min(4, n // hardware.two_waves()))
-    bk = blocks.block_k or 2048
     bn = _largest_power_of_two_dividing(columns_divisor, bn)
-    bk = _largest_power_of_two_dividing(k_group, bk)
+    bk = 1 << (min(blocks.block_k or 2048, k_group).bit_length() - 1)
     return bn, bk, blocks.num_warps or 4
+
+
+def k_tiles(k_group, ngroups, bk):
+    """The static loads along k, per group its list of (first feature, width): the group's
+    k_group features in loads of bk, then what is left in the powers of two of its binary
+    form. Triton takes only power-of-two block widths, and tiles of k_group's largest
+    power-of-two divisor alone can be many: nemotron-nano-9b-v2's MLP, k 15680 = 245 x 64,
+    unrolled 245 loads a row (351 KB of Triton IR a kernel, 25 of them in a batch-1 decode
+    loop that did not compile in 280 s on an H200); in these tiles it takes 10."""
+    tiles = []
+    for group in range(ngroups):
+        first, end, width = group * k_group, (group + 1) * k_group, bk
+        group_tiles = []
+        while first < end:
+            while width > end - first:
+                width //= 2
+            group_tiles.append((first, width))
+            first += width
+        tiles.append(group_tiles)
+    return tiles
 
 
 def _kernel(x_ref, *refs, bn, **kw):
@@ -208,8 +229,9 @@ def compute_columns(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_b
         (out_ref,) = refs
     columns = pl.ds(start, bn)
     rows, k = x_ref.shape
-    tiles = [pl.ds(first, bk) for first in range(0, k, bk)]  # static: k / bk of them
-    per_group = len(tiles) // ngroups  # bk divides k / ngroups
+    groups = k_tiles(k // ngroups, ngroups, bk)  # static: a few tiles a group
+    tiles = [pl.ds(first, width) for group in groups for first, width in group]
+    ends = list(itertools.accumulate(len(group) for group in groups))
 
     # The program's whole slab of w is loaded first, so that its loads are in flight while
     # the rows' norms are computed (a pass over the rows before w can be used: a latency,
@@ -234,13 +256,13 @@ def compute_columns(x_ref, *refs, eps, ngroups, bk, bn, has_weight, has_z, has_b
         # (the module docstring): the sum of squares then reduces beside the product, where
         # normalising v first put that reduction, its rsqrt and the scaling before it.
         products = []
-        for group in (range(gi * per_group, (gi + 1) * per_group) for gi in range(ngroups)):
+        for group in (range(end - len(g), end) for g, end in zip(groups, ends)):
             product = sum(jnp.sum(w[ti].astype(jnp.float32) * (
                 v[ti] * scale[ti] if has_weight else v[ti]).astype(w_ref.dtype)
                 .astype(jnp.float32)[None, :], axis=1) for ti in group)
             if has_weight:
                 product = product * jax.lax.rsqrt(
-                    sum(jnp.sum(v[ti] * v[ti]) for ti in group) / (per_group * bk) + eps)
+                    sum(jnp.sum(v[ti] * v[ti]) for ti in group) / (k // ngroups) + eps)
             products.append(product)
         acc = sum(products)
         if has_bias:
