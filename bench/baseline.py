@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -56,6 +57,8 @@ USES = {
     "mamba3": ((), "mamba3_siso_combined (its Triton Mamba-3 SISO kernels; Mamba3 has no "
                    "short conv, so calls no causal_conv1d)", None),
 }
+# mamba_ssm's MIMO torch reference, in its tests (a path under the copy).
+MIMO_REFERENCE = "tests/ops/tilelang/test_mamba3_mimo.py"
 MODULES = {"mamba2": "mamba_ssm.modules.mamba2",
            "ssd_combined": "mamba_ssm.ops.triton.ssd_combined"}
 
@@ -80,6 +83,40 @@ def import_mamba3_siso(baseline):
     _use_copy(baseline)
     from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
     return mamba3_siso_combined
+
+
+def import_mamba3_mimo_reference(baseline):
+    """mamba_ssm's MIMO torch reference (mamba3_MIMO_chunk_ref, apply_angle_dt_reference):
+    its tests/ops/tilelang/test_mamba3_mimo.py in the copy at `baseline`, loaded as a module.
+    That file imports pytest for its test declarations only; where pytest is absent a
+    stand-in takes them. Exits saying how to add the file where the copy lacks it."""
+    path = os.path.join(baseline, *MIMO_REFERENCE.split("/"))
+    if not os.path.exists(path):
+        raise SystemExit(f"mamba_ssm's MIMO reference is not at {path}: add its tests to the "
+                         f"copy, e.g. git --git-dir=<mamba_ssm repository> archive <commit> "
+                         f"tests/ops | tar -x -C {baseline}")
+    _use_copy(baseline)
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        sys.modules["pytest"] = _pytest_stand_in()
+    spec = importlib.util.spec_from_file_location("mamba_ssm_mimo_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pytest_stand_in():
+    """What a test module's declarations use of pytest: param, fixture(...) and
+    mark.<anything>(...) as decorators that return the function."""
+    class Marks:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: (lambda f: f)
+    stand_in = types.ModuleType("pytest")
+    stand_in.param = lambda *values, **kwargs: values
+    stand_in.fixture = lambda *args, **kwargs: (lambda f: f)
+    stand_in.mark = Marks()
+    return stand_in
 
 
 def import_mamba_lm(baseline):
