@@ -54,6 +54,10 @@ USES = {
     # The SSD op alone calls no conv: the same Triton kernels as both training paths.
     "scan": ((), "mamba_chunk_scan_combined (its Triton SSD kernels, which both Mamba2 "
                  "training paths run; it calls no causal_conv1d)", None),
+    # Mamba3 has no short conv: its training calls no causal_conv1d. SISO only: its MIMO
+    # layers need TileLang (bench.mamba3).
+    "train-mamba3": ((), "Mamba3 training: MambaLMHeadModel with Mamba3 layers, SISO "
+                         "(mamba3_siso_combined, its Triton kernels; no causal_conv1d)", None),
     "mamba3": ((), "mamba3_siso_combined (its Triton Mamba-3 SISO kernels; Mamba3 has no "
                    "short conv, so calls no causal_conv1d)", None),
 }
@@ -127,14 +131,27 @@ def import_mamba_lm(baseline):
     return MambaConfig, MambaLMHeadModel
 
 
+def ssm_layer(cfg) -> str | None:
+    """mamba_ssm's ssm_cfg layer for a config of one Mamba kind: "Mamba2" (layers M),
+    "Mamba3" (layers 3); None for a layer pattern its MambaLMHeadModel, a Mamba mixer and an
+    optional MLP in every block, cannot spell (attention, MLP layers of their own, Mamba-1
+    without its CUDA extension, mixed kinds)."""
+    return {frozenset("M"): "Mamba2", frozenset("3"): "Mamba3"}.get(frozenset(cfg.layers))
+
+
 def mamba_config(cfg, MambaConfig, **ssm_cfg):
-    """Our Mamba2Config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through)."""
-    m = cfg.mamba2
+    """Our config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through): its
+    ssm_cfg from our mamba3 section for Mamba-3 layers (its fields are Mamba3's arguments,
+    by name), else from our mamba2 section."""
+    if ssm_layer(cfg) == "Mamba3":
+        section = {"layer": "Mamba3", **dataclasses.asdict(cfg.mamba3)}
+    else:
+        m = cfg.mamba2
+        section = {"layer": "Mamba2", "d_state": m.d_state, "headdim": m.headdim,
+                   "ngroups": m.ngroups, "chunk_size": m.chunk_size}
     return MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                       ssm_cfg={"layer": "Mamba2", "d_state": m.d_state, "headdim": m.headdim,
-                                "ngroups": m.ngroups, "chunk_size": m.chunk_size, **ssm_cfg},
-                       rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
-                       pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+                       ssm_cfg={**section, **ssm_cfg}, rms_norm=True, residual_in_fp32=True,
+                       fused_add_norm=True, pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
                        tie_embeddings=cfg.tie_embeddings)
 
 
