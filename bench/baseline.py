@@ -140,18 +140,20 @@ def ssm_layer(cfg) -> str | None:
 
 
 def mamba_config(cfg, MambaConfig, **ssm_cfg):
-    """Our config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through): its
-    ssm_cfg from our mamba3 section for Mamba-3 layers (its fields are Mamba3's arguments,
-    by name), else from our mamba2 section."""
+    """Our config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through): for
+    Mamba-3 layers the config our mamba_ssm checkpoints carry
+    (mamba_jax.formats.mamba_ssm_config_dict), else Mamba2 layers of our mamba2 section's
+    sizes."""
     if ssm_layer(cfg) == "Mamba3":
-        section = {"layer": "Mamba3", **dataclasses.asdict(cfg.mamba3)}
-    else:
-        m = cfg.mamba2
-        section = {"layer": "Mamba2", "d_state": m.d_state, "headdim": m.headdim,
-                   "ngroups": m.ngroups, "chunk_size": m.chunk_size}
+        from mamba_jax.formats import mamba_ssm_config_dict
+        config = mamba_ssm_config_dict(cfg)
+        return MambaConfig(**dict(config, ssm_cfg={**config["ssm_cfg"], **ssm_cfg}))
+    m = cfg.mamba2
     return MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
-                       ssm_cfg={**section, **ssm_cfg}, rms_norm=True, residual_in_fp32=True,
-                       fused_add_norm=True, pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
+                       ssm_cfg={"layer": "Mamba2", "d_state": m.d_state, "headdim": m.headdim,
+                                "ngroups": m.ngroups, "chunk_size": m.chunk_size, **ssm_cfg},
+                       rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                       pad_vocab_size_multiple=cfg.pad_vocab_size_multiple,
                        tie_embeddings=cfg.tie_embeddings)
 
 

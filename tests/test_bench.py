@@ -192,7 +192,8 @@ def test_mamba3_presets_become_mamba_ssms_mamba3_layers():
     cfg = Mamba2Config.preset("mamba3-1.3b")
     theirs = baseline.mamba_config(cfg, dict)
     assert baseline.ssm_layer(cfg) == "Mamba3" and theirs["d_model"] == 2048
-    # Every field of our section is one of Mamba3's arguments, by name (mamba_ssm e9594ce).
+    # The config our mamba_ssm checkpoints carry: every field of our section, by name one of
+    # Mamba3's arguments (mamba_ssm e9594ce).
     assert theirs["ssm_cfg"] == {"layer": "Mamba3", "d_state": 128, "expand": 2, "headdim": 64,
                                  "ngroups": 1, "rope_fraction": 0.5, "dt_min": 0.001,
                                  "dt_max": 0.1, "dt_init_floor": 1e-4, "A_floor": 1e-4,
