@@ -26,7 +26,8 @@ and every gradient, against mamba_ssm's float32 torch reference of those kernels
 (mamba3_MIMO_chunk_ref in its tests/ops/tilelang/test_mamba3_mimo.py, imported from
 --baseline) at the check shape.
 
-Checks, each the worst difference over the largest value, 3e-2 at most. First, exiting on a
+Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
+gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First, exiting on a
 miss: ours against the token-by-token recurrence in float64 at a tiny shape; at one small
 shape of the timed layout (1 x --check-len tokens) our kernels against our XLA form, values
 and every gradient (checked there only: the XLA form is the slower to compile and run at
@@ -70,6 +71,12 @@ from pallas_kernels.mamba3.reference import mamba3_naive  # noqa: E402
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 GRADS = ("C", "B", "x", "adt", "dt", "trap", "angles", "C_bias", "B_bias", "D")
 TOLERANCE = 3e-2
+# Gradients that sum over the whole row (the biases' and D's over every token, the angles' a
+# reverse cumulative sum) add bf16 roundings over every token: against the float64
+# recurrence at 1 x 1024 with 64 heads (a CPU, 2026-12-01) both our kernels and our XLA form
+# missed d(angles) by 3.3e-2 and 4.2e-2 and d(C_bias) by up to 1.8e-2, and a longer row
+# misses by more. A layout or sign error misses by O(1).
+TOLERANCES = {"dangles": 1e-1, "dC_bias": 1e-1, "dB_bias": 1e-1, "dD": 1e-1}
 
 
 def make_inputs(rng, b, l, h, p, n, r, dtype):
@@ -113,11 +120,11 @@ def rel_err(a, b):
 
 
 def report(label, errs, tolerance=TOLERANCE) -> str:
-    """Print the errors (name -> relative error); '' where all are under tolerance, else
-    the failure's line (NaN fails too)."""
+    """Print the errors (name -> relative error); '' where each is under its tolerance
+    (TOLERANCES, else `tolerance`), else the failure's line (NaN fails too)."""
     print(f"check {label}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()),
           flush=True)
-    bad = {k: v for k, v in errs.items() if not v < tolerance}
+    bad = {k: v for k, v in errs.items() if not v < TOLERANCES.get(k, tolerance)}
     return f"CHECK FAILED: {label}: {bad}" if bad else ""
 
 
@@ -228,6 +235,8 @@ def parse_args(argv):
     parser.add_argument("--chunk", type=int, default=64,
                         help="the XLA form's chunk and mamba_ssm's SISO chunk (for MIMO its "
                              "reference takes chunk / rank, its recommendation)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the inputs' random seed (default: the clock's seconds)")
     parser.add_argument("--check-len", type=int, default=256,
                         help="the tokens of the one-row shape the kernels are checked at "
                              "against the XLA form (and MIMO against mamba_ssm's reference)")
@@ -243,10 +252,11 @@ def main(argv=None):
     mimo = args.mimo_rank is not None
     r = args.mimo_rank or 1
     rotary = "halves" if mimo else "pairwise"  # mamba_ssm's pairing in each (reference.py)
-    rng = np.random.default_rng(int(time.time()))
+    seed = int(time.time()) if args.seed is None else args.seed
+    rng = np.random.default_rng(seed)
     h, p, n = args.heads, args.headdim, args.d_state
     print(f"{device_line()}; {'MIMO rank ' + str(r) if mimo else 'SISO'}, {h} heads of {p}, "
-          f"d_state {n}, one B/C group, {n // 4} angles", flush=True)
+          f"d_state {n}, one B/C group, {n // 4} angles; seed {seed}", flush=True)
     check_against_naive(rng, args.chunk, r, rotary)
 
     # Everything of mamba_ssm's imported before any timing: a missing piece costs none.
