@@ -4,7 +4,7 @@ and our MIMO scan checked against mamba_ssm's MIMO torch reference.
     python3 -m bench.mamba3 [--baseline .baseline/e9594ce] [--warmup 5] [--reps 30]
                             [--shapes 8x2048 8x8192 1x65536] [--implementations triton [xla]]
                             [--mimo-rank [R]] [--heads 64] [--headdim 64] [--d-state 128]
-                            [--chunk 64] [--check-len 256]
+                            [--chunk 64] [--check-len 256] [--seed N]
     python3 -m bench.mamba3 --only-ours --shapes 1x64 --heads 2 --headdim 16 --d-state 16 \\
                             --chunk 16 --check-len 32        # a CPU smoke run, no torch
 
@@ -27,16 +27,16 @@ and every gradient, against mamba_ssm's float32 torch reference of those kernels
 --baseline) at the check shape.
 
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
-gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First, exiting on a
-miss: ours against the token-by-token recurrence in float64 at a tiny shape; at one small
-shape of the timed layout (1 x --check-len tokens) our kernels against our XLA form, values
-and every gradient (checked there only: the XLA form is the slower to compile and run at
-long rows), and for MIMO ours against mamba_ssm's reference. Then for SISO, at every timed
-shape, mamba_ssm's output and every gradient (C, B, x, adt, dt, trap, angles, the biases, D)
-against ours on the same bf16 inputs; a miss there is printed and marks its row (the last
-column: the worst difference), the other shapes are still timed, and the script exits
-non-zero at the end (mamba_ssm's tests note that its kernels' angle sums drift from its
-reference over long rows).
+gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,
+exiting on a miss: ours against the token-by-token recurrence in float64 at a tiny shape; at
+one small shape of the timed layout (1 x --check-len tokens) our kernels against our XLA
+form, values and every gradient (checked there only: the XLA form is the slower to compile
+and run at long rows), and for MIMO ours against mamba_ssm's reference. Then for SISO, at
+every timed shape, mamba_ssm's output and every gradient (C, B, x, adt, dt, trap, angles,
+the biases, D) against ours on the same bf16 inputs; a miss there is printed and marks its
+row (the last column: the worst difference), the other shapes are still timed, and the
+script exits non-zero at the end (mamba_ssm's tests note that its kernels' angle sums drift
+from its reference over long rows).
 
 Timing as bench/ssd.py: one jitted call (or the autograd function) from call to results
 ready, median of --reps after --warmup; the forward+backward takes the output's cotangent

@@ -193,9 +193,9 @@ class Steps:
 
     def measure(self, batch, seq_len, steps, breakdown=False):
         """Run the step: compile seconds, the first step's seconds, median step seconds,
-        tokens/s, MFU, peak memory per device (GiB), planned memory (GiB), loss; with breakdown also the median seconds
-        of the loss alone (forward) and of the loss and its gradient (forward + backward),
-        the rest of the step being the optimizer update."""
+        tokens/s, MFU, peak memory per device (GiB), planned memory (GiB), loss; with
+        breakdown also the median seconds of the loss alone (forward) and of the loss and its
+        gradient (forward + backward), the rest of the step being the optimizer update."""
         import jax
 
         from mamba_jax.metrics import train_flops_per_token
@@ -237,7 +237,8 @@ class Steps:
         loss = float(loss)
         self.state = (params, opt_state)
         return {"mesh": self.mesh_spec, "batch": batch, "seq_len": seq_len,
-                "compile_s": compile_s, "first_step_s": times[0], "step_s": step_s, "tokens_s": batch * seq_len / step_s,
+                "compile_s": compile_s, "first_step_s": times[0], "step_s": step_s,
+                "tokens_s": batch * seq_len / step_s,
                 "mfu": flops / step_s / (peak_flops(devices[0].device_kind) * len(devices)),
                 "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
