@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -53,9 +54,15 @@ USES = {
     # The SSD op alone calls no conv: the same Triton kernels as both training paths.
     "scan": ((), "mamba_chunk_scan_combined (its Triton SSD kernels, which both Mamba2 "
                  "training paths run; it calls no causal_conv1d)", None),
+    # Mamba3 has no short conv: its training calls no causal_conv1d. SISO only: its MIMO
+    # layers need TileLang (bench.mamba3).
+    "train-mamba3": ((), "Mamba3 training: MambaLMHeadModel with Mamba3 layers, SISO "
+                         "(mamba3_siso_combined, its Triton kernels; no causal_conv1d)", None),
     "mamba3": ((), "mamba3_siso_combined (its Triton Mamba-3 SISO kernels; Mamba3 has no "
                    "short conv, so calls no causal_conv1d)", None),
 }
+# mamba_ssm's MIMO torch reference, in its tests (a path under the copy).
+MIMO_REFERENCE = "tests/ops/tilelang/test_mamba3_mimo.py"
 MODULES = {"mamba2": "mamba_ssm.modules.mamba2",
            "ssd_combined": "mamba_ssm.ops.triton.ssd_combined"}
 
@@ -82,6 +89,40 @@ def import_mamba3_siso(baseline):
     return mamba3_siso_combined
 
 
+def import_mamba3_mimo_reference(baseline):
+    """mamba_ssm's MIMO torch reference (mamba3_MIMO_chunk_ref, apply_angle_dt_reference):
+    its tests/ops/tilelang/test_mamba3_mimo.py in the copy at `baseline`, loaded as a module.
+    That file imports pytest for its test declarations only; where pytest is absent a
+    stand-in takes them. Exits saying how to add the file where the copy lacks it."""
+    path = os.path.join(baseline, *MIMO_REFERENCE.split("/"))
+    if not os.path.exists(path):
+        raise SystemExit(f"mamba_ssm's MIMO reference is not at {path}: add its tests to the "
+                         f"copy, e.g. git --git-dir=<mamba_ssm repository> archive <commit> "
+                         f"tests/ops | tar -x -C {baseline}")
+    _use_copy(baseline)
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        sys.modules["pytest"] = _pytest_stand_in()
+    spec = importlib.util.spec_from_file_location("mamba_ssm_mimo_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pytest_stand_in():
+    """What a test module's declarations use of pytest: param, fixture(...) and
+    mark.<anything>(...) as decorators that return the function."""
+    class Marks:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: (lambda f: f)
+    stand_in = types.ModuleType("pytest")
+    stand_in.param = lambda *values, **kwargs: values
+    stand_in.fixture = lambda *args, **kwargs: (lambda f: f)
+    stand_in.mark = Marks()
+    return stand_in
+
+
 def import_mamba_lm(baseline):
     """(MambaConfig, MambaLMHeadModel) from the copy at `baseline`."""
     _use_copy(baseline)
@@ -90,8 +131,23 @@ def import_mamba_lm(baseline):
     return MambaConfig, MambaLMHeadModel
 
 
+def ssm_layer(cfg) -> str | None:
+    """mamba_ssm's ssm_cfg layer for a config of one Mamba kind: "Mamba2" (layers M),
+    "Mamba3" (layers 3); None for a layer pattern its MambaLMHeadModel, a Mamba mixer and an
+    optional MLP in every block, cannot spell (attention, MLP layers of their own, Mamba-1
+    without its CUDA extension, mixed kinds)."""
+    return {frozenset("M"): "Mamba2", frozenset("3"): "Mamba3"}.get(frozenset(cfg.layers))
+
+
 def mamba_config(cfg, MambaConfig, **ssm_cfg):
-    """Our Mamba2Config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through)."""
+    """Our config as mamba_ssm's MambaConfig (extra ssm_cfg entries passed through): for
+    Mamba-3 layers the config our mamba_ssm checkpoints carry
+    (mamba_jax.formats.mamba_ssm_config_dict), else Mamba2 layers of our mamba2 section's
+    sizes."""
+    if ssm_layer(cfg) == "Mamba3":
+        from mamba_jax.formats import mamba_ssm_config_dict
+        config = mamba_ssm_config_dict(cfg)
+        return MambaConfig(**dict(config, ssm_cfg={**config["ssm_cfg"], **ssm_cfg}))
     m = cfg.mamba2
     return MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
                        ssm_cfg={"layer": "Mamba2", "d_state": m.d_state, "headdim": m.headdim,

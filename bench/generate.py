@@ -27,6 +27,13 @@ mamba_ssm's MambaLMHeadModel puts an MLP in every block, so it cannot spell such
 pattern, and its attention decodes only with flash_attn. So does a Mamba-1 preset
 (mamba-1.4b): mamba_ssm's Mamba-1 prefill runs its compiled selective_scan_cuda, which the
 GPU machine does not build (bench.selective_scan times its Triton decoding update alone).
+So does a Mamba-3 preset (mamba3-1.3b): mamba_ssm's Mamba3 decodes one token only through
+its CuTe-DSL kernel (ops/cute/mamba3/mamba3_step_fn.py), which needs nvidia-cutlass-dsl
+(its CUDA 13 libraries' wheel alone is 92 MB, more than can be carried to the GPU machine)
+and quack. Mamba-3 layers have no step kernels of ours either: their step is XLA's
+(Mamba3Mixer.step) under every --step-implementations value. Its floor counts its weights
+and its state per row: the angles, the SSM state and the trapezoid's carried k and x
+(mamba3_bytes).
 
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
 (generate's step_implementation) and command-buffer setting (on: the decode loop compiled
@@ -63,7 +70,7 @@ from bench.harness import (check_kernel, copy_bandwidth, median_time, result, ru
 from mamba_jax import Mamba2Config, Mamba2LM, generate
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
-from mamba_jax.layers import mamba1, mamba2
+from mamba_jax.layers import mamba1, mamba2, mamba3
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd.step import dequantize, mamba_step, mamba_step_shifted, quantize
@@ -94,9 +101,26 @@ def step_bytes(cfg: Mamba2Config, batch: int, state_bytes: float, context: float
     q, kv = a.num_heads * a.head_dim, a.num_heads_kv * a.head_dim
     attention = 2 * d * (2 * q + 2 * kv) + 4 * d + batch * 2 * 2 * kv * (context + 1)
     mlp = 2 * d * cfg.mlp.d_intermediate * (3 if cfg.mlp.activation == "swiglu" else 2) + 4 * d
-    per_kind = {"M": mamba, "1": mamba1_bytes, "*": attention, "-": mlp}
+    per_kind = {"M": mamba, "1": mamba1_bytes, "3": mamba3_bytes(cfg, batch, state_bytes),
+                "*": attention, "-": mlp}
     return (sum(per_kind[kind] for kind in cfg.layers) + 2 * cfg.padded_vocab_size * d
             + 4 * d)
+
+
+def mamba3_bytes(cfg: Mamba2Config, batch: int, state_bytes: float) -> float:
+    """Bytes one Mamba-3 layer's decode step reads or writes at the least: in_proj and
+    out_proj once in bf16 (Mamba3Mixer.step_weights casts them), its float32 vectors once
+    (dt_bias, the B and C biases [h, r, n] and norms, D, the block's norm; with MIMO mimo_x,
+    mimo_z, mimo_o [h, r, p]; with is_outproj_norm its weight [h, p]), and each row's state
+    read and written: the angles [h, a], the SSM state [h, p, n] (state_bytes an element),
+    the trapezoid's carried k [r, h, n] and x [h, p] (float32)."""
+    d, h, p, g, r, n, a = mamba3.dims(cfg)
+    m = cfg.mamba3
+    matmul = d * (2 * h * p + 2 * r * g * n + 3 * h + a) + h * p * d
+    small = (2 * h + 2 * h * r * n + 2 * n + d + (3 * h * r * p if m.is_mimo else 0)
+             + (h * p if m.is_outproj_norm else 0))
+    state = 4 * (h * a + r * h * n + h * p) + state_bytes * h * p * n
+    return 2 * matmul + 4 * small + batch * 2 * state
 
 
 def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
@@ -304,6 +328,9 @@ def main(argv=None):
                 why = ("its Mamba-1 prefill needs its selective_scan_cuda extension; "
                        "bench.selective_scan times its Triton selective_state_update"
                        if set(cfg.layers) == {"1"} else
+                       "its Mamba3 decodes only through its CuTe-DSL step (mamba3_step_fn: "
+                       "nvidia-cutlass-dsl and quack), which does not install on the GPU "
+                       "machine" if set(cfg.layers) == {"3"} else
                        f"its blocks cannot spell the layer pattern {cfg.layers}, and its "
                        "attention decodes only with flash_attn")
                 print(f"{preset}: mamba_ssm not run ({why})")

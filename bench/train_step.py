@@ -30,12 +30,21 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
   doubled until out of memory, then bisected), tokens/s and MFU of our step and of
   mamba_ssm's MambaLMHeadModel + torch.optim.AdamW (bf16 autocast over float32 weights, the
   same optimizer settings) in the same run, each on its own GPU (CUDA_VISIBLE_DEVICES), or
-  on a one-GPU machine one after the other.
-  mamba_ssm comes from --baseline (a git-ignored copy of its Python, bench.baseline) and
-  trains on its fast path, use_mem_eff_path=True (mamba_split_conv1d_scan_combined, with
-  causal_conv1d's conv), named in the table's header. Without that extension the table
-  prints no ratio unless --allow-slow-baseline, which runs use_mem_eff_path=False and marks
-  them.
+  on a one-GPU machine one after the other; and each side's time to its first step: ours,
+  the compile and the first step at the batch measured (the batch search's other compiles
+  not counted); theirs, the first training step its process runs (at --batch, before the
+  search's other steps), which holds its CUDA and Triton compiles and autotuning.
+  mamba_ssm comes from --baseline (a git-ignored copy of its Python, bench.baseline), its
+  model built from our preset (bench.baseline.mamba_config). Mamba2 presets train on its fast
+  path, use_mem_eff_path=True (mamba_split_conv1d_scan_combined, with causal_conv1d's conv),
+  named in the table's header; without that extension the table prints no ratio unless
+  --allow-slow-baseline, which runs use_mem_eff_path=False and marks them. Mamba-3 presets
+  (mamba3-*; --baseline a copy of a commit whose MambaLMHeadModel takes ssm_cfg layer
+  "Mamba3", e.g. .baseline/e9594ce) train its Mamba3 layers, SISO, on mamba3_siso_combined
+  (its Triton kernels; no short conv, so no causal_conv1d); MIMO would need its TileLang
+  kernels, which do not install on the GPU machine, so a MIMO preset (and a layer pattern its
+  blocks cannot spell) gets our columns alone. Our Mamba-3 layers run mamba3_scan's default
+  implementation.
 
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
@@ -183,10 +192,10 @@ class Steps:
                 parallel.global_array(ids[..., 1:], self.rows))
 
     def measure(self, batch, seq_len, steps, breakdown=False):
-        """Run the step: compile seconds, median step seconds, tokens/s, MFU, peak memory
-        per device (GiB), planned memory (GiB), loss; with breakdown also the median seconds
-        of the loss alone (forward) and of the loss and its gradient (forward + backward),
-        the rest of the step being the optimizer update."""
+        """Run the step: compile seconds, the first step's seconds, median step seconds,
+        tokens/s, MFU, peak memory per device (GiB), planned memory (GiB), loss; with
+        breakdown also the median seconds of the loss alone (forward) and of the loss and its
+        gradient (forward + backward), the rest of the step being the optimizer update."""
         import jax
 
         from mamba_jax.metrics import train_flops_per_token
@@ -228,7 +237,8 @@ class Steps:
         loss = float(loss)
         self.state = (params, opt_state)
         return {"mesh": self.mesh_spec, "batch": batch, "seq_len": seq_len,
-                "compile_s": compile_s, "step_s": step_s, "tokens_s": batch * seq_len / step_s,
+                "compile_s": compile_s, "first_step_s": times[0], "step_s": step_s,
+                "tokens_s": batch * seq_len / step_s,
                 "mfu": flops / step_s / (peak_flops(devices[0].device_kind) * len(devices)),
                 "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
@@ -312,7 +322,9 @@ def gpus_for(mesh_spec: str) -> str:
 # ---- mamba_ssm's step (torch), in its own process ----
 
 def theirs(args):
-    """Largest batch (doubling, then bisecting) and tokens/s of mamba_ssm's training step."""
+    """Largest batch (doubling, then bisecting) and tokens/s of mamba_ssm's training step,
+    and the seconds of the first step this process runs (at --batch, its CUDA and Triton
+    compiles and autotuning included)."""
     import torch
     import torch.nn.functional as F
 
@@ -321,10 +333,15 @@ def theirs(args):
 
     cfg = Mamba2Config.preset(args.preset)
     MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(args.baseline)
-    # Its fast path wherever it can run here; the parent's guard refused a run without it
-    # or marks its ratios.
-    mem_eff = not baseline.probe(args.baseline).slow("train")
-    config = baseline.mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
+    if baseline.ssm_layer(cfg) == "Mamba3":  # one path: mamba3_siso_combined
+        config = baseline.mamba_config(cfg, MambaConfig)
+        path = "Mamba3 SISO (mamba3_siso_combined)"
+    else:
+        # Its fast path wherever it can run here; the parent's guard refused a run without
+        # it or marks its ratios.
+        mem_eff = not baseline.probe(args.baseline).slow("train")
+        config = baseline.mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
+        path = f"use_mem_eff_path={mem_eff}"
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.float32)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2
@@ -343,10 +360,15 @@ def theirs(args):
         opt.zero_grad(set_to_none=True)
         return loss
 
+    first = {}  # the first step that ran: its seconds and batch
+
     def fits(batch):
         try:
             ids = torch.randint(0, cfg.vocab_size, (batch, args.seq_len + 1), device="cuda")
+            start = time.perf_counter()
             step(ids).item()
+            first.setdefault("first_step_s", time.perf_counter() - start)
+            first.setdefault("first_step_batch", batch)
             step(ids).item()
             return True
         except torch.OutOfMemoryError:
@@ -371,8 +393,7 @@ def theirs(args):
             "tokens_s": ok * args.seq_len / step_s,
             "mfu": flops / step_s / peak_flops(torch.cuda.get_device_name()),
             "peak_gib": torch.cuda.max_memory_allocated() / GIB, "loss": loss,
-            "finite": math.isfinite(loss), "first_oom_batch": bad,
-            "use_mem_eff_path": mem_eff})
+            "finite": math.isfinite(loss), "first_oom_batch": bad, "path": path, **first})
 
 
 # ---- the tables ----
@@ -467,17 +488,54 @@ def longest(args):
             print(row(r) + extra, flush=True)
 
 
+def mamba3_default_implementation() -> str:
+    """The implementation our Mamba-3 layers' scan runs (mamba3_scan's default)."""
+    import inspect
+
+    from pallas_kernels.mamba3 import mamba3_scan
+    return inspect.signature(mamba3_scan).parameters["implementation"].default
+
+
+def not_comparable(cfg) -> str:
+    """Why mamba_ssm's step does not run for this config ('' where it does)."""
+    layer = baseline.ssm_layer(cfg)
+    if layer is None:
+        return (f"mamba_ssm's MambaLMHeadModel cannot spell the layer pattern "
+                f"{cfg.layers[:12]}...")
+    if layer == "Mamba3" and cfg.mamba3.is_mimo:
+        return ("mamba_ssm's Mamba3 MIMO trains only on its TileLang kernels, which do not "
+                "install on the GPU machine")
+    return ""
+
+
 def versus(args):
-    compared = baseline.comparison(args.baseline, "train", args.allow_slow_baseline)
+    from mamba_jax.config import Mamba2Config
+
+    configs = {preset: Mamba2Config.preset(preset) for preset in args.presets}
+    # mamba_ssm's path per kind of preset, checked before any timing.
+    uses = {preset: "train-mamba3" if baseline.ssm_layer(cfg) == "Mamba3" else "train"
+            for preset, cfg in configs.items() if not not_comparable(cfg)}
+    compared = {use: baseline.comparison(args.baseline, use, args.allow_slow_baseline)
+                for use in dict.fromkeys(uses.values())}
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
           f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next at "
-          "the same time (on a one-GPU machine, one after the other)")
-    print(compared.line)
+          "the same time (on a one-GPU machine, one after the other). First step: ours, the "
+          "compile and the first step at the batch measured; theirs, the first step its "
+          f"process ran (batch {args.batch}, its CUDA and Triton compiles and autotuning "
+          "included)")
+    print(f"mamba_ssm from {args.baseline}")
+    if any("3" in cfg.layers for cfg in configs.values()):
+        print(f"ours: Mamba-3 layers on mamba3_scan's default implementation, "
+              f"{mamba3_default_implementation()!r}")
+    for comparison in compared.values():
+        print(comparison.line)
     print(table_header(("model", "ours batch", "ours tokens/s", "ours MFU", "ours peak GiB",
                         "theirs batch", "theirs tokens/s", "theirs MFU", "theirs peak GiB",
-                        "ours/theirs tokens/s")), flush=True)
-    for preset in args.presets:
+                        "ours/theirs tokens/s", "ours first step s", "theirs first step s")),
+          flush=True)
+    for preset, cfg in configs.items():
         args.preset = preset
+        why = not_comparable(cfg)
         # On two GPUs at the same time, each its own; on one, ours and then theirs.
         apart = gpu_count() >= 2
         theirs_argv = ["_theirs", f"--preset={preset}", f"--batch={args.batch}",
@@ -486,19 +544,31 @@ def versus(args):
         with concurrent.futures.ThreadPoolExecutor(2 if apart else 1) as pool:
             mine = pool.submit(in_process, gpus(1), child_argv(args, "batch", "dp=1"),
                                args.timeout)
-            their = pool.submit(in_process, gpus(1, skip=1 if apart else 0), theirs_argv,
-                                args.timeout)
-            m, t = mine.result()[-1], their.result()[-1]
-        if "error" in m or "error" in t:
-            print(f"| {preset} | {m.get('error', '')} | | | | {t.get('error', '')} | | | | |")
-            continue
-        print(table_row((preset, m["batch"], f"{m['tokens_s']:,.0f}", f"{100 * m['mfu']:.1f}%",
-                         f"{m['peak_gib']:.1f}", t["batch"], f"{t['tokens_s']:,.0f}",
-                         f"{100 * t['mfu']:.1f}%", f"{t['peak_gib']:.1f}",
-                         compared.ratio(m["tokens_s"], t["tokens_s"]))), flush=True)
-        print(f"  ours: next batch planned {m['next_planned_gib']:.1f} GiB > "
-              f"{m['limit_gib']:.1f}; theirs: out of memory at batch {t['first_oom_batch']}, "
-              f"use_mem_eff_path={t['use_mem_eff_path']}", flush=True)
+            their = None if why else pool.submit(in_process, gpus(1, skip=1 if apart else 0),
+                                                 theirs_argv, args.timeout)
+            m = mine.result()[-1]
+            t = {"error": f"not run: {why}"} if why else their.result()[-1]
+        ours_cells = ("", "", "", "", "") if "error" in m else (
+            m["batch"], f"{m['tokens_s']:,.0f}", f"{100 * m['mfu']:.1f}%",
+            f"{m['peak_gib']:.1f}", f"{m['compile_s'] + m['first_step_s']:.1f}")
+        theirs_cells = ("", "", "", "", "") if "error" in t else (
+            t["batch"], f"{t['tokens_s']:,.0f}", f"{100 * t['mfu']:.1f}%",
+            f"{t['peak_gib']:.1f}", f"{t.get('first_step_s', math.nan):.1f}")
+        ratio = ("" if "error" in m or "error" in t else
+                 compared[uses[preset]].ratio(m["tokens_s"], t["tokens_s"]))
+        print(table_row((preset, *ours_cells[:4], *theirs_cells[:4], ratio, ours_cells[4],
+                         theirs_cells[4])), flush=True)
+        if "error" in m:
+            print(f"  ours: {m['error']}", flush=True)
+        else:
+            print(f"  ours: next batch planned {m['next_planned_gib']:.1f} GiB > "
+                  f"{m['limit_gib']:.1f}; first step {m['first_step_s']:.1f} s after "
+                  f"{m['compile_s']:.1f} s of compile", flush=True)
+        if "error" in t:
+            print(f"  theirs: {t['error']}", flush=True)
+        else:
+            print(f"  theirs: out of memory at batch {t['first_oom_batch']}, {t['path']}; "
+                  f"first step at batch {t.get('first_step_batch')}", flush=True)
 
 
 def main(argv=None):

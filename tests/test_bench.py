@@ -1,16 +1,20 @@
 """The benchmark package without a GPU or torch: every module imports, every script answers
 --help (and runs as `python -m bench.<script>`), and the baseline guard reads mamba_ssm's path from
 what its modules bound, refusing a ratio against its slow path unless allowed, then marked.
+Mamba-3: our presets as mamba_ssm's config, mamba_ssm's MIMO reference loaded from the copy's
+tests, the decoding floor's bytes, and bench.mamba3's checks and row on a tiny MIMO shape.
 
 mamba_ssm's copy is stood in for by a folder of three small modules that bind
 causal_conv1d's functions, or None, the way mamba_ssm's Mamba2 and SSD modules do; torch
 and causal_conv1d by empty modules where a test needs them present.
 """
 
+import dataclasses
 import importlib
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +184,119 @@ def test_our_config_becomes_mamba_ssms_for_every_preset():
     assert theirs["d_model"] == 2048 and theirs["n_layer"] == 48
     assert theirs["ssm_cfg"] == {"layer": "Mamba2", "d_state": 128, "headdim": 64,
                                  "ngroups": 1, "chunk_size": 256, "use_mem_eff_path": True}
+
+
+def test_mamba3_presets_become_mamba_ssms_mamba3_layers():
+    from mamba_jax import Mamba2Config
+    from mamba_jax.layers.mamba3 import Mamba3Section
+    cfg = Mamba2Config.preset("mamba3-1.3b")
+    theirs = baseline.mamba_config(cfg, dict)
+    assert baseline.ssm_layer(cfg) == "Mamba3" and theirs["d_model"] == 2048
+    # The config our mamba_ssm checkpoints carry: every field of our section, by name one of
+    # Mamba3's arguments (mamba_ssm e9594ce).
+    assert theirs["ssm_cfg"] == {"layer": "Mamba3", "d_state": 128, "expand": 2, "headdim": 64,
+                                 "ngroups": 1, "rope_fraction": 0.5, "dt_min": 0.001,
+                                 "dt_max": 0.1, "dt_init_floor": 1e-4, "A_floor": 1e-4,
+                                 "is_outproj_norm": False, "is_mimo": False, "mimo_rank": 4,
+                                 "chunk_size": 64}
+    assert set(theirs["ssm_cfg"]) - {"layer"} == {f.name for f in
+                                                  dataclasses.fields(Mamba3Section)}
+    assert baseline.ssm_layer(Mamba2Config.preset("megatron-hybrid-800m")) is None
+
+
+def test_versus_names_why_mamba_ssm_cannot_train_a_preset():
+    from bench.train_step import not_comparable
+    from mamba_jax import Mamba2Config
+    mamba3 = Mamba2Config.preset("mamba3-tiny")
+    assert not_comparable(mamba3) == "" and not_comparable(Mamba2Config.preset("tiny")) == ""
+    mimo = mamba3.replace(mamba3=dict(d_state=32, headdim=32, is_mimo=True, mimo_rank=2))
+    assert "TileLang" in not_comparable(mimo)
+    assert "cannot spell" in not_comparable(Mamba2Config.preset("megatron-hybrid-800m"))
+
+
+def test_mamba3_training_needs_no_causal_conv1d(copy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    compared = baseline.guard(baseline.probe(copy), "train-mamba3", allow_slow=False)
+    assert "Mamba3 layers" in compared.line and "mamba3_siso_combined" in compared.line
+    assert compared.marker == ""
+
+
+MIMO_TEST_MODULE = """
+import pytest
+
+CASES = [pytest.param(16, 64, id="N16")]
+
+
+@pytest.fixture(scope="module")
+def mods():
+    pytest.importorskip("tilelang")
+
+
+@pytest.mark.parametrize("n,p", CASES)
+def test_kernel(n, p):
+    pass
+
+
+def mamba3_MIMO_chunk_ref(*args, **kwargs):
+    return "their reference"
+"""
+
+
+@pytest.mark.parametrize("pytest_present", [True, False])
+def test_mimo_reference_loads_from_the_copys_tests(copy, monkeypatch, pytest_present):
+    with pytest.raises(SystemExit, match="tests/ops | tar -x -C"):
+        baseline.import_mamba3_mimo_reference(copy)
+    write(Path(copy), {baseline.MIMO_REFERENCE: MIMO_TEST_MODULE})
+    if not pytest_present:  # its declarations go to the stand-in
+        monkeypatch.setitem(sys.modules, "pytest", None)
+    reference = baseline.import_mamba3_mimo_reference(copy)
+    assert reference.mamba3_MIMO_chunk_ref() == "their reference"
+    assert (reference.pytest is pytest) == pytest_present
+
+
+def test_mamba3_floor_counts_each_parameter_once_and_the_state_per_row():
+    # Weights: in_proj and out_proj in bf16, the rest float32; per row the cache's four
+    # states read and written, the SSM state in the given bytes an element, the rest float32.
+    import jax
+    from flax import nnx
+
+    from bench.generate import mamba3_bytes
+    from mamba_jax import Mamba2Config, Mamba2LM
+    tiny = Mamba2Config.preset("mamba3-tiny")
+    mimo = tiny.replace(mamba3=dict(d_state=32, headdim=32, is_mimo=True, mimo_rank=2,
+                                    is_outproj_norm=True))
+    for cfg in (tiny, mimo):
+        model = nnx.eval_shape(lambda cfg=cfg: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+        layer = model.layers[0]
+        params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+        bf16 = {"z_proj", "x_proj", "B_proj", "C_proj", "dt_proj", "A_proj", "trap_proj",
+                "angle_proj", "out_proj"}
+        weights = sum((2 if name in bf16 else 4) * leaf.size for path, leaf in
+                      jax.tree_util.tree_leaves_with_path(params)
+                      for name in [path[-1].key])
+        cache = layer.mixer.init_cache(1)
+        state = 4 * (cache.angle.size + cache.k.size + cache.x.size) + 2 * cache.ssm.size
+        assert mamba3_bytes(cfg, 0, 2) == weights
+        assert mamba3_bytes(cfg, 3, 2) == weights + 3 * 2 * state
+
+
+def test_mamba3_bench_checks_and_times_our_mimo_scan_on_a_cpu(capsys):
+    """bench.mamba3 --only-ours at a tiny MIMO shape: the float64 recurrence check, the
+    kernels (Pallas interpreter) against the XLA form, values and every gradient, then a
+    row of times; --mimo-rank alone is mamba_ssm's default rank. A fixed seed: at shapes
+    this small, bf16 roundings in another order reach 3.5e-2 of the largest gradient for
+    some seeds (dD, over 2 heads), over the bench's 3e-2."""
+    from bench import mamba3
+    assert mamba3.parse_args(["--mimo-rank"]).mimo_rank == 4
+    assert mamba3.parse_args([]).mimo_rank is None
+    mamba3.main(["--only-ours", "--mimo-rank", "2", "--shapes", "1x16", "--heads", "2",
+                 "--headdim", "8", "--d-state", "8", "--chunk", "8", "--check-len", "16",
+                 "--warmup", "0", "--reps", "1", "--seed", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "MIMO rank 2" in lines[0] and lines[0].endswith("seed 0")
+    assert lines[1].startswith("check ours (XLA form) against the recurrence, float64: y ")
+    assert lines[2].startswith("check b=1 l=16: kernels against the XLA form: y ")
+    assert "dmimo_x" in lines[2] and "dangles" in lines[2] and "dtrap" in lines[2]
+    assert lines[3] == "| b x l | triton fwd ms | triton fwd+bwd ms |"
+    cells = [c.strip() for c in lines[5].strip("|").split("|")]
+    assert cells[0] == "1x16" and all(float(c) > 0 for c in cells[1:]) and len(cells) == 3

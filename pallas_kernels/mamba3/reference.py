@@ -84,27 +84,33 @@ def wrap(theta):
 
 def cumulative_angles(increments, starts, initial=None, block=64):
     """The angle state after each token: increments [b, l, h, a], starts [b, l] bool (a
-    document starts: the sum restarts there), initial [b, h, a] or None (the angle entering
-    the row's first document) -> theta [b, l, h, a] in [0, 2 pi).
+    document starts: the sum restarts there) or None (one document a row), initial
+    [b, h, a] or None (the angle entering the row's first document) -> theta [b, l, h, a] in
+    [0, 2 pi).
 
     Summed within blocks of `block` tokens, and the wrapped block totals carried from block
     to block, so that no partial sum grows with the sequence (a plain cumulative sum over a
-    long row would lose float32 precision before the wrap)."""
+    long row would lose float32 precision before the wrap). Without starts there is no
+    restart to look up: the gather that finds one would have constant indices, and XLA
+    folded its transpose (a scatter over every angle) at compile time, for minutes."""
     b, l, h, a = increments.shape
     pad = (-l) % block
     inc = jnp.pad(increments, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    starts = jnp.pad(starts, ((0, 0), (0, pad)))
     c = (l + pad) // block
     inc = inc.reshape(b, c, block, h, a)
-    starts = starts.reshape(b, c, block)
     cs = jnp.cumsum(inc, axis=2)
-    # The last start at or before each position inside its block (-1: none): the sum runs
-    # from there, else from the block's entry angle.
-    last = jax.lax.cummax(jnp.where(starts, jnp.arange(block), -1), axis=2)  # [b, c, t]
-    before = cs - inc  # the sum of the block's tokens before each position
-    base = jnp.take_along_axis(before, jnp.maximum(last, 0)[..., None, None], axis=2)
-    local = jnp.where((last >= 0)[..., None, None], cs - base, cs)  # [b, c, t, h, a]
-    opened = (last[..., -1] >= 0)[..., None, None]  # [b, c, 1, 1]: a document starts
+    if starts is None:
+        local, inside = cs, jnp.zeros((b, c, block, 1, 1), bool)
+    else:
+        starts = jnp.pad(starts, ((0, 0), (0, pad))).reshape(b, c, block)
+        # The last start at or before each position inside its block (-1: none): the sum
+        # runs from there, else from the block's entry angle.
+        last = jax.lax.cummax(jnp.where(starts, jnp.arange(block), -1), axis=2)  # [b, c, t]
+        before = cs - inc  # the sum of the block's tokens before each position
+        base = jnp.take_along_axis(before, jnp.maximum(last, 0)[..., None, None], axis=2)
+        inside = (last >= 0)[..., None, None]  # [b, c, t, 1, 1]: a document started
+        local = jnp.where(inside, cs - base, cs)  # [b, c, t, h, a]
+    opened = inside[:, :, -1]  # [b, c, 1, 1]: a document starts in the block
 
     def carry(entry, block_inputs):
         local_end, opened_c = block_inputs
@@ -114,7 +120,7 @@ def cumulative_angles(increments, starts, initial=None, block=64):
     _, entries = jax.lax.scan(carry, entry0, (jnp.moveaxis(local[:, :, -1], 1, 0),
                                               jnp.moveaxis(opened, 1, 0)))
     entries = jnp.moveaxis(entries, 0, 1)[:, :, None]  # [b, c, 1, h, a]
-    theta = local + jnp.where((last >= 0)[..., None, None], 0.0, entries)
+    theta = local + jnp.where(inside, 0.0, entries)
     return wrap(theta.reshape(b, c * block, h, a)[:, :l])
 
 
@@ -254,7 +260,8 @@ def prepare(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, s
     acc = accumulation_dtype(x)
     dt = dt.astype(acc)
     starts = _document_starts(seq_idx, b, l)
-    theta = cumulative_angles(angle_increments(angles, dt), starts, initial_angle, block)
+    theta = cumulative_angles(angle_increments(angles, dt), None if seq_idx is None else starts,
+                              initial_angle, block)
     q = rotate(_by_head(C, h) + jnp.swapaxes(C_bias, 0, 1).astype(C.dtype),
                theta[:, :, None], rotary).astype(x.dtype)
     k = rotate(_by_head(B, h) + jnp.swapaxes(B_bias, 0, 1).astype(B.dtype),
