@@ -137,7 +137,7 @@ def test_a_mamba2_layer_on_the_kernels_keeps_neither_chunk_states_nor_the_gated_
     # from the forward pass: what a layer keeps is its inputs, the projections, the conv's
     # output and the scan's output, all [b, l, ...] (and the weights in the compute dtype).
     import pallas_kernels.ssd as ssd
-    monkeypatch.setattr(ssd, "_triton_is_faster", lambda x, B: True)  # the GPU's choice
+    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)  # the GPU's choice
     cfg = Mamba2Config(d_model=64, n_layer=1, vocab_size=16, mamba2=dict(
         d_state=32, headdim=16, chunk_size=16))
     block = Block(cfg, "M", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)

@@ -12,10 +12,11 @@ mimo_x [h, r, p] (None for SISO, r = 1), initial_state a Mamba3State, seq_idx [b
 (before the gate and, for MIMO, the out-projection over ranks); final_state a Mamba3State.
 What is computed is reference.py's recurrence.
 
-`implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked) or "triton"
+`implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked), "triton"
 (the SSD's Pallas kernels with XLA elementwise work around them, kernels.py; without a GPU
-they run in Pallas's interpreter). The default, "xla", stays until the kernels are measured
-on a GPU (bench/mamba3.py).
+they run in Pallas's interpreter) or "auto" (the default: "triton" where the SSD's own
+"auto" takes its kernels, pallas_kernels.ssd.kernels_are_faster, "xla" elsewhere; measured
+against each other and mamba_ssm by bench/mamba3.py).
 
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
 (context parallelism), each device passes its part and the scan carries the state (angle,
@@ -28,15 +29,16 @@ from pallas_kernels.mamba3.context_parallel import mamba3_context_parallel
 from pallas_kernels.mamba3.kernels import mamba3_kernels
 from pallas_kernels.mamba3.reference import (Mamba3State, check_shapes, mamba3_chunked,
                                              mamba3_step)
+from pallas_kernels.ssd import kernels_are_faster
 
 __all__ = ["mamba3_scan", "mamba3_step", "Mamba3State", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("xla", "triton")
+IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 def mamba3_scan(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D=None,
                 mimo_x=None, rotary="pairwise", initial_state=None, seq_idx=None,
-                sequence_axis=None, implementation="xla"):
+                sequence_axis=None, implementation="auto"):
     """The chunked Mamba-3 scan; see the module docstring for shapes and dtypes."""
     check_shapes(C, B, x, adt, dt, trap, angles, C_bias, B_bias, D, mimo_x, rotary,
                  initial_state, seq_idx)
@@ -45,6 +47,8 @@ def mamba3_scan(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D
                          f"{IMPLEMENTATIONS}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"mamba3_scan: chunk_size={chunk_size!r} must be a positive int")
+    if implementation == "auto":
+        implementation = "triton" if kernels_are_faster(x, C) else "xla"
 
     def scan(*args, **options):
         if implementation == "triton":  # the kernels' own chunk: the same scan

@@ -82,7 +82,7 @@ def ssd(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
     options = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
                    initial_state=initial_state, seq_idx=seq_idx)
     if implementation == "auto":
-        implementation = "triton" if _triton_is_faster(x, B) else "xla"
+        implementation = "triton" if kernels_are_faster(x, B) else "xla"
     if segments == "auto":
         segments = auto_segments(*x.shape[:3], implementation)
     scan = functools.partial(_scan, chunk_size=chunk_size, implementation=implementation)
@@ -130,7 +130,9 @@ def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, inputs=None
     return reference.ssd_chunked(x, dt, A, B, C, chunk_size=chunk_size, **options)
 
 
-def _triton_is_faster(x, B):
+def kernels_are_faster(x, B):
+    """"auto"'s choice for x [..., headdim] and B [..., d_state]: whether the kernels run
+    (module docstring), a fallback logged once where they would but cannot."""
     # Measured on an H200 only (compute capability 9.0); other GPUs keep the XLA path.
     capability = hardware.compute_capability()
     if capability is None or capability < 9.0:
