@@ -150,3 +150,27 @@ def test_a_mamba2_layer_on_the_kernels_keeps_neither_chunk_states_nor_the_gated_
     assert any("pallas_call" in line for line in lines), lines  # the kernels' y
     assert not any("gated_rms_norm" in line for line in lines), lines
     assert all(line.split()[0].count(",") <= 3 for line in lines), lines  # no [b, c, h, p, n]
+
+
+def test_a_mamba3_layer_on_the_kernels_keeps_no_rotated_per_head_terms(monkeypatch):
+    # The kernels compute the rotated q and k (per head: the group's B and C copied to each
+    # head, then rotated in float32) inside their custom_vjp and the backward pass
+    # recomputes them, as it does the gate's and the angle sum's float32 terms: what the
+    # layer keeps is its input, the projections, the angle state theta and the scan's y and
+    # gated output, nothing of shape [b, l, r, h, n] and nothing float32 the size of x.
+    import pallas_kernels.mamba3 as mamba3
+    monkeypatch.setattr(mamba3, "kernels_are_faster", lambda x, B: True)  # the GPU's choice
+    cfg = Mamba2Config(d_model=64, n_layer=1, vocab_size=16, layer_pattern="3", mamba3=dict(
+        d_state=32, headdim=16, chunk_size=16))
+    block = Block(cfg, "3", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    graphdef, state = nnx.split(block)
+    b, l, h, n = 2, 64, 8, 32
+
+    def loss(state, residual):
+        return nnx.merge(graphdef, state)(residual)[0].astype(jnp.float32).sum()
+    lines = saved_residuals(loss, state, jnp.zeros((b, l, 64), jnp.float32))
+    assert any("ssd_weighted" in line for line in lines), lines  # the kernels' weights
+    assert not any(f"[{b},{l},1,{h},{n}]" in line for line in lines), lines
+    x_sized = [line for line in lines if line.startswith(f"f32[{b},{l},1,{h},16]")
+               or line.startswith(f"f32[{b},{l},{h},16]")]
+    assert not x_sized, x_sized

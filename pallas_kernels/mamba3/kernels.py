@@ -20,14 +20,23 @@ folded in, as in the chunked form. B and C are per head (the rotation's angle is
 Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, the initial state
 and D; automatic differentiation carries them through the rotation, the angles and the
 trapezoid weights to every input.
+
+Memory: the rotated q and k are per head (g = 1 becomes h copies) and the rotation's
+float32 intermediates are larger still, so neither is kept for the backward pass. The
+kernels compute q, k and v inside their custom_vjp from C, B, x and the angle state theta
+(ssd_weighted's `inputs`) and the backward recomputes them; the token's own-ranks term is
+checkpointed the same way. With the gate and the angles' sum checkpointed too
+(mamba_jax.layers.mamba3, reference.token_terms), a mamba3-1.3b layer on the kernels keeps
+117 MB per 2048-token row in training, where it kept 744 MB (by print_saved_residuals).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
-                                             prepare)
+                                             rotated, token_terms)
 from pallas_kernels.ssd import triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
@@ -41,26 +50,42 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
     acc = accumulation_dtype(x)
     init = None if initial_state is None else Mamba3State(*(s.astype(acc)
                                                             for s in initial_state))
-    theta, q, k, v, sigma, w, eta = prepare(
-        C, B, x, adt, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
-        seq_idx=seq_idx, initial_angle=None if init is None else init.angle)
+    theta, sigma, w, eta = token_terms(x, dt, trap, angles, seq_idx=seq_idx,
+                                       initial_angle=None if init is None else init.angle)
     h0 = None if init is None else entering_ssm(init, sigma, dt, mimo_x)
 
     positions = lambda t: t.reshape(b, l * r, *t.shape[3:])  # [b, l, r, ...] -> (t, r) rows
     per_rank = lambda t: jnp.broadcast_to(t[:, :, None], (b, l, r, *t.shape[2:]))
+    # What q, k and v are computed of (mimo_x only for MIMO: an argument, not a closure, so
+    # that its gradient comes back through the kernels' vjp).
+    args = (C, B, x, theta, C_bias, B_bias) + (() if mimo_x is None else (mimo_x,))
+
+    def qkv(C, B, x, theta, C_bias, B_bias, mimo_x=None):
+        return rotated(C, B, x, theta, C_bias, B_bias, mimo_x, rotary=rotary)
+
+    def vkq_positions(*args):  # the kernels' x, B and C
+        q, k, v = qkv(*args)
+        return positions(v), positions(k), positions(q)
+
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
-        positions(v), positions(per_rank(w)),
-        positions(first_rank * adt.astype(acc)[:, :, None]), positions(k), positions(q),
-        backend=triton, interpret=interpret, D=D, initial_state=h0,
-        seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)))
+        None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
+        None, None, backend=triton, interpret=interpret, D=D, initial_state=h0,
+        seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
+        inputs=(vkq_positions, args))
     y = y.reshape(b, l, r, h, p).astype(acc)
 
-    # Each token's own ranks: those after R, not yet in the state at (t, R), and eta's share.
-    qk = jnp.einsum("blRhn,blrhn->blRrh", q, k, preferred_element_type=acc)
-    later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
-    local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
-    y = y + jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
-                       preferred_element_type=acc)
-    final = Mamba3State(theta[:, -1], final_ssm, k[:, -1], x[:, -1])
+    @jax.checkpoint  # recomputes q and k in the backward pass rather than keep them
+    def own_ranks(w, eta, *args):
+        """Each token's own ranks: those after R, not yet in the state at (t, R), and eta's
+        share."""
+        q, k, v = qkv(*args)
+        qk = jnp.einsum("blRhn,blrhn->blRrh", q, k, preferred_element_type=acc)
+        later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
+        local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
+        return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
+                          preferred_element_type=acc)
+    y = y + own_ranks(w, eta, *args)
+    _, k_last, _ = qkv(*(a[:, -1:] if i < 4 else a for i, a in enumerate(args)))
+    final = Mamba3State(theta[:, -1], final_ssm, k_last[:, 0], x[:, -1])
     return y.astype(x.dtype), final

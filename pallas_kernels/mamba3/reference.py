@@ -255,24 +255,41 @@ def prepare(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, s
     each token), q, k [b, l, r, h, n] (rotated, with biases) and v [b, l, r, h, p] in x's
     dtype, sigma [b, l, h], w [b, l, h] (the weight of v_s k_s^T in every later state) and
     eta [b, l, h] (the part of w that the next token adds), in float32 (float64); block:
-    cumulative_angles'."""
+    cumulative_angles'. `token_terms`, then `rotated`."""
+    theta, sigma, w, eta = token_terms(x, dt, trap, angles, seq_idx=seq_idx,
+                                       initial_angle=initial_angle, block=block)
+    q, k, v = rotated(C, B, x, theta, C_bias, B_bias, mimo_x, rotary=rotary)
+    return theta, q, k, v, sigma, w, eta
+
+
+def token_terms(x, dt, trap, angles, *, seq_idx, initial_angle=None, block=64):
+    """prepare's theta, sigma, w and eta (x [b, l, h, p] gives the shapes and dtype)."""
     b, l, h, _ = x.shape
     acc = accumulation_dtype(x)
     dt = dt.astype(acc)
     starts = _document_starts(seq_idx, b, l)
-    theta = cumulative_angles(angle_increments(angles, dt), None if seq_idx is None else starts,
-                              initial_angle, block)
-    q = rotate(_by_head(C, h) + jnp.swapaxes(C_bias, 0, 1).astype(C.dtype),
-               theta[:, :, None], rotary).astype(x.dtype)
-    k = rotate(_by_head(B, h) + jnp.swapaxes(B_bias, 0, 1).astype(B.dtype),
-               theta[:, :, None], rotary).astype(x.dtype)
-    v = values(x, mimo_x, acc).astype(x.dtype)
+    # Checkpointed: the backward pass recomputes the sum's wrapped and masked terms (36 MB
+    # a mamba3-1.3b layer per 2048-token row) from angles and dt rather than keep them.
+    theta = jax.checkpoint(cumulative_angles, static_argnums=(3,))(
+        angle_increments(angles, dt), None if seq_idx is None else starts, initial_angle,
+        block)
     sigma = jax.nn.sigmoid(trap.astype(acc))
     # The next token's trapezoid weight on this token, where the next token continues its
     # document in this row (the last token's goes through the state's k and x instead).
     follows = (1 - sigma[:, 1:]) * dt[:, 1:] * ~starts[:, 1:, None]
     eta = jnp.pad(follows, ((0, 0), (0, 1), (0, 0)))
-    return theta, q, k, v, sigma, sigma * dt + eta, eta
+    return theta, sigma, sigma * dt + eta, eta
+
+
+def rotated(C, B, x, theta, C_bias, B_bias, mimo_x, *, rotary):
+    """prepare's q, k and v in x's dtype, of C, B [b, l, r, g, n], x [b, l, h, p] and theta
+    [b, l, h, a] (any matching leading axes: [b, 1, ...] for one token)."""
+    h = x.shape[2]
+    q = rotate(_by_head(C, h) + jnp.swapaxes(C_bias, 0, 1).astype(C.dtype),
+               theta[:, :, None], rotary).astype(x.dtype)
+    k = rotate(_by_head(B, h) + jnp.swapaxes(B_bias, 0, 1).astype(B.dtype),
+               theta[:, :, None], rotary).astype(x.dtype)
+    return q, k, values(x, mimo_x, accumulation_dtype(x)).astype(x.dtype)
 
 
 def entering_ssm(init: Mamba3State, sigma, dt, mimo_x):
