@@ -24,10 +24,11 @@ trapezoid weights to every input.
 Memory: the rotated q and k are per head (g = 1 becomes h copies) and the rotation's
 float32 intermediates are larger still, so neither is kept for the backward pass. The
 kernels compute q, k and v inside their custom_vjp from C, B, x and the angle state theta
-(ssd_weighted's `inputs`) and the backward recomputes them; the token's own-ranks term is
-checkpointed the same way. With the gate and the angles' sum checkpointed too
-(mamba_jax.layers.mamba3, reference.token_terms), a mamba3-1.3b layer on the kernels keeps
-117 MB per 2048-token row in training, where it kept 744 MB (by print_saved_residuals).
+(ssd_weighted's `inputs`) and the backward recomputes them; the token's own-ranks term
+takes q . k from the unrotated C and B (`token_products`). With the gate and the angles'
+sum checkpointed too (mamba_jax.layers.mamba3, reference.token_terms), a mamba3-1.3b layer
+on the kernels keeps 117 MB per 2048-token row in training, where it kept 744 MB (by
+print_saved_residuals).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
-                                             rotated, token_terms)
+                                             rotated, token_terms, values)
 from pallas_kernels.ssd import triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
@@ -75,17 +76,34 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         inputs=(vkq_positions, args))
     y = y.reshape(b, l, r, h, p).astype(acc)
 
-    @jax.checkpoint  # recomputes q and k in the backward pass rather than keep them
-    def own_ranks(w, eta, *args):
+    @jax.checkpoint  # recomputes v in the backward pass rather than keep it
+    def own_ranks(w, eta, C, B, x, C_bias, B_bias, mimo_x=None):
         """Each token's own ranks: those after R, not yet in the state at (t, R), and eta's
         share."""
-        q, k, v = qkv(*args)
-        qk = jnp.einsum("blRhn,blrhn->blRrh", q, k, preferred_element_type=acc)
+        qk = token_products(C, B, C_bias, B_bias, h, acc)
         later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
         local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
+        v = values(x, mimo_x, acc).astype(x.dtype)
         return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
                           preferred_element_type=acc)
-    y = y + own_ranks(w, eta, *args)
+    y = y + own_ranks(w, eta, *args[:3], *args[4:])
     _, k_last, _ = qkv(*(a[:, -1:] if i < 4 else a for i, a in enumerate(args)))
     final = Mamba3State(theta[:, -1], final_ssm, k_last[:, 0], x[:, -1])
     return y.astype(x.dtype), final
+
+
+def token_products(C, B, C_bias, B_bias, h, acc):
+    """q_t,R . k_t,r [b, l, r, r, h] in acc for C, B [b, l, r, g, n] and their biases
+    [h, r, n]: the products of one token's rotated q and k, taken before the rotation, which
+    turns both by the same angle and so keeps their dot product. Summed as the group's
+    C . B and the bias terms, no per-head q or k is made ([b, l, r, h, n], h / g copies of
+    C and B)."""
+    b, l, r, g, n = C.shape
+    per_group = lambda bias: bias.astype(C.dtype).astype(acc).reshape(g, h // g, r, n)
+    C, B = C.astype(acc), B.astype(acc)
+    C_bias, B_bias = per_group(C_bias), per_group(B_bias)
+    qk = (jnp.einsum("blRgn,blrgn->blRrg", C, B)[..., None]
+          + jnp.einsum("blRgn,gGrn->blRrgG", C, B_bias)
+          + jnp.einsum("gGRn,blrgn->blRrgG", C_bias, B)
+          + jnp.einsum("gGRn,gGrn->RrgG", C_bias, B_bias))
+    return qk.reshape(b, l, r, r, h)

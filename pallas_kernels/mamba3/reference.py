@@ -112,14 +112,19 @@ def cumulative_angles(increments, starts, initial=None, block=64):
         local = jnp.where(inside, cs - base, cs)  # [b, c, t, h, a]
     opened = inside[:, :, -1]  # [b, c, 1, 1]: a document starts in the block
 
-    def carry(entry, block_inputs):
-        local_end, opened_c = block_inputs
-        return wrap(local_end + jnp.where(opened_c, 0.0, entry)), entry
-
-    entry0 = jnp.zeros((b, h, a), inc.dtype) if initial is None else initial.astype(inc.dtype)
-    _, entries = jax.lax.scan(carry, entry0, (jnp.moveaxis(local[:, :, -1], 1, 0),
-                                              jnp.moveaxis(opened, 1, 0)))
-    entries = jnp.moveaxis(entries, 0, 1)[:, :, None]  # [b, c, 1, h, a]
+    # Block c passes on E -> wrap(end_c + E), or wrap(end_c) where a document opens in it.
+    # Composed, two blocks are again one such map, so the blocks' maps compose in a
+    # log-depth associative scan (a sequential scan over the blocks was a loop of small
+    # kernels, one iteration a block), each partial sum wrapped.
+    def compose(first, then):
+        (end_1, opened_1), (end_2, opened_2) = first, then
+        return jnp.where(opened_2, end_2, wrap(end_1 + end_2)), opened_1 | opened_2
+    through, reset = jax.lax.associative_scan(compose, (local[:, :, -1], opened), axis=1)
+    entry0 = jnp.zeros((b, 1, h, a), inc.dtype) if initial is None else \
+        initial.astype(inc.dtype)[:, None]
+    # The angle entering block c: the maps of blocks 0..c-1 applied to the initial angle.
+    after = wrap(through + jnp.where(reset, 0.0, entry0))  # [b, c, h, a]: leaving block c
+    entries = jnp.concatenate([entry0, after[:, :-1]], axis=1)[:, :, None]  # [b, c, 1, h, a]
     theta = local + jnp.where(inside, 0.0, entries)
     return wrap(theta.reshape(b, c * block, h, a)[:, :l])
 
