@@ -26,7 +26,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mamba3.reference import Mamba3State, prepare, rotate, values, wrap
+from pallas_kernels.mamba3.reference import (Mamba3State, entering_ssm, first_weight, prepare,
+                                             rotate, wrap)
 from pallas_kernels.ssd.context_parallel import last_document, part_ends
 from pallas_kernels.ssd.reference import document_ids
 
@@ -37,7 +38,7 @@ def zero_state_finals(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x,
     token's trapezoid weight [b, h], whether no document starts in it [b], its first and
     last seq_idx [b, 2])."""
     b = x.shape[0]
-    theta, _, k, v, sigma, w, _ = prepare(C, B, x, adt, dt, trap, angles, C_bias, B_bias,
+    theta, _, k, v, sigma, w, _ = prepare(C, B, x, dt, trap, angles, C_bias, B_bias,
                                           mimo_x=mimo_x, rotary=rotary, seq_idx=seq_idx)
     adt = adt.astype(w.dtype)
     to_end = jnp.exp(lax.cumsum(adt, axis=1, reverse=True) - adt)  # [b, l, h]
@@ -51,8 +52,7 @@ def zero_state_finals(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x,
     kw = k.astype(w.dtype) * (to_end * w)[:, :, None, :, None]
     ssm = jnp.einsum("blrhp,blrhn->bhpn", v.astype(w.dtype), kw)
     final = Mamba3State(theta[:, -1], ssm, k[:, -1].astype(w.dtype), x[:, -1].astype(w.dtype))
-    first_weight = (1 - sigma[:, 0]) * dt[:, 0].astype(w.dtype)
-    return final, decay, first_weight, survives, part_ends(seq_idx, b)
+    return final, decay, first_weight(sigma, dt), survives, part_ends(seq_idx, b)
 
 
 def entering_states(finals: Mamba3State, decays, first_weights, survive, ends,
@@ -66,9 +66,7 @@ def entering_states(finals: Mamba3State, decays, first_weights, survive, ends,
     entering = [state]
     for k in range(1, K):  # K is static and small
         j = k - 1
-        prev = jnp.einsum("brhp,brhn->bhpn", values(state.x, mimo_x, state.ssm.dtype),
-                          state.k)
-        entered = state.ssm + first_weights[j][..., None, None] * prev
+        entered = entering_ssm(state, first_weights[j], mimo_x)
         own = Mamba3State(*(f[j] for f in finals))
         carried = Mamba3State(
             wrap(state.angle + own.angle),

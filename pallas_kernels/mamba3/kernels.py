@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
-                                             rotated, token_terms, values)
+                                             first_weight, rotated, token_terms, values)
 from pallas_kernels.ssd import triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
@@ -53,7 +53,7 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
                                                             for s in initial_state))
     theta, sigma, w, eta = token_terms(x, dt, trap, angles, seq_idx=seq_idx,
                                        initial_angle=None if init is None else init.angle)
-    h0 = None if init is None else entering_ssm(init, sigma, dt, mimo_x)
+    h0 = None if init is None else entering_ssm(init, first_weight(sigma, dt), mimo_x)
 
     positions = lambda t: t.reshape(b, l * r, *t.shape[3:])  # [b, l, r, ...] -> (t, r) rows
     per_rank = lambda t: jnp.broadcast_to(t[:, :, None], (b, l, r, *t.shape[2:]))

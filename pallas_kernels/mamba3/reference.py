@@ -254,7 +254,7 @@ def mamba3_naive(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mimo
     return jnp.moveaxis(y, 0, 1).astype(x.dtype), state
 
 
-def prepare(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, seq_idx,
+def prepare(C, B, x, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, seq_idx,
             initial_angle=None, block=64):
     """The per-token terms of the chunked form: theta [b, l, h, a] (the angle state after
     each token), q, k [b, l, r, h, n] (rotated, with biases) and v [b, l, r, h, p] in x's
@@ -297,12 +297,18 @@ def rotated(C, B, x, theta, C_bias, B_bias, mimo_x, *, rotary):
     return q, k, values(x, mimo_x, accumulation_dtype(x)).astype(x.dtype)
 
 
-def entering_ssm(init: Mamba3State, sigma, dt, mimo_x):
-    """The SSM state entering a row with its previous token's trapezoid term added, before
-    the first token's decay: init.ssm + (1 - sigma_0) dt_0 sum_r v_r k_r^T from init's k and
-    x ([b, h, p, n] in init.ssm's dtype); sigma, dt [b, l, h]."""
+def first_weight(sigma, dt):
+    """The first token's trapezoid weight on the token before it, (1 - sigma_0) dt_0 [b, h],
+    of sigma, dt [b, l, h]."""
+    return (1 - sigma[:, 0]) * dt[:, 0].astype(sigma.dtype)
+
+
+def entering_ssm(init: Mamba3State, weight, mimo_x):
+    """The SSM state entering a part with its previous token's trapezoid term added, before
+    the first token's decay: init.ssm + weight sum_r v_r k_r^T from init's k and x ([b, h,
+    p, n] in init.ssm's dtype); weight [b, h] (`first_weight`)."""
     prev = jnp.einsum("brhp,brhn->bhpn", values(init.x, mimo_x, init.ssm.dtype), init.k)
-    return init.ssm + ((1 - sigma[:, 0]) * dt[:, 0].astype(sigma.dtype))[..., None, None] * prev
+    return init.ssm + weight[..., None, None] * prev
 
 
 def mamba3_chunked(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D=None,
@@ -321,13 +327,13 @@ def mamba3_chunked(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size
                                                             for s in initial_state))
 
     theta, q, k, v, sigma, w, eta = prepare(
-        C, B, x, adt, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
+        C, B, x, dt, trap, angles, C_bias, B_bias, mimo_x=mimo_x, rotary=rotary,
         seq_idx=seq_idx, initial_angle=None if init is None else init.angle, block=chunk_size)
 
     # The first token's decay applies to the entering state and its trapezoid term: it is
     # applied with the chunk decays below.
-    h0 = jnp.zeros((b, h, p, n), acc) if init is None else entering_ssm(init, sigma, dt,
-                                                                         mimo_x)
+    h0 = (jnp.zeros((b, h, p, n), acc) if init is None
+          else entering_ssm(init, first_weight(sigma, dt), mimo_x))
 
     pad = (-l) % chunk_size
     if pad:
