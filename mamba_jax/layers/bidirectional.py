@@ -37,7 +37,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_jax.layers.common import causal_conv1d, groups_of_local_heads
+from mamba_jax.layers.common import causal_conv1d
 from mamba_jax.layers.mamba2 import Mamba2Mixer, dims
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.ssd import document_ids, ssd
@@ -81,15 +81,12 @@ class BidirectionalMamba2(Mamba2Mixer):
         k = self.cfg.mamba2.d_conv
         if self.cfg.bidirectional.centred_conv:
             forward = backward = self.window_conv(xBC, seq_idx, ctx, "", (k - 1) // 2)
-        else:
-            forward = self.conv(xBC, seq_idx, ctx)
+        else:  # causal one way, anti-causal the other
+            forward = self.window_conv(xBC, seq_idx, ctx, "", k - 1)
             backward = self.window_conv(xBC, seq_idx, ctx, "_b", 0)
         m = self.cfg.mamba2
         ys = []
         for (x, B, C), suffix in ((forward, ""), (backward, "_b")):
-            if m.ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
-                B, C = (groups_of_local_heads(t, dims(self.cfg).h, m.ngroups, ctx)
-                        for t in (B, C))
             y = ssd(x, dt, -jnp.exp(getattr(self, "A_log" + suffix)[...]), B, C,
                     chunk_size=m.chunk_size, D=getattr(self, "D" + suffix)[...],
                     dt_bias=getattr(self, "dt_bias" + suffix)[...], dt_softplus=True,
@@ -101,7 +98,8 @@ class BidirectionalMamba2(Mamba2Mixer):
     def window_conv(self, xBC, seq_idx, ctx: ParallelContext, suffix: str, left: int):
         """The conv of weights x_conv{suffix}, ... and SiLU over xBC [b, l, e], output t
         reading inputs t - left .. t + k - 1 - left (under cp, the neighbours' tokens
-        across the cuts; no tap across a document boundary) -> x, B, C."""
+        across the cuts; no tap across a document boundary) -> x, B, C (this rank's heads
+        and the groups they read)."""
         w, bias = self._conv_params(suffix)
         l, right = xBC.shape[1], w.shape[0] - 1 - left
 
@@ -113,7 +111,7 @@ class BidirectionalMamba2(Mamba2Mixer):
         doc = None if seq_idx is None else document_ids(extend(seq_idx)[0])
         extended, start = extend(xBC)
         out = causal_conv1d(extended, w, bias, doc, left=left)[:, start:start + l]
-        return self.split_conv_output(out)
+        return self.split_conv_output(out, ctx)
 
     # ------------------------------------------------------------ no decoding
 

@@ -132,23 +132,25 @@ _KEYS = {"in_proj.weight": Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_pr
          "out_proj.weight": Linear("out_proj", inputs=2), "out_proj.bias": Flat("out_bias")}
 
 
-def _conv_x_B_C(xBC, w, bias, doc, *, length, x_shape, B_shape, heads, ngroups, ctx):
+def _conv_x_B_C(xBC, w, bias, doc, *, length, **split):
     """The causal conv and SiLU over xBC [b, width + length, e] (what precedes this device's
     first token first: Mamba2Mixer._conv_operands) with w [k, e], bias [e] or None and doc
-    [b, width + length] (document ids) or None -> x [b, length, *x_shape], B, C [b, length,
-    *B_shape]: this rank's heads and the groups they read."""
-    x, B, C = _split_x_B_C(causal_conv1d(xBC, w, bias, doc)[:, -length:], x_shape, B_shape)
-    if ngroups % ctx.tp:  # every group on every rank: take the ones our heads read
-        B, C = (groups_of_local_heads(t, heads, ngroups, ctx) for t in (B, C))
-    return x, B, C
+    [b, width + length] (document ids) or None -> x, B, C of its last `length` outputs
+    (`_x_B_C`, with `split` its options)."""
+    return _x_B_C(causal_conv1d(xBC, w, bias, doc)[:, -length:], **split)
 
 
-def _split_x_B_C(out, x_shape, B_shape):
-    """The conv's output [..., e] -> x [..., *x_shape], B, C [..., *B_shape]."""
+def _x_B_C(out, *, x_shape, B_shape, heads, ngroups, ctx):
+    """The conv's output [..., e] -> x [..., *x_shape], B, C [..., *B_shape]: this rank's
+    heads and the groups they read (every group on every rank where tp does not divide
+    them)."""
     x, B, C = jnp.split(out, [math.prod(x_shape), math.prod(x_shape) + math.prod(B_shape)],
                         axis=-1)
-    return (x.reshape(*x.shape[:-1], *x_shape),
-            *(t.reshape(*t.shape[:-1], *B_shape) for t in (B, C)))
+    x = x.reshape(*x.shape[:-1], *x_shape)
+    B, C = (t.reshape(*t.shape[:-1], *B_shape) for t in (B, C))
+    if ngroups % ctx.tp:
+        B, C = (groups_of_local_heads(t, heads, ngroups, ctx) for t in (B, C))
+    return x, B, C
 
 
 class Mamba2Mixer(Mixer):
@@ -338,21 +340,12 @@ class Mamba2Mixer(Mixer):
         the state across the devices. Under tp, a rank whose heads share groups that tp does
         not divide takes the groups its heads read."""
         m = self.cfg.mamba2
-        conv = functools.partial(_conv_x_B_C, length=dt.shape[1],
-                                 x_shape=self.x_conv.shape[1:], B_shape=self.B_conv.shape[1:],
-                                 heads=dims(self.cfg).h, ngroups=m.ngroups, ctx=ctx)
+        conv = functools.partial(_conv_x_B_C, length=dt.shape[1], **self._split_options(ctx))
         return ssd(None, dt, -jnp.exp(self.A_log[...]), None, None, chunk_size=m.chunk_size,
                    D=self.D[...], dt_bias=self.dt_bias[...], dt_softplus=True,
                    dt_limit=m.dt_limit, initial_state=initial_state, seq_idx=seq_idx,
                    return_final_state=True, sequence_axis=ctx.sequence_axis,
                    inputs=(conv, operands))
-
-    def conv(self, xBC, seq_idx=None, ctx: ParallelContext = SINGLE_DEVICE, before=None):
-        """The causal conv and SiLU over xBC [b, l, e] -> x [b, l, h, p], B, C [b, l, g, n]
-        (this rank's heads and groups: the split follows the conv weights' shapes)."""
-        xBC_ext, w, bias, doc = self._conv_operands(xBC, seq_idx, ctx, before)
-        out = causal_conv1d(xBC_ext, w, bias, doc)[:, -xBC.shape[1]:]
-        return self.split_conv_output(out)
 
     def _conv_operands(self, xBC, seq_idx, ctx: ParallelContext, before):
         """(the conv's input with what precedes the first token, w [k, e], bias [e] or None,
@@ -368,9 +361,14 @@ class Mamba2Mixer(Mixer):
                                                         self._seq_before(seq_idx, before)))
         return ctx.with_previous_tokens(xBC, width, before), w, bias, doc
 
-    def split_conv_output(self, out):
-        """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n]."""
-        return _split_x_B_C(out, self.x_conv.shape[1:], self.B_conv.shape[1:])
+    def split_conv_output(self, out, ctx: ParallelContext = SINGLE_DEVICE):
+        """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n] (`_x_B_C`)."""
+        return _x_B_C(out, **self._split_options(ctx))
+
+    def _split_options(self, ctx: ParallelContext) -> dict:
+        """_x_B_C's options for this layer's (this rank's) conv weights."""
+        return dict(x_shape=self.x_conv.shape[1:], B_shape=self.B_conv.shape[1:],
+                    heads=dims(self.cfg).h, ngroups=self.cfg.mamba2.ngroups, ctx=ctx)
 
     def gated_out_proj(self, y, z, ctx: ParallelContext = SINGLE_DEVICE):
         """The gated norm and out_proj: y, z [b, l, h, p] -> [b, l, d] float32 (this rank's

@@ -167,7 +167,7 @@ def _erf(x):
     return jnp.where(x < 0, -y, y)
 
 
-def _largest_power_of_two_dividing(v, at_most):
+def largest_power_of_two_dividing(v, at_most):
     """The largest power of two that divides v and is at most at_most (1 if at_most < 1)."""
     return min(1 << (max(at_most, 1).bit_length() - 1), v & -v)
 
@@ -183,7 +183,7 @@ def filled_blocks(blocks, k, k_group, n, columns_divisor):
     2048. bn divides columns_divisor (n, or where a window's columns start and end)."""
     bn = blocks.block_n or (min(8, SLAB_ELEMENTS // k) if k >= 4096
                             else min(4, n // hardware.two_waves()))
-    bn = _largest_power_of_two_dividing(columns_divisor, bn)
+    bn = largest_power_of_two_dividing(columns_divisor, bn)
     bk = 1 << (min(blocks.block_k or 2048, k_group).bit_length() - 1)
     return bn, bk, blocks.num_warps or 4
 

@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import hardware
-from pallas_kernels.decode.norm_matmul import shift_window
+from pallas_kernels.decode.norm_matmul import largest_power_of_two_dividing, shift_window
 from pallas_kernels.ssd.reference import process_dt
 
 IMPLEMENTATIONS = ("xla", "triton")
@@ -319,7 +319,7 @@ def filled_blocks(blocks, b, h, p, n):
     # divisor: each program still reads its rows of the state once.
     waves = hardware.two_waves() / (b * h)
     target = p // min(p // 16, 1 << max(0, math.ceil(math.log2(waves))))
-    bp = blocks.block_p or min(1 << (target.bit_length() - 1), p & -p)
+    bp = blocks.block_p or largest_power_of_two_dividing(p, target)
     if bp & (bp - 1) or p % bp:
         raise ValueError(f"mamba_step: Blocks(block_p={bp}) must be a power of two dividing "
                          f"headdim {p}")
