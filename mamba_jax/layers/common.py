@@ -13,6 +13,7 @@ mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b la
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -64,6 +65,16 @@ def uniform(rngs: nnx.Rngs, shape, bound):
     """A float32 value drawn from U(-bound, bound): torch nn.Linear's and nn.Conv1d's default
     init with bound 1/sqrt(fan_in)."""
     return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
+
+
+def dt_bias_init(rngs: nnx.Rngs, size: int, section) -> jax.Array:
+    """mamba_ssm's dt bias [size] float32: dt log-uniform in [section.dt_min,
+    section.dt_max], floored at section.dt_init_floor, stored through the inverse softplus
+    (so that softplus(bias) is dt)."""
+    log_dt = jax.random.uniform(rngs.params(), (size,), jnp.float32,
+                                math.log(section.dt_min), math.log(section.dt_max))
+    dt = jnp.maximum(jnp.exp(log_dt), section.dt_init_floor)
+    return dt + jnp.log(-jnp.expm1(-dt))
 
 
 def param(value, *axes: str, decay: bool = True) -> nnx.Param:

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Conv, Flat, Linear
-from mamba_jax.layers.common import Mixer, causal_conv1d, dense, matmul, param, rms_norm, uniform
+from mamba_jax.layers.common import (Mixer, causal_conv1d, dense, dt_bias_init, matmul, param,
+                                     rms_norm, uniform)
 from mamba_jax.layers.mamba2 import MambaCache
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.selective_scan import selective_scan
@@ -138,11 +139,7 @@ class Mamba1Mixer(Mixer):
         std = m.dt_scale / math.sqrt(r)
         self.dt_proj = param(uniform(rngs, (r, i), std) if m.dt_init == "random"
                              else jnp.full((r, i), std, jnp.float32), "dt_rank", "heads")
-        # softplus(dt_proj_bias) log-uniform in [dt_min, dt_max], floored.
-        log_dt = jax.random.uniform(rngs.params(), (i,), jnp.float32, math.log(m.dt_min),
-                                    math.log(m.dt_max))
-        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
-        self.dt_proj_bias = undecayed(dt + jnp.log(-jnp.expm1(-dt)), "heads")
+        self.dt_proj_bias = undecayed(dt_bias_init(rngs, i, m), "heads")
         # S4D-real: A[:, j] = -(j + 1).
         self.A_log = undecayed(jnp.log(jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.float32),
                                                         (i, n))), "heads", "state")

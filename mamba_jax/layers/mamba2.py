@@ -30,8 +30,8 @@ from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
 from mamba_jax.layers.common import (Mixer, causal_conv1d, check_mamba_section, dense,
-                                     gated_rms_norm, groups_of_local_heads, matmul, param,
-                                     uniform)
+                                     dt_bias_init, gated_rms_norm, groups_of_local_heads,
+                                     matmul, param, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
@@ -203,11 +203,9 @@ class Mamba2Mixer(Mixer):
         log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus; A
         uniform in A_init_range; D ones. Trained without weight decay."""
         m, h = self.cfg.mamba2, dims(self.cfg).h
-        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                    math.log(m.dt_min), math.log(m.dt_max))
-        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
+        dt_bias = dt_bias_init(rngs, h, m)
         A = jax.random.uniform(rngs.params(), (h,), jnp.float32, *m.A_init_range)
-        for name, value in (("dt_bias", dt + jnp.log(-jnp.expm1(-dt))), ("A_log", jnp.log(A)),
+        for name, value in (("dt_bias", dt_bias), ("A_log", jnp.log(A)),
                             ("D", jnp.ones((h,), jnp.float32))):
             setattr(self, name + suffix, param(value, "heads", decay=False))
 

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
-from mamba_jax.layers.common import (Mixer, check_mamba_section, dense,
+from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_init,
                                      groups_of_local_heads, matmul, param, rms_norm, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan, mamba3_step
@@ -137,11 +137,7 @@ class Mamba3Mixer(Mixer):
         self.trap_proj = proj((h,), "heads")
         self.angle_proj = proj((a,), "angles")
         undecayed = functools.partial(param, decay=False)
-        # dt log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus.
-        log_dt = jax.random.uniform(rngs.params(), (h,), jnp.float32,
-                                    math.log(m.dt_min), math.log(m.dt_max))
-        dt = jnp.maximum(jnp.exp(log_dt), m.dt_init_floor)
-        self.dt_bias = undecayed(dt + jnp.log(-jnp.expm1(-dt)), "heads")
+        self.dt_bias = undecayed(dt_bias_init(rngs, h, m), "heads")
         ones = lambda *shape: jnp.ones(shape, jnp.float32)
         self.B_bias = undecayed(ones(h, r, n), "heads", "mimo_rank", "state")
         self.C_bias = undecayed(ones(h, r, n), "heads", "mimo_rank", "state")
