@@ -153,6 +153,17 @@ def causal_conv1d(x, weight, bias=None, doc=None, left=None):
     return _conv1d(x, weight, bias, doc, weight.shape[0] - 1 if left is None else left)
 
 
+def conv_window(inputs, doc, k: int):
+    """The causal conv's window after the last token [b, e, k] (a decoding cache's
+    conv_state, newest last) from its inputs [b, l, e] and their document ids [b, l] or
+    None: the last k inputs, zeros before the first and in place of an earlier document's
+    (e.g. left padding), which the next token's conv must not read."""
+    if doc is not None:
+        inputs = jnp.where((doc == doc[:, -1:])[..., None], inputs, 0)
+    window = jnp.pad(inputs, ((0, 0), (max(k - inputs.shape[1], 0), 0), (0, 0)))[:, -k:]
+    return jnp.swapaxes(window, 1, 2)
+
+
 @functools.partial(jax.checkpoint, static_argnums=(4,))
 def _conv1d(x, weight, bias, doc, left):
     k = weight.shape[0]
@@ -173,23 +184,31 @@ def _conv1d(x, weight, bias, doc, left):
     return jax.nn.silu(y).astype(x.dtype)
 
 
-def check_mamba_section(cfg, name: str, integers) -> None:
-    """The checks a Mamba section (cfg.<name>: mamba2's or mamba3's) shares, each a
-    ValueError naming the field, its value and the fix: `integers` and the dt init are
-    positive, dt_min <= dt_max, headdim divides d_model * expand (unless the section sets
-    nheads) and ngroups the heads."""
+def check_dt_section(cfg, name: str, integers,
+                     positive=("dt_min", "dt_max", "dt_init_floor")) -> None:
+    """The checks every Mamba section (cfg.<name>) shares, each a ValueError naming the
+    field, its value and the fix: `integers` are positive integers, `positive` (the dt
+    init's fields) > 0, and dt_min <= dt_max."""
     m = getattr(cfg, name)
     for field in integers:
         value = getattr(m, field)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"Mamba2Config.{name}.{field}={value!r} must be a positive "
                              "integer")
-    for field in ("dt_min", "dt_max", "dt_init_floor"):
+    for field in positive:
         if not getattr(m, field) > 0:
             raise ValueError(f"Mamba2Config.{name}.{field}={getattr(m, field)!r} must be > 0")
     if m.dt_min > m.dt_max:
         raise ValueError(f"Mamba2Config.{name}.dt_min={m.dt_min} > dt_max={m.dt_max}: "
                          "swap them")
+
+
+def check_mamba_section(cfg, name: str, integers) -> None:
+    """check_dt_section, and for a section of heads (cfg.<name>: mamba2's or mamba3's):
+    headdim divides d_model * expand (unless the section sets nheads) and ngroups the
+    heads."""
+    check_dt_section(cfg, name, integers)
+    m = getattr(cfg, name)
     nheads = getattr(m, "nheads", None)  # set: the width is nheads * headdim on its own
     if nheads is not None and (not isinstance(nheads, int) or isinstance(nheads, bool)
                                or nheads <= 0):

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Conv, Flat, Linear
-from mamba_jax.layers.common import (Mixer, causal_conv1d, dense, dt_bias_init, matmul, param,
-                                     rms_norm, uniform)
+from mamba_jax.layers.common import (Mixer, causal_conv1d, check_dt_section, conv_window,
+                                     dense, dt_bias_init, matmul, param, rms_norm, uniform)
 from mamba_jax.layers.mamba2 import MambaCache
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.selective_scan import selective_scan
@@ -165,14 +165,8 @@ class Mamba1Mixer(Mixer):
         out = self.out_proj_partial(self.gate(y, z))
         if cache_len is None:
             return out, None
-        # The conv's window: the last k inputs, zeros before the first token and in place of
-        # an earlier document's (e.g. left padding), which the next token must not read.
-        if seq_idx is not None:
-            doc = document_ids(seq_idx)
-            x_in = jnp.where((doc == doc[:, -1:])[..., None], x_in, 0)
-        k, l = self.cfg.mamba1.d_conv, u.shape[1]
-        window = jnp.pad(x_in, ((0, 0), (max(k - l, 0), 0), (0, 0)))[:, -k:]
-        return out, MambaCache(jnp.swapaxes(window, 1, 2), ssm_state)
+        doc = None if seq_idx is None else document_ids(seq_idx)
+        return out, MambaCache(conv_window(x_in, doc, self.cfg.mamba1.d_conv), ssm_state)
 
     def output_bias(self):
         return self.out_bias[...] if self.cfg.mamba1.bias else None
@@ -281,23 +275,13 @@ class Mamba1Mixer(Mixer):
 
     @classmethod
     def check_config(cls, cfg):
+        check_dt_section(cfg, "mamba1", ("d_state", "d_conv", "expand", "chunk_size"),
+                         ("dt_min", "dt_max", "dt_init_floor", "dt_scale", "bc_dt_rms_eps"))
         m = cfg.mamba1
-        for name in ("d_state", "d_conv", "expand", "chunk_size"):
-            value = getattr(m, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Mamba2Config.mamba1.{name}={value!r} must be a positive "
-                                 "integer")
         if m.dt_rank != "auto" and not (isinstance(m.dt_rank, int)
                                         and not isinstance(m.dt_rank, bool) and m.dt_rank > 0):
             raise ValueError(f"Mamba2Config.mamba1.dt_rank={m.dt_rank!r} must be 'auto' "
                              "(ceil(d_model / 16)) or a positive integer")
-        for name in ("dt_min", "dt_max", "dt_init_floor", "dt_scale", "bc_dt_rms_eps"):
-            if not getattr(m, name) > 0:
-                raise ValueError(f"Mamba2Config.mamba1.{name}={getattr(m, name)!r} must "
-                                 "be > 0")
-        if m.dt_min > m.dt_max:
-            raise ValueError(f"Mamba2Config.mamba1.dt_min={m.dt_min} > dt_max={m.dt_max}: "
-                             "swap them")
         if m.dt_init not in DT_INITS:
             raise ValueError(f"Mamba2Config.mamba1.dt_init={m.dt_init!r}; use one of "
                              f"{DT_INITS}")

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
-from mamba_jax.layers.common import (Mixer, causal_conv1d, check_mamba_section, dense,
-                                     dt_bias_init, gated_rms_norm, groups_of_local_heads,
+from mamba_jax.layers.common import (Mixer, causal_conv1d, check_mamba_section, conv_window,
+                                     dense, dt_bias_init, gated_rms_norm, groups_of_local_heads,
                                      matmul, param, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
@@ -265,12 +265,8 @@ class Mamba2Mixer(Mixer):
         conv's input and document ids (`_conv_operands`: what precedes the first token in
         front): the last k inputs of the whole sequence (on every cp device). Zeros stand
         before the first token and in place of inputs of an earlier document (e.g. left
-        padding), which the next token's conv must not read."""
-        k = self.cfg.mamba2.d_conv
-        if doc is not None:
-            xBC_ext = jnp.where((doc == doc[:, -1:])[..., None], xBC_ext, 0)
-        window = jnp.pad(xBC_ext, ((0, 0), (max(k - xBC_ext.shape[1], 0), 0), (0, 0)))[:, -k:]
-        return ctx.from_last_cp(jnp.swapaxes(window, 1, 2))
+        padding), which the next token's conv must not read (`conv_window`)."""
+        return ctx.from_last_cp(conv_window(xBC_ext, doc, self.cfg.mamba2.d_conv))
 
     @staticmethod
     def _seq_before(seq_idx, before):

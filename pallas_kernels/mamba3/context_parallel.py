@@ -58,8 +58,8 @@ def zero_state_finals(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, mimo_x,
 def entering_states(finals: Mamba3State, decays, first_weights, survive, ends,
                     initial_state, mimo_x, rotary):
     """Step 3: the K parts' zero-state finals (each field [K, b, ...]), decays [K, b, h],
-    first-token weights [K, b, h], survive [K, b] and ends [K, b, 2] -> the Mamba3State entering each part
-    (fields [K, b, ...])."""
+    first-token weights [K, b, h], survive [K, b] and ends [K, b, 2] -> the Mamba3State
+    entering each part (fields [K, b, ...])."""
     K = decays.shape[0]
     state = (Mamba3State(*(jnp.zeros_like(f[0]) for f in finals)) if initial_state is None
              else Mamba3State(*(s.astype(f.dtype) for s, f in zip(initial_state, finals))))
