@@ -131,17 +131,21 @@ def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan:
     that grow with the tokens (None for a model without them, so its prefill compiles once
     for any max_new_tokens). ssm_state_dtype: what the cache stores the SSM states in (the
     decode steps keep that dtype)."""
-    seq_idx = None
-    if prompt_lengths is not None:
-        # Left padding is its own document: the conv and the scan restart at the prompt.
-        l = input_ids.shape[1]
-        seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
+    seq_idx = None if prompt_lengths is None else _prompt_documents(input_ids, prompt_lengths)
     logits, cache = model.prefill(input_ids, seq_idx=seq_idx, cache_len=cache_len)
     cache = model.cache_for_decoding(cache, plan.steps, ssm_state_dtype)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
     first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling, 0,
                     input_ids[:, -1])
     return first, cache
+
+
+def _prompt_documents(input_ids, prompt_lengths):
+    """seq_idx [b, l] int32 of left-padded input_ids [b, l] whose row r's prompt is its last
+    prompt_lengths[r] tokens: the padding is its own document (0), so the conv and the scan
+    restart at the prompt (1)."""
+    l = input_ids.shape[1]
+    return (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
 
 
 def _emit(stream_id, step, tokens):
@@ -286,9 +290,7 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
 @functools.partial(jax.jit, static_argnames=("top_n",))
 def _score(model, input_ids, prompt_lengths, *, top_n):
     """token_logprobs' program (the model a pytree, as generate's)."""
-    l = input_ids.shape[1]
-    seq_idx = (jnp.arange(l)[None, :] >= (l - prompt_lengths)[:, None]).astype(jnp.int32)
-    logits = model(input_ids, seq_idx=seq_idx)[:, :-1, :model.config.vocab_size]
+    logits = model(input_ids, seq_idx=_prompt_documents(input_ids, prompt_lengths))[:, :-1, :model.config.vocab_size]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
     return chosen, jax.lax.top_k(logp, top_n) if top_n else None
