@@ -306,6 +306,12 @@ class Engine:
             pieces.append(after[len(before):] if after.startswith(before) else after)
         return pieces
 
+    def new_segments(self, prompt: list[int], new: list[int], window: int = 8) -> list[str]:
+        """Each new token's text as it reads after prompt (`segments` over prompt's last
+        `window` tokens and new, prompt's own left out)."""
+        context = prompt[-window:]
+        return self.segments(context + new, window)[len(context):]
+
     async def logprobs(self, sequences: list[list[int]]):
         """token_logprobs of each sequence (prompt and continuation), on the generation
         thread: [log p of each token after the first] per sequence, and the TOP_LOGPROBS
@@ -519,9 +525,8 @@ def _line_end(engine: Engine, prompt: list[int], new: list[int], double: bool) -
     """new up to and with its first token that completes a newline (double: two newlines in
     a row, the prompt's last character counting): Megatron's stop_on_eol and
     stop_on_double_eol, on the tokens' text."""
-    context = prompt[-8:]  # to decode the first new tokens as they read after the prompt
     text = engine.text(prompt)[-1:] if double else ""
-    for j, piece in enumerate(engine.segments(context + new)[len(context):]):
+    for j, piece in enumerate(engine.new_segments(prompt, new)):
         text += piece
         if ("\n\n" if double else "\n") in text:
             return new[:j + 1]
@@ -579,8 +584,7 @@ async def _openai_logprobs(engine: Engine, rows: list[_Row], new: list[list[int]
 
     out = []
     for r, n, prompt, lp, t in zip(rows, new, prompts, chosen, top):
-        context = r.ids[-8:]
-        pieces = engine.segments(context + n)[len(context):]
+        pieces = engine.new_segments(r.ids, n)
         offsets = np.cumsum([len(prompt)] + [len(p) for p in pieces])[:-1].tolist()
         first = len(r.ids) - 1  # position of the first new token's log-probability
         out.append({"tokens": pieces, "token_logprobs": lp[first:], "text_offset": offsets,
@@ -609,8 +613,7 @@ async def completions(request: web.Request):
             text = engine.continuation(row.ids, new)
             cut = _first_stop(text, stops)
             if cut is not None:  # the tokens that the text before the stop needs
-                context = row.ids[-8:]
-                ends = np.cumsum([len(p) for p in engine.segments(context + new)[len(context):]])
+                ends = np.cumsum([len(p) for p in engine.new_segments(row.ids, new)])
                 new = new[:int(np.searchsorted(ends, cut)) + 1 if cut else 0]
                 text, reason = text[:cut], "stop"
             kept.append(new)
