@@ -269,9 +269,9 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     layer = ssm.pop("layer", "Mamba1")  # MambaConfig's default
     _require(layer in ("Mamba1", "Mamba2", "Mamba3"), path,
              f"ssm_cfg.layer={layer!r} must be 'Mamba1', 'Mamba2' or 'Mamba3'")
+    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     if layer == "Mamba3":
         return _mamba3_from_mamba_ssm(d, ssm, path)
-    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     if layer == "Mamba1":
         return _mamba1_from_mamba_ssm(d, ssm, path)
     for key in ("dt_rank", "dt_init", "dt_scale", "use_fast_path"):
@@ -280,8 +280,7 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
     if d.get("attn_layer_idx"):
         hybrid.update(attn_layer_idx=tuple(d["attn_layer_idx"]), **_attn_from_mamba_ssm(d, path))
     if d.get("d_intermediate", 0):
-        m = GATED_MLP_MULTIPLE
-        hybrid["d_intermediate"] = -(-d["d_intermediate"] // m) * m
+        hybrid["d_intermediate"] = _gated_mlp_width(d)
     for flag, ok in (("D_has_hdim", False), ("norm_before_gate", False), ("rmsnorm", True)):
         _require(ssm.pop(flag, ok) == ok, path, f"ssm_cfg.{flag} must be {ok}")
     _require(ssm.pop("d_ssm", None) is None, path, "ssm_cfg.d_ssm is not supported")
@@ -301,19 +300,30 @@ def _mamba1_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
                 "norm_before_gate", "rmsnorm", "d_ssm"):
         _require(key not in ssm, path, f"ssm_cfg.{key} is a Mamba2 argument; Mamba1 has none")
     ssm.pop("use_fast_path", None)  # mamba_ssm's kernel choice, not the model's
-    attn = set(d.get("attn_layer_idx", []))
-    hybrid = _attn_from_mamba_ssm(d, path) if attn else {}
+    return _blocks_config(d, path, "1", mamba1=ssm)
+
+
+def _gated_mlp_width(d: dict) -> int:
+    """d_intermediate rounded up to GATED_MLP_MULTIPLE, as mamba_ssm's GatedMLP does."""
+    m = GATED_MLP_MULTIPLE
+    return -(-d["d_intermediate"] // m) * m
+
+
+def _blocks_config(d: dict, path, symbol: str, **section) -> Mamba2Config:
+    """A MambaConfig's blocks spelt out as a layer_pattern: `symbol` (its ssm_cfg.layer's
+    mixer) or * at attn_layer_idx, each followed by - where d_intermediate > 0; section:
+    the mixer's config section, {name: its ssm_cfg}."""
+    attn = set(d.get("attn_layer_idx") or ())
+    extra = _attn_from_mamba_ssm(d, path) if attn else {}
     mlp = ""
     if d.get("d_intermediate", 0):
-        m = GATED_MLP_MULTIPLE
-        hybrid["d_intermediate"], mlp = -(-d["d_intermediate"] // m) * m, "-"
-    pattern = "".join(("*" if i in attn else "1") + mlp for i in range(d["n_layer"]))
+        extra["d_intermediate"], mlp = _gated_mlp_width(d), "-"
+    pattern = "".join(("*" if i in attn else symbol) + mlp for i in range(d["n_layer"]))
     return Mamba2Config.from_dict(dict(
         d_model=d["d_model"], n_layer=len(pattern), layer_pattern=pattern,
-        vocab_size=d["vocab_size"],
-        pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
+        vocab_size=d["vocab_size"], pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
         residual_in_fp32=d.get("residual_in_fp32", True),
-        tie_embeddings=d.get("tie_embeddings", True), mamba1=ssm, **hybrid))
+        tie_embeddings=d.get("tie_embeddings", True), **section, **extra))
 
 
 _MAMBA3_FIELDS = ("d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min",
@@ -324,25 +334,11 @@ _MAMBA3_FIELDS = ("d_state", "expand", "headdim", "ngroups", "rope_fraction", "d
 def _mamba3_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
     """A MambaConfig with ssm_cfg.layer "Mamba3" -> Mamba2Config with a layer_pattern of
     Mamba-3 (3), attention (*) and MLP (-) layers as its Blocks are."""
-    _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
     # How mamba_ssm runs the MIMO out-projection norm (fused or not), not what it computes.
     ssm.pop("fuse_pregate_headwise_norm", None)
     unknown = sorted(set(ssm) - set(_MAMBA3_FIELDS))
     _require(not unknown, path, f"ssm_cfg has fields Mamba3 does not take: {unknown}")
-    attn = set(d.get("attn_layer_idx") or ())
-    mlp = "-" if d.get("d_intermediate", 0) else ""
-    pattern = "".join(("*" if i in attn else "3") + mlp for i in range(d["n_layer"]))
-    extra = {}
-    if attn:
-        extra.update(_attn_from_mamba_ssm(d, path))
-    if mlp:
-        m = GATED_MLP_MULTIPLE
-        extra["d_intermediate"] = -(-d["d_intermediate"] // m) * m
-    return Mamba2Config.from_dict(dict(
-        d_model=d["d_model"], n_layer=len(pattern), layer_pattern=pattern,
-        vocab_size=d["vocab_size"], pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
-        residual_in_fp32=d.get("residual_in_fp32", True),
-        tie_embeddings=d.get("tie_embeddings", True), mamba3=ssm, **extra))
+    return _blocks_config(d, path, "3", mamba3=ssm)
 
 
 def config_from_nemotron_h(d: dict, path="config.json") -> Mamba2Config:
