@@ -195,26 +195,26 @@ def hybrid_pattern(num_layers: int, attention_ratio: float = 0.0,
     symbols = ["M"] * num_layers
     attention = round(num_layers * attention_ratio)
     mamba = num_layers - attention
-    section = mamba / (attention + 1)
+    _allocate(symbols, "*", mamba / (attention + 1))
+    mlp = round(num_layers * mlp_ratio)
+    if mlp > 0:
+        _allocate(symbols, "-", (mamba - mlp) / mlp)
+    return "".join(symbols)
+
+
+def _allocate(symbols: list[str], symbol: str, section: float) -> None:
+    """hybrid_pattern's walk over the Mamba2 layers (M) of symbols, in place: one becomes
+    `symbol` wherever the length left in the current section, `section` layers long, falls
+    below half a layer."""
     left = section
-    for i in range(num_layers):
+    for i, current in enumerate(symbols):
+        if current != "M":
+            continue
         if left < 0.5:
-            symbols[i] = "*"
+            symbols[i] = symbol
             left += section
         else:
             left -= 1
-    mlp = round(num_layers * mlp_ratio)
-    if mlp > 0:
-        step = (mamba - mlp) / mlp
-        left = step
-        for i in range(num_layers):
-            if symbols[i] == "M":
-                if left < 0.5:
-                    symbols[i] = "-"
-                    left += step
-                else:
-                    left -= 1
-    return "".join(symbols)
 
 
 # Megatron-LM's names of shared fields: its flags' (--num-layers, --hybrid-override-pattern,
