@@ -41,6 +41,19 @@ def median_time(fn, warmup, reps):
     return statistics.median(times)
 
 
+def forward_and_backward(f):
+    """jit of (*args, dy) -> (f(*args), the gradients of <f(*args), dy> for every arg): a
+    forward and backward as a training step runs them. The output is returned, so its
+    forward is computed (XLA drops the work of an output nobody reads: with only the
+    gradients returned, the SSD's forward kernel was not run at all), and dy is an argument,
+    not a constant the compiler could fold into the backward."""
+    def run(*args):
+        *args, dy = args
+        y, pullback = jax.vjp(f, *args)
+        return y, pullback(dy)
+    return jax.jit(run)
+
+
 def copy_bandwidth(warmup, reps):
     """Bytes/s of a jitted read-and-write of 4 GiB: the measured memory ceiling."""
     big = jnp.ones((1 << 30,), jnp.float32)

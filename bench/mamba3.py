@@ -39,8 +39,12 @@ script exits non-zero at the end (mamba_ssm's tests note that its kernels' angle
 from its reference over long rows).
 
 Timing as bench/ssd.py: one jitted call (or the autograd function) from call to results
-ready, median of --reps after --warmup; the forward+backward takes the output's cotangent
-as an argument, never a constant folded into the program. --implementations: the columns of
+ready, median of --reps after --warmup; our forward+backward returns y with the gradients
+and takes the output's cotangent as an argument (harness.forward_and_backward: the forward
+kernel runs, as mamba_ssm's does before its backward, and nothing folds into the program).
+On a fresh machine mamba_ssm's first calls autotune its kernels (27 configurations of the
+forward for each of its keys, the forward without gradients one of them): one shape with
+their columns took more than 5 minutes there. --implementations: the columns of
 ours, default the kernels alone; "xla" adds the chunked form's. XLA_FLAGS gets
 `--xla_gpu_enable_triton_gemm=false` unless it names that flag (as bench.train_step does:
 the autotuning of XLA's Triton GEMMs dominated compile times).
@@ -62,7 +66,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import baseline  # noqa: E402
-from bench.harness import device_line, median_time, table_header, table_row  # noqa: E402
+from bench.harness import (device_line, forward_and_backward, median_time,  # noqa: E402
+                           table_header, table_row)
 from bench.ssd import to_torch  # noqa: E402
 from mamba_jax.layers.mamba3 import Mamba3Section  # noqa: E402
 from pallas_kernels.mamba3 import IMPLEMENTATIONS, mamba3_scan  # noqa: E402
@@ -105,9 +110,9 @@ def ours(chunk, implementation, rotary):
 
 
 def jitted(scan):
-    """(forward(inputs), forward+backward(inputs, dy) -> the inputs' gradients), jitted; dy
-    is an argument, not a constant the compiler could fold into the backward."""
-    return jax.jit(scan), jax.jit(lambda i, dy: jax.vjp(scan, i)[1](dy)[0])
+    """(forward(inputs), forward+backward(inputs, dy) -> (y, (the inputs' gradients,))),
+    jitted (harness.forward_and_backward)."""
+    return jax.jit(scan), forward_and_backward(scan)
 
 
 def rel_err(a, b):
@@ -148,7 +153,7 @@ def check_kernels_against_xla(inputs, dy, chunk, rotary, label):
     """Our kernels' values and gradients against our XLA form's on the same inputs."""
     kernels, xla = (jitted(ours(chunk, impl, rotary)) for impl in ("triton", "xla"))
     errs = {"y": rel_err(kernels[0](inputs), xla[0](inputs))}
-    got, want = kernels[1](inputs, dy), xla[1](inputs, dy)
+    got, want = kernels[1](inputs, dy)[1][0], xla[1](inputs, dy)[1][0]
     errs.update({f"d{k}": rel_err(got[k], want[k]) for k in want})
     require(f"{label}: kernels against the XLA form", errs)
 
@@ -288,7 +293,7 @@ def main(argv=None):
             4)  # rotary_dim_divisor = 2 / rope_fraction
         fwd, fwdbwd = jitted(ours(args.chunk, "triton", rotary))
         require(f"{label} against mamba_ssm's MIMO reference (float32)",
-                against_theirs(fwd(small), fwdbwd(small, small_dy), y_theirs, leaves))
+                against_theirs(fwd(small), fwdbwd(small, small_dy)[1][0], y_theirs, leaves))
 
     theirs_timed = not (args.only_ours or mimo)
     columns = ["b x l"] + [f"{impl} {what} ms" for impl in args.implementations
@@ -317,7 +322,7 @@ def main(argv=None):
             t_dy = to_torch(dy[:, :, 0])
             y_theirs, leaves = run(True, t_dy)
             torch.cuda.synchronize()
-            errs = against_theirs(fwd(inputs), fwdbwd(inputs, dy), y_theirs, leaves)
+            errs = against_theirs(fwd(inputs), fwdbwd(inputs, dy)[1][0], y_theirs, leaves)
             # A miss is reported, its row marked and the run's exit status set, but the
             # timing goes on: the other shapes' rows still come.
             failed = report(f"b={b} l={l} {args.implementations[0]} against mamba_ssm", errs)

@@ -27,7 +27,10 @@ the naive recurrence in bf16 (what it times). It needs no mamba_ssm.
 Timing: each implementation is one call (a jitted function for JAX; the autograd function
 for mamba_ssm), timed by the host clock from the call until its results are ready on the
 device (`block_until_ready`, `torch.cuda.synchronize`): what a training step pays,
-launches and host overhead included. Median of --reps calls after --warmup calls.
+launches and host overhead included. Median of --reps calls after --warmup calls. Our
+forward+backward returns y with the gradients (harness.forward_and_backward), as mamba_ssm's
+computes y before its backward: returning the gradients alone let XLA drop our forward
+kernel.
 
 mamba_ssm is not a dependency: its pure-Python Triton ops are imported from the folder
 --baseline (bench.baseline), with the package's __init__ bypassed so that none of its
@@ -49,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import baseline
-from bench.harness import (copy_bandwidth, device_line, median_time, table_header,
-                           table_row)
+from bench.harness import (copy_bandwidth, device_line, forward_and_backward, median_time,
+                           table_header, table_row)
 from pallas_kernels.ssd import ssd
 from pallas_kernels.ssd import reference, triton as kernels, vjp
 
@@ -203,19 +206,18 @@ def main(argv=None):
             impls = {}
             for name, f in implementations(args):
                 fwd = jax.jit(f)
-                fwdbwd = jax.jit(lambda i, o, f=f: jax.vjp(f, i, o)[1](dy))
-                impls[name] = (fwd, fwdbwd)
+                impls[name] = (fwd, forward_and_backward(f))
             # Same function: our kernel against our XLA path and against mamba_ssm.
             y_ours = impls["triton"][0](inputs, options)
             y_xla = impls["xla"][0](inputs, options)
             y_theirs, leaves = theirs(True)
             torch.cuda.synchronize()
-            g_ours = impls["triton"][1](inputs, options)[0]
+            g_ours = impls["triton"][1](inputs, options, dy)[1][0]
             y_theirs_j = jnp.asarray(y_theirs.detach().float().cpu().numpy())
             errs = {"y vs xla": rel_err(y_ours, y_xla),
                     "y vs mamba_ssm": rel_err(y_ours, y_theirs_j)}
             for name in list(impls)[2:]:  # the variants
-                g_variant = impls[name][1](inputs, options)[0]
+                g_variant = impls[name][1](inputs, options, dy)[1][0]
                 errs[f"y ({name}) vs mamba_ssm"] = rel_err(impls[name][0](inputs, options),
                                                            y_theirs_j)
                 for k in ("x", "B", "C", "dt"):
@@ -235,7 +237,7 @@ def main(argv=None):
                 times[name] = (
                     median_time(lambda: fwd(inputs, options).block_until_ready(),
                                 args.warmup, args.reps),
-                    median_time(lambda: jax.block_until_ready(fwdbwd(inputs, options)),
+                    median_time(lambda: jax.block_until_ready(fwdbwd(inputs, options, dy)),
                                 args.warmup, args.reps))
             with torch.no_grad():
                 t_fwd = median_time(lambda: (theirs(False), torch.cuda.synchronize()),
@@ -248,7 +250,7 @@ def main(argv=None):
             print(f"elapsed {time.perf_counter() - start:.0f} s", flush=True)
 
             if (b, l) == (8, 8192):
-                ours_mem = {name: fwdbwd.lower(inputs, options).compile().memory_analysis()
+                ours_mem = {name: fwdbwd.lower(inputs, options, dy).compile().memory_analysis()
                             .temp_size_in_bytes for name, (_, fwdbwd) in impls.items()}
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -351,8 +353,7 @@ def breakdown(rng, shapes, configs, warmup, reps):
                      "chunk states": (chunk_states, (x, dt, cs, B, s0)),
                      "backward state kernel": (bwd(0), args),
                      "both backward kernels": (bwd(3), args),
-                     "ssd fwd+bwd": (jax.jit(lambda i, o: jax.vjp(whole, i, o)[1](dy)),
-                                     (inputs, options))}
+                     "ssd fwd+bwd": (forward_and_backward(whole), (inputs, options, dy))}
             times = {name: median_time(lambda: jax.block_until_ready(f(*a)), warmup, reps)
                      for name, (f, a) in parts.items()}
             print(f"breakdown {b}x{l} {describe(config)}: " + ", ".join(

@@ -153,9 +153,9 @@ def test_a_mamba2_layer_on_the_kernels_keeps_neither_chunk_states_nor_the_gated_
 
 
 def test_a_mamba3_layer_on_the_kernels_keeps_no_rotated_per_head_terms(monkeypatch):
-    # The kernels compute the rotated q and k (per head: the group's B and C copied to each
-    # head, then rotated in float32) inside their custom_vjp and the backward pass
-    # recomputes them, as it does the gate's and the angle sum's float32 terms: what the
+    # The forward kernel turns each head's B and C as it reads the group's, and the
+    # backward pass makes its per-head turned copies inside the kernels' custom_vjp; it
+    # recomputes the gate's and the angle sum's float32 terms too: what the
     # layer keeps is its input, the projections, the angle state theta and the scan's y and
     # gated output, nothing of shape [b, l, r, h, n] and nothing float32 the size of x.
     import pallas_kernels.mamba3 as mamba3

@@ -219,13 +219,21 @@ def test_a_bad_mamba3_section_is_named():
             Mamba2Config.preset("mamba3-tiny", layer_pattern="3M"))
 
 
-def test_kernels_values_states_and_every_gradient_match_the_recurrence():
-    # The SSD's Pallas kernels (in the interpreter without a GPU) with the work around them
-    # (kernels.py), MIMO rank 2 over an odd length of packed documents from an initial state
-    # (SISO is rank 1 of the same code): values and final states within 1e-5 of the largest,
-    # and every input's gradient (the angles', trap's, the biases', mimo_x's and the initial
-    # state's included) within float32 sums in another order.
-    case = CASES[1]
+KERNEL_CASES = [  # (b, l, h, p, r, g, n, a, docs, state): each over several kernel chunks
+    (1, 70, 4, 4, 2, 2, 8, 2, True, True),     # MIMO rank 2, "halves", rope over half of n
+    (2, 150, 4, 8, 1, 2, 16, 4, True, True),   # SISO, "pairwise", rope over half of n
+    (1, 100, 2, 8, 1, 1, 16, 8, False, False),  # SISO, rope over all of n, from zero
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
+    # The SSD's Pallas kernels (in the interpreter without a GPU), turning each head's B and
+    # C by its angles as they load them, with the work around them (kernels.py), over
+    # odd lengths of several kernel chunks (64 positions), packed documents, from an initial
+    # state: values and final states within 1e-5 of the largest, and every input's gradient
+    # (the angles', trap's, the biases', mimo_x's and the initial state's included) within
+    # float32 sums in another order.
     kw = make_inputs(4, *case[:8], jnp.float32, *case[8:])
     seq_idx, rotary = kw.pop("seq_idx", None), kw.pop("rotary")
     y_cot = jnp.asarray(np.random.default_rng(5).standard_normal(

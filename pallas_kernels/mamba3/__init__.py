@@ -13,9 +13,11 @@ mimo_x [h, r, p] (None for SISO, r = 1), initial_state a Mamba3State, seq_idx [b
 What is computed is reference.py's recurrence.
 
 `implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked), "triton"
-(the SSD's Pallas kernels with XLA elementwise work around them, kernels.py; without a GPU
-they run in Pallas's interpreter) or "auto" (the default: "triton" where the SSD's own
-"auto" takes its kernels, pallas_kernels.ssd.kernels_are_faster, "xla" elsewhere; measured
+(the SSD's Pallas kernels, turning B and C by the angles themselves, with XLA elementwise
+work around them, kernels.py; without a GPU they run in Pallas's interpreter) or "auto"
+(the default: "triton" where the SSD's own "auto" takes its kernels,
+pallas_kernels.ssd.kernels_are_faster, and kernels.kernels_take the rank and rotary, "xla"
+elsewhere; measured
 against each other and mamba_ssm by bench/mamba3.py).
 
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
@@ -26,7 +28,7 @@ SSM state and the trapezoid's previous k and x) across devices (context_parallel
 from __future__ import annotations
 
 from pallas_kernels.mamba3.context_parallel import mamba3_context_parallel
-from pallas_kernels.mamba3.kernels import mamba3_kernels
+from pallas_kernels.mamba3.kernels import kernels_take, mamba3_kernels
 from pallas_kernels.mamba3.reference import (Mamba3State, check_shapes, mamba3_chunked,
                                              mamba3_step)
 from pallas_kernels.ssd import kernels_are_faster
@@ -48,7 +50,8 @@ def mamba3_scan(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"mamba3_scan: chunk_size={chunk_size!r} must be a positive int")
     if implementation == "auto":
-        implementation = "triton" if kernels_are_faster(x, C) else "xla"
+        implementation = ("triton" if kernels_are_faster(x, C) and kernels_take(C, angles)
+                          else "xla")
 
     def scan(*args, **options):
         if implementation == "triton":  # the kernels' own chunk: the same scan

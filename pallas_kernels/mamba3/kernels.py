@@ -15,20 +15,23 @@ none on the others: the state at (t, R) then holds every token before t and rank
 t, so what the sum above needs beyond that, the ranks after R of token t, is added here with
 the next token's share of the diagonal (eta) taken off: an r x r product per token and
 head. SISO is r = 1. The initial state enters with its previous token's trapezoid term
-folded in, as in the chunked form. B and C are per head (the rotation's angle is per head).
+folded in, as in the chunked form.
 
-Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, the initial state
-and D; automatic differentiation carries them through the rotation, the angles and the
-trapezoid weights to every input.
+The rotation is the kernels' own (ssd_weighted's `rotation`): they read the group's C and B
+and, per head, add its biases and turn them by its angles theta as they load each chunk,
+and the backward kernel turns the gradients back, summing the heads' into the group's and
+giving theta's and the biases' (`to_kernel_order` puts the pairs the rotary turns where the
+kernels turn them). No per-head q or k is in memory: written out by XLA, with the turn's
+cos and sin, they were 1.2 of the 1.5 ms of kernel time of a forward at 8 x 2048 on an
+H200 (64 heads, one group: BENCHMARKS.md), and their gradients a per-head float32 dB and
+dC from the backward kernel.
 
-Memory: the rotated q and k are per head (g = 1 becomes h copies) and the rotation's
-float32 intermediates are larger still, so neither is kept for the backward pass. The
-kernels compute q, k and v inside their custom_vjp from C, B, x and the angle state theta
-(ssd_weighted's `inputs`) and the backward recomputes them; the token's own-ranks term
-takes q . k from the unrotated C and B (`token_products`). With the gate and the angles'
-sum checkpointed too (mamba_jax.layers.mamba3, reference.token_terms), a mamba3-1.3b layer
-on the kernels keeps 117 MB per 2048-token row in training, where it kept 744 MB (by
-print_saved_residuals).
+Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, theta, the biases,
+the initial state and D; automatic differentiation carries them through the angles' sum
+and the trapezoid weights to every input. The token's own-ranks term takes q . k from the
+unrotated C and B (`token_products`). With the gate and the angles' sum checkpointed too
+(mamba_jax.layers.mamba3, reference.token_terms), a mamba3-1.3b layer on the kernels keeps
+no per-head copy of B or C for the backward pass.
 """
 
 from __future__ import annotations
@@ -42,12 +45,50 @@ from pallas_kernels.ssd import triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
 
+def kernels_take(C, angles):
+    """Whether the kernels take this layout: the MIMO rank dividing their chunk and n / (2a)
+    a power of two (the rotary over all of d_state or half of it) for C [b, l, r, g, n],
+    angles [b, l, a]."""
+    return triton.takes_rotation(C.shape[-1], angles.shape[-1], C.shape[2],
+                                 triton.Config().chunk)
+
+
+def to_kernel_order(t, a, rotary):
+    """t [..., n] with its n entries in the order in which the kernels turn them: adjacent
+    pairs, pair j the rotary's pair j / s where s = n / (2a) divides j, the pairs it leaves
+    unturned between (triton._rotation_args). The rotary's pair i is (2i, 2i + 1)
+    ("pairwise") or (i, i + n / 2) ("halves"), turned for i < a. Reshapes and transposes
+    only: the transpose of a gather by an index array would be a scatter."""
+    *lead, n = t.shape
+    half = n // 2
+    pairs = t.reshape(*lead, half, 2) if rotary == "pairwise" else \
+        jnp.swapaxes(t.reshape(*lead, 2, half), -1, -2)  # [..., n / 2, 2]
+    unturned = pairs[..., a:, :].reshape(*lead, a, half // a - 1, 2)
+    return jnp.concatenate([pairs[..., :a, None, :], unturned], axis=-2).reshape(t.shape)
+
+
+def from_kernel_order(t, a, rotary):
+    """to_kernel_order's inverse."""
+    *lead, n = t.shape
+    half = n // 2
+    pairs = t.reshape(*lead, a, half // a, 2)
+    pairs = jnp.concatenate([pairs[..., 0, :], pairs[..., 1:, :].reshape(*lead, half - a, 2)],
+                            axis=-2)  # [..., n / 2, 2], the rotary's pair order
+    return pairs.reshape(t.shape) if rotary == "pairwise" else \
+        jnp.swapaxes(pairs, -1, -2).reshape(t.shape)
+
+
 def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mimo_x=None,
                    rotary="pairwise", initial_state=None, seq_idx=None, interpret=None):
     """Arguments and results as reference.mamba3_chunked (its chunk is the kernels' own);
     interpret=None runs Pallas's interpreter where there is no GPU."""
     b, l, h, p = x.shape
     r, _, n = C.shape[2:]
+    if not kernels_take(C, angles):
+        raise ValueError(f"mamba3 scan: the kernels take a MIMO rank dividing "
+                         f"{triton.Config().chunk} and d_state / (2 * angles) a power of two; "
+                         f"got rank {r}, d_state {n}, {angles.shape[-1]} angles (use "
+                         "implementation='xla')")
     acc = accumulation_dtype(x)
     init = None if initial_state is None else Mamba3State(*(s.astype(acc)
                                                             for s in initial_state))
@@ -55,25 +96,25 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
                                        initial_angle=None if init is None else init.angle)
     h0 = None if init is None else entering_ssm(init, first_weight(sigma, dt), mimo_x)
 
+    turnable = lambda t: to_kernel_order(t, angles.shape[-1], rotary)
     positions = lambda t: t.reshape(b, l * r, *t.shape[3:])  # [b, l, r, ...] -> (t, r) rows
     per_rank = lambda t: jnp.broadcast_to(t[:, :, None], (b, l, r, *t.shape[2:]))
-    # What q, k and v are computed of (mimo_x only for MIMO: an argument, not a closure, so
-    # that its gradient comes back through the kernels' vjp).
-    args = (C, B, x, theta, C_bias, B_bias) + (() if mimo_x is None else (mimo_x,))
+    # What the kernels' x, B and C are computed of (mimo_x only for MIMO: an argument, not a
+    # closure, so that its gradient comes back through the kernels' vjp).
+    args = (C, B, x) + (() if mimo_x is None else (mimo_x,))
 
-    def qkv(C, B, x, theta, C_bias, B_bias, mimo_x=None):
-        return rotated(C, B, x, theta, C_bias, B_bias, mimo_x, rotary=rotary)
-
-    def vkq_positions(*args):  # the kernels' x, B and C
-        q, k, v = qkv(*args)
-        return positions(v), positions(k), positions(q)
+    def vBC(C, B, x, mimo_x=None):
+        v = values(x, mimo_x, acc).astype(x.dtype)
+        return positions(v), positions(turnable(B)), positions(turnable(C))
 
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
         None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
-        None, None, backend=triton, interpret=interpret, D=D, initial_state=h0,
+        None, None, backend=triton, interpret=interpret, D=D,
+        initial_state=None if h0 is None else turnable(h0),
         seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
-        inputs=(vkq_positions, args))
+        inputs=(vBC, args),
+        rotation=(positions(per_rank(theta)), turnable(C_bias), turnable(B_bias)))
     y = y.reshape(b, l, r, h, p).astype(acc)
 
     @jax.checkpoint  # recomputes v in the backward pass rather than keep it
@@ -86,9 +127,11 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         v = values(x, mimo_x, acc).astype(x.dtype)
         return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
                           preferred_element_type=acc)
-    y = y + own_ranks(w, eta, *args[:3], *args[4:])
-    _, k_last, _ = qkv(*(a[:, -1:] if i < 4 else a for i, a in enumerate(args)))
-    final = Mamba3State(theta[:, -1], final_ssm, k_last[:, 0], x[:, -1])
+    y = y + own_ranks(w, eta, C, B, x, C_bias, B_bias, *args[3:])
+    _, k_last, _ = rotated(C[:, -1:], B[:, -1:], x[:, -1:], theta[:, -1:], C_bias, B_bias,
+                           mimo_x, rotary=rotary)
+    final = Mamba3State(theta[:, -1], from_kernel_order(final_ssm, angles.shape[-1], rotary),
+                        k_last[:, 0], x[:, -1])
     return y.astype(x.dtype), final
 
 

@@ -27,6 +27,10 @@ Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py)
   and writes each head's remaining cumsum gradient. q (Config.backward_bc_heads) partial
   dB, dC per group are summed after the kernel.
 
+With `rotation` (Mamba-3's rotary embedding), the forward kernel reads the group's B and C
+and, per head, adds its biases and turns them by its angles as it loads each chunk; the
+backward kernels read per-head turned copies that XLA makes (`turned`).
+
 The kernel chunk t is this module's own tile, independent of the caller's chunk_size: the
 chunked algorithm is exact for any chunk, only rounding differs. Matmul operands are x's
 dtype (bf16 allowed) with float32 accumulation; decays, cumulative sums and states are
@@ -66,6 +70,9 @@ class Config:
     # kernel 1.27x slower (their registers, not their loads, bound them).
     forward_stages: int = 2
     backward_stages: int = 1
+    # The forward's stages when it turns B and C (`rotation`): at 8 x 2048 with 64 heads on
+    # an H200 its kernel took 0.64 ms with one stage, 1.16 with two.
+    rotation_forward_stages: int = 1
     # The per-chunk states the backward pass recomputes and their gradients, stored in x's
     # dtype instead of float32 (they are carried and summed in float32 either way): half
     # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads,
@@ -138,22 +145,102 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
     return within_decay, from_entry, to_end, across
 
 
+def _cos_sin(theta, n):
+    """cos and sin [..., n / 2] of angles theta [..., a] float32, one per adjacent pair of
+    B's and C's n entries: pair j turns by theta[.., j / s] where s = n / (2a) divides j and
+    stays (cos 1, sin 0) otherwise (the rotation's layout, `_rotation_args`)."""
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    while cos.shape[-1] < n // 2:  # spread: each angle's pair, then an unturned one
+        cos = _joined(cos, jnp.ones_like(cos))
+        sin = _joined(sin, jnp.zeros_like(sin))
+    return cos, sin
+
+
+def _pairs(v):
+    """v [..., n] -> its pairs' first and second entries [..., n / 2] each."""
+    return jnp.unstack(v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2), axis=-1)
+
+
+def _joined(first, second):
+    """_pairs' inverse: [..., w] twice -> [..., 2w], interleaved."""
+    return jnp.stack([first, second], axis=-1).reshape(*first.shape[:-1], 2 * first.shape[-1])
+
+
+def _turned(v, bias, cos, sin):
+    """B or C [..., n] plus a head's biases (broadcast against it), added in float32 and
+    rounded to v's dtype (as XLA adds two bf16 arrays), turned pair by pair in float32 (v0
+    cos - v1 sin, v0 sin + v1 cos; cos, sin from _cos_sin) and rounded to v's dtype again.
+    The pairs are split and joined in v's dtype: in a kernel, what the layout changes move
+    is half of float32's for bf16."""
+    biased = (v.astype(jnp.float32) + bias.astype(jnp.float32)).astype(v.dtype)
+    v0, v1 = (u.astype(jnp.float32) for u in _pairs(biased))
+    return _joined((v0 * cos - v1 * sin).astype(v.dtype), (v0 * sin + v1 * cos).astype(v.dtype))
+
+
+def turned(B, C, rotation):
+    """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l, h, a],
+    C_bias, B_bias [h, rank, n]; l a multiple of rank), in XLA: per head, [b, l, h, n] each
+    in B's dtype. The backward pass's kernels read these copies: turning the gradients back
+    inside the dB/dC kernel, with the angles' gradients, bound its registers (3.7 ms where
+    the copies and the per-head kernels take about 1.4, at 8 x 2048 with 64 heads on an
+    H200). The turn as XLA fuses it best: each pair's angle on both its entries and the
+    pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin), where the kernels' split and
+    join of the pairs (_turned) became concatenations that kept the gradient's per-head
+    copies apart from their sum over the group's heads."""
+    theta, C_bias, B_bias = rotation
+    h, rank, n = C_bias.shape
+    a = theta.shape[-1]
+    # cos and sin of the a angles (XLA recomputes them in each fusion that reads them: of
+    # n entries' angles they were 4x the work at a = n / 4), each pair's (1 and 0 for the
+    # spread's unturned pairs) on both of its entries [b, l, h, n].
+    theta = theta.astype(jnp.float32)
+    spread = lambda v, fill: jnp.repeat(jnp.pad(
+        v[..., None], [(0, 0)] * theta.ndim + [(0, n // (2 * a) - 1)],
+        constant_values=fill).reshape(*theta.shape[:-1], n // 2), 2, axis=-1)
+    cos, sin = spread(jnp.cos(theta), 1.0), spread(jnp.sin(theta), 0.0)
+    sign = jnp.tile(jnp.asarray([-1.0, 1.0], jnp.float32), n // 2)
+
+    def turn(v, bias):
+        v = jnp.repeat(v, h // v.shape[2], axis=2)  # the group each head reads
+        bias = jnp.swapaxes(_bias_rows(bias, v.shape[1], v.dtype), 0, 1)  # [l, h, n]
+        v = (v.astype(jnp.float32) + bias.astype(jnp.float32)).astype(v.dtype).astype(
+            jnp.float32)
+        swapped = jnp.flip(v.reshape(*v.shape[:-1], n // 2, 2), -1).reshape(v.shape) * sign
+        return (v * cos + swapped * sin).astype(B.dtype)
+    return turn(B, B_bias), turn(C, C_bias)
+
+
+def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
+    """One chunk of B and C [t, n] in the input dtype as head hi reads them: its group's,
+    or with `rotation` (the refs of theta, C_bias, B_bias) biased and turned by the head's
+    angles. C_ref None: B only."""
+    Bk = B_ref[bi, ts, gi, :]
+    Ck = None if C_ref is None else C_ref[bi, ts, gi, :]
+    if rotation is None:
+        return Bk, Ck
+    theta_ref, C_bias_ref, B_bias_ref = rotation
+    cos, sin = _cos_sin(theta_ref[bi, ts, hi, :], Bk.shape[-1])
+    return (_turned(Bk, B_bias_ref[hi], cos, sin),
+            None if Ck is None else _turned(Ck, C_bias_ref[hi], cos, sin))
+
+
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, has_doc,
-                    has_D):
+                    has_D, has_rotation):
     D_ref, rest = _split_optional(rest, has_D)
-    doc_ref, (y_ref, final_ref) = _split_optional(rest, has_doc)
-    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, None, t=t, r=r,
-                 bp=bp, bs=bs, read_out=(C_ref, D_ref, y_ref))
+    doc_ref, rest = _split_optional(rest, has_doc)
+    rotation, (y_ref, final_ref) = _split_rotation(rest, has_rotation)
+    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref, None,
+                 t=t, r=r, bp=bp, bs=bs, read_out=(C_ref, D_ref, y_ref))
 
 
 def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc):
     doc_ref, (final_ref, states_ref) = _split_optional(rest, has_doc)
-    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, states_ref,
+    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, None, final_ref, states_ref,
                  t=t, r=r, bp=bp, bs=bs, read_out=None)
 
 
-def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, states_ref, *, t,
-                 r, bp, bs, read_out):
+def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref,
+                 states_ref, *, t, r, bp, bs, read_out):
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
     [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
     given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, y_ref)
@@ -166,14 +253,14 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, final_ref, sta
     def body(k, states):  # states: per sub-block [bs, n], the state entering chunk k
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
-        Bk = B_ref[bi, ts, gi, :]
+        Bk, Ck = _chunk_BC(B_ref, None if read_out is None else read_out[0], rotation, bi, ts,
+                           gi, hi)
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         if read_out is not None:  # C B^T once for all of the program's columns
-            C_ref, D_ref, y_ref = read_out
-            Ck = C_ref[bi, ts, gi, :]
+            _, D_ref, y_ref = read_out
             scores = (_dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]).astype(dtype)
         leaving = []
         for ps, state in zip(cols, states):
@@ -341,6 +428,12 @@ def _split_optional(refs, present):
     return (refs[0], refs[1:]) if present else (None, refs)
 
 
+def _split_rotation(refs, present):
+    """((theta, C_bias, B_bias) refs, the rest) where the rotation is given, else (None,
+    refs)."""
+    return (tuple(refs[:3]), refs[3:]) if present else (None, refs)
+
+
 def _call(kernel, grid, out_shape, warps, stages, interpret, name):
     return pl.pallas_call(
         kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
@@ -351,20 +444,29 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
-def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, interpret=False):
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, rotation=None,
+            interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
-    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32)."""
+    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
+
+    rotation: None, or (theta [b, l, h, a] float32, C_bias, B_bias [h, rank, n]) with rank
+    dividing the chunk: then head i reads at position s C_s + C_bias[i, s % rank] (added in
+    C's dtype) turned by theta[s, i] (and B alike), in float32 and rounded to C's dtype
+    (Mamba-3's data-dependent rotary embedding: `_rotation_args`' layout)."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     bp = _block_p(config, b, h, p)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
-                               bs=_sub_block(bp), has_doc=doc is not None, has_D=D is not None)
-    args = (x, dt, cs, B, C, initial_state) + _present(D, doc)
-    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
-                 config.forward_stages, interpret, "ssd_forward")(*args)
+                               bs=_sub_block(bp), has_doc=doc is not None, has_D=D is not None,
+                               has_rotation=rotation is not None)
+    args = (x, dt, cs, B, C, initial_state) + _present(D, doc) + _rotation_args(
+        rotation, config, B)
+    stages = config.forward_stages if rotation is None else config.rotation_forward_stages
+    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
+                 "ssd_forward")(*args)
 
 
 def chunk_states(x, dt, cs, B, initial_state, doc, *, config, interpret=False):
@@ -433,6 +535,40 @@ def weighted_state(x, B, weights, *, config, interpret=False):
     return _call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
                  config.forward_warps, config.forward_stages, interpret,
                  "ssd_weighted_state")(x, B, weights)[0]
+
+
+def _rotation_args(rotation, config, B):
+    """The kernels' rotation inputs: theta [b, l, h, a] float32, and C's and B's biases as
+    one chunk's rows [h, t, n] in B's dtype (position s has rank s % rank's), or none.
+
+    The turn's layout: B's and C's n entries in adjacent pairs (2j, 2j + 1), pair j turned
+    by theta[.., j / s] where s = n / (2a) (a power of two) divides j and not turned
+    otherwise; the caller orders the entries so (Mamba-3's rotary over a fraction of n, in
+    its pairs: pallas_kernels.mamba3.kernels)."""
+    if rotation is None:
+        return ()
+    theta, C_bias, B_bias = rotation
+    h, rank, n = C_bias.shape
+    a, t = theta.shape[-1], config.chunk
+    if not takes_rotation(n, a, rank, t):
+        raise ValueError(f"ssd: a rotation of rank {rank} over {a} angles of d_state {n} "
+                         f"needs rank dividing the chunk {t} and n / (2 * angles) a power "
+                         "of two")
+    return (theta.astype(jnp.float32), _bias_rows(C_bias, t, B.dtype),
+            _bias_rows(B_bias, t, B.dtype))
+
+
+def takes_rotation(n, a, rank, chunk):
+    """Whether the kernels turn B and C of d_state n by a angles (n / (2a) a power of two)
+    with a rank's biases dividing their chunk."""
+    spread = (n // 2) // a if a and (n // 2) % a == 0 else 0
+    return chunk % rank == 0 and spread > 0 and spread & (spread - 1) == 0
+
+
+def _bias_rows(bias, rows, dtype):
+    """bias [h, rank, n] -> [h, rows, n] in dtype, row s rank s % rank's: tiled, not gathered
+    (a gather's transpose is a scatter); rank divides rows."""
+    return jnp.tile(bias.astype(dtype), (1, rows // bias.shape[1], 1))
 
 
 def _present(*optional):

@@ -52,13 +52,13 @@ from pallas_kernels.ssd.reference import document_ids, process_dt
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _core(backend, config, interpret, segments, prepare, dt, cs, initial_state, doc, D, ends,
-          *inputs):
+          rotation, *inputs):
     return _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_state,
-                     doc, D, ends, *inputs)[0]
+                     doc, D, ends, rotation, *inputs)[0]
 
 
 def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_state, doc, D,
-              ends, *inputs):
+              ends, rotation, *inputs):
     """The kernels' forward over rows x, B, C = prepare(*inputs) ([b * segments, l, h, p]
     etc., chunk-padded), the initial_state [b, h, p, n] float32 entering each row's first
     part (None: zeros, which the backward then makes again rather than keeps), and
@@ -75,16 +75,18 @@ def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_sta
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     entering = _zeros_if_none(initial_state, x, B)
     y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
-                                     interpret=interpret)
+                                     rotation=rotation, interpret=interpret)
     final_state = final_state[segments - 1::segments]
     # The backward recomputes x, B, C from the inputs and the per-chunk states from those
     # (backend.chunk_states).
-    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, decays, ends)
+    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, decays, ends, rotation)
 
 
 def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangents):
-    inputs, dt, cs, initial_state, doc, D, decays, ends = residuals
+    inputs, dt, cs, initial_state, doc, D, decays, ends, rotation = residuals
     (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
+    if rotation is not None:  # the backward kernels read per-head turned copies
+        (B, C), turned_vjp = jax.vjp(backend.turned, B, C, rotation)
     states = backend.chunk_states(x, dt, cs, B, _zeros_if_none(initial_state, x, B), doc,
                                   config=config, interpret=interpret)
     dy, dfinal = cotangents
@@ -97,9 +99,13 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
     dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
         x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, interpret=interpret)
-    dinputs = prepare_vjp((dx, dB.astype(B.dtype), dC.astype(C.dtype)))
+    dB, dC = dB.astype(B.dtype), dC.astype(C.dtype)
+    drotation = None
+    if rotation is not None:
+        dB, dC, drotation = turned_vjp((dB, dC))
+    dinputs = prepare_vjp((dx, dB, dC))
     dinit = None if initial_state is None else dinit[::segments]
-    return (ddt, dcs, dinit, None, dD, None,
+    return (ddt, dcs, dinit, None, dD, None, drotation,
             *(None if d is None or d.dtype == jax.dtypes.float0 else d for d in dinputs))
 
 
@@ -167,11 +173,15 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
 
 
 def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret=None, D=None,
-                 initial_state=None, seq_idx=None, segments=1, inputs=None):
+                 initial_state=None, seq_idx=None, segments=1, inputs=None, rotation=None):
     """The scan h_t = exp(log_decay_t) h_{t-1} + weights_t x_t B_t^T, y_t = h_t C_t + D x_t
     on `backend`: the SSD with its decay given per token instead of dt_t * A (Mamba-3's
     data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h] (float32);
-    other arguments (inputs too) and the result as `ssd`."""
+    other arguments (inputs too) and the result as `ssd`. rotation: None, or (theta
+    [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B and C with its biases,
+    turned by its angles, inside the kernels (triton.forward's `rotation`; Mamba-3's
+    rotary embedding, which would otherwise be h / g per-head copies of B and C in memory);
+    segments 1 only."""
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -197,6 +207,11 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     state = None if initial_state is None else initial_state.astype(jnp.float32)
     if D is not None:  # [h] or [h, p]
         D = jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(jnp.float32), (h, p))
+    if rotation is not None:
+        if segments != 1:
+            raise ValueError(f"ssd: segments={segments} with a rotation: only 1 is supported")
+        theta, C_bias, B_bias = rotation
+        rotation = (pad_l(theta.astype(jnp.float32)), C_bias, B_bias)
     y, final_state = _core(backend, config, interpret, segments, prepare, dt, cs, state, doc,
-                           D, ends, *args)
+                           D, ends, rotation, *args)
     return y[:, :l].reshape(b, l_row, h, p), final_state
