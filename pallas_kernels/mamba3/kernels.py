@@ -17,14 +17,14 @@ the next token's share of the diagonal (eta) taken off: an r x r product per tok
 head. SISO is r = 1. The initial state enters with its previous token's trapezoid term
 folded in, as in the chunked form.
 
-The rotation is the kernels' own (ssd_weighted's `rotation`): they read the group's C and B
-and, per head, add its biases and turn them by its angles theta as they load each chunk,
-and the backward kernel turns the gradients back, summing the heads' into the group's and
-giving theta's and the biases' (`to_kernel_order` puts the pairs the rotary turns where the
-kernels turn them). No per-head q or k is in memory: written out by XLA, with the turn's
-cos and sin, they were 1.2 of the 1.5 ms of kernel time of a forward at 8 x 2048 on an
-H200 (64 heads, one group: BENCHMARKS.md), and their gradients a per-head float32 dB and
-dC from the backward kernel.
+The rotation is the forward kernel's own (ssd_weighted's `rotation`): it reads the group's C
+and B and, per head, adds its biases and turns them by its angles theta as it loads each
+chunk (`to_kernel_order` puts the pairs the rotary turns where the kernels turn them), so the
+forward has no per-head q or k in memory: written out by XLA, with the turn's cos and sin,
+they were 1.2 of the 1.5 ms of GPU time of a forward at 8 x 2048 on an H200 (64 heads, one
+group; docs/kernels.md). The backward kernels read per-head turned copies that XLA makes
+inside the custom_vjp (triton.turned): turning the gradients back inside the dB/dC kernel
+bound its registers.
 
 Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, theta, the biases,
 the initial state and D; automatic differentiation carries them through the angles' sum

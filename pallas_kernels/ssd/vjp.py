@@ -27,9 +27,13 @@ gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (at 
 forward+backward, BENCHMARKS.md).
 
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
-config, D, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *, config,
-interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D, interpret)`
-and `weighted_state(x, B, weights, *, config, interpret)` as in `triton.py`.
+config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *,
+config, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D,
+interpret)`, `weighted_state(x, B, weights, *, config, interpret)` and `turned(B, C,
+rotation)` as in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward
+turns each head's B and C itself; the backward kernels take the per-head turned copies
+`turned` makes, and its vjp carries their gradients to the group's B and C, the angles and
+the biases.
 
 What the backward recomputes rather than the forward keeps: the per-chunk states, with
 `chunk_states` (at t = 64 and d_state 128 they are twice x's bytes), and, given `inputs`,
