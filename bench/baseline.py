@@ -89,6 +89,17 @@ def import_mamba3_siso(baseline):
     return mamba3_siso_combined
 
 
+def import_mamba3_mimo(baseline):
+    """(mamba_ssm's mamba3_mimo, its Mamba-3 MIMO TileLang kernels, from the copy, '') where
+    TileLang imports, else (None, why not)."""
+    _use_copy(baseline)
+    try:
+        from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo import mamba3_mimo
+    except (ImportError, OSError) as error:  # OSError: a TileLang library that does not load
+        return None, f"{type(error).__name__}: {error}"
+    return mamba3_mimo, ""
+
+
 def import_mamba3_mimo_reference(baseline):
     """mamba_ssm's MIMO torch reference (mamba3_MIMO_chunk_ref, apply_angle_dt_reference):
     its tests/ops/tilelang/test_mamba3_mimo.py in the copy at `baseline`, loaded as a module.

@@ -1,5 +1,6 @@
-"""Mamba-3 scans on a GPU: ours against mamba_ssm's SISO Triton kernels (mamba3_siso_combined),
-and our MIMO scan checked against mamba_ssm's MIMO torch reference.
+"""Mamba-3 scans on a GPU: ours against mamba_ssm's SISO Triton kernels (mamba3_siso_combined)
+and, where TileLang imports, its MIMO TileLang kernels (mamba3_mimo); our MIMO scan checked
+against mamba_ssm's MIMO torch reference.
 
     python3 -m bench.mamba3 [--baseline .baseline/e9594ce] [--warmup 5] [--reps 30]
                             [--shapes 8x2048 8x8192 1x65536] [--implementations triton [xla]]
@@ -10,7 +11,8 @@ and our MIMO scan checked against mamba_ssm's MIMO torch reference.
 
 (Device run: PYTHONUNBUFFERED=1 python3 -m bench.mamba3 --baseline .baseline/e9594ce, with
 that folder holding mamba_ssm's Python package with ops/triton/mamba3 and, for --mimo-rank,
-its tests/ops/tilelang/test_mamba3_mimo.py: a `git archive` of the commit compared against.)
+its ops/tilelang/mamba3 and tests/ops/tilelang/test_mamba3_mimo.py: a `git archive` of the
+commit compared against.)
 
 What is compared. The head layout is mamba2-1.3b's (64 heads of 64, d_state 128, one B/C
 group), rope_fraction 0.5 (32 angles), bf16 C, B and x with float32 decays, gates and
@@ -19,12 +21,15 @@ mamba3_scan`, "triton": the SSD's Pallas kernels with the work around them; "xla
 chunked pure-JAX form) against mamba_ssm's mamba3_siso_combined, its Triton kernels, at its
 Mamba3 default chunk 64, on the same inputs (its angles per head: the module's expansion of
 the shared ones). MIMO (--mimo-rank R; without a value mamba_ssm's Mamba3 default rank, 4):
-ours alone. mamba_ssm's MIMO kernels are TileLang's (mamba3_mimo_combined), and TileLang
-does not install on the GPU machine (its wheel is 49.5 MB plus its dependencies, more than
-can be carried there), so there is no column of their time; instead ours is checked, values
-and every gradient, against mamba_ssm's float32 torch reference of those kernels
-(mamba3_MIMO_chunk_ref in its tests/ops/tilelang/test_mamba3_mimo.py, imported from
---baseline) at the check shape.
+ours checked, values and every gradient, against mamba_ssm's float32 torch reference of its
+kernels (mamba3_MIMO_chunk_ref in its tests/ops/tilelang/test_mamba3_mimo.py, imported from
+--baseline) at the check shape, then timed against its TileLang kernels (mamba3_mimo
+without the gate and the out-projection over ranks, so that its y is our scan's, at its
+recommended chunk of 64 / R tokens) where TileLang imports, else alone. TileLang is not on
+the GPU machine: its wheel (tilelang 0.1.15, 49.5 MB) and its dependencies (z3-solver
+4.15.4.0, 29 MB; apache-tvm-ffi 0.1.12; torch-c-dlpack-ext) are more than one call carries
+beside --baseline, so they go in two calls to a warm machine (ignored files a call carried
+stay there for the next), installed with `pip install --no-deps --target /tmp/site`.
 
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
 gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,
@@ -178,6 +183,30 @@ def theirs_fn(mamba3_siso_combined, t_in, chunk):
     return run
 
 
+def theirs_mimo_fn(mamba3_mimo, t_in, chunk, rotary_dim_divisor):
+    """mamba_ssm's MIMO scan on its TileLang kernels (mamba3_mimo without the gate and the
+    out-projection over ranks: Z, MIMO_Z and MIMO_Out None, so its y is ours, [b, l, r, h,
+    p]) on torch copies of our inputs (its layouts: decays and gates [b, h, l], angles per
+    head; C, B, the biases and mimo_x as ours), at its chunk, returning (y, the leaves)."""
+    import torch
+
+    def run(grad, dy=None):
+        leaves = {k: v.detach().requires_grad_(grad) for k, v in t_in.items()}
+        heads = leaves["x"].shape[2]
+        bhl = lambda t: t.transpose(1, 2)
+        y = mamba3_mimo(
+            Q=leaves["C"], K=leaves["B"], V=leaves["x"], ADT=bhl(leaves["adt"]),
+            DT=bhl(leaves["dt"]), Trap=bhl(leaves["trap"]), Q_bias=leaves["C_bias"],
+            K_bias=leaves["B_bias"], MIMO_V=leaves["mimo_x"], MIMO_Z=None, MIMO_Out=None,
+            Angles=leaves["angles"][:, :, None].expand(-1, -1, heads, -1), D=leaves["D"],
+            Z=None, chunk_size=chunk, rotary_dim_divisor=rotary_dim_divisor,
+            dtype=torch.bfloat16)
+        if grad:
+            y.backward(dy)
+        return y, leaves
+    return run
+
+
 def theirs_mimo_reference(reference, t_in, t_dy, chunk, rotary_dim_divisor):
     """mamba_ssm's MIMO reference (`reference`: its test module) in float32 on torch copies
     of our inputs, as its tests feed it: the angles through its apply_angle_dt_reference
@@ -269,11 +298,13 @@ def main(argv=None):
         import torch
         if mimo:
             reference = baseline.import_mamba3_mimo_reference(args.baseline)
-            print(f"mamba_ssm {baseline.version(args.baseline)} MIMO: its kernels "
-                  "(TileLang, mamba3_mimo_combined) are not timed: TileLang does not install "
-                  "on the GPU machine (its wheel is 49.5 MB plus dependencies); ours is "
-                  "checked against its float32 torch reference mamba3_MIMO_chunk_ref "
-                  "(tests/ops/tilelang/test_mamba3_mimo.py)", flush=True)
+            mamba3_mimo, why = baseline.import_mamba3_mimo(args.baseline)
+            print(f"mamba_ssm {baseline.version(args.baseline)} MIMO: ours is checked "
+                  "against its float32 torch reference mamba3_MIMO_chunk_ref "
+                  "(tests/ops/tilelang/test_mamba3_mimo.py), then " + (
+                      "timed against its TileLang kernels (mamba3_mimo)" if mamba3_mimo else
+                      f"timed alone: its TileLang kernels (mamba3_mimo) do not import ({why})"),
+                  flush=True)
         else:
             mamba3_siso_combined = baseline.import_mamba3_siso(args.baseline)
             # Its one path (the kernels call no causal_conv1d), named in the table's header.
@@ -295,7 +326,7 @@ def main(argv=None):
         require(f"{label} against mamba_ssm's MIMO reference (float32)",
                 against_theirs(fwd(small), fwdbwd(small, small_dy)[1][0], y_theirs, leaves))
 
-    theirs_timed = not (args.only_ours or mimo)
+    theirs_timed = not args.only_ours and (not mimo or mamba3_mimo is not None)
     columns = ["b x l"] + [f"{impl} {what} ms" for impl in args.implementations
                            for what in ("fwd", "fwd+bwd")]
     if theirs_timed:
@@ -317,9 +348,13 @@ def main(argv=None):
                                   args.reps)]
         if theirs_timed:
             fwd, fwdbwd = next(iter(impls.values()))
-            run = theirs_fn(mamba3_siso_combined, {k: to_torch(v) for k, v in inputs.items()},
-                            args.chunk)
-            t_dy = to_torch(dy[:, :, 0])
+            t_in = {k: to_torch(v) for k, v in inputs.items()}
+            if mimo:  # its MIMO chunk: the recommended 64 / rank positions' worth of tokens
+                run = theirs_mimo_fn(mamba3_mimo, t_in, max(args.chunk // r, 8), 4)
+                t_dy = to_torch(dy)
+            else:
+                run = theirs_fn(mamba3_siso_combined, t_in, args.chunk)
+                t_dy = to_torch(dy[:, :, 0])
             y_theirs, leaves = run(True, t_dy)
             torch.cuda.synchronize()
             errs = against_theirs(fwd(inputs), fwdbwd(inputs, dy)[1][0], y_theirs, leaves)
