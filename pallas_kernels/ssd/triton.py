@@ -388,8 +388,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     dS, dB, dC = jax.lax.fori_loop(0, heads, head,
                                    (jnp.zeros((t, t), jnp.float32), zeros, zeros))
     dS = dS.astype(dtype)
-    dB_ref[qi, bi, ts, gi, :] = dB + _dot(dS, Ck, (0, 0))
-    dC_ref[qi, bi, ts, gi, :] = dC + _dot(dS, Bk)
+    dB_ref[qi, bi, ts, gi, :] = (dB + _dot(dS, Ck, (0, 0))).astype(dB_ref.dtype)
+    dC_ref[qi, bi, ts, gi, :] = (dC + _dot(dS, Bk)).astype(dC_ref.dtype)
 
 
 def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r, bs):
@@ -491,7 +491,8 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interp
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
     dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
     float32 or None for D None), where ddt is the gradient through dt's direct use only;
-    cs's own gradient is dcs."""
+    cs's own gradient is dcs. dB and dC are in B's dtype where one program sums a group's
+    heads (the default), float32 partial sums otherwise, summed here."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
@@ -513,9 +514,14 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interp
                          f"group, {r}")
     kernel = functools.partial(_backward_bc_kernel, t=t, r=r, heads=heads, bs=_sub_block(p),
                                has_doc=doc is not None)
+    # One program a group: its sum is whole, so it is rounded to B's dtype in the kernel (as
+    # the caller would round it after a float32 pass over it: with a head a group, Mamba-3's
+    # per-head copies, that pass read 1 GB at 8 x 2048); partial sums stay float32.
+    partials = r // heads
+    grads = lambda a: jax.ShapeDtypeStruct((partials,) + a.shape,
+                                           a.dtype if partials == 1 else jnp.float32)
     dB, dC, dcs = _call(
-        kernel, (b, l // t, g * (r // heads)),
-        [f32((r // heads,) + B.shape), f32((r // heads,) + C.shape), f32((b, h, l))],
+        kernel, (b, l // t, g * partials), [grads(B), grads(C), f32((b, h, l))],
         config.backward_bc_warps, config.backward_stages, interpret, "ssd_backward_bc",
     )(x, dt, cs, B, C, dy, states, dstates, *_present(doc))
     return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
