@@ -14,6 +14,14 @@ ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt), where a fusion's na
 the operations it holds. Kernel times are the trace's device events (CUPTI); kernels on
 different streams may overlap, so their sum can exceed the step time.
 
+--scan KIND: a scan alone, its forward and its forward+backward (the output returned with the
+gradients, harness.forward_and_backward) each traced --steps times, at --batch x --seq-len
+with bench.ssd's ("ssd": 64 heads of 64, d_state 128, --groups, chunk 256) or
+bench.mamba3's ("mamba3", "mamba3-mimo": the same head layout, one group, rank 4 for MIMO)
+inputs, bf16, on the kernels.
+
+    python3 -m bench.profile_step --scan mamba3 --batch 8 --seq-len 2048 --out DIR
+
 --decode NEW: `mamba_jax.generate` of NEW tokens after a --seq-len prompt for --batch rows
 (random bf16 weights, greedy), compiled by one call and traced in a second; the kernels of
 the decode loop's program (not the prefill's) per decode step (NEW - 1 of them). The loop is
@@ -162,6 +170,41 @@ def profile_decode(args):
               what="decode step")
 
 
+def profile_scan(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench import mamba3, ssd
+    from bench.harness import forward_and_backward
+    from pallas_kernels.ssd import ssd as ssd_scan
+
+    rng = np.random.default_rng(0)
+    b, l = args.batch, args.seq_len
+    if args.scan == "ssd":
+        inputs, options = ssd.make_inputs(rng, b, l, args.groups, jnp.bfloat16)
+        args_in = ({**inputs, **options},)
+        scan = lambda a: ssd_scan(**a, chunk_size=ssd.CHUNK, dt_softplus=True,
+                                  implementation="triton")
+        out_shape = (b, l, ssd.H, ssd.P)
+    else:
+        r = 4 if args.scan == "mamba3-mimo" else 1
+        args_in = (mamba3.make_inputs(rng, b, l, 64, 64, 128, r, jnp.bfloat16),)
+        scan = mamba3.ours(64, "triton", "halves" if r > 1 else "pairwise")
+        out_shape = (b, l, r, 64, 64)
+    dy = jnp.asarray(rng.standard_normal(out_shape), jnp.bfloat16)
+    forward, both = jax.jit(scan), forward_and_backward(scan)
+    print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
+          f"{args.scan} scan on the kernels, {b}x{l}, bf16")
+    for what, fn in (("forward", lambda: jax.block_until_ready(forward(*args_in))),
+                     ("forward+backward", lambda: jax.block_until_ready(both(*args_in, dy)))):
+        fn()  # compiles
+        fn()
+        times, trace = traced(fn, args.out, args.steps)
+        summarize(device_events(trace), args.steps, sorted(times)[len(times) // 2], args.top,
+                  what=what)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="mamba2-1.3b")
@@ -179,10 +222,15 @@ def main(argv=None):
                    help="with --decode: generate's step_implementation")
     p.add_argument("--ssm-state-dtype", default="float32",
                    help="with --decode: generate's ssm_state_dtype")
+    p.add_argument("--scan", choices=("ssd", "mamba3", "mamba3-mimo"), default=None,
+                   help="profile a scan alone (its forward, and forward+backward) instead")
+    p.add_argument("--groups", type=int, default=1, help="with --scan ssd: B/C groups")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
         return profile_decode(args)
+    if args.scan:
+        return profile_scan(args)
 
     import jax
 
