@@ -183,9 +183,9 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h] (float32);
     other arguments (inputs too) and the result as `ssd`. rotation: None, or (theta
     [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B and C with its biases,
-    turned by its angles, inside the kernels (triton.forward's `rotation`; Mamba-3's
-    rotary embedding, which would otherwise be h / g per-head copies of B and C in memory);
-    segments 1 only."""
+    turned by its angles (Mamba-3's rotary embedding): the forward kernel turns them as it
+    loads them (triton.forward's `rotation`), the backward reads per-head copies
+    (`turned`); segments 1 only."""
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
