@@ -89,6 +89,57 @@ def import_mamba3_siso(baseline):
     return mamba3_siso_combined
 
 
+def import_inference_params(baseline):
+    """mamba_ssm's InferenceParams (its decoding cache's bookkeeping) from the copy."""
+    _use_copy(baseline)
+    from mamba_ssm.utils.generation import InferenceParams
+    return InferenceParams
+
+
+def use_mamba3_triton_step(baseline):
+    """Makes mamba_ssm's Mamba3 (from the copy) decode a SISO token with its Triton step
+    kernel (ops/triton/mamba3/mamba3_siso_step.py, as its tests/ops/triton/test_mamba3_siso.py
+    runs it) in place of Mamba3.step's CuTe-DSL kernel, which needs nvidia-cutlass-dsl and
+    quack (not on the GPU machine): its in_proj, its B/C norms, dt and A as its forward makes
+    them, then the one kernel that turns B and C by the angles, updates the state and reads
+    it out (with the gate where its Mamba3 has no out-projection norm), its norm and
+    out_proj, and the cache's states updated in place."""
+    _use_copy(baseline)
+    import torch
+    import torch.nn.functional as F
+    from mamba_ssm.modules import mamba3 as module
+    from mamba_ssm.ops.triton.mamba3.mamba3_siso_step import mamba3_siso_step
+
+    def step(self, u, angle_state, ssm_state, k_state, v_state, **kwargs):
+        # u [b, 1, d] from its forward (its blocks keep the token axis), or [b, d]
+        one_token = u.dim() == 3
+        u = u[:, 0] if one_token else u
+        bc = self.d_state * self.num_bc_heads
+        z, x, B, C, dd_dt, dd_A, trap, angles = torch.split(
+            self.in_proj(u), [self.d_inner, self.d_inner, bc, bc, self.nheads, self.nheads,
+                              self.nheads, self.num_rope_angles], dim=-1)
+        A = torch.clamp(-module.heavy_tail_activation(dd_A.float()), max=-self.A_floor)
+        DT = F.softplus(dd_dt + self.dt_bias)
+        B, C = (norm(t.unflatten(-1, (self.num_bc_heads, self.d_state)))
+                for norm, t in ((self.B_norm, B), (self.C_norm, C)))
+        x, z = (t.unflatten(-1, (self.nheads, self.headdim)) for t in (x, z))
+        y, (angle, ssm, k, v) = mamba3_siso_step(
+            C, B, x, A * DT, DT, trap, self.C_bias.squeeze(1), self.B_bias.squeeze(1),
+            angles.float().unsqueeze(1).expand(-1, self.nheads, -1), self.D,
+            None if self.is_outproj_norm else z,
+            (angle_state, ssm_state, k_state.squeeze(1), v_state))
+        y = y.flatten(1)
+        if self.is_outproj_norm:
+            y = self.norm(y, z.flatten(1))
+        out = self.out_proj(y.to(x.dtype))
+        out = out[:, None] if one_token else out
+        for state, new in ((angle_state, angle), (ssm_state, ssm), (k_state, k.unsqueeze(1)),
+                           (v_state, v)):
+            state.copy_(new)
+        return out, angle_state, ssm_state, k_state, v_state
+    module.Mamba3.step = step
+
+
 def import_mamba3_mimo(baseline):
     """(mamba_ssm's mamba3_mimo, its Mamba-3 MIMO TileLang kernels, from the copy, '') where
     TileLang imports, else (None, why not)."""

@@ -27,10 +27,13 @@ mamba_ssm's MambaLMHeadModel puts an MLP in every block, so it cannot spell such
 pattern, and its attention decodes only with flash_attn. So does a Mamba-1 preset
 (mamba-1.4b): mamba_ssm's Mamba-1 prefill runs its compiled selective_scan_cuda, which the
 GPU machine does not build (bench.selective_scan times its Triton decoding update alone).
-So does a Mamba-3 preset (mamba3-1.3b): mamba_ssm's Mamba3 decodes one token only through
-its CuTe-DSL kernel (ops/cute/mamba3/mamba3_step_fn.py), which needs nvidia-cutlass-dsl
-(its CUDA 13 libraries' wheel alone is 92 MB, more than can be carried to the GPU machine)
-and quack. Mamba-3 layers have no step kernels of ours either: their step is XLA's
+A Mamba-3 preset (mamba3-1.3b) gets mamba_ssm's rows with its Triton step kernel
+(ops/triton/mamba3/mamba3_siso_step.py) decoding each token (baseline.use_mamba3_triton_step):
+its Mamba3.step runs a CuTe-DSL kernel (ops/cute/mamba3/mamba3_step_fn.py) that needs
+nvidia-cutlass-dsl (its CUDA 13 libraries' wheel alone is 92 MB, more than can be carried
+to the GPU machine) and quack; its prefill is its forward's Triton kernels; its cache keeps
+the SSM state in float32. A MIMO Mamba-3 preset gets our rows only: its step is CuTe-DSL
+alone. Mamba-3 layers have no step kernels of ours: their step is XLA's
 (Mamba3Mixer.step) under every --step-implementations value. Its floor counts its weights
 and its state per row: the angles, the SSM state and the trapezoid's carried k and x
 (mamba3_bytes).
@@ -55,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -237,8 +241,12 @@ def theirs(preset, batch, prompt, new, reps, copy):
     cfg = Mamba2Config.preset(preset)
     MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(copy)
     config = baseline.mamba_config(cfg, MambaConfig)
+    if baseline.ssm_layer(cfg) == "Mamba3":  # its CuTe-DSL step cannot run there
+        baseline.use_mamba3_triton_step(copy)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
+    if baseline.ssm_layer(cfg) == "Mamba3":
+        check_mamba3_step(model, ids, copy)
 
     def run(max_length):
         with torch.inference_mode():
@@ -249,6 +257,27 @@ def theirs(preset, batch, prompt, new, reps, copy):
     t_full = median_time(lambda: run(prompt + new), 1, reps)
     t_prefill = median_time(lambda: run(prompt + 1), 1, reps)
     return t_prefill, t_full - t_prefill
+
+
+def check_mamba3_step(model, ids, copy):
+    """mamba_ssm's model with its Mamba3 step swapped for the Triton one: the logits of one
+    decoded token (the prompt's cache, then a step) against its forward over the prompt and
+    that token, 3e-2 of the largest at most (bf16), else a RuntimeError."""
+    import torch
+    InferenceParams = baseline.import_inference_params(copy)
+    with torch.inference_mode():
+        params = InferenceParams(max_seqlen=ids.shape[1] + 1, max_batch_size=ids.shape[0])
+        token = model(ids, inference_params=params).logits[:, -1:].argmax(-1)
+        params.seqlen_offset += ids.shape[1]
+        stepped = model(token, inference_params=params).logits[:, -1].float()
+        whole = model(torch.cat([ids, token], 1)).logits[:, -1].float()
+    error = ((stepped - whole).abs().max() / whole.abs().max()).item()
+    # to stderr, two spaces in: what a child process's parent passes on (run_module)
+    print(f"  check mamba_ssm's Mamba3 Triton step against its forward: {error:.1e}",
+          file=sys.stderr, flush=True)
+    if not error < 3e-2:
+        raise RuntimeError(f"mamba_ssm's Mamba3 with its Triton step decodes off its forward "
+                           f"({error:.1e} of the largest logit)")
 
 
 def theirs_in_child(preset, batch, prompt, new, reps, copy):
@@ -323,18 +352,15 @@ def main(argv=None):
             if "triton" in resolved.values() and "M" in cfg.layers:  # Mamba2's kernels
                 check_kernels(preset, cfg, batch, int8="int8" in dtypes)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
-            if set(cfg.layers) != {"M"}:
+            why = _theirs_not_run(cfg)
+            if why:
                 ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
-                why = ("its Mamba-1 prefill needs its selective_scan_cuda extension; "
-                       "bench.selective_scan times its Triton selective_state_update"
-                       if set(cfg.layers) == {"1"} else
-                       "its Mamba3 decodes only through its CuTe-DSL step (mamba3_step_fn: "
-                       "nvidia-cutlass-dsl and quack), which does not install on the GPU "
-                       "machine" if set(cfg.layers) == {"3"} else
-                       f"its blocks cannot spell the layer pattern {cfg.layers}, and its "
-                       "attention decodes only with flash_attn")
                 print(f"{preset}: mamba_ssm not run ({why})")
             else:
+                if set(cfg.layers) == {"3"}:
+                    print(f"{preset}: mamba_ssm's Mamba3 decodes with its Triton step kernel "
+                          "(mamba3_siso_step) in place of its CuTe-DSL step "
+                          "(baseline.use_mamba3_triton_step)")
                 ratio = versus.ratio
                 try:
                     run = theirs_in_child if args.theirs_process == "child" else theirs
@@ -363,14 +389,31 @@ def main(argv=None):
     print("\n".join(agreement))
 
 
+def _theirs_not_run(cfg) -> str:
+    """Why mamba_ssm does not decode this preset here, or '' where it does."""
+    if set(cfg.layers) == {"M"}:
+        return ""
+    if set(cfg.layers) == {"1"}:
+        return ("its Mamba-1 prefill needs its selective_scan_cuda extension; "
+                "bench.selective_scan times its Triton selective_state_update")
+    if set(cfg.layers) == {"3"}:
+        return ("its MIMO Mamba3 decodes only through its CuTe-DSL step (mamba3_step_fn: "
+                "nvidia-cutlass-dsl and quack), which does not install on the GPU machine"
+                if cfg.mamba3.is_mimo else "")
+    return (f"its blocks cannot spell the layer pattern {cfg.layers}, and its attention "
+            "decodes only with flash_attn")
+
+
 def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, prompt,
          steps, bandwidth, ratio):
     """A table row; ratio(ours, theirs, spec) formats ours/theirs (baseline.Comparison)."""
     ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
     context = prompt + steps / 2  # the tokens an attention layer reads, on average
+    # mamba_ssm's caches: Mamba2's SSM states in bf16, Mamba3's in float32
+    theirs_state = 4 if set(cfg.layers) == {"3"} else 2
     floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, size, context) / bandwidth
-                                for size in (state_bytes(cfg, dtype), 2))
+                                for size in (state_bytes(cfg, dtype), theirs_state))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
             f"{ms_ours:.3f}", f"{ms_theirs:.3f}", ratio(ms_ours, ms_theirs, ".3f"),
             f"{tps_ours:.0f}", f"{tps_theirs:.0f}", ratio(tps_ours, tps_theirs, ".2f"),
