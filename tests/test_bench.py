@@ -300,3 +300,20 @@ def test_mamba3_bench_checks_and_times_our_mimo_scan_on_a_cpu(capsys):
     assert lines[3] == "| b x l | triton fwd ms | triton fwd+bwd ms |"
     cells = [c.strip() for c in lines[5].strip("|").split("|")]
     assert cells[0] == "1x16" and all(float(c) > 0 for c in cells[1:]) and len(cells) == 3
+
+
+def test_forward_and_backward_computes_the_output_with_the_gradients():
+    # A scan's timed forward+backward returns its output, so the forward's kernels run (with
+    # the gradients alone, XLA dropped a custom_vjp's forward kernel whose output nothing
+    # read), and its gradients are those of <f(x), dy> for the given dy.
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def square(x):
+        return x * x
+    square.defvjp(lambda x: (x * x, x), lambda x, g: (2 * x * g,))
+    x, dy = jnp.arange(4.0), jnp.asarray([1.0, -1.0, 2.0, 0.5])
+    y, (dx,) = harness.forward_and_backward(square)(x, dy)
+    assert jnp.array_equal(y, x * x)
+    assert jnp.array_equal(dx, 2 * x * dy)
