@@ -241,11 +241,10 @@ def theirs(preset, batch, prompt, new, reps, copy):
     cfg = Mamba2Config.preset(preset)
     MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(copy)
     config = baseline.mamba_config(cfg, MambaConfig)
-    if baseline.ssm_layer(cfg) == "Mamba3":  # its CuTe-DSL step cannot run there
-        baseline.use_mamba3_triton_step(copy)
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
-    if baseline.ssm_layer(cfg) == "Mamba3":
+    if baseline.ssm_layer(cfg) == "Mamba3":  # its CuTe-DSL step cannot run there
+        baseline.use_mamba3_triton_step(copy)
         check_mamba3_step(model, ids, copy)
 
     def run(max_length):

@@ -163,44 +163,31 @@ def check_kernels_against_xla(inputs, dy, chunk, rotary, label):
     require(f"{label}: kernels against the XLA form", errs)
 
 
-def theirs_fn(mamba3_siso_combined, t_in, chunk):
-    """mamba_ssm's SISO scan on torch copies of our inputs (its layouts: C, B [b, l, g, n]
-    without the rank axis, biases [h, n], decays and gates [b, h, l], angles per head),
-    returning (y [b, l, h, p], the leaves for gradients)."""
-    def run(grad, dy=None):
-        leaves = {k: v.detach().requires_grad_(grad) for k, v in t_in.items()}
-        heads = leaves["x"].shape[2]
-        bhl = lambda t: t.transpose(1, 2)
-        y = mamba3_siso_combined(
-            Q=leaves["C"][:, :, 0], K=leaves["B"][:, :, 0], V=leaves["x"],
-            ADT=bhl(leaves["adt"]), DT=bhl(leaves["dt"]), Trap=bhl(leaves["trap"]),
-            Q_bias=leaves["C_bias"][:, 0], K_bias=leaves["B_bias"][:, 0],
-            Angles=leaves["angles"][:, :, None].expand(-1, -1, heads, -1), D=leaves["D"],
-            Z=None, chunk_size=chunk)
-        if grad:
-            y.backward(dy)
-        return y, leaves
-    return run
-
-
-def theirs_mimo_fn(mamba3_mimo, t_in, chunk, rotary_dim_divisor):
-    """mamba_ssm's MIMO scan on its TileLang kernels (mamba3_mimo without the gate and the
-    out-projection over ranks: Z, MIMO_Z and MIMO_Out None, so its y is ours, [b, l, r, h,
-    p]) on torch copies of our inputs (its layouts: decays and gates [b, h, l], angles per
-    head; C, B, the biases and mimo_x as ours), at its chunk, returning (y, the leaves)."""
+def theirs_fn(kernels, t_in, chunk):
+    """mamba_ssm's scan on torch copies of our inputs, returning (y, the leaves for
+    gradients). kernels: its SISO Triton kernels (mamba3_siso_combined: C, B [b, l, g, n]
+    without the rank axis, biases [h, n]; y [b, l, h, p]) or, a (mamba3_mimo, its rotary
+    divisor) pair, its MIMO TileLang kernels without the gate and the out-projection over
+    ranks (Z, MIMO_Z and MIMO_Out None, so its y is ours, [b, l, r, h, p]; C, B, the biases
+    and mimo_x as ours). Both take decays and gates [b, h, l] and angles per head."""
     import torch
 
     def run(grad, dy=None):
         leaves = {k: v.detach().requires_grad_(grad) for k, v in t_in.items()}
         heads = leaves["x"].shape[2]
         bhl = lambda t: t.transpose(1, 2)
-        y = mamba3_mimo(
-            Q=leaves["C"], K=leaves["B"], V=leaves["x"], ADT=bhl(leaves["adt"]),
-            DT=bhl(leaves["dt"]), Trap=bhl(leaves["trap"]), Q_bias=leaves["C_bias"],
-            K_bias=leaves["B_bias"], MIMO_V=leaves["mimo_x"], MIMO_Z=None, MIMO_Out=None,
-            Angles=leaves["angles"][:, :, None].expand(-1, -1, heads, -1), D=leaves["D"],
-            Z=None, chunk_size=chunk, rotary_dim_divisor=rotary_dim_divisor,
-            dtype=torch.bfloat16)
+        shared = dict(V=leaves["x"], ADT=bhl(leaves["adt"]), DT=bhl(leaves["dt"]),
+                      Trap=bhl(leaves["trap"]), D=leaves["D"], Z=None, chunk_size=chunk,
+                      Angles=leaves["angles"][:, :, None].expand(-1, -1, heads, -1))
+        if isinstance(kernels, tuple):
+            mamba3_mimo, rotary_dim_divisor = kernels
+            y = mamba3_mimo(Q=leaves["C"], K=leaves["B"], Q_bias=leaves["C_bias"],
+                            K_bias=leaves["B_bias"], MIMO_V=leaves["mimo_x"], MIMO_Z=None,
+                            MIMO_Out=None, rotary_dim_divisor=rotary_dim_divisor,
+                            dtype=torch.bfloat16, **shared)
+        else:
+            y = kernels(Q=leaves["C"][:, :, 0], K=leaves["B"][:, :, 0],
+                        Q_bias=leaves["C_bias"][:, 0], K_bias=leaves["B_bias"][:, 0], **shared)
         if grad:
             y.backward(dy)
         return y, leaves
@@ -350,7 +337,7 @@ def main(argv=None):
             fwd, fwdbwd = next(iter(impls.values()))
             t_in = {k: to_torch(v) for k, v in inputs.items()}
             if mimo:  # its MIMO chunk: the recommended 64 / rank positions' worth of tokens
-                run = theirs_mimo_fn(mamba3_mimo, t_in, max(args.chunk // r, 8), 4)
+                run = theirs_fn((mamba3_mimo, 4), t_in, max(args.chunk // r, 8))
                 t_dy = to_torch(dy)
             else:
                 run = theirs_fn(mamba3_siso_combined, t_in, args.chunk)

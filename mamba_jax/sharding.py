@@ -114,9 +114,8 @@ def param_specs(params, mesh, axis_names: AxisNames = AxisNames()):
     """A PartitionSpec per parameter: a pytree shaped like params (an nnx.State whose
     Variables hold specs; params' leaves may be abstract), each axis on RULES' mesh axis,
     named as axis_names says (a role the mesh lacks is not split). An axis whose mesh axis
-    does not divide it is
-    replicated if REPLICATED_WHEN_UNEVEN says so, else a ValueError naming the parameter,
-    the sizes, and the mesh sizes that would work."""
+    does not divide it is replicated if REPLICATED_WHEN_UNEVEN says so, else a ValueError
+    naming the parameter, the sizes, and the mesh sizes that would work."""
     def spec(path, variable):
         name = param_name(path)
         axes = logical_axes(variable, name)

@@ -100,7 +100,7 @@ def cumulative_angles(increments, starts, initial=None, block=64):
     inc = inc.reshape(b, c, block, h, a)
     # The sums within each block as a product with a triangle of ones, in full float32: a
     # cumulative sum is a reduce-window on a GPU, which took 0.29 ms of a mamba3-1.3b-sized
-    # forward at 8 x 2048 on an H200 (BENCHMARKS.md), and its transpose 0.86 ms.
+    # forward at 8 x 2048 on an H200 (docs/kernels.md), and its transpose 0.86 ms.
     triangle = jnp.tril(jnp.ones((block, block), inc.dtype))
     cs = jnp.einsum("ts,bcsha->bctha", triangle, inc, precision=jax.lax.Precision.HIGHEST)
     if starts is None:

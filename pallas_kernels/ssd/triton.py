@@ -167,14 +167,18 @@ def _joined(first, second):
 
 
 def _turned(v, bias, cos, sin):
-    """B or C [..., n] plus a head's biases (broadcast against it), added in float32 and
-    rounded to v's dtype (as XLA adds two bf16 arrays), turned pair by pair in float32 (v0
-    cos - v1 sin, v0 sin + v1 cos; cos, sin from _cos_sin) and rounded to v's dtype again.
-    The pairs are split and joined in v's dtype: in a kernel, what the layout changes move
-    is half of float32's for bf16."""
-    biased = (v.astype(jnp.float32) + bias.astype(jnp.float32)).astype(v.dtype)
-    v0, v1 = (u.astype(jnp.float32) for u in _pairs(biased))
+    """B or C [..., n] plus a head's biases (broadcast against it, `_biased`), turned pair
+    by pair in float32 (v0 cos - v1 sin, v0 sin + v1 cos; cos, sin from _cos_sin) and
+    rounded to v's dtype again. The pairs are split and joined in v's dtype: in a kernel,
+    what the layout changes move is half of float32's for bf16."""
+    v0, v1 = (u.astype(jnp.float32) for u in _pairs(_biased(v, bias)))
     return _joined((v0 * cos - v1 * sin).astype(v.dtype), (v0 * sin + v1 * cos).astype(v.dtype))
+
+
+def _biased(v, bias):
+    """v plus bias, added in float32 and rounded to v's dtype (as XLA adds two bf16
+    arrays): what the turn turns, in the kernel and in `turned` alike."""
+    return (v.astype(jnp.float32) + bias.astype(jnp.float32)).astype(v.dtype)
 
 
 def turned(B, C, rotation):
@@ -203,8 +207,7 @@ def turned(B, C, rotation):
     def turn(v, bias):
         v = jnp.repeat(v, h // v.shape[2], axis=2)  # the group each head reads
         bias = jnp.swapaxes(_bias_rows(bias, v.shape[1], v.dtype), 0, 1)  # [l, h, n]
-        v = (v.astype(jnp.float32) + bias.astype(jnp.float32)).astype(v.dtype).astype(
-            jnp.float32)
+        v = _biased(v, bias).astype(jnp.float32)
         swapped = jnp.flip(v.reshape(*v.shape[:-1], n // 2, 2), -1).reshape(v.shape) * sign
         return (v * cos + swapped * sin).astype(B.dtype)
     return turn(B, B_bias), turn(C, C_bias)
