@@ -320,10 +320,10 @@ def main(argv=None):
         return
 
     presets = args.presets.split(",")
-    # mamba_ssm runs for the presets of Mamba layers alone: its path checked before any
-    # timing, in the process it will run in
+    # mamba_ssm runs for the presets it decodes here (_theirs_not_run): its path checked
+    # before any timing, in the process it will run in
     versus = None
-    if any(set(Mamba2Config.preset(preset).layers) == {"M"} for preset in presets):
+    if any(not _theirs_not_run(Mamba2Config.preset(preset)) for preset in presets):
         versus = baseline.comparison(args.baseline, "decode", args.allow_slow_baseline,
                                      in_child=args.theirs_process == "child")
     bandwidth = copy_bandwidth(1, 5)

@@ -256,3 +256,50 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
         assert np.all(np.isfinite(ref[path]))
         np.testing.assert_allclose(g, ref[path], rtol=1e-4, atol=1e-4,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_backward_copies_gradients_are_rounded_once():
+    # The per-head turned B and C the backward kernels read (pallas_kernels.ssd.triton.
+    # turned), from bf16 B and C, against the same turn in float64 on the same values:
+    # values within a bf16 rounding, and gradients. Summed over a group's
+    # heads and the biases' over the rows in float32, B's and C's are rounded once to bf16
+    # (within 2^-8 of the largest; a bf16 rounding a head made them 1.4e-2 at 64 heads) and
+    # the biases' stay float32 sums (1e-5; a bf16 rounding a row made them 1.5e-2).
+    from pallas_kernels.ssd.triton import turned
+    b, l, g, h, n, a, rank = 2, 256, 2, 32, 32, 8, 2
+    rng = np.random.default_rng(11)
+    arr = lambda dtype, *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    B, C, dB, dC = (arr(jnp.bfloat16, b, l, *s) for s in ((g, n), (g, n), (h, n), (h, n)))
+    theta = jnp.asarray(rng.uniform(-20, 20, (b, l, h, a)), jnp.float32)
+    C_bias, B_bias = arr(jnp.float32, h, rank, n), arr(jnp.float32, h, rank, n)
+
+    def turned64(B, C, theta, C_bias, B_bias):
+        # pair j (entries 2j, 2j + 1) turns by angle j // k where k = n / 2a divides j,
+        # else stays; a head reads its group's values plus its bias of rank s % rank
+        k = n // (2 * a)
+        pairs = jnp.zeros(theta.shape[:-1] + (n // 2,), theta.dtype).at[..., ::k].set(theta)
+        cos, sin = jnp.cos(pairs), jnp.sin(pairs)
+
+        def turn(v, bias):
+            rounded = lambda x: x + jax.lax.stop_gradient(  # bf16 values, as the kernel
+                x.astype(jnp.bfloat16).astype(x.dtype) - x)
+            bias = rounded(jnp.tile(bias, (1, l // rank, 1)).swapaxes(0, 1))
+            v = rounded(jnp.repeat(v, h // g, axis=2) + bias).reshape(b, l, h, n // 2, 2)
+            return jnp.stack([v[..., 0] * cos - v[..., 1] * sin,
+                              v[..., 1] * cos + v[..., 0] * sin], -1).reshape(b, l, h, n)
+        return turn(B, B_bias), turn(C, C_bias)
+
+    inputs = (B, C, theta, C_bias, B_bias)
+    with jax.enable_x64(True):
+        want, vjp = jax.vjp(turned64, *(jnp.asarray(x, jnp.float64) for x in inputs))
+        want_grads = vjp((jnp.asarray(dB, jnp.float64), jnp.asarray(dC, jnp.float64)))
+        want, want_grads = ([np.asarray(w) for w in ws] for ws in (want, want_grads))
+    got, vjp = jax.vjp(lambda *x: turned(x[0], x[1], x[2:]), *inputs)
+    got_grads = vjp((dB, dC))
+    for v, w in zip(got, want):
+        assert v.dtype == jnp.bfloat16
+        assert relative(np.asarray(v, np.float64), w) < 2 ** -8
+    tolerances = {"B": 2 ** -8, "C": 2 ** -8, "theta": 2e-2, "C_bias": 1e-5, "B_bias": 1e-5}
+    for name, v, w in zip(tolerances, got_grads, want_grads):
+        assert np.all(np.isfinite(np.asarray(v, np.float64))), name
+        assert relative(np.asarray(v, np.float64), w) < tolerances[name], name

@@ -177,7 +177,7 @@ def _turned(v, bias, cos, sin):
 
 def _biased(v, bias):
     """v plus bias, added in float32 and rounded to v's dtype (as XLA adds two bf16
-    arrays): what the turn turns, in the kernel and in `turned` alike."""
+    arrays): what the kernel's turn turns (`turned` computes the same values)."""
     return (v.astype(jnp.float32) + bias.astype(jnp.float32)).astype(v.dtype)
 
 
@@ -204,10 +204,16 @@ def turned(B, C, rotation):
     cos, sin = spread(jnp.cos(theta), 1.0), spread(jnp.sin(theta), 0.0)
     sign = jnp.tile(jnp.asarray([-1.0, 1.0], jnp.float32), n // 2)
 
+    def rounded(v):  # to B's dtype, as the kernel rounds it, passing the gradient as is
+        return v + jax.lax.stop_gradient(v.astype(B.dtype).astype(jnp.float32) - v)
+
     def turn(v, bias):
-        v = jnp.repeat(v, h // v.shape[2], axis=2)  # the group each head reads
-        bias = jnp.swapaxes(_bias_rows(bias, v.shape[1], v.dtype), 0, 1)  # [l, h, n]
-        v = _biased(v, bias).astype(jnp.float32)
+        # `_biased` in float32 with straight-through roundings: the per-head gradients are
+        # summed over the group's heads, and the biases' over the rows, in float32, and
+        # rounded once, at the end (not once a head and a row in B's dtype).
+        v = jnp.repeat(v.astype(jnp.float32), h // v.shape[2], axis=2)  # each head's group
+        bias = jnp.swapaxes(rounded(_bias_rows(bias, v.shape[1], jnp.float32)), 0, 1)
+        v = rounded(v + bias)  # [b, l, h, n]
         swapped = jnp.flip(v.reshape(*v.shape[:-1], n // 2, 2), -1).reshape(v.shape) * sign
         return (v * cos + swapped * sin).astype(B.dtype)
     return turn(B, B_bias), turn(C, C_bias)
