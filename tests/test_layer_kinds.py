@@ -101,3 +101,31 @@ def test_one_token_steps_follow_the_forward(symbol):
             logits_k, _ = step(model, ids[:, t], cache, kernels)
             np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-4)
         cache = new_cache
+
+
+@pytest.mark.parametrize("symbol", CAUSAL)
+def test_one_token_steps_over_int8_states_follow_float32s(symbol):
+    # generate(ssm_state_dtype="int8"): a kind with an SSM state stores it as an Int8State
+    # (int8 values, a float32 scale per row of d_state) and each step dequantises it,
+    # steps in float32 and quantises afresh: three steps' logits within 2e-2 of the float32
+    # cache's (a value is off by at most half its row's step, max / 254), not equal to them.
+    from pallas_kernels.ssd.step import Int8State
+    cfg = kind_config(symbol)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(3))
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 11)))
+    _, cache32 = model.prefill(ids[:, :8], cache_len=11)
+    xla = ("xla",) * len(cfg.layers)
+    cache8 = model.cache_for_decoding(cache32, xla, "int8")
+    quantised = [isinstance(leaf, Int8State) for c in cache8
+                 for leaf in jax.tree.leaves(c, is_leaf=lambda v: isinstance(v, Int8State))]
+    # the kind's layers (positions 0, 2, 3) and the Mamba2 layer (1) hold Int8States where
+    # they have SSM states; attention and MLP layers keep what they had
+    assert sum(quantised) == (4 if KINDS[symbol].name in ("mamba1", "mamba2", "mamba3") else 1)
+    step = nnx.jit(lambda model, token, cache: model.step(token, cache, steps=xla))
+    worst = 0.0
+    for t in range(8, 11):
+        logits32, cache32 = step(model, ids[:, t], cache32)
+        logits8, cache8 = step(model, ids[:, t], cache8)
+        assert np.all(np.isfinite(logits8))
+        worst = max(worst, float(jnp.max(jnp.abs(logits8 - logits32))))
+    assert 0.0 < worst < 2e-2, worst

@@ -40,6 +40,7 @@ from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.selective_scan import selective_scan
 from pallas_kernels.selective_scan.reference import selective_state_update
 from pallas_kernels.ssd import document_ids
+from pallas_kernels.ssd.step import load_state, state_in, store_state
 
 DT_INITS = ("random", "constant")
 
@@ -245,7 +246,9 @@ class Mamba1Mixer(Mixer):
                           jnp.zeros((batch_size, i, n), jnp.float32))
 
     def cache_for_decoding(self, cache: MambaCache, how: str, ssm_state_dtype: str):
-        return cache._replace(ssm_state=cache.ssm_state.astype(ssm_state_dtype))
+        """The SSM state stored in ssm_state_dtype ("int8": an Int8State, a scale per
+        channel)."""
+        return cache._replace(ssm_state=state_in(cache.ssm_state, ssm_state_dtype))
 
     def step_weights(self, how: str = "xla") -> StepWeights:
         cast = lambda w: w.astype(self.dtype)
@@ -256,8 +259,8 @@ class Mamba1Mixer(Mixer):
 
     def step(self, u, cache: MambaCache, weights: StepWeights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32 before its bias, the
-        updated MambaCache: conv_state [b, i, k], ssm_state [b, i, n] in the cache's dtype,
-        computed in float32). The arithmetic of the forward for one token, as XLA fusions;
+        updated MambaCache: conv_state [b, i, k], ssm_state [b, i, n] stored as the cache's
+        is (its dtype, or an Int8State), computed in float32). The arithmetic of the forward for one token, as XLA fusions;
         there is no step kernel (bench.selective_scan times this SSM update against
         mamba_ssm's Triton selective_state_update)."""
         x, z = self.project(u, weights.in_proj)
@@ -267,9 +270,10 @@ class Mamba1Mixer(Mixer):
         x = jax.nn.silu(pre if conv_b is None else pre + conv_b).astype(self.dtype)
         dt, B, C = self.select(x, weights=(weights.x_proj, weights.dt_proj))
         dt = jax.nn.softplus(dt + self.dt_proj_bias[...])
-        y, state = selective_state_update(cache.ssm_state, x, dt, weights.A, B, C, self.D[...])
+        y, state = selective_state_update(load_state(cache.ssm_state), x, dt, weights.A, B, C,
+                                          self.D[...])
         return (self.out_proj_partial(self.gate(y, z), weights.out_proj),
-                MambaCache(window, state.astype(cache.ssm_state.dtype)))
+                MambaCache(window, store_state(state, cache.ssm_state)))
 
     # ------------------------------------------------------------ the kind
 

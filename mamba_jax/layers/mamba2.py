@@ -36,7 +36,7 @@ from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd import document_ids, ssd
-from pallas_kernels.ssd.step import mamba_step, quantize
+from pallas_kernels.ssd.step import mamba_step, state_in
 from pallas_kernels.ssd.step import supports as step_supports
 
 
@@ -400,9 +400,7 @@ class Mamba2Mixer(Mixer):
         """The SSM state stored in ssm_state_dtype ("int8": an Int8State); a "fused" step's
         cooperative kernel gets its counter (zeros)."""
         sync = jnp.zeros((1,), jnp.int32) if how == "fused" else None
-        state = cache.ssm_state.astype(jnp.float32)
-        state = quantize(state) if ssm_state_dtype == "int8" else state.astype(ssm_state_dtype)
-        return cache._replace(ssm_state=state, sync=sync)
+        return cache._replace(ssm_state=state_in(cache.ssm_state, ssm_state_dtype), sync=sync)
 
     def step_weights(self, how: str = "xla") -> StepWeights:
         """The StepWeights of the current parameters (build them outside the decode loop),

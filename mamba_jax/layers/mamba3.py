@@ -42,6 +42,7 @@ from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_
                                      groups_of_local_heads, matmul, param, rms_norm, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan, mamba3_step
+from pallas_kernels.ssd.step import load_state, state_in, store_state
 
 BC_NORM_EPS = 1e-5  # mamba_ssm's B_norm, C_norm and out-projection norm eps (fixed)
 
@@ -259,8 +260,9 @@ class Mamba3Mixer(Mixer):
                            jnp.zeros((batch_size, h, p), f32))
 
     def cache_for_decoding(self, cache: Mamba3State, how: str, ssm_state_dtype: str):
-        """The SSM state stored in ssm_state_dtype; the angle, k and x stay float32."""
-        return Mamba3State(cache.angle.astype(jnp.float32), cache.ssm.astype(ssm_state_dtype),
+        """The SSM state stored in ssm_state_dtype ("int8": an Int8State, a scale per
+        headdim channel); the angle, k and x stay float32."""
+        return Mamba3State(cache.angle.astype(jnp.float32), state_in(cache.ssm, ssm_state_dtype),
                            cache.k.astype(jnp.float32), cache.x.astype(jnp.float32))
 
     def step_weights(self, how: str = "xla") -> Mamba3Weights:
@@ -271,15 +273,15 @@ class Mamba3Mixer(Mixer):
     def step(self, u, cache: Mamba3State, weights: Mamba3Weights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32, the updated
         Mamba3State): the recurrence's step (pallas_kernels.mamba3.mamba3_step) in float32,
-        the SSM state stored back in the cache's dtype."""
+        the SSM state stored back as the cache's is (its dtype, or an Int8State)."""
         z, x, B, C, dt, adt, trap, angles = self.project(u, in_proj=weights.in_proj)
-        state = cache._replace(ssm=cache.ssm.astype(jnp.float32))
+        state = cache._replace(ssm=load_state(cache.ssm))
         y, new = mamba3_step(state, C, B, x, adt, dt, trap, angles, self.C_bias[...],
                              self.B_bias[...], D=self.D[...], mimo_x=self._mimo("mimo_x"),
                              rotary=self.rotary)
         y = self.gate(y.astype(self.dtype), z)
         return (self.out_proj_partial(y, weights.out_proj),
-                new._replace(ssm=new.ssm.astype(cache.ssm.dtype)))
+                new._replace(ssm=store_state(new.ssm, cache.ssm)))
 
     # ------------------------------------------------------------ the kind
 

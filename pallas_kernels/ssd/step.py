@@ -103,14 +103,21 @@ def dequantize(state: Int8State):
     return state.values.astype(jnp.float32) * state.scale[..., None]
 
 
-def _load(state):
-    """A state (array or Int8State) as float32."""
+def load_state(state):
+    """A decoding cache's SSM state [..., n] (array or Int8State) as float32."""
     return dequantize(state) if isinstance(state, Int8State) else state.astype(jnp.float32)
 
 
-def _store(new, like):
-    """The float32 state `new` stored as `like` is (its dtype, or an Int8State)."""
+def store_state(new, like):
+    """The float32 state `new` [..., n] stored as `like` is (its dtype, or an Int8State)."""
     return quantize(new) if isinstance(like, Int8State) else new.astype(like.dtype)
+
+
+def state_in(state, ssm_state_dtype: str):
+    """A state [..., n] stored in ssm_state_dtype ("float32", "bfloat16", or "int8": an
+    Int8State quantised from it in float32), as a decoding cache holds it."""
+    state = state.astype(jnp.float32)
+    return quantize(state) if ssm_state_dtype == "int8" else state.astype(ssm_state_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +216,7 @@ def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     B_h = jnp.repeat(B, h // g, axis=1)  # [b, h, n]
     C_h = jnp.repeat(C, h // g, axis=1)
     dtx = dt[:, :, None] * x  # [b, h, p]
-    old = _load(state)
+    old = load_state(state)
     # y = C.h_new = decay * C.h_old + dtx * (C.B): both terms read the old state, so XLA
     # fuses the state update and the read-out into one pass over the state (read once,
     # written once) instead of writing h_new and reading it back.
@@ -217,7 +224,7 @@ def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h,
                                         precision=jax.lax.Precision.HIGHEST)
          + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
-    return y, _store(new, state)
+    return y, store_state(new, state)
 
 
 def _softplus(v):
