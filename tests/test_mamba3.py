@@ -19,7 +19,8 @@ from mamba_jax import Mamba2Config
 from mamba_jax.convert import load_config
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
 from pallas_kernels.mamba3.context_parallel import entering_states, zero_state_finals
-from pallas_kernels.mamba3.reference import cumulative_angles, mamba3_chunked, mamba3_naive
+from pallas_kernels.mamba3.reference import (cumulative_angles, mamba3_chunked, mamba3_naive,
+                                             mamba3_step)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ARGS = ("C", "B", "x", "adt", "dt", "trap", "angles", "C_bias", "B_bias")
@@ -303,3 +304,50 @@ def test_the_backward_copies_gradients_are_rounded_once():
     for name, v, w in zip(tolerances, got_grads, want_grads):
         assert np.all(np.isfinite(np.asarray(v, np.float64))), name
         assert relative(np.asarray(v, np.float64), w) < tolerances[name], name
+
+
+STEP_CASES = [  # (b, h, p, r, g, n, a, rotary, ssm_state dtype)
+    (2, 4, 32, 1, 1, 32, 8, "pairwise", "float32"),  # rope over half of n: unturned entries
+    (1, 4, 32, 2, 2, 16, 8, "halves", "float32"),    # MIMO over 2 groups, rope over all of n
+    (2, 4, 32, 1, 1, 32, 8, "halves", "bfloat16"),
+    (2, 2, 32, 2, 1, 32, 8, "pairwise", "int8"),
+]
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_the_step_kernel_equals_the_xla_step(case):
+    # pallas_kernels.mamba3.step (in the interpreter without a GPU) against the recurrence's
+    # step, reference.mamba3_step, on the same float32 state: y, the angle, k and x within
+    # float32 sums in another order (1e-5 of the largest), the SSM state too where it is
+    # float32, and where it is stored as bf16 or int8, what the kernel stores is the
+    # reference's new state rounded to it (within one bf16 rounding; within one int8 level,
+    # scale / 2 ... 1 step, of each row). Headdim split over two programs (block_p 16): every
+    # program of a head reads the old k and angle that its first program replaces.
+    from pallas_kernels.mamba3.step import mamba3_step_kernel
+    from pallas_kernels.ssd.step import Blocks, dequantize, state_in
+    b, h, p, r, g, n, a, rotary, dtype = case
+    rng = np.random.default_rng(8)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    dt = jax.nn.softplus(arr(b, h))
+    args = (arr(b, r, g, n), arr(b, r, g, n), arr(b, h, p), -dt * 0.7, dt, arr(b, h),
+            arr(b, a), arr(h, r, n), arr(h, r, n))
+    options = dict(D=arr(h), mimo_x=arr(h, r, p) if r > 1 else None, rotary=rotary)
+    state = Mamba3State(jnp.asarray(rng.uniform(0, 6, (b, h, a)), jnp.float32),
+                        state_in(arr(b, h, p, n), dtype), arr(b, r, h, n), arr(b, h, p))
+    stored = dequantize(state.ssm) if dtype == "int8" else state.ssm.astype(jnp.float32)
+    y_ref, ref = mamba3_step(state._replace(ssm=stored), *args, **options)
+    y, got = jax.jit(lambda s, args: mamba3_step_kernel(s, *args, **options,
+                                                        blocks=Blocks(block_p=16)))(state, args)
+    assert relative(y, y_ref) < 1e-5
+    for name in ("angle", "k", "x"):
+        assert relative(getattr(got, name), getattr(ref, name)) < 1e-5, name
+    if dtype == "float32":
+        assert relative(got.ssm, ref.ssm) < 1e-5
+    elif dtype == "bfloat16":
+        assert got.ssm.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got.ssm, np.float32), ref.ssm, rtol=2 ** -8,
+                                   atol=1e-6)
+    else:
+        want = state_in(ref.ssm, "int8")
+        np.testing.assert_allclose(got.ssm.scale, want.scale, rtol=1e-6)
+        assert np.abs(got.ssm.values.astype(int) - want.values.astype(int)).max() <= 1

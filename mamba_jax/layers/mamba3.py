@@ -42,6 +42,8 @@ from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_
                                      groups_of_local_heads, matmul, param, rms_norm, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan, mamba3_step
+from pallas_kernels.mamba3.step import mamba3_step_kernel
+from pallas_kernels.mamba3.step import supports as step_supports
 from pallas_kernels.ssd.step import load_state, state_in, store_state
 
 BC_NORM_EPS = 1e-5  # mamba_ssm's B_norm, C_norm and out-projection norm eps (fixed)
@@ -120,6 +122,7 @@ class Mamba3Mixer(Mixer):
     name = "mamba3"
     Config = Mamba3Section
     checkpoint_keys = {"mamba_ssm": _KEYS}
+    step_kernels = ("kernel",)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d, h, p, g, r, n, a = dims(cfg)
@@ -272,16 +275,19 @@ class Mamba3Mixer(Mixer):
 
     def step(self, u, cache: Mamba3State, weights: Mamba3Weights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32, the updated
-        Mamba3State): the recurrence's step (pallas_kernels.mamba3.mamba3_step) in float32,
-        the SSM state stored back as the cache's is (its dtype, or an Int8State)."""
+        Mamba3State): the recurrence's step in float32, the SSM state stored back as the
+        cache's is (its dtype, or an Int8State). how: the step as XLA fusions
+        (pallas_kernels.mamba3.mamba3_step, "xla") or as one Pallas kernel
+        (pallas_kernels.mamba3.step, "kernel") between the projections."""
         z, x, B, C, dt, adt, trap, angles = self.project(u, in_proj=weights.in_proj)
-        state = cache._replace(ssm=load_state(cache.ssm))
-        y, new = mamba3_step(state, C, B, x, adt, dt, trap, angles, self.C_bias[...],
-                             self.B_bias[...], D=self.D[...], mimo_x=self._mimo("mimo_x"),
-                             rotary=self.rotary)
-        y = self.gate(y.astype(self.dtype), z)
-        return (self.out_proj_partial(y, weights.out_proj),
-                new._replace(ssm=store_state(new.ssm, cache.ssm)))
+        args = (C, B, x, adt, dt, trap, angles, self.C_bias[...], self.B_bias[...])
+        options = dict(D=self.D[...], mimo_x=self._mimo("mimo_x"), rotary=self.rotary)
+        if how == "kernel":
+            y, new = mamba3_step_kernel(cache, *args, **options)
+        else:
+            y, new = mamba3_step(cache._replace(ssm=load_state(cache.ssm)), *args, **options)
+            new = new._replace(ssm=store_state(new.ssm, cache.ssm))
+        return self.out_proj_partial(self.gate(y.astype(self.dtype), z), weights.out_proj), new
 
     # ------------------------------------------------------------ the kind
 
@@ -298,6 +304,11 @@ class Mamba3Mixer(Mixer):
         if m.d_state % 2 or dims(cfg).a == 0:
             raise ValueError(f"Mamba2Config.mamba3.d_state={m.d_state} must be even and "
                              "leave at least one rotary pair (d_state * rope_fraction >= 2)")
+
+    @classmethod
+    def kernels_support(cls, cfg) -> bool:
+        _, _, p, _, _, n, a = dims(cfg)
+        return step_supports(p, n, a)
 
     @classmethod
     def flops_per_token(cls, cfg, seq_len: int) -> float:

@@ -92,10 +92,15 @@ def quantize(state) -> Int8State:
     values = state / scale rounded to the nearest integer (half up; in operations the Triton
     lowering has), 0 where the row is all zeros. Each value is off by at most scale / 2."""
     peak = jnp.max(jnp.abs(state), axis=-1)
+    return Int8State(quantized_values(state, peak), peak / INT8_LEVELS)
+
+
+def quantized_values(state, peak):
+    """The int8 values of `quantize` for rows whose largest |value| is peak [...] (a kernel
+    that holds a row in pieces quantises each piece against the row's peak)."""
     inverse = jnp.where(peak > 0, INT8_LEVELS / jnp.where(peak > 0, peak, 1.0), 0.0)
     # |state * inverse| <= 127 up to a rounding of the product: never past 127.5
-    values = jnp.floor(state * inverse[..., None] + 0.5).astype(jnp.int8)
-    return Int8State(values, peak / INT8_LEVELS)
+    return jnp.floor(state * inverse[..., None] + 0.5).astype(jnp.int8)
 
 
 def dequantize(state: Int8State):
