@@ -1,7 +1,8 @@
 """Every registered layer kind (mamba_jax.layers.registry.KINDS), held to the same cases: its
 parameters declare logical axes, its forward on a mesh equals one device's, its checkpoint
 key tables invert, and its one-token steps (XLA, and its kernels in Pallas's interpreter)
-follow its forward (a causal kind's; a non-causal kind has none). A new kind is tested here by being registered.
+follow its forward (a causal kind's; a non-causal kind has none), over int8 states too. A
+new kind is tested here by being registered.
 
 Each kind is tested in a model of the pattern `S M S S` (S its symbol): one layer of it
 alone, then a run of two (the model scans a run); tests/mesh_check.py states the mesh

@@ -1,9 +1,11 @@
 """Mamba-3: the scan's chunked XLA form equals the token-by-token oracle (values, final
 states, gradients, and the state passed between parts of a row as context parallelism
-passes it), its Pallas kernels equal the oracle, and the model equals mamba_ssm's Mamba3 (its torch references' outputs,
+passes it), its Pallas kernels equal the oracle (and the per-head copies their backward
+reads round their gradients once), the decoding step kernel equals the XLA step, and the
+model equals mamba_ssm's Mamba3 (its torch references' outputs,
 tests/fixtures/make_mamba3_fixtures.py) for the mixer, the LM and greedy decoding; its
 mamba_ssm checkpoints round-trip. The shared cases (mesh equality, decoding steps against
-the forward, checkpoint tables) run in tests/test_layer_kinds.py, on MIMO."""
+the forward, int8 states, checkpoint tables) run in tests/test_layer_kinds.py, on MIMO."""
 
 from pathlib import Path
 

@@ -260,9 +260,9 @@ class Mamba1Mixer(Mixer):
     def step(self, u, cache: MambaCache, weights: StepWeights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32 before its bias, the
         updated MambaCache: conv_state [b, i, k], ssm_state [b, i, n] stored as the cache's
-        is (its dtype, or an Int8State), computed in float32). The arithmetic of the forward for one token, as XLA fusions;
-        there is no step kernel (bench.selective_scan times this SSM update against
-        mamba_ssm's Triton selective_state_update)."""
+        is (its dtype, or an Int8State), computed in float32). The arithmetic of the forward
+        for one token, as XLA fusions; there is no step kernel (bench.selective_scan times
+        this SSM update against mamba_ssm's Triton selective_state_update)."""
         x, z = self.project(u, weights.in_proj)
         window = jnp.concatenate([cache.conv_state[..., 1:], x[..., None]], axis=-1)
         conv_w, conv_b = weights.conv
