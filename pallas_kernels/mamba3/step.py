@@ -1,7 +1,8 @@
 """One decoding step of a Mamba-3 layer between its projections as one Pallas kernel: the
 recurrence's token (reference.mamba3_step) for every head, with the angle state's update,
 the rotary turn of B and C, the trapezoid's previous-token term, the SSM update and its
-read-out in one launch where XLA makes a dozen small fusions of them.
+read-out in one launch, where XLA makes about a dozen small fusions of them (12 in its CPU
+compile of a mamba3-1.3b layer's step).
 
     y, state = mamba3_step_kernel(state, C, B, x, adt, dt, trap, angles, C_bias, B_bias,
                                   D=D, mimo_x=None, rotary="pairwise")
