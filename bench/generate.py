@@ -33,8 +33,9 @@ its Mamba3.step runs a CuTe-DSL kernel (ops/cute/mamba3/mamba3_step_fn.py) that 
 nvidia-cutlass-dsl (its CUDA 13 libraries' wheel alone is 92 MB, more than can be carried
 to the GPU machine) and quack; its prefill is its forward's Triton kernels; its cache keeps
 the SSM state in float32. A MIMO Mamba-3 preset gets our rows only: its step is CuTe-DSL
-alone. Mamba-3 layers have no step kernels of ours: their step is XLA's
-(Mamba3Mixer.step) under every --step-implementations value. Its floor counts its weights
+alone. Our Mamba-3 layers step with their kernel (pallas_kernels.mamba3.step) where the
+step implementation resolves to "triton", checked first against their XLA step. Its floor
+counts its weights
 and its state per row: the angles, the SSM state and the trapezoid's carried k and x
 (mamba3_bytes).
 
@@ -75,6 +76,8 @@ from mamba_jax import Mamba2Config, Mamba2LM, generate
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
 from mamba_jax.layers import mamba1, mamba2, mamba3
+from pallas_kernels.mamba3 import Mamba3State
+from pallas_kernels.mamba3.step import decode_step
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd.step import dequantize, mamba_step, mamba_step_shifted, quantize
@@ -233,6 +236,33 @@ def check_kernels(preset, cfg, batch, int8=False):
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
 
 
+def check_mamba3_kernel(preset, cfg, batch, int8=False):
+    """Mamba-3's step kernel (pallas_kernels.mamba3.step.decode_step, at this preset's shapes
+    and batch) on the GPU against its XLA step on the CPU, on random inputs, over a float32
+    state and, with int8, an Int8State (compared dequantised: a value may round to its
+    neighbour); exits on a miss."""
+    rng = np.random.default_rng(0)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    _, h, p, g, r, n, a = mamba3.dims(cfg)
+    dt = jax.nn.softplus(arr(batch, h))
+    state = Mamba3State(jnp.asarray(rng.uniform(0, 6, (batch, h, a)), jnp.float32),
+                        arr(batch, h, p, n), arr(batch, r, h, n), arr(batch, h, p))
+    bf16 = lambda t: t.astype(jnp.bfloat16)
+    kwargs = dict(state=state, C=bf16(arr(batch, r, g, n)), B=bf16(arr(batch, r, g, n)),
+                  x=bf16(arr(batch, h, p)), adt=-dt, dt=dt, trap=arr(batch, h),
+                  angles=bf16(arr(batch, a)), C_bias=arr(h, r, n), B_bias=arr(h, r, n),
+                  D=arr(h), mimo_x=arr(h, r, p) if cfg.mamba3.is_mimo else None,
+                  rotary=mamba3.rotary_layout(cfg))
+    check_kernel(f"{preset} batch {batch} mamba3 decode_step", decode_step, kwargs)
+    if int8:
+        def step_int8(**kw):  # the new state dequantised: the values it stands for
+            y, new = decode_step(**kw)
+            return y, new._replace(ssm=dequantize(new.ssm))
+        check_kernel(f"{preset} batch {batch} mamba3 decode_step (int8 state)", step_int8,
+                     dict(kwargs, state=state._replace(ssm=quantize(state.ssm))),
+                     tolerance=1 / 127 + 2.0 ** -8)
+
+
 def theirs(preset, batch, prompt, new, reps, copy):
     """(prefill s, decode s) of mamba_ssm's generate(..., cg=True) for the named preset, its
     copy at the folder `copy` (--baseline)."""
@@ -350,13 +380,15 @@ def main(argv=None):
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values() and "M" in cfg.layers:  # Mamba2's kernels
                 check_kernels(preset, cfg, batch, int8="int8" in dtypes)
+            if "triton" in resolved.values() and "3" in cfg.layers:  # Mamba-3's
+                check_mamba3_kernel(preset, cfg, batch, int8="int8" in dtypes)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
             why = _theirs_not_run(cfg)
             if why:
                 ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
                 print(f"{preset}: mamba_ssm not run ({why})")
             else:
-                if set(cfg.layers) == {"3"}:
+                if baseline.ssm_layer(cfg) == "Mamba3":
                     print(f"{preset}: mamba_ssm's Mamba3 decodes with its Triton step kernel "
                           "(mamba3_siso_step) in place of its CuTe-DSL step "
                           "(baseline.use_mamba3_triton_step)")
@@ -410,7 +442,7 @@ def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_th
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
     context = prompt + steps / 2  # the tokens an attention layer reads, on average
     # mamba_ssm's caches: Mamba2's SSM states in bf16, Mamba3's in float32
-    theirs_state = 4 if set(cfg.layers) == {"3"} else 2
+    theirs_state = 4 if baseline.ssm_layer(cfg) == "Mamba3" else 2
     floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, size, context) / bandwidth
                                 for size in (state_bytes(cfg, dtype), theirs_state))
     return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",

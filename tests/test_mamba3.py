@@ -325,7 +325,7 @@ def test_the_step_kernel_equals_the_xla_step(case):
     # reference's new state rounded to it (within one bf16 rounding; within one int8 level,
     # scale / 2 ... 1 step, of each row). Headdim split over two programs (block_p 16): every
     # program of a head reads the old k and angle that its first program replaces.
-    from pallas_kernels.mamba3.step import mamba3_step_kernel
+    from pallas_kernels.mamba3.step import decode_step
     from pallas_kernels.ssd.step import Blocks, dequantize, state_in
     b, h, p, r, g, n, a, rotary, dtype = case
     rng = np.random.default_rng(8)
@@ -338,8 +338,8 @@ def test_the_step_kernel_equals_the_xla_step(case):
                         state_in(arr(b, h, p, n), dtype), arr(b, r, h, n), arr(b, h, p))
     stored = dequantize(state.ssm) if dtype == "int8" else state.ssm.astype(jnp.float32)
     y_ref, ref = mamba3_step(state._replace(ssm=stored), *args, **options)
-    y, got = jax.jit(lambda s, args: mamba3_step_kernel(s, *args, **options,
-                                                        blocks=Blocks(block_p=16)))(state, args)
+    y, got = jax.jit(lambda s, args: decode_step(s, *args, **options, implementation="triton",
+                                                 blocks=Blocks(block_p=16)))(state, args)
     assert relative(y, y_ref) < 1e-5
     for name in ("angle", "k", "x"):
         assert relative(getattr(got, name), getattr(ref, name)) < 1e-5, name

@@ -290,7 +290,8 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
 @functools.partial(jax.jit, static_argnames=("top_n",))
 def _score(model, input_ids, prompt_lengths, *, top_n):
     """token_logprobs' program (the model a pytree, as generate's)."""
-    logits = model(input_ids, seq_idx=_prompt_documents(input_ids, prompt_lengths))[:, :-1, :model.config.vocab_size]
+    seq_idx = _prompt_documents(input_ids, prompt_lengths)
+    logits = model(input_ids, seq_idx=seq_idx)[:, :-1, :model.config.vocab_size]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
     return chosen, jax.lax.top_k(logp, top_n) if top_n else None

@@ -41,10 +41,10 @@ from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_init,
                                      groups_of_local_heads, matmul, param, rms_norm, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
-from pallas_kernels.mamba3 import Mamba3State, mamba3_scan, mamba3_step
-from pallas_kernels.mamba3.step import mamba3_step_kernel
+from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
+from pallas_kernels.mamba3.step import decode_step
 from pallas_kernels.mamba3.step import supports as step_supports
-from pallas_kernels.ssd.step import load_state, state_in, store_state
+from pallas_kernels.ssd.step import state_in
 
 BC_NORM_EPS = 1e-5  # mamba_ssm's B_norm, C_norm and out-projection norm eps (fixed)
 
@@ -89,6 +89,12 @@ def dims(cfg) -> Dims:
     rotated = int(m.d_state * m.rope_fraction)
     return Dims(cfg.d_model, d_inner // m.headdim, m.headdim, m.ngroups,
                 m.mimo_rank if m.is_mimo else 1, m.d_state, (rotated - rotated % 2) // 2)
+
+
+def rotary_layout(cfg) -> str:
+    """mamba_ssm's pairing of the rotated state entries: adjacent pairs in its SISO
+    kernels, halves (i, i + n/2) in its MIMO ones."""
+    return "halves" if cfg.mamba3.is_mimo else "pairwise"
 
 
 def heavy_tail(x):
@@ -179,9 +185,7 @@ class Mamba3Mixer(Mixer):
 
     @property
     def rotary(self) -> str:
-        """mamba_ssm's pairing of the rotated state entries: adjacent pairs in its SISO
-        kernels, halves (i, i + n/2) in its MIMO ones."""
-        return "halves" if self.cfg.mamba3.is_mimo else "pairwise"
+        return rotary_layout(self.cfg)
 
     def _mimo(self, name):
         return getattr(self, name)[...] if self.cfg.mamba3.is_mimo else None
@@ -276,17 +280,13 @@ class Mamba3Mixer(Mixer):
     def step(self, u, cache: Mamba3State, weights: Mamba3Weights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32, the updated
         Mamba3State): the recurrence's step in float32, the SSM state stored back as the
-        cache's is (its dtype, or an Int8State). how: the step as XLA fusions
-        (pallas_kernels.mamba3.mamba3_step, "xla") or as one Pallas kernel
-        (pallas_kernels.mamba3.step, "kernel") between the projections."""
+        cache's is (its dtype, or an Int8State). how: the step as XLA fusions ("xla") or as
+        one Pallas kernel ("kernel") between the projections (pallas_kernels.mamba3.step)."""
         z, x, B, C, dt, adt, trap, angles = self.project(u, in_proj=weights.in_proj)
-        args = (C, B, x, adt, dt, trap, angles, self.C_bias[...], self.B_bias[...])
-        options = dict(D=self.D[...], mimo_x=self._mimo("mimo_x"), rotary=self.rotary)
-        if how == "kernel":
-            y, new = mamba3_step_kernel(cache, *args, **options)
-        else:
-            y, new = mamba3_step(cache._replace(ssm=load_state(cache.ssm)), *args, **options)
-            new = new._replace(ssm=store_state(new.ssm, cache.ssm))
+        y, new = decode_step(cache, C, B, x, adt, dt, trap, angles, self.C_bias[...],
+                             self.B_bias[...], D=self.D[...], mimo_x=self._mimo("mimo_x"),
+                             rotary=self.rotary,
+                             implementation="triton" if how == "kernel" else "xla")
         return self.out_proj_partial(self.gate(y.astype(self.dtype), z), weights.out_proj), new
 
     # ------------------------------------------------------------ the kind

@@ -4,8 +4,8 @@ the rotary turn of B and C, the trapezoid's previous-token term, the SSM update 
 read-out in one launch, where XLA makes about a dozen small fusions of them (12 in its CPU
 compile of a mamba3-1.3b layer's step).
 
-    y, state = mamba3_step_kernel(state, C, B, x, adt, dt, trap, angles, C_bias, B_bias,
-                                  D=D, mimo_x=None, rotary="pairwise")
+    y, state = decode_step(state, C, B, x, adt, dt, trap, angles, C_bias, B_bias, D=D,
+                           mimo_x=None, rotary="pairwise", implementation="triton")
 
 Legend: b batch, h heads, p headdim, g groups, r MIMO rank (1 for SISO), n d_state, a
 rotary angles. As reference.mamba3_step without `start` (a decoding step continues its
@@ -14,7 +14,9 @@ an Int8State (pallas_kernels.ssd.step), k [b, r, h, n] and x [b, h, p] float32),
 [b, r, g, n] (normed, before their biases), x [b, h, p], adt, dt, trap [b, h], angles
 [b, a] (before tanh), C_bias, B_bias [h, r, n], D [h] or None, mimo_x [h, r, p] or None.
 Returns y [b, r, h, p] float32 and the new Mamba3State, stored as state is, all computed in
-float32.
+float32. `implementation`: "xla" (reference.mamba3_step over the state loaded as float32,
+the new one stored back as the state was) or "triton" (the kernel below; on a machine
+without a GPU it runs in Pallas's interpreter).
 
 Grid (b, h, p / bp), as pallas_kernels.ssd.step's (`filled_blocks`): each program turns its
 head's q and k itself (its group's C and B plus the head's biases, by the head's angles),
@@ -37,16 +39,34 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.mamba3.reference import Mamba3State
-from pallas_kernels.ssd.step import (INT8_LEVELS, Blocks, Int8State, filled_blocks,
-                                     quantized_values)
+from pallas_kernels.mamba3.reference import Mamba3State, mamba3_step, wrap
+from pallas_kernels.ssd.step import (INT8_LEVELS, Blocks, Int8State, filled_blocks, load_state,
+                                     quantized_values, store_state)
+
+IMPLEMENTATIONS = ("xla", "triton")
 
 
 def supports(p, n, a) -> bool:
     """Whether the kernel takes headdim p, d_state n and a rotary angles: its slices are
-    powers of two (p's largest dividing power of two, at least 16; n, a and n - 2a)."""
+    powers of two (p's largest dividing power of two, at least 16; n, a and n - 2a where
+    not 0)."""
     powers = lambda *v: all(x > 0 and x & (x - 1) == 0 for x in v)
-    return p % 16 == 0 and powers(n, a) and 2 * a <= n
+    return p % 16 == 0 and powers(n, a) and (2 * a == n or 2 * a < n and powers(n - 2 * a))
+
+
+def decode_step(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, *,
+                D=None, mimo_x=None, rotary="pairwise", implementation="xla",
+                blocks=Blocks()):
+    """See the module docstring for shapes and dtypes."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"mamba3 decode_step: implementation={implementation!r} is not one "
+                         f"of {IMPLEMENTATIONS}")
+    args = (C, B, x, adt, dt, trap, angles, C_bias, B_bias)
+    options = dict(D=D, mimo_x=mimo_x, rotary=rotary)
+    if implementation == "triton":
+        return _triton(state, *args, **options, blocks=blocks)
+    y, new = mamba3_step(state._replace(ssm=load_state(state.ssm)), *args, **options)
+    return y.astype(jnp.float32), new._replace(ssm=store_state(new.ssm, state.ssm))
 
 
 def pieces(n, a, rotary):
@@ -88,7 +108,7 @@ def _step_kernel(*refs, r, g, bp, slices, int8, has_D, mimo):
     dt, adt = f32(dt_ref[bi, hi]), f32(adt_ref[bi, hi])
     sigma = jax.nn.sigmoid(f32(trap_ref[bi, hi]))
     theta = angle_ref[bi, hi, :] + math.pi * jnp.tanh(f32(angles_ref[bi, :])) * dt
-    theta = theta - 2 * math.pi * jnp.floor(theta / (2 * math.pi))  # reference.wrap
+    theta = wrap(theta)
     cos, sin = jnp.cos(theta), jnp.sin(theta)
 
     def row(ref, ri, ref_head, bias_ref):
@@ -136,10 +156,9 @@ def _step_kernel(*refs, r, g, bp, slices, int8, has_D, mimo):
                 k_out[_at(bi, ri, hi, s)] = piece.reshape(1, 1, 1, s.size).astype(k_out.dtype)
 
 
-def mamba3_step_kernel(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, *,
-                       D=None, mimo_x=None, rotary="pairwise", blocks=Blocks()):
-    """See the module docstring for shapes and dtypes; on a machine without a GPU the
-    kernel runs in Pallas's interpreter."""
+def _triton(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D, mimo_x,
+            rotary, blocks):
+    """decode_step's kernel."""
     b, h, p = x.shape
     r, g, n = C.shape[1:]
     a = state.angle.shape[-1]
