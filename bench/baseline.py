@@ -54,6 +54,9 @@ USES = {
     # The SSD op alone calls no conv: the same Triton kernels as both training paths.
     "scan": ((), "mamba_chunk_scan_combined (its Triton SSD kernels, which both Mamba2 "
                  "training paths run; it calls no causal_conv1d)", None),
+    # The gated norm alone: the Triton kernels its fused training path calls after the scan.
+    "norm": ((), "rmsnorm_fn (its Triton gated RMSNorm, ops/triton/layernorm_gated.py, which "
+                 "mamba_split_conv1d_scan_combined calls)", None),
     # Mamba3 has no short conv: its training calls no causal_conv1d. SISO only: its MIMO
     # layers need TileLang (bench.mamba3).
     "train-mamba3": ((), "Mamba3 training: MambaLMHeadModel with Mamba3 layers, SISO "
@@ -80,6 +83,13 @@ def import_mamba_chunk_scan(baseline):
     _use_copy(baseline)
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     return mamba_chunk_scan_combined
+
+
+def import_gated_rmsnorm(baseline):
+    """mamba_ssm's rmsnorm_fn (its gated RMSNorm's Triton kernels) from the copy."""
+    _use_copy(baseline)
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+    return rmsnorm_fn
 
 
 def import_mamba3_siso(baseline):

@@ -1,8 +1,9 @@
-"""The Mamba2 layer's training path on the SSD kernels, where the conv runs inside the scan's
-custom_vjp and the backward pass recomputes its output and the per-chunk states, equals the
-XLA path (the conv, then the chunked scan, differentiated by JAX): logits, loss and every
-gradient of a float32 model, on one device and under a tp x cp mesh (8 fake CPU devices), on
-an odd length over packed documents. The kernels run in Pallas's interpreter.
+"""The Mamba2 layer's training path on the kernels (the conv's, the SSD's and the gated
+norm's), where the conv runs inside the scan's custom_vjp and the backward pass recomputes
+its output and the per-chunk states, equals the XLA path (the conv, then the chunked scan,
+differentiated by JAX): logits, loss and every gradient of a float32 model, on one device
+and under a tp x cp mesh (8 fake CPU devices), on an odd length over packed documents. The
+kernels run in Pallas's interpreter.
 
 Tolerances: logits and loss within 1e-5 absolute; every gradient within 1e-5 absolute +
 1e-4 relative (the kernels sum the same float32 products in another order; seen ~1e-6).
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+import pallas_kernels.conv as conv
+import pallas_kernels.norm as norm
 import pallas_kernels.ssd as ssd
 from mamba_jax import parallel
 from mamba_jax.sharding import param_name
@@ -45,6 +48,8 @@ def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
     cfg = mamba_config(ngroups=ngroups).replace(n_layer=1)
     value, grads = loss_and_grads(cfg)
     monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
+    monkeypatch.setattr(conv, "_kernels_run", lambda *args: True)
+    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
     kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)

@@ -8,7 +8,8 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 from mamba_jax.layers import common as layers
-from mamba_jax.layers.common import causal_conv1d, gated_rms_norm, rms_norm
+from mamba_jax.layers.common import gated_rms_norm, rms_norm
+from pallas_kernels.conv import causal_conv1d
 from flax import nnx
 
 from mamba_jax import Mamba2Config

@@ -1,11 +1,11 @@
 """Building blocks the layer kinds share: the compute-dtype matmul, parameters with logical
-axes, RMSNorm, the gated per-group RMSNorm, the causal depthwise conv1d, and `Mixer`, the
-interface every layer kind implements.
+axes, RMSNorm, the gated per-group RMSNorm, the conv's decoding window, and `Mixer`, the
+interface every layer kind implements (the short conv itself: pallas_kernels.conv).
 
 Legend: b batch, l sequence, d model width, k conv width, h heads, p head dim, g groups,
 "..." channel axes (e.g. h p).
 Norms compute in float32 and return the input's dtype, as mamba_ssm's Triton norms do.
-The norms and the conv are rematerialised (jax.checkpoint): the backward pass recomputes
+The norms are rematerialised (jax.checkpoint), as is the conv: the backward pass recomputes
 their cheap elementwise float32 intermediates from the inputs instead of keeping them, as
 mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b layer).
 """
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels import norm as norm_kernels
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
@@ -98,32 +99,32 @@ def rms_norm(x, weight, eps):
     return norm(x, weight)
 
 
-def gated_rms_norm(y, z, weight, eps, ngroups, ctx: ParallelContext = SINGLE_DEVICE):
+def gated_rms_norm(y, z, weight, eps, ngroups, ctx: ParallelContext = SINGLE_DEVICE,
+                   implementation="auto"):
     """mamba_ssm's RMSNormGated(norm_before_gate=False, group_size=d_inner/ngroups): y *
     silu(z) normalised over each of the layer's ngroups groups of heads, times weight.
 
-    y, z [..., h, p] (this tp rank's heads, h of the layer's h*tp), weight [h, p]. Where tp
-    splits a group over ranks (ngroups % tp != 0), each rank sums the squares of its part of
-    every group and one psum over tp completes them: [..., ngroups] floats, not activations.
+    y, z [..., h, p] (this tp rank's heads, h of the layer's h*tp), weight [h, p]. Where this
+    rank holds whole groups, pallas_kernels.norm with this implementation ("auto": its
+    kernels on a Hopper GPU). Where tp splits a group over ranks (ngroups % tp != 0), each
+    rank sums the squares of its part of every group and one psum over tp completes them:
+    [..., ngroups] floats, not activations.
     """
     tp = ctx.tp
+    if ngroups % tp == 0:
+        return norm_kernels.gated_rms_norm(y, z, weight, eps, ngroups // tp,
+                                           implementation=implementation)
 
     @jax.checkpoint
     def norm(y, z, weight):
-        *lead, h, p = y.shape
+        h, p = y.shape[-2:]
         gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        if ngroups % tp == 0:  # this rank holds whole groups
-            g = ngroups // tp
-            grouped = gated.reshape(*lead, g, (h // g) * p)
-            inv_rms = jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + eps)
-            normed = (grouped * inv_rms).reshape(*lead, h, p)
-        else:
-            heads = ctx.tp_index() * h + jnp.arange(h)
-            member = (heads[:, None] // (h * tp // ngroups)
-                      == jnp.arange(ngroups)).astype(jnp.float32)  # [h, ngroups]
-            sum_sq = ctx.psum_tp(jnp.einsum("...hp,hg->...g", gated * gated, member))
-            inv_rms = jax.lax.rsqrt(sum_sq / (h * tp * p // ngroups) + eps) @ member.T
-            normed = gated * inv_rms[..., None]
+        heads = ctx.tp_index() * h + jnp.arange(h)
+        member = (heads[:, None] // (h * tp // ngroups)
+                  == jnp.arange(ngroups)).astype(jnp.float32)  # [h, ngroups]
+        sum_sq = ctx.psum_tp(jnp.einsum("...hp,hg->...g", gated * gated, member))
+        inv_rms = jax.lax.rsqrt(sum_sq / (h * tp * p // ngroups) + eps) @ member.T
+        normed = gated * inv_rms[..., None]
         return (normed * weight.astype(jnp.float32)).astype(y.dtype)
     return norm(y, z, weight)
 
@@ -140,19 +141,6 @@ def groups_of_local_heads(x, heads: int, groups: int, ctx: ParallelContext):
     return jnp.take(x, (first + jnp.arange(local)) // per_group, axis=2)
 
 
-def causal_conv1d(x, weight, bias=None, doc=None, left=None):
-    """Depthwise causal conv along l followed by SiLU, as mamba_ssm's causal_conv1d; or,
-    with `left` < k - 1, a non-causal one that reads k - 1 - left tokens ahead (a centred
-    conv: left = (k - 1) // 2).
-
-    x [b, l, ...], weight [k, ...], bias [...] or None, doc [b, l] document ids or None
-    (no tap reads across a document boundary); zeros stand outside x. Float32
-    accumulation; returns x.dtype. y_t = silu(bias + sum_j weight[j] * x_{t-left+j}), left
-    = k - 1 by default.
-    """
-    return _conv1d(x, weight, bias, doc, weight.shape[0] - 1 if left is None else left)
-
-
 def conv_window(inputs, doc, k: int):
     """The causal conv's window after the last token [b, e, k] (a decoding cache's
     conv_state, newest last) from its inputs [b, l, e] and their document ids [b, l] or
@@ -162,26 +150,6 @@ def conv_window(inputs, doc, k: int):
         inputs = jnp.where((doc == doc[:, -1:])[..., None], inputs, 0)
     window = jnp.pad(inputs, ((0, 0), (max(k - inputs.shape[1], 0), 0), (0, 0)))[:, -k:]
     return jnp.swapaxes(window, 1, 2)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(4,))
-def _conv1d(x, weight, bias, doc, left):
-    k = weight.shape[0]
-    l = x.shape[1]
-    pad = [(0, 0), (left, k - 1 - left)] + [(0, 0)] * (x.ndim - 2)
-    xp = jnp.pad(x.astype(jnp.float32), pad)
-    w = weight.astype(jnp.float32)
-    y = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(
-        bias.astype(jnp.float32), x.shape)
-    if doc is not None:
-        docp = jnp.pad(doc, pad[:2], constant_values=-1)
-    for j in range(k):
-        tap = xp[:, j:j + l] * w[j]
-        if doc is not None:
-            same = docp[:, j:j + l] == doc
-            tap = jnp.where(same.reshape(same.shape + (1,) * (x.ndim - 2)), tap, 0.0)
-        y = y + tap
-    return jax.nn.silu(y).astype(x.dtype)
 
 
 def check_dt_section(cfg, name: str, integers,

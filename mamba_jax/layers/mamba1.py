@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Conv, Flat, Linear
-from mamba_jax.layers.common import (Mixer, causal_conv1d, check_dt_section, conv_window,
-                                     dense, dt_bias_init, matmul, param, rms_norm, uniform)
+from mamba_jax.layers.common import (Mixer, check_dt_section, conv_window, dense,
+                                     dt_bias_init, matmul, param, rms_norm, uniform)
 from mamba_jax.layers.mamba2 import MambaCache
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels.conv import causal_conv1d
 from pallas_kernels.selective_scan import selective_scan
 from pallas_kernels.selective_scan.reference import selective_state_update
 from pallas_kernels.ssd import document_ids
@@ -199,8 +200,8 @@ class Mamba1Mixer(Mixer):
         doc = None
         if seq_idx is not None:
             doc = document_ids(ctx.with_previous_tokens(seq_idx, width))
-        return causal_conv1d(ctx.with_previous_tokens(x, width), *self._conv_params(),
-                             doc)[:, -l:]
+        return causal_conv1d(ctx.with_previous_tokens(x, width), *self._conv_params(), doc,
+                             length=l)
 
     def x_proj(self):
         """x_proj [dt | B | C]: [i, r + 2n], in the weights' dtype."""

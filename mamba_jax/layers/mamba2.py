@@ -29,10 +29,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
-from mamba_jax.layers.common import (Mixer, causal_conv1d, check_mamba_section, conv_window,
-                                     dense, dt_bias_init, gated_rms_norm, groups_of_local_heads,
+from mamba_jax.layers.common import (Mixer, check_mamba_section, conv_window, dense,
+                                     dt_bias_init, gated_rms_norm, groups_of_local_heads,
                                      matmul, param, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels.conv import causal_conv1d
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd import document_ids, ssd
@@ -137,7 +138,7 @@ def _conv_x_B_C(xBC, w, bias, doc, *, length, **split):
     first token first: Mamba2Mixer._conv_operands) with w [k, e], bias [e] or None and doc
     [b, width + length] (document ids) or None -> x, B, C of its last `length` outputs
     (`_x_B_C`, with `split` its options)."""
-    return _x_B_C(causal_conv1d(xBC, w, bias, doc)[:, -length:], **split)
+    return _x_B_C(causal_conv1d(xBC, w, bias, doc, length=length), **split)
 
 
 def _x_B_C(out, *, x_shape, B_shape, heads, ngroups, ctx):
@@ -429,7 +430,10 @@ class Mamba2Mixer(Mixer):
             cache.ssm_state, dt_limit=self.cfg.mamba2.dt_limit, y_dtype=self.dtype,
             implementation="triton" if how == "kernel" else "xla")
         z = zxbcdt[:, :y.shape[1] * y.shape[2]].reshape(y.shape)  # its first h*p columns
-        y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.mamba2.ngroups)
+        # A step's few rows: XLA fuses the norm with z's slice and the out-projection's
+        # input, where the norm's kernel (made for training's rows) would add a launch.
+        y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.mamba2.ngroups,
+                           implementation="xla")
         return (self.out_proj_partial(y, weights.out_proj),
                 MambaCache(conv_state, ssm_state, cache.sync))
 

@@ -1,0 +1,133 @@
+"""The gated norm of Mamba2's output (pallas_kernels.norm) on a GPU, against our XLA path and
+mamba_ssm's Triton `rmsnorm_fn` (what its fused training path calls), on the same inputs.
+
+    python3 -m bench.norm [--presets mamba2-370m mamba2-1.3b] [--shapes 20x2048]
+                          [--baseline .baseline] [--warmup 5] [--reps 30]
+
+For each preset's heads, headdim and ngroups and each batch x seqlen of --shapes: y, z and
+the cotangent bf16, the weight float32 (as under mamba_ssm's bf16 autocast). Checks first,
+stopping on a miss: our kernels' output and gradients against our XLA path on the GPU, and
+mamba_ssm's output and gradients against ours (bf16 results within 2^-6 of the largest
+value, dweight within 1e-3; both compute in float32). Then one row a pass (forward, and
+forward+backward: the output and the gradients of <out, dy>, as a training step runs them):
+milliseconds of ours, of our XLA path and of mamba_ssm, ours/theirs, and the floor: the
+bytes each pass must move (forward: y and z read, out written; forward+backward adds the
+backward's y, z and dy read and dy, dz written) over the copy bandwidth measured in the same
+run. Timing: the host clock around one call until its results are ready, median of --reps
+after --warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import baseline
+from bench.harness import (copy_bandwidth, device_line, forward_and_backward, median_time,
+                           table_header, table_row)
+from mamba_jax import Mamba2Config
+from mamba_jax.layers import mamba2
+from pallas_kernels.norm import gated_rms_norm
+
+TOLERANCE = {"out": 2.0 ** -6, "dy": 2.0 ** -6, "dz": 2.0 ** -6, "dweight": 1e-3}
+
+
+def worst(ours, reference):
+    """{name: largest error over the largest value} of two lists in the order of TOLERANCE."""
+    return {name: float(np.abs(np.asarray(o, np.float32) - np.asarray(r, np.float32)).max()
+                        / np.abs(np.asarray(r, np.float32)).max())
+            for name, o, r in zip(TOLERANCE, ours, reference)}
+
+
+def check(label, errors):
+    print(f"check {label}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+          flush=True)
+    missed = {k: v for k, v in errors.items() if not v <= TOLERANCE[k]}  # NaN misses
+    if missed:
+        raise SystemExit(f"{label}: {missed} over {TOLERANCE}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    baseline.add_arguments(parser, "norm")
+    parser.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
+    parser.add_argument("--shapes", nargs="+", default=["20x2048"], help="batch x seqlen")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args(argv)
+    versus = baseline.comparison(args.baseline, "norm", allow_slow=False, in_child=False)
+    import torch
+    rmsnorm_fn = baseline.import_gated_rmsnorm(args.baseline)
+    copy_rate = copy_bandwidth(3, 10)
+    rng = np.random.default_rng()
+    rows = []
+    for preset in args.presets:
+        cfg = Mamba2Config.preset(preset)
+        dims, eps, g = mamba2.dims(cfg), cfg.norm_eps, cfg.mamba2.ngroups
+        for shape in args.shapes:
+            b, l = (int(v) for v in shape.split("x"))
+            arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+            y, z, dy = (arr(b, l, dims.h, dims.p) for _ in range(3))
+            w = jnp.asarray(1 + 0.1 * rng.standard_normal((dims.h, dims.p)), jnp.float32)
+            ours = {impl: forward_and_backward(
+                lambda y, z, w, impl=impl: gated_rms_norm(y, z, w, eps, g, implementation=impl))
+                for impl in ("triton", "xla")}
+            forward = {impl: jax.jit(lambda y, z, w, impl=impl: gated_rms_norm(
+                y, z, w, eps, g, implementation=impl)) for impl in ("triton", "xla")}
+            flat = lambda out, grads: [out, *grads]
+            label = f"{preset} {b}x{l}"
+            reference = flat(*ours["xla"](y, z, w, dy))
+            check(f"{label} ours against our XLA path",
+                  worst(flat(*ours["triton"](y, z, w, dy)), reference))
+
+            to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(
+                "cuda", torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32)
+            t_y, t_z, t_dy = (to_torch(a).reshape(b * l, -1) for a in (y, z, dy))
+            t_w = to_torch(w).reshape(-1)
+
+            def theirs(grad):
+                leaves = [a.detach().requires_grad_(grad) for a in (t_y, t_z, t_w)]
+                out = rmsnorm_fn(leaves[0], leaves[2], None, z=leaves[1], eps=eps,
+                                 group_size=dims.d_inner // g, norm_before_gate=False)
+                if not grad:
+                    return [out]
+                out.backward(t_dy)
+                return [out, leaves[0].grad, leaves[1].grad, leaves[2].grad]
+
+            got = [t.detach().float().cpu().numpy().reshape(a.shape)
+                   for t, a in zip(theirs(True), reference)]
+            check(f"{label} mamba_ssm against ours", worst(got, reference))
+
+            def sync(fn):
+                return lambda: (fn(), torch.cuda.synchronize())
+            with torch.no_grad():
+                theirs_fwd = median_time(sync(lambda: theirs(False)), args.warmup, args.reps)
+            times = {
+                "fwd": [median_time(lambda f=forward[i]: f(y, z, w).block_until_ready(),
+                                    args.warmup, args.reps) for i in ("triton", "xla")]
+                + [theirs_fwd],
+                "fwd+bwd": [median_time(lambda f=ours[i]: jax.block_until_ready(f(y, z, w, dy)),
+                                        args.warmup, args.reps) for i in ("triton", "xla")]
+                + [median_time(sync(lambda: theirs(True)), args.warmup, args.reps)]}
+            size = b * l * dims.d_inner * 2  # one bf16 array
+            for pass_, moved in (("fwd", 3 * size), ("fwd+bwd", 8 * size)):
+                rows.append((preset, shape, pass_, *times[pass_], moved / copy_rate))
+    print(f"\n{device_line()}, torch {torch.__version__}; copy bandwidth "
+          f"{copy_rate / 1e12:.2f} TB/s")
+    print(versus.line)
+    print(table_header(["preset", "batch x seqlen", "pass", "ours ms", "ours xla ms",
+                        "mamba_ssm ms", "ours/theirs", "floor ms", "ours/floor"]))
+    for preset, shape, pass_, ours_s, xla_s, theirs_s, floor in rows:
+        print(table_row([preset, shape, pass_, f"{ours_s * 1e3:.3f}", f"{xla_s * 1e3:.3f}",
+                         f"{theirs_s * 1e3:.3f}", versus.ratio(ours_s, theirs_s),
+                         f"{floor * 1e3:.3f}", f"{ours_s / floor:.2f}x"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The causal depthwise conv1d and SiLU as Pallas kernels lowered through Triton, forward and
+backward (what mamba_ssm's causal_conv1d extension does for its fused training path).
+
+Legend: b batch, r input rows, l outputs (the last l of the r: output t's own row, its last
+tap's, is t + r - l), e channels, k taps, m = k - 1.
+
+Each program walks a run of rows of one block of channels in order, one row a step, with the
+last rows it needs carried in registers: every row of x (and of dy) is read once, where
+blocks of rows would read each row once per tap (a first version so built took longer than
+XLA's fusions, bound by those re-reads).
+- `_forward_kernel`, grid (b, e / be, r / run): at each own row T, y = silu(bias + sum_j
+  w[j] x[T - m + j]) from the window of the last k rows (zeros before the first row, and in
+  place of another document's rows).
+- `_backward_kernel`, grid alike: at each row T it recomputes the pre-activation of the
+  output whose own row is T and its gradient g (dy times SiLU's derivative), keeps the last
+  k of them, and writes dx[T - m] = sum_j w[j] g[T - j] once the k outputs that row feeds
+  are known: the walk runs m rows past its run. The outputs whose own rows are the run's
+  give the weight's and the bias's gradients, float32 partials [b, runs, ...] summed after
+  the kernel (no atomics: the bits do not vary).
+
+Rows are loaded at scalar indices with a mask (a row before the first or past the end reads
+zeros), which Pallas's interpreter and the GPU treat alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Rows a program walks (run) and its channels (block_e, at most; a power of two). One
+    warp over 256 channels loads a bf16 row in 16-byte pieces a thread; a run of 128 rows
+    re-reads k - 1 rows at its start. The first tiles tried, not tuned."""
+    run: int = 128
+    block_e: int = 256
+    warps: int = 1
+    stages: int = 3
+
+
+def supports(l: int, e: int, k: int, dtype) -> bool:
+    """Whether the kernels take l outputs of e channels through k taps in dtype."""
+    return (l >= 1 and e >= 16 and 2 <= k <= 8
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
+
+
+class _Row:
+    """One program's channels: loads and stores of single rows of them, masked outside."""
+
+    def __init__(self, bi, ci, *, be, e, rows_in):
+        self.bi, self.rows_in, self.be = bi, rows_in, be
+        self.c0 = pl.multiple_of(ci * be, be)
+        cols = self.c0 + jax.lax.broadcasted_iota(jnp.int32, (be,), 0)
+        self.col_mask = None if e % be == 0 else cols < e
+
+    def _mask(self, inside):
+        inside = jnp.broadcast_to(inside, (self.be,))
+        return inside if self.col_mask is None else inside & self.col_mask
+
+    def load(self, ref, row, inside):
+        """ref[bi, row, channels] in float32, zeros where not inside."""
+        return plgpu.load(ref.at[self.bi, row, pl.ds(self.c0, self.be)],
+                          mask=self._mask(inside), other=0).astype(jnp.float32)
+
+    def store(self, ref, row, value, inside):
+        plgpu.store(ref.at[self.bi, row, pl.ds(self.c0, self.be)], value.astype(ref.dtype),
+                    mask=self._mask(inside))
+
+    def vector(self, ref, *index):
+        """ref[*index, channels] in float32 (a weight's row or the bias)."""
+        mask = self.col_mask
+        index = tuple(jnp.int32(i) for i in index)  # Python ints: the interpreter's loads
+        return plgpu.load(ref.at[(*index, pl.ds(self.c0, self.be))], mask=mask,
+                          other=None if mask is None else 0).astype(jnp.float32)
+
+
+def _split(refs, present):
+    return (refs[0], refs[1:]) if present else (None, refs)
+
+
+def _doc(doc_ref, bi, row, rows_in):
+    """The document of a row, -1 outside the input."""
+    inside = (row >= 0) & (row < rows_in)
+    return jnp.where(inside, doc_ref[bi, jnp.clip(row, 0, rows_in - 1)], -1)
+
+
+def _pre(w, bias, window, docs, own_doc):
+    """bias + sum_j w[j] * window[j] (the k rows ending at the own row, oldest first), the
+    rows of another document than the own row's left out."""
+    acc = bias
+    for j, (wj, xj) in enumerate(zip(w, window)):
+        if docs is not None and j < len(w) - 1:
+            xj = jnp.where(docs[j] == own_doc, xj, 0.0)
+        acc = acc + wj * xj
+    return acc
+
+
+def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, has_bias, has_doc):
+    bias_ref, rest = _split(rest, has_bias)
+    doc_ref, (y_ref,) = _split(rest, has_doc)
+    bi = pl.program_id(0)
+    row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
+    m, off = k - 1, rows_in - l
+    start = off + pl.program_id(2) * run  # the own row of the run's first output
+    w = [row.vector(w_ref, j) for j in range(k)]
+    bias = row.vector(bias_ref) if has_bias else jnp.zeros((be,), jnp.float32)
+    first = start - m
+    window = tuple(row.load(x_ref, first + j, first + j >= 0) for j in range(m))
+    docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
+                                              for j in range(m))
+
+    def step(i, carry):
+        window, docs = carry
+        T = start + i
+        inside = T < rows_in
+        x = row.load(x_ref, T, inside)
+        own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
+        pre = _pre(w, bias, window + (x,), None if docs is None else docs + (own_doc,),
+                   own_doc)
+        row.store(y_ref, T - off, jax.nn.silu(pre), inside)
+        return window[1:] + (x,), None if docs is None else docs[1:] + (own_doc,)
+
+    jax.lax.fori_loop(0, run, step, (window, docs))
+
+
+def _backward_kernel(x_ref, w_ref, dy_ref, *rest, k, run, be, l, e, rows_in, has_bias,
+                     has_doc):
+    bias_ref, rest = _split(rest, has_bias)
+    doc_ref, (dx_ref, dw_ref, *dbias_ref) = _split(rest, has_doc)
+    bi, ri = pl.program_id(0), pl.program_id(2)
+    row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
+    m, off = k - 1, rows_in - l
+    start = ri * run  # the run's first input row: its dx, and the output owning it
+    w = [row.vector(w_ref, j) for j in range(k)]
+    bias = row.vector(bias_ref) if has_bias else jnp.zeros((be,), jnp.float32)
+    first = start - m
+    zeros = jnp.zeros((be,), jnp.float32)
+    window = tuple(row.load(x_ref, first + j, first + j >= 0) for j in range(m))
+    docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
+                                              for j in range(m))
+    # g of the m outputs whose own rows precede the run: they feed no row of the run
+    gs = (zeros,) * m
+
+    def step(i, carry):
+        window, docs, gs, dw, dbias = carry
+        T = start + i
+        inside = T < rows_in
+        x = row.load(x_ref, T, inside)
+        own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
+        rows = window + (x,)
+        row_docs = None if docs is None else docs + (own_doc,)
+        pre = _pre(w, bias, rows, row_docs, own_doc)
+        t = T - off
+        dy = row.load(dy_ref, t, (t >= 0) & (t < l) & inside)
+        sig = jax.nn.sigmoid(pre)
+        g = dy * sig * (1.0 + pre * (1.0 - sig))  # zero where there is no output
+        # the run's own outputs (not the m rows walked past it) give dw and dbias
+        g_own = jnp.where(i < run, g, 0.0)
+        dw = tuple(dwj + g_own * (xj if row_docs is None or j == m else
+                                  jnp.where(row_docs[j] == own_doc, xj, 0.0))
+                   for j, (dwj, xj) in enumerate(zip(dw, rows)))
+        dbias = dbias + g_own
+        gs = gs + (g,)
+        # dx of row s = T - m: it is tap j of the output whose own row is T - j (gs[m - j])
+        s = T - m
+        dx = zeros
+        for j in range(k):
+            gj = gs[m - j]
+            if row_docs is not None:
+                gj = jnp.where(row_docs[m - j] == row_docs[0], gj, 0.0)
+            dx = dx + w[j] * gj
+        row.store(dx_ref, s, dx, (i >= m) & (s < rows_in))
+        return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
+
+    carry = (window, docs, gs, (zeros,) * k, zeros)
+    _, _, _, dw, dbias = jax.lax.fori_loop(0, run + m, step, carry)
+    for j in range(k):
+        plgpu.store(dw_ref.at[bi, ri, jnp.int32(j), pl.ds(row.c0, be)], dw[j],
+                    mask=row.col_mask)
+    if has_bias:
+        plgpu.store(dbias_ref[0].at[bi, ri, pl.ds(row.c0, be)], dbias, mask=row.col_mask)
+
+
+def _call(kernel, grid, out_shape, config, interpret, name):
+    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret,
+                          name=name, compiler_params=plgpu.CompilerParams(
+                              num_warps=config.warps, num_stages=config.stages))
+
+
+def _options(x, w, l, config):
+    _, rows_in, e = x.shape
+    be = min(config.block_e, e & -e) if e % 16 == 0 else config.block_e
+    return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in)
+
+
+def _present(*optional):
+    return tuple(a for a in optional if a is not None)
+
+
+def forward(x, w, bias, doc, l, *, config, interpret=False):
+    """x [b, r, e], w [k, e], bias [e] or None, doc [b, r] int32 or None -> y [b, l, e] in
+    x.dtype, the last l outputs."""
+    b, _, e = x.shape
+    o = _options(x, w, l, config)
+    kernel = functools.partial(_forward_kernel, **o, has_bias=bias is not None,
+                               has_doc=doc is not None)
+    grid = (b, pl.cdiv(e, o["be"]), pl.cdiv(l, o["run"]))
+    return _call(kernel, grid, jax.ShapeDtypeStruct((b, l, e), x.dtype), config, interpret,
+                 "conv1d_forward")(x, w, *_present(bias, doc))
+
+
+def backward(x, w, bias, doc, dy, *, config, interpret=False):
+    """forward's inputs and dy [b, l, e] (the output's cotangent) -> (dx [b, r, e] in x.dtype,
+    dw [k, e], dbias [e] or None, float32)."""
+    b, rows_in, e = x.shape
+    k, l = w.shape[0], dy.shape[1]
+    o = _options(x, w, l, config)
+    runs = pl.cdiv(rows_in, o["run"])
+    kernel = functools.partial(_backward_kernel, **o, has_bias=bias is not None,
+                               has_doc=doc is not None)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((b, runs, k, e), jnp.float32)]
+    if bias is not None:
+        out_shape.append(jax.ShapeDtypeStruct((b, runs, e), jnp.float32))
+    out = _call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config, interpret,
+                "conv1d_backward")(x, w, dy, *_present(bias, doc))
+    dx, dw = out[0], out[1].sum(axis=(0, 1))
+    return dx, dw, (out[2].sum(axis=(0, 1)) if bias is not None else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def conv1d(x, w, bias, doc, l, config, interpret):
+    """The causal conv and SiLU of x [b, r, e] through w [k, e], bias [e] or None, doc [b, r]
+    int32 or None -> its last l outputs [b, l, e] in x.dtype (zeros stand before x)."""
+    return forward(x, w, bias, doc, l, config=config, interpret=interpret)
+
+
+def _conv_fwd(x, w, bias, doc, l, config, interpret):
+    return forward(x, w, bias, doc, l, config=config, interpret=interpret), (x, w, bias, doc)
+
+
+def _conv_bwd(l, config, interpret, residuals, dy):
+    x, w, bias, doc = residuals
+    dx, dw, dbias = backward(x, w, bias, doc, dy, config=config, interpret=interpret)
+    ddoc = None if doc is None else jnp.zeros(doc.shape, jax.dtypes.float0)
+    return dx, dw.astype(w.dtype), None if bias is None else dbias.astype(bias.dtype), ddoc
+
+
+conv1d.defvjp(_conv_fwd, _conv_bwd)

@@ -1,0 +1,220 @@
+"""The gated grouped RMSNorm's forward and backward kernels in Pallas, lowered through Triton
+(`pl.pallas_call`), and the custom_vjp that joins them.
+
+Legend: N rows (the product of the leading axes), D = h * p entries a row, ngroups groups a
+row of G = D / ngroups contiguous entries, br rows a block, bg = G rounded up to a power of
+two (Triton's block widths are powers of two: the entries past G are masked off, 1280 is
+loaded as 2048 of which 768 are masked).
+
+The kernels see y, z and the cotangent flattened to [N, D] (a free reshape) and weight as
+[D]; both compute in float32 and read and write each array once:
+- `_forward_kernel`, grid (N / br, ngroups): one block of br rows of one group; out = x *
+  rstd * weight in y's dtype, where x = y * silu(z) and rstd = rsqrt(mean_G(x**2) + eps).
+- `_backward_kernel`, grid (programs, ngroups): each program walks its share of the blocks
+  of one group, recomputing x and rstd from y and z (nothing of the forward is kept: the
+  residuals are y, z and weight), writes dy and dz, and sums dout * x * rstd over its rows
+  into one float32 partial of dweight [D]; the partials [programs, D] are summed after
+  the kernel. About two waves of programs (hardware.two_waves) keep every multiprocessor
+  busy while the partials stay small (264 x D floats).
+
+With w = weight, r = rstd, x = gated, dx = r * (dout*w - x * r**2 * mean_G(dout*w*x)), dy =
+dx * silu(z), dz = dx * y * sigmoid(z) * (1 + z * (1 - sigmoid(z))), dweight = sum_rows dout
+* x * r.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import hardware
+
+DTYPES = (jnp.float32, jnp.bfloat16)
+# The widest group the kernels take: a block of one row of a group holds bg floats per live
+# array in registers (bg / 256 each a thread at 8 warps); 8192 covers mamba2-2.7b's G 5120.
+# Wider groups (untried) take the XLA path.
+MAX_GROUP = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles and launch shapes. `block_elements` (a power of two): the entries of one block,
+    br * bg, br = block_elements / bg rows (at least one, at most the rows' next power of
+    two); mamba_ssm's norms take one row of 4096 a program. `num_warps` None: block /
+    256 entries a warp, 1 to 8 (mamba_ssm's choice). `backward_programs` None: about
+    hardware.two_waves() programs, split over the groups."""
+    block_elements: int = 4096
+    num_warps: int | None = None
+    backward_programs: int | None = None
+    # Software-pipelining stages of the backward's loop over its blocks: the next block's
+    # loads are issued while this one computes.
+    backward_stages: int = 2
+
+
+def supports(shape, dtype, ngroups) -> bool:
+    """Whether the kernels take y of this shape [..., h, p] and dtype with ngroups groups:
+    float32 or bfloat16, at least one row, h divisible by ngroups and groups of at most
+    MAX_GROUP entries."""
+    if len(shape) < 2 or jnp.dtype(dtype) not in DTYPES or ngroups < 1:
+        return False
+    *lead, h, p = shape
+    return math.prod(lead) > 0 and h % ngroups == 0 and (h // ngroups) * p <= MAX_GROUP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def gated_rms_norm(y, z, weight, eps, ngroups, config=Config(), interpret=False):
+    """y, z [..., h, p] (float32 or bfloat16, `supports`), weight [h, p] -> [..., h, p] in y's
+    dtype: reference.gated_rms_norm_reference by the kernels. Its VJP keeps y, z and weight
+    only and returns dy, dz and dweight in their dtypes."""
+    return forward(y, z, weight, eps, ngroups, config=config, interpret=interpret)
+
+
+def _gated_rms_norm_fwd(y, z, weight, eps, ngroups, config, interpret):
+    out = forward(y, z, weight, eps, ngroups, config=config, interpret=interpret)
+    return out, (y, z, weight)
+
+
+def _gated_rms_norm_bwd(eps, ngroups, config, interpret, residuals, dout):
+    y, z, weight = residuals
+    return backward(y, z, weight, dout, eps, ngroups, config=config, interpret=interpret)
+
+
+gated_rms_norm.defvjp(_gated_rms_norm_fwd, _gated_rms_norm_bwd)
+
+
+def forward(y, z, weight, eps, ngroups, *, config, interpret=False):
+    """The forward kernel: y, z [..., h, p], weight [h, p] -> [..., h, p] in y's dtype."""
+    rows, width, group = _sizes(y, ngroups)
+    br, bg = _tiles(config, rows, group)
+    blocks = pl.cdiv(rows, br)
+    kernel = functools.partial(_forward_kernel, eps=eps, rows=rows, group=group, br=br, bg=bg,
+                               ragged_rows=blocks * br != rows)
+    out = _call(kernel, (blocks, ngroups), [jax.ShapeDtypeStruct((rows, width), y.dtype)],
+                _warps(config, br, bg), 1, interpret, "gated_rms_norm_forward")(
+        y.reshape(rows, width), z.reshape(rows, width), weight.reshape(width))[0]
+    return out.reshape(y.shape)
+
+
+def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False):
+    """The backward kernel: forward's inputs and the cotangent dout (y's shape) -> (dy, dz,
+    dweight) in y's, z's and weight's dtypes; dweight summed here from the kernel's float32
+    partials [programs, h * p]."""
+    rows, width, group = _sizes(y, ngroups)
+    br, bg = _tiles(config, rows, group)
+    blocks = pl.cdiv(rows, br)
+    target = config.backward_programs or hardware.two_waves()
+    per_program = pl.cdiv(blocks, max(1, min(target // ngroups, blocks)))
+    programs = pl.cdiv(blocks, per_program)  # none left with no block of its own
+    kernel = functools.partial(_backward_kernel, eps=eps, rows=rows, group=group, br=br, bg=bg,
+                               per_program=per_program,
+                               ragged_rows=programs * per_program * br != rows)
+    flat = lambda a: a.reshape(rows, width)
+    dy, dz, dweight = _call(
+        kernel, (programs, ngroups),
+        [jax.ShapeDtypeStruct((rows, width), y.dtype),
+         jax.ShapeDtypeStruct((rows, width), z.dtype),
+         jax.ShapeDtypeStruct((programs, width), jnp.float32)],
+        _warps(config, br, bg), config.backward_stages, interpret, "gated_rms_norm_backward",
+    )(flat(y), flat(z), weight.reshape(width), flat(dout))
+    return (dy.reshape(y.shape), dz.reshape(z.shape),
+            dweight.sum(0).reshape(weight.shape).astype(weight.dtype))
+
+
+def _forward_kernel(y_ref, z_ref, w_ref, out_ref, *, eps, rows, group, br, bg, ragged_rows):
+    r0 = pl.multiple_of(pl.program_id(0) * br, br)
+    c0 = pl.program_id(1) * group
+    block, mask, col_mask = _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
+                                   ragged_rows=ragged_rows)
+    w = _load(w_ref, pl.ds(c0, bg), col_mask)
+    y, z = _load(y_ref, block, mask), _load(z_ref, block, mask)
+    x = y * (z * jax.nn.sigmoid(z))
+    rstd = _rstd(x, group, eps)
+    # The reference's order of products: (x * rstd) * weight.
+    plgpu.store(out_ref.at[block], (x * rstd * w[None, :]).astype(out_ref.dtype), mask=mask)
+
+
+def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *, eps, rows, group,
+                     br, bg, per_program, ragged_rows):
+    pi = pl.program_id(0)
+    c0 = pl.program_id(1) * group
+    col_mask = _block(0, c0, rows=rows, group=group, br=br, bg=bg, ragged_rows=False)[2]
+    w = _load(w_ref, pl.ds(c0, bg), col_mask)[None, :]
+
+    def body(j, dw):  # dw [br, bg]: this program's sum of dout * x * rstd so far, by row slot
+        r0 = pl.multiple_of((pi * per_program + j) * br, br)
+        block, mask, _ = _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
+                                ragged_rows=ragged_rows)
+        y, z = _load(y_ref, block, mask), _load(z_ref, block, mask)
+        dout = _load(dout_ref, block, mask)
+        sig = jax.nn.sigmoid(z)
+        silu = z * sig
+        x = y * silu
+        rstd = _rstd(x, group, eps)
+        xhat = x * rstd
+        wdout = dout * w
+        dx = (wdout - xhat * (jnp.sum(xhat * wdout, axis=1, keepdims=True) / group)) * rstd
+        plgpu.store(dy_ref.at[block], (dx * silu).astype(dy_ref.dtype), mask=mask)
+        dz = dx * y * sig * (1.0 + z * (1.0 - sig))
+        plgpu.store(dz_ref.at[block], dz.astype(dz_ref.dtype), mask=mask)
+        return dw + dout * xhat  # masked entries are zeros: they add nothing
+
+    dw = jax.lax.fori_loop(0, per_program, body, jnp.zeros((br, bg), jnp.float32))
+    plgpu.store(dw_ref.at[pi, pl.ds(c0, bg)], jnp.sum(dw, axis=0), mask=col_mask)
+
+
+def _rstd(x, group, eps):
+    """x [br, bg] float32 (zeros past the group's G entries) -> rsqrt(mean_G(x**2) + eps)
+    [br, 1]: the mean over the group's G entries, not the block's bg."""
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / group + eps)
+
+
+def _block(r0, c0, *, rows, group, br, bg, ragged_rows):
+    """The block of rows [r0, r0 + br) and entries [c0, c0 + bg) of a [N, D] array: (its
+    index, its mask [br, bg], the entries' mask [bg]); a mask is None where it would be all
+    true (rows a multiple of br, G a power of two), so those loads go unmasked."""
+    col_mask = jax.lax.broadcasted_iota(jnp.int32, (bg,), 0) < group if bg != group else None
+    mask = None if col_mask is None else col_mask[None, :]
+    if ragged_rows:
+        row_mask = (r0 + jax.lax.broadcasted_iota(jnp.int32, (br,), 0) < rows)[:, None]
+        mask = row_mask if mask is None else row_mask & mask
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (br, bg))
+    return (pl.ds(r0, br), pl.ds(c0, bg)), mask, col_mask
+
+
+def _load(ref, index, mask):
+    """ref[index] in float32; zeros where mask (None: all true) is false."""
+    return plgpu.load(ref.at[index], mask=mask, other=None if mask is None else 0.0).astype(
+        jnp.float32)
+
+
+def _sizes(y, ngroups):
+    """(N rows, D entries a row, G entries a group) of y [..., h, p]."""
+    *lead, h, p = y.shape
+    return math.prod(lead), h * p, h * p // ngroups
+
+
+def _tiles(config, rows, group):
+    """(br, bg): rows a block and the group's padded width (powers of two)."""
+    bg = _next_power_of_two(group)
+    return max(1, min(config.block_elements // bg, _next_power_of_two(rows))), bg
+
+
+def _next_power_of_two(n):
+    return 1 << (n - 1).bit_length()
+
+
+def _warps(config, br, bg):
+    return config.num_warps or min(max(br * bg // 256, 1), 8)
+
+
+def _call(kernel, grid, out_shape, warps, stages, interpret, name):
+    return pl.pallas_call(
+        kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))

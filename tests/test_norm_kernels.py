@@ -1,0 +1,151 @@
+"""The gated grouped RMSNorm's kernels compute the reference: values and every gradient.
+
+On CPU the Pallas kernels run in Pallas's interpreter (the kernels' own code, not the
+reference). Each case draws fresh random inputs, runs the kernels (implementation="triton")
+and pallas_kernels.norm.reference in float64 on the same (dtype-rounded) inputs, and
+compares the output and the gradients dy, dz, dweight of <out, dout> (jax.vjp, a random
+cotangent dout in y's dtype) by the largest error relative to the largest value:
+- float32 results (every output for float32 inputs; dweight, float32 like weight, for
+  bfloat16 inputs too): below 1e-5 (float32 arithmetic; seen ~2e-7);
+- bfloat16 results: below 2**-7, twice bf16's unit roundoff 2**-8 (each result is rounded
+  to bf16 once from float32 arithmetic on exact inputs, an error of at most 2**-8 of its
+  value).
+NaN fails every comparison. Cases: one group and two, an odd row count (3 x 37 rows, a
+ragged last block), a group of 24 entries (no power of two: masked 32-wide blocks, the
+last group's block reaching past the row's end), with the default tiles and with small
+ones that make every backward program loop over several blocks. Then the dispatch: "auto"
+is the XLA path on a CPU, the kernels on a patched-in Hopper GPU, where an unsupported case
+is logged once; and the comparison does fail for a wrong result.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fallback, hardware
+from pallas_kernels.norm import gated_rms_norm, triton
+from pallas_kernels.norm.reference import gated_rms_norm_reference
+
+EPS = 1e-5
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2.0 ** -7}
+
+CASES = {  # name: (leading axes, h, p, ngroups)
+    "one_group_odd_rows": ((3, 37), 4, 16, 1),
+    "two_groups": ((3, 37), 4, 16, 2),
+    "group_of_24_not_a_power_of_two": ((3, 37), 6, 8, 2),
+}
+SMALL_TILES = triton.Config(block_elements=64, backward_programs=7)
+
+
+def make_inputs(rng, lead, h, p, dtype):
+    """y, z, dout [*lead, h, p] in dtype and weight [h, p] float32; z spread wider than a
+    unit normal so that silu's saturated ends are exercised."""
+    arr = lambda *shape, scale=1.0, dt=dtype: jnp.asarray(
+        scale * rng.standard_normal(shape), dt)
+    return (arr(*lead, h, p), arr(*lead, h, p, scale=4.0),
+            arr(h, p, scale=0.5, dt=jnp.float32) + 1.0, arr(*lead, h, p))
+
+
+def values_and_grads(fn, y, z, weight, dout):
+    out, vjp = jax.vjp(fn, y, z, weight)
+    return dict(zip(("out", "dy", "dz", "dweight"), (out, *vjp(dout))))
+
+
+def reference_float64(y, z, weight, dout, ngroups):
+    with jax.enable_x64(True):
+        up = [jnp.asarray(np.asarray(a, np.float64)) for a in (y, z, weight, dout)]
+        ref = values_and_grads(
+            lambda y, z, w: gated_rms_norm_reference(y, z, w, EPS, ngroups), *up[:3], up[3])
+        return {k: np.asarray(v) for k, v in ref.items()}
+
+
+def errors_over_tolerance(ours, reference):
+    """{name: (error relative to the largest reference value, tolerance)} of the results
+    whose error is not below their dtype's tolerance (NaN included)."""
+    bad = {}
+    for k, ref in reference.items():
+        a = np.asarray(ours[k], np.float64)
+        error = np.max(np.abs(a - ref)) / np.max(np.abs(ref))
+        if not error < TOLERANCE[jnp.dtype(ours[k].dtype)]:
+            bad[k] = (float(error), TOLERANCE[jnp.dtype(ours[k].dtype)])
+    return bad
+
+
+def assert_matches_reference(fn, case, dtype):
+    """fn(y, z, weight, ngroups) -> out: values and gradients against the float64 reference
+    on fresh inputs of case's shapes (CASES' tuples)."""
+    lead, h, p, ngroups = case
+    y, z, weight, dout = make_inputs(np.random.default_rng(), lead, h, p, dtype)
+    ours = values_and_grads(lambda y, z, w: fn(y, z, w, ngroups), y, z, weight, dout)
+    for k, v in ours.items():
+        assert v.shape == {"dweight": weight}.get(k, y).shape
+        assert v.dtype == {"dz": z, "dweight": weight}.get(k, y).dtype, k
+        assert np.all(np.isfinite(np.asarray(v, np.float32))), k
+    bad = errors_over_tolerance(ours, reference_float64(y, z, weight, dout, ngroups))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_kernels_match_the_float64_reference(case, dtype):
+    assert_matches_reference(
+        lambda y, z, w, g: gated_rms_norm(y, z, w, EPS, g, implementation="triton"),
+        CASES[case], dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_backward_programs_loop_over_several_blocks(case):
+    """Blocks of 64 entries (2 or 4 rows) and 7 backward programs: each program walks
+    several blocks, the last one past the rows' end, and dweight sums 7 partials."""
+    assert_matches_reference(
+        lambda y, z, w, g: triton.gated_rms_norm(y, z, w, EPS, g, SMALL_TILES, True),
+        CASES[case], jnp.float32)
+
+
+def test_the_comparison_fails_for_a_wrong_result():
+    """The check is not vacuous: the reference's output is not the input, and results of a
+    slightly different norm (one group for two, eps 1e-2, dy and dz swapped) fail it."""
+    lead, h, p, ngroups = CASES["two_groups"]
+    y, z, weight, dout = make_inputs(np.random.default_rng(), lead, h, p, jnp.float32)
+    reference = reference_float64(y, z, weight, dout, ngroups)
+    assert not np.allclose(reference["out"], np.asarray(y), atol=1e-2)
+    kernels = lambda groups, eps: lambda y, z, w: gated_rms_norm(
+        y, z, w, eps, groups, implementation="triton")
+    right = values_and_grads(kernels(ngroups, EPS), y, z, weight, dout)
+    assert not errors_over_tolerance(right, reference)
+    one_group = values_and_grads(kernels(1, EPS), y, z, weight, dout)
+    assert set(errors_over_tolerance(one_group, reference)) == {"out", "dy", "dz", "dweight"}
+    big_eps = values_and_grads(kernels(ngroups, 1e-2), y, z, weight, dout)
+    assert "out" in errors_over_tolerance(big_eps, reference)
+    swapped = {**right, "dy": right["dz"], "dz": right["dy"]}
+    assert set(errors_over_tolerance(swapped, reference)) == {"dy", "dz"}
+
+
+def test_auto_uses_xla_without_a_gpu():
+    y, z, weight, _ = make_inputs(np.random.default_rng(), (2, 3), 4, 16, jnp.bfloat16)
+    auto = jax.make_jaxpr(lambda y, z, w: gated_rms_norm(y, z, w, EPS, 2))(y, z, weight)
+    assert "pallas_call" not in str(auto)
+
+
+def test_auto_on_hopper_takes_the_kernels_and_says_when_it_does_not(monkeypatch, caplog):
+    """On an H200 (compute capability 9.0, patched in) "auto" runs the kernels for bf16 and
+    a group of 24; float16, which they do not take, the XLA path, logged once."""
+    monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
+    traced = lambda dtype: str(jax.make_jaxpr(lambda y, z, w: gated_rms_norm(y, z, w, EPS, 2))(
+        *make_inputs(np.random.default_rng(), (2, 3), 6, 8, dtype)[:3]))
+    assert "pallas_call" in traced(jnp.bfloat16)
+    monkeypatch.setattr(fallback, "_said", set())  # what earlier tests had said
+    with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
+        assert "pallas_call" not in traced(jnp.float16)
+        assert "pallas_call" not in traced(jnp.float16)
+    said = [r.getMessage() for r in caplog.records if r.name == "pallas_kernels.fallback"]
+    assert len(said) == 1 and "float16" in said[0], said
+
+
+def test_supports():
+    assert triton.supports((20, 2048, 64, 64), jnp.bfloat16, 1)  # mamba2-1.3b, G 4096
+    assert triton.supports((2, 8, 128, 80), jnp.bfloat16, 8)  # G 1280, masked to 2048
+    assert triton.supports((2, 8, 160, 64), jnp.float32, 1) is False  # G 10240
+    assert triton.supports((2, 8, 4, 16), jnp.float16, 1) is False
+    assert triton.supports((0, 4, 16), jnp.float32, 1) is False
