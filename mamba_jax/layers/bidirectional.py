@@ -37,9 +37,9 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.conv import causal_conv1d
 from mamba_jax.layers.mamba2 import Mamba2Mixer, dims
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels.conv import causal_conv1d
 from pallas_kernels.ssd import document_ids, ssd
 
 

@@ -5,9 +5,10 @@ interface every layer kind implements (the short conv itself: pallas_kernels.con
 Legend: b batch, l sequence, d model width, k conv width, h heads, p head dim, g groups,
 "..." channel axes (e.g. h p).
 Norms compute in float32 and return the input's dtype, as mamba_ssm's Triton norms do.
-The norms are rematerialised (jax.checkpoint), as is the conv: the backward pass recomputes
-their cheap elementwise float32 intermediates from the inputs instead of keeping them, as
-mamba_ssm's fused kernels do (kept, they were about 250 KB per token per 1.3b layer).
+The norms are rematerialised (jax.checkpoint; the gated norm's kernels keep only their
+inputs, as do the conv's): the backward pass recomputes their cheap elementwise float32
+intermediates from the inputs instead of keeping them, as mamba_ssm's fused kernels do
+(kept, they were about 250 KB per token per 1.3b layer).
 """
 
 from __future__ import annotations
