@@ -54,6 +54,10 @@ USES = {
     # The SSD op alone calls no conv: the same Triton kernels as both training paths.
     "scan": ((), "mamba_chunk_scan_combined (its Triton SSD kernels, which both Mamba2 "
                  "training paths run; it calls no causal_conv1d)", None),
+    # The conv alone: causal_conv1d's CUDA kernels, which the fused training path calls
+    # (bench.conv stops where the extension does not import).
+    "conv": ((), "causal_conv1d_fn (causal_conv1d's CUDA kernels, which "
+                 "mamba_split_conv1d_scan_combined calls)", None),
     # The gated norm alone: the Triton kernels its fused training path calls after the scan.
     "norm": ((), "rmsnorm_fn (its Triton gated RMSNorm, ops/triton/layernorm_gated.py, which "
                  "mamba_split_conv1d_scan_combined calls)", None),

@@ -88,6 +88,20 @@ def check_kernel(label, f, kwargs, tolerance=2.0 ** -8):
     return err
 
 
+def check_outputs(label, ours, reference, tolerance: dict):
+    """ours and reference: lists of arrays in the order of tolerance's names. Prints each
+    one's largest difference over the reference's largest value; exits on one over its
+    tolerance (NaN too)."""
+    errors = {name: float(np.abs(np.asarray(o, np.float32) - np.asarray(r, np.float32)).max()
+                          / np.abs(np.asarray(r, np.float32)).max())
+              for name, o, r in zip(tolerance, ours, reference)}
+    print(f"check {label}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+          flush=True)
+    missed = {k: v for k, v in errors.items() if not v <= tolerance[k]}
+    if missed:
+        raise SystemExit(f"CHECK FAILED: {label}: {missed} over {tolerance}")
+
+
 # ---- sweeping a kernel's tiles (bench.norm_matmul, bench.step) ----
 
 def sweep_parser(doc, blocks, batch):

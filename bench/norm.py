@@ -29,28 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import baseline
-from bench.harness import (copy_bandwidth, device_line, forward_and_backward, median_time,
-                           table_header, table_row)
+from bench.harness import (check_outputs, copy_bandwidth, device_line, forward_and_backward,
+                           median_time, table_header, table_row)
 from mamba_jax import Mamba2Config
 from mamba_jax.layers import mamba2
 from pallas_kernels.norm import gated_rms_norm
 
 TOLERANCE = {"out": 2.0 ** -6, "dy": 2.0 ** -6, "dz": 2.0 ** -6, "dweight": 1e-3}
-
-
-def worst(ours, reference):
-    """{name: largest error over the largest value} of two lists in the order of TOLERANCE."""
-    return {name: float(np.abs(np.asarray(o, np.float32) - np.asarray(r, np.float32)).max()
-                        / np.abs(np.asarray(r, np.float32)).max())
-            for name, o, r in zip(TOLERANCE, ours, reference)}
-
-
-def check(label, errors):
-    print(f"check {label}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
-          flush=True)
-    missed = {k: v for k, v in errors.items() if not v <= TOLERANCE[k]}  # NaN misses
-    if missed:
-        raise SystemExit(f"{label}: {missed} over {TOLERANCE}")
 
 
 def main(argv=None):
@@ -83,8 +68,8 @@ def main(argv=None):
             flat = lambda out, grads: [out, *grads]
             label = f"{preset} {b}x{l}"
             reference = flat(*ours["xla"](y, z, w, dy))
-            check(f"{label} ours against our XLA path",
-                  worst(flat(*ours["triton"](y, z, w, dy)), reference))
+            check_outputs(f"{label} ours against our XLA path",
+                          flat(*ours["triton"](y, z, w, dy)), reference, TOLERANCE)
 
             to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(
                 "cuda", torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32)
@@ -102,7 +87,7 @@ def main(argv=None):
 
             got = [t.detach().float().cpu().numpy().reshape(a.shape)
                    for t, a in zip(theirs(True), reference)]
-            check(f"{label} mamba_ssm against ours", worst(got, reference))
+            check_outputs(f"{label} mamba_ssm against ours", got, reference, TOLERANCE)
 
             def sync(fn):
                 return lambda: (fn(), torch.cuda.synchronize())

@@ -20,8 +20,8 @@ import pytest
 
 from bench import baseline, harness
 
-SCRIPTS = ["generate", "train_step", "ssd", "step", "norm", "norm_matmul", "profile_step",
-           "dispatch", "headdim", "selective_scan", "serve_load", "mamba3"]
+SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
+           "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import

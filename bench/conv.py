@@ -1,0 +1,134 @@
+"""The short conv and SiLU (pallas_kernels.conv) on a GPU, against our XLA path and the
+`causal_conv1d` extension's `causal_conv1d_fn` (the CUDA kernels mamba_ssm's fused training
+path calls), on the same inputs.
+
+    python3 -m bench.conv [--presets mamba2-370m mamba2-1.3b] [--shapes 20x2048]
+                          [--baseline .baseline] [--warmup 5] [--reps 30]
+
+For each preset's conv channels (x, B and C: h * p + 2 * g * n) and each batch x seqlen of
+--shapes, with and without packed documents (a document start in about every 512 tokens,
+its `seq_idx`): x and the cotangent bf16, the weight and bias float32. Checks first,
+stopping on a miss: our kernels' output and gradients against our XLA path on the GPU, and
+causal_conv1d's against ours (bf16 results within 2^-6 of the largest value, the weight's
+and bias's gradients within 1e-3). Then one row a pass (forward, and forward+backward: the
+output and the gradients of <y, dy>): milliseconds of ours, of our XLA path and of
+causal_conv1d (on x in the channel-last layout mamba_ssm gives it), ours/theirs, and the
+floor: the bf16 arrays each pass must read and write (forward x and y; forward+backward
+adds x and dy read and dx written) over the copy bandwidth measured in the same run.
+Timing: the host clock around one call until its results are ready, median of --reps after
+--warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import baseline
+from bench.harness import (check_outputs, copy_bandwidth, device_line, forward_and_backward,
+                           median_time, table_header, table_row)
+from mamba_jax import Mamba2Config
+from mamba_jax.layers import mamba2
+from pallas_kernels.conv import causal_conv1d
+
+TOLERANCE = {"y": 2.0 ** -6, "dx": 2.0 ** -6, "dweight": 1e-3, "dbias": 1e-3}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    baseline.add_arguments(parser, "conv")
+    parser.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
+    parser.add_argument("--shapes", nargs="+", default=["20x2048"], help="batch x seqlen")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args(argv)
+    versus = baseline.comparison(args.baseline, "conv", allow_slow=False, in_child=False)
+    import torch
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError as e:
+        raise SystemExit(f"causal_conv1d does not import ({e}): {baseline.INSTALL}")
+    copy_rate = copy_bandwidth(3, 10)
+    rng = np.random.default_rng()
+    rows = []
+    for preset in args.presets:
+        cfg = Mamba2Config.preset(preset)
+        e, k = mamba2.dims(cfg).e, cfg.mamba2.d_conv
+        for shape in args.shapes:
+            b, l = (int(v) for v in shape.split("x"))
+            x, dy = (jnp.asarray(rng.standard_normal((b, l, e)), jnp.bfloat16) for _ in "xy")
+            w = jnp.asarray(rng.standard_normal((k, e)) / k ** 0.5, jnp.float32)
+            bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
+            for documents in (False, True):
+                doc = (jnp.asarray(np.cumsum(rng.random((b, l)) < 1 / 512, axis=1), jnp.int32)
+                       if documents else None)
+                conv = {impl: lambda x, w, bias, impl=impl: causal_conv1d(
+                    x, w, bias, doc, implementation=impl) for impl in ("triton", "xla")}
+                both = {impl: forward_and_backward(f) for impl, f in conv.items()}
+                forward = {impl: jax.jit(f) for impl, f in conv.items()}
+                label = f"{preset} {b}x{l}{' documents' if documents else ''}"
+                reference = [(out := both["xla"](x, w, bias, dy))[0], *out[1]]
+                ours = both["triton"](x, w, bias, dy)
+                check_outputs(f"{label} ours against our XLA path", [ours[0], *ours[1]],
+                              reference, TOLERANCE)
+
+                to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(
+                    "cuda", torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32)
+                # [b, l, e] memory seen as [b, e, l]: the channel-last layout mamba_ssm passes
+                t_x, t_dy = (to_torch(a).transpose(1, 2) for a in (x, dy))
+                t_w, t_bias = to_torch(w).T.contiguous(), to_torch(bias)
+                t_doc = None if doc is None else torch.from_numpy(np.asarray(doc)).cuda()
+
+                def theirs(grad):
+                    leaves = [a.detach().requires_grad_(grad) for a in (t_x, t_w, t_bias)]
+                    out = causal_conv1d_fn(leaves[0], leaves[1], leaves[2], seq_idx=t_doc,
+                                           activation="silu")
+                    if not grad:
+                        return out
+                    out.backward(t_dy)
+                    return [out, leaves[0].grad, leaves[1].grad, leaves[2].grad]
+
+                got = theirs(True)
+                got = [got[0].transpose(1, 2), got[1].transpose(1, 2), got[2].T, got[3]]
+                check_outputs(f"{label} causal_conv1d against ours",
+                              [t.detach().float().cpu().numpy() for t in got], reference,
+                              TOLERANCE)
+
+                def sync(fn):
+                    return lambda: (fn(), torch.cuda.synchronize())
+                with torch.no_grad():
+                    theirs_fwd = median_time(sync(lambda: theirs(False)), args.warmup,
+                                             args.reps)
+                times = {
+                    "fwd": [median_time(lambda f=forward[i]: f(x, w, bias).block_until_ready(),
+                                        args.warmup, args.reps) for i in ("triton", "xla")]
+                    + [theirs_fwd],
+                    "fwd+bwd": [median_time(
+                        lambda f=both[i]: jax.block_until_ready(f(x, w, bias, dy)),
+                        args.warmup, args.reps) for i in ("triton", "xla")]
+                    + [median_time(sync(lambda: theirs(True)), args.warmup, args.reps)]}
+                size = x.nbytes
+                for pass_, moved in (("fwd", 2 * size), ("fwd+bwd", 5 * size)):
+                    rows.append((preset, shape, "yes" if documents else "no", pass_,
+                                 *times[pass_], moved / copy_rate))
+    print(f"\n{device_line()}, torch {torch.__version__}; copy bandwidth "
+          f"{copy_rate / 1e12:.2f} TB/s")
+    print(versus.line)
+    print(table_header(["preset", "batch x seqlen", "documents", "pass", "ours ms",
+                        "ours xla ms", "causal_conv1d ms", "ours/theirs", "floor ms",
+                        "ours/floor"]))
+    for preset, shape, documents, pass_, ours_s, xla_s, theirs_s, floor in rows:
+        print(table_row([preset, shape, documents, pass_, f"{ours_s * 1e3:.3f}",
+                         f"{xla_s * 1e3:.3f}", f"{theirs_s * 1e3:.3f}",
+                         versus.ratio(ours_s, theirs_s), f"{floor * 1e3:.3f}",
+                         f"{ours_s / floor:.2f}x"]))
+
+
+if __name__ == "__main__":
+    main()
