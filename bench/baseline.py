@@ -207,6 +207,18 @@ def import_mamba_lm(baseline):
     return MambaConfig, MambaLMHeadModel
 
 
+def lacks_mamba3(baseline) -> str:
+    """Why the copy at `baseline` cannot build a MambaLMHeadModel of Mamba3 layers ('' where
+    it can): its ssm_cfg layer "Mamba3" came after v2.3.2.post1, on mamba_ssm's main."""
+    path = os.path.join(baseline, "mamba_ssm", "models", "mixer_seq_simple.py")
+    with open(path) as f:
+        if '"Mamba3"' in f.read():
+            return ""
+    return (f"the mamba_ssm copy at {baseline} has no Mamba3 layer in MambaLMHeadModel "
+            "(mamba_ssm's main has, from b3cae1b: pass --baseline with a copy of it, e.g. "
+            ".baseline/e9594ce)")
+
+
 def ssm_layer(cfg) -> str | None:
     """mamba_ssm's ssm_cfg layer for a config of one Mamba kind: "Mamba2" (layers M),
     "Mamba3" (layers 3); None for a layer pattern its MambaLMHeadModel, a Mamba mixer and an

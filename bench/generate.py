@@ -353,7 +353,8 @@ def main(argv=None):
     # mamba_ssm runs for the presets it decodes here (_theirs_not_run): its path checked
     # before any timing, in the process it will run in
     versus = None
-    if any(not _theirs_not_run(Mamba2Config.preset(preset)) for preset in presets):
+    if any(not _theirs_not_run(Mamba2Config.preset(preset), args.baseline)
+           for preset in presets):
         versus = baseline.comparison(args.baseline, "decode", args.allow_slow_baseline,
                                      in_child=args.theirs_process == "child")
     bandwidth = copy_bandwidth(1, 5)
@@ -383,7 +384,7 @@ def main(argv=None):
             if "triton" in resolved.values() and "3" in cfg.layers:  # Mamba-3's
                 check_mamba3_kernel(preset, cfg, batch, int8="int8" in dtypes)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
-            why = _theirs_not_run(cfg)
+            why = _theirs_not_run(cfg, args.baseline)
             if why:
                 ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
                 print(f"{preset}: mamba_ssm not run ({why})")
@@ -420,17 +421,19 @@ def main(argv=None):
     print("\n".join(agreement))
 
 
-def _theirs_not_run(cfg) -> str:
-    """Why mamba_ssm does not decode this preset here, or '' where it does."""
+def _theirs_not_run(cfg, copy) -> str:
+    """Why mamba_ssm (its copy at `copy`) does not decode this preset here, or '' where it
+    does."""
     if set(cfg.layers) == {"M"}:
         return ""
     if set(cfg.layers) == {"1"}:
         return ("its Mamba-1 prefill needs its selective_scan_cuda extension; "
                 "bench.selective_scan times its Triton selective_state_update")
     if set(cfg.layers) == {"3"}:
-        return ("its MIMO Mamba3 decodes only through its CuTe-DSL step (mamba3_step_fn: "
-                "nvidia-cutlass-dsl and quack), which does not install on the GPU machine"
-                if cfg.mamba3.is_mimo else "")
+        if cfg.mamba3.is_mimo:
+            return ("its MIMO Mamba3 decodes only through its CuTe-DSL step (mamba3_step_fn: "
+                    "nvidia-cutlass-dsl and quack), which does not install on the GPU machine")
+        return baseline.lacks_mamba3(copy)
     return (f"its blocks cannot spell the layer pattern {cfg.layers}, and its attention "
             "decodes only with flash_attn")
 

@@ -488,8 +488,9 @@ def longest(args):
             print(row(r) + extra, flush=True)
 
 
-def not_comparable(cfg) -> str:
-    """Why mamba_ssm's step does not run for this config ('' where it does)."""
+def not_comparable(cfg, copy) -> str:
+    """Why mamba_ssm's step (its copy at `copy`) does not run for this config ('' where it
+    does)."""
     layer = baseline.ssm_layer(cfg)
     if layer is None:
         return (f"mamba_ssm's MambaLMHeadModel cannot spell the layer pattern "
@@ -497,7 +498,7 @@ def not_comparable(cfg) -> str:
     if layer == "Mamba3" and cfg.mamba3.is_mimo:
         return ("mamba_ssm's Mamba3 MIMO trains only on its TileLang kernels, which do not "
                 "install on the GPU machine")
-    return ""
+    return baseline.lacks_mamba3(copy) if layer == "Mamba3" else ""
 
 
 def versus(args):
@@ -506,7 +507,7 @@ def versus(args):
     configs = {preset: Mamba2Config.preset(preset) for preset in args.presets}
     # mamba_ssm's path per kind of preset, checked before any timing.
     uses = {preset: "train-mamba3" if baseline.ssm_layer(cfg) == "Mamba3" else "train"
-            for preset, cfg in configs.items() if not not_comparable(cfg)}
+            for preset, cfg in configs.items() if not not_comparable(cfg, args.baseline)}
     compared = {use: baseline.comparison(args.baseline, use, args.allow_slow_baseline)
                 for use in dict.fromkeys(uses.values())}
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
@@ -528,7 +529,7 @@ def versus(args):
           flush=True)
     for preset, cfg in configs.items():
         args.preset = preset
-        why = not_comparable(cfg)
+        why = not_comparable(cfg, args.baseline)
         # On two GPUs at the same time, each its own; on one, ours and then theirs.
         apart = gpu_count() >= 2
         theirs_argv = ["_theirs", f"--preset={preset}", f"--batch={args.batch}",

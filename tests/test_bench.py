@@ -204,14 +204,24 @@ def test_mamba3_presets_become_mamba_ssms_mamba3_layers():
     assert baseline.ssm_layer(Mamba2Config.preset("megatron-hybrid-800m")) is None
 
 
-def test_versus_names_why_mamba_ssm_cannot_train_a_preset():
+def test_versus_names_why_mamba_ssm_cannot_train_or_decode_a_preset(copy, tmp_path):
+    """A copy from before Mamba3 in MambaLMHeadModel (v2.3.2.post1's, which raises "Invalid
+    ssm_layer" in its child process) is named, with the copy to pass instead."""
+    from bench.generate import _theirs_not_run
     from bench.train_step import not_comparable
     from mamba_jax import Mamba2Config
-    mamba3 = Mamba2Config.preset("mamba3-tiny")
-    assert not_comparable(mamba3) == "" and not_comparable(Mamba2Config.preset("tiny")) == ""
+    old = {"mamba_ssm/models/mixer_seq_simple.py": 'ssm_layer_map = {"Mamba1": 1, "Mamba2": 2}'}
+    new = {"mamba_ssm/models/mixer_seq_simple.py": 'ssm_layer_map = {"Mamba3": 3}'}
+    write(tmp_path / "main", new)
+    write(tmp_path / "copy", old)
+    mamba3, mamba2 = Mamba2Config.preset("mamba3-tiny"), Mamba2Config.preset("tiny")
+    for why in (not_comparable, _theirs_not_run):
+        assert why(mamba3, str(tmp_path / "main")) == "" and why(mamba2, copy) == ""
+        assert "no Mamba3 layer in MambaLMHeadModel" in why(mamba3, copy)
+        assert ".baseline/e9594ce" in why(mamba3, copy)
     mimo = mamba3.replace(mamba3=dict(d_state=32, headdim=32, is_mimo=True, mimo_rank=2))
-    assert "TileLang" in not_comparable(mimo)
-    assert "cannot spell" in not_comparable(Mamba2Config.preset("megatron-hybrid-800m"))
+    assert "TileLang" in not_comparable(mimo, copy)
+    assert "cannot spell" in not_comparable(Mamba2Config.preset("megatron-hybrid-800m"), copy)
 
 
 def test_mamba3_training_needs_no_causal_conv1d(copy, monkeypatch):
