@@ -21,7 +21,6 @@ Timing: the host clock around one call until its results are ready, median of --
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -32,7 +31,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import (check_outputs, copy_bandwidth, device_line, forward_and_backward,
-                           median_time, table_header, table_row)
+                           layer_op_arguments, median_time, table_header, table_row)
 from mamba_jax import Mamba2Config
 from mamba_jax.layers import mamba2
 from pallas_kernels.conv import causal_conv1d
@@ -41,13 +40,7 @@ TOLERANCE = {"y": 2.0 ** -6, "dx": 2.0 ** -6, "dweight": 1e-3, "dbias": 1e-3}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    baseline.add_arguments(parser, "conv")
-    parser.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
-    parser.add_argument("--shapes", nargs="+", default=["20x2048"], help="batch x seqlen")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30)
-    args = parser.parse_args(argv)
+    args = layer_op_arguments(__doc__, "conv").parse_args(argv)
     versus = baseline.comparison(args.baseline, "conv", allow_slow=False, in_child=False)
     import torch
     try:

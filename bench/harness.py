@@ -88,6 +88,20 @@ def check_kernel(label, f, kwargs, tolerance=2.0 ** -8):
     return err
 
 
+def layer_op_arguments(doc, use):
+    """The arguments of a script that times one of a Mamba layer's operations (bench.conv,
+    bench.norm) against mamba_ssm's (`use`, a key of bench.baseline.USES): the presets whose
+    shapes it takes, batch x seqlen shapes, warm-up and timed calls."""
+    from bench import baseline
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    baseline.add_arguments(parser, use)
+    parser.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
+    parser.add_argument("--shapes", nargs="+", default=["20x2048"], help="batch x seqlen")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    return parser
+
+
 def check_outputs(label, ours, reference, tolerance: dict):
     """ours and reference: lists of arrays in the order of tolerance's names. Prints each
     one's largest difference over the reference's largest value; exits on one over its

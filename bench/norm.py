@@ -19,7 +19,6 @@ after --warmup.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -30,7 +29,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import (check_outputs, copy_bandwidth, device_line, forward_and_backward,
-                           median_time, table_header, table_row)
+                           layer_op_arguments, median_time, table_header, table_row)
 from mamba_jax import Mamba2Config
 from mamba_jax.layers import mamba2
 from pallas_kernels.norm import gated_rms_norm
@@ -39,13 +38,7 @@ TOLERANCE = {"out": 2.0 ** -6, "dy": 2.0 ** -6, "dz": 2.0 ** -6, "dweight": 1e-3
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    baseline.add_arguments(parser, "norm")
-    parser.add_argument("--presets", nargs="+", default=["mamba2-370m", "mamba2-1.3b"])
-    parser.add_argument("--shapes", nargs="+", default=["20x2048"], help="batch x seqlen")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30)
-    args = parser.parse_args(argv)
+    args = layer_op_arguments(__doc__, "norm").parse_args(argv)
     versus = baseline.comparison(args.baseline, "norm", allow_slow=False, in_child=False)
     import torch
     rmsnorm_fn = baseline.import_gated_rmsnorm(args.baseline)
