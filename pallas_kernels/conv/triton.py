@@ -8,13 +8,13 @@ Each program walks a run of rows of one block of channels in order, one row a st
 last rows it needs carried in registers: every row of x (and of dy) is read once, where
 blocks of rows would read each row once per tap (a first version so built took longer than
 XLA's fusions, bound by those re-reads).
-- `_forward_kernel`, grid (b, e / be, r / run): at each own row T, y = silu(bias + sum_j
+- `_forward_kernel`, grid (b, e / be, l / run): at each own row T, y = silu(bias + sum_j
   w[j] x[T - m + j]) from the window of the last k rows (zeros before the first row, and in
   place of another document's rows).
-- `_backward_kernel`, grid alike: at each row T it recomputes the pre-activation of the
-  output whose own row is T and its gradient g (dy times SiLU's derivative), keeps the last
-  k of them, and writes dx[T - m] = sum_j w[j] g[T - j] once the k outputs that row feeds
-  are known: the walk runs m rows past its run. The outputs whose own rows are the run's
+- `_backward_kernel`, grid (b, e / be, r / run): at each row T it recomputes the
+  pre-activation of the output whose own row is T and its gradient g (dy times SiLU's
+  derivative), keeps the last k of them, and writes dx[T - m] = sum_j w[j] g[T - j] once the
+  k outputs that row feeds are known: the walk runs m rows past its run. The outputs whose own rows are the run's
   give the weight's and the bias's gradients, float32 partials [b, runs, ...] summed after
   the kernel (no atomics: the bits do not vary).
 
