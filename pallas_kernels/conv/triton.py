@@ -14,9 +14,9 @@ XLA's fusions, bound by those re-reads).
 - `_backward_kernel`, grid (b, e / be, r / run): at each row T it recomputes the
   pre-activation of the output whose own row is T and its gradient g (dy times SiLU's
   derivative), keeps the last k of them, and writes dx[T - m] = sum_j w[j] g[T - j] once the
-  k outputs that row feeds are known: the walk runs m rows past its run. The outputs whose own rows are the run's
-  give the weight's and the bias's gradients, float32 partials [b, runs, ...] summed after
-  the kernel (no atomics: the bits do not vary).
+  k outputs that row feeds are known: the walk runs m rows past its run. The outputs whose
+  own rows are the run's give the weight's and the bias's gradients, float32 partials [b,
+  runs, ...] summed after the kernel (no atomics: the bits do not vary).
 
 Rows are loaded at scalar indices with a mask (a row before the first or past the end reads
 zeros), which Pallas's interpreter and the GPU treat alike.
