@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import baseline
-from bench.harness import (check_outputs, copy_bandwidth, device_line, forward_and_backward,
-                           layer_op_arguments, median_time, table_header, table_row)
+from bench.harness import (check_outputs, copy_bandwidth, forward_and_backward,
+                           layer_op_arguments, print_versus_table, time_passes, to_torch)
 from mamba_jax import Mamba2Config
 from mamba_jax.layers import mamba2
 from pallas_kernels.conv import causal_conv1d
@@ -71,8 +71,6 @@ def main(argv=None):
                 check_outputs(f"{label} ours against our XLA path", [ours[0], *ours[1]],
                               reference, TOLERANCE)
 
-                to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(
-                    "cuda", torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32)
                 # [b, l, e] memory seen as [b, e, l]: the channel-last layout mamba_ssm passes
                 t_x, t_dy = (to_torch(a).transpose(1, 2) for a in (x, dy))
                 t_w, t_bias = to_torch(w).T.contiguous(), to_torch(bias)
@@ -93,34 +91,14 @@ def main(argv=None):
                               [t.detach().float().cpu().numpy() for t in got], reference,
                               TOLERANCE)
 
-                def sync(fn):
-                    return lambda: (fn(), torch.cuda.synchronize())
-                with torch.no_grad():
-                    theirs_fwd = median_time(sync(lambda: theirs(False)), args.warmup,
-                                             args.reps)
-                times = {
-                    "fwd": [median_time(lambda f=forward[i]: f(x, w, bias).block_until_ready(),
-                                        args.warmup, args.reps) for i in ("triton", "xla")]
-                    + [theirs_fwd],
-                    "fwd+bwd": [median_time(
-                        lambda f=both[i]: jax.block_until_ready(f(x, w, bias, dy)),
-                        args.warmup, args.reps) for i in ("triton", "xla")]
-                    + [median_time(sync(lambda: theirs(True)), args.warmup, args.reps)]}
+                times = time_passes(forward, both, (x, w, bias), dy, theirs, args.warmup,
+                                    args.reps)
                 size = x.nbytes
                 for pass_, moved in (("fwd", 2 * size), ("fwd+bwd", 5 * size)):
                     rows.append((preset, shape, "yes" if documents else "no", pass_,
                                  *times[pass_], moved / copy_rate))
-    print(f"\n{device_line()}, torch {torch.__version__}; copy bandwidth "
-          f"{copy_rate / 1e12:.2f} TB/s")
-    print(versus.line)
-    print(table_header(["preset", "batch x seqlen", "documents", "pass", "ours ms",
-                        "ours xla ms", "causal_conv1d ms", "ours/theirs", "floor ms",
-                        "ours/floor"]))
-    for preset, shape, documents, pass_, ours_s, xla_s, theirs_s, floor in rows:
-        print(table_row([preset, shape, documents, pass_, f"{ours_s * 1e3:.3f}",
-                         f"{xla_s * 1e3:.3f}", f"{theirs_s * 1e3:.3f}",
-                         versus.ratio(ours_s, theirs_s), f"{floor * 1e3:.3f}",
-                         f"{ours_s / floor:.2f}x"]))
+    print_versus_table(["preset", "batch x seqlen", "documents"], "causal_conv1d", rows,
+                       versus, copy_rate)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,10 @@ from mamba_jax import Mamba2Config, Mamba2LM, generate
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
 from mamba_jax.layers import mamba1, mamba2, mamba3
-from pallas_kernels.mamba3 import Mamba3State
-from pallas_kernels.mamba3.step import decode_step
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
+from pallas_kernels.mamba3 import Mamba3State
+from pallas_kernels.mamba3.step import decode_step
 from pallas_kernels.ssd.step import dequantize, mamba_step, mamba_step_shifted, quantize
 
 
@@ -378,13 +378,13 @@ def main(argv=None):
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         # "auto" as generate resolves it, named in the rows as "auto (triton)"
         resolved = {impl: resolve_implementation(impl, model) for impl in implementations}
+        why = _theirs_not_run(cfg, args.baseline)
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values() and "M" in cfg.layers:  # Mamba2's kernels
                 check_kernels(preset, cfg, batch, int8="int8" in dtypes)
             if "triton" in resolved.values() and "3" in cfg.layers:  # Mamba-3's
                 check_mamba3_kernel(preset, cfg, batch, int8="int8" in dtypes)
             p_theirs = d_theirs = float("nan")  # a row's theirs where it did not run
-            why = _theirs_not_run(cfg, args.baseline)
             if why:
                 ratio = baseline.Comparison("").ratio  # NaN, and no mamba_ssm to mark
                 print(f"{preset}: mamba_ssm not run ({why})")

@@ -88,6 +88,48 @@ def check_kernel(label, f, kwargs, tolerance=2.0 ** -8):
     return err
 
 
+def to_torch(a):
+    """A JAX array on the GPU as torch's, bfloat16 staying bfloat16, other floats float32."""
+    import torch
+    dtype = torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32
+    return torch.from_numpy(np.array(a, np.float32)).to(device="cuda", dtype=dtype)
+
+
+def time_passes(forward, both, inputs, dy, theirs, warmup, reps):
+    """Seconds of a forward pass and of a forward+backward pass (median_time), each as a list
+    [ours "triton", ours "xla", theirs]: forward[impl](*inputs), both[impl](*inputs, dy)
+    (forward_and_backward's), theirs(grad) a torch call (without grad under no_grad),
+    synchronised."""
+    import torch
+
+    def run(fn):
+        return median_time(fn, warmup, reps)
+    sync = lambda fn: lambda: (fn(), torch.cuda.synchronize())
+    with torch.no_grad():
+        theirs_forward = run(sync(lambda: theirs(False)))
+    ours = ("triton", "xla")
+    return {"fwd": [run(lambda f=forward[i]: jax.block_until_ready(f(*inputs))) for i in ours]
+            + [theirs_forward],
+            "fwd+bwd": [run(lambda f=both[i]: jax.block_until_ready(f(*inputs, dy)))
+                        for i in ours] + [run(sync(lambda: theirs(True)))]}
+
+
+def print_versus_table(labels, theirs_name, rows, versus, copy_rate):
+    """The table of a layer operation's passes: rows of (the `labels` columns' cells, the
+    pass, ours, our XLA path's and theirs seconds, the floor's seconds), after the device
+    line and versus.line (bench.baseline.Comparison)."""
+    import torch
+    print(f"\n{device_line()}, torch {torch.__version__}; copy bandwidth "
+          f"{copy_rate / 1e12:.2f} TB/s")
+    print(versus.line)
+    print(table_header([*labels, "pass", "ours ms", "ours xla ms", f"{theirs_name} ms",
+                        "ours/theirs", "floor ms", "ours/floor"]))
+    for *cells, pass_, ours, xla, theirs, floor in rows:
+        print(table_row([*cells, pass_, f"{ours * 1e3:.3f}", f"{xla * 1e3:.3f}",
+                         f"{theirs * 1e3:.3f}", versus.ratio(ours, theirs),
+                         f"{floor * 1e3:.3f}", f"{ours / floor:.2f}x"]))
+
+
 def layer_op_arguments(doc, use):
     """The arguments of a script that times one of a Mamba layer's operations (bench.conv,
     bench.norm) against mamba_ssm's (`use`, a key of bench.baseline.USES): the presets whose

@@ -73,8 +73,7 @@ import numpy as np  # noqa: E402
 
 from bench import baseline  # noqa: E402
 from bench.harness import (device_line, forward_and_backward, median_time,  # noqa: E402
-                           table_header, table_row)
-from bench.ssd import to_torch  # noqa: E402
+                           table_header, table_row, to_torch)
 from mamba_jax.layers.mamba3 import Mamba3Section  # noqa: E402
 from pallas_kernels.mamba3 import IMPLEMENTATIONS, mamba3_scan  # noqa: E402
 from pallas_kernels.mamba3.reference import mamba3_naive  # noqa: E402

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import baseline
-from bench.harness import (check_outputs, copy_bandwidth, device_line, forward_and_backward,
-                           layer_op_arguments, median_time, table_header, table_row)
+from bench.harness import (check_outputs, copy_bandwidth, forward_and_backward,
+                           layer_op_arguments, print_versus_table, time_passes, to_torch)
 from mamba_jax import Mamba2Config
 from mamba_jax.layers import mamba2
 from pallas_kernels.norm import gated_rms_norm
@@ -40,7 +40,6 @@ TOLERANCE = {"out": 2.0 ** -6, "dy": 2.0 ** -6, "dz": 2.0 ** -6, "dweight": 1e-3
 def main(argv=None):
     args = layer_op_arguments(__doc__, "norm").parse_args(argv)
     versus = baseline.comparison(args.baseline, "norm", allow_slow=False, in_child=False)
-    import torch
     rmsnorm_fn = baseline.import_gated_rmsnorm(args.baseline)
     copy_rate = copy_bandwidth(3, 10)
     rng = np.random.default_rng()
@@ -53,19 +52,17 @@ def main(argv=None):
             arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
             y, z, dy = (arr(b, l, dims.h, dims.p) for _ in range(3))
             w = jnp.asarray(1 + 0.1 * rng.standard_normal((dims.h, dims.p)), jnp.float32)
-            ours = {impl: forward_and_backward(
+            both = {impl: forward_and_backward(
                 lambda y, z, w, impl=impl: gated_rms_norm(y, z, w, eps, g, implementation=impl))
                 for impl in ("triton", "xla")}
             forward = {impl: jax.jit(lambda y, z, w, impl=impl: gated_rms_norm(
                 y, z, w, eps, g, implementation=impl)) for impl in ("triton", "xla")}
             flat = lambda out, grads: [out, *grads]
             label = f"{preset} {b}x{l}"
-            reference = flat(*ours["xla"](y, z, w, dy))
+            reference = flat(*both["xla"](y, z, w, dy))
             check_outputs(f"{label} ours against our XLA path",
-                          flat(*ours["triton"](y, z, w, dy)), reference, TOLERANCE)
+                          flat(*both["triton"](y, z, w, dy)), reference, TOLERANCE)
 
-            to_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(
-                "cuda", torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32)
             t_y, t_z, t_dy = (to_torch(a).reshape(b * l, -1) for a in (y, z, dy))
             t_w = to_torch(w).reshape(-1)
 
@@ -74,7 +71,7 @@ def main(argv=None):
                 out = rmsnorm_fn(leaves[0], leaves[2], None, z=leaves[1], eps=eps,
                                  group_size=dims.d_inner // g, norm_before_gate=False)
                 if not grad:
-                    return [out]
+                    return out
                 out.backward(t_dy)
                 return [out, leaves[0].grad, leaves[1].grad, leaves[2].grad]
 
@@ -82,29 +79,11 @@ def main(argv=None):
                    for t, a in zip(theirs(True), reference)]
             check_outputs(f"{label} mamba_ssm against ours", got, reference, TOLERANCE)
 
-            def sync(fn):
-                return lambda: (fn(), torch.cuda.synchronize())
-            with torch.no_grad():
-                theirs_fwd = median_time(sync(lambda: theirs(False)), args.warmup, args.reps)
-            times = {
-                "fwd": [median_time(lambda f=forward[i]: f(y, z, w).block_until_ready(),
-                                    args.warmup, args.reps) for i in ("triton", "xla")]
-                + [theirs_fwd],
-                "fwd+bwd": [median_time(lambda f=ours[i]: jax.block_until_ready(f(y, z, w, dy)),
-                                        args.warmup, args.reps) for i in ("triton", "xla")]
-                + [median_time(sync(lambda: theirs(True)), args.warmup, args.reps)]}
+            times = time_passes(forward, both, (y, z, w), dy, theirs, args.warmup, args.reps)
             size = b * l * dims.d_inner * 2  # one bf16 array
             for pass_, moved in (("fwd", 3 * size), ("fwd+bwd", 8 * size)):
                 rows.append((preset, shape, pass_, *times[pass_], moved / copy_rate))
-    print(f"\n{device_line()}, torch {torch.__version__}; copy bandwidth "
-          f"{copy_rate / 1e12:.2f} TB/s")
-    print(versus.line)
-    print(table_header(["preset", "batch x seqlen", "pass", "ours ms", "ours xla ms",
-                        "mamba_ssm ms", "ours/theirs", "floor ms", "ours/floor"]))
-    for preset, shape, pass_, ours_s, xla_s, theirs_s, floor in rows:
-        print(table_row([preset, shape, pass_, f"{ours_s * 1e3:.3f}", f"{xla_s * 1e3:.3f}",
-                         f"{theirs_s * 1e3:.3f}", versus.ratio(ours_s, theirs_s),
-                         f"{floor * 1e3:.3f}", f"{ours_s / floor:.2f}x"]))
+    print_versus_table(["preset", "batch x seqlen"], "mamba_ssm", rows, versus, copy_rate)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import (copy_bandwidth, device_line, forward_and_backward, median_time,
-                           table_header, table_row)
+                           table_header, table_row, to_torch)
 from pallas_kernels.ssd import ssd
 from pallas_kernels.ssd import reference, triton as kernels, vjp
 
@@ -123,12 +123,6 @@ def check_against_naive(rng, configs=(kernels.Config(),),
                       f"(tol {tol:.0e})", flush=True)
                 if not worst < tol:  # NaN fails too
                     raise SystemExit(f"CHECK FAILED ({config}): {errors}")
-
-
-def to_torch(a):
-    import torch
-    dtype = torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32
-    return torch.from_numpy(np.array(a, np.float32)).to(device="cuda", dtype=dtype)
 
 
 def flops(b, l, g):

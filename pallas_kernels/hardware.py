@@ -48,3 +48,10 @@ def compute_capability() -> float | None:
     device = _gpu()
     capability = str(getattr(device, "compute_capability", ""))
     return float(capability) if capability.replace(".", "", 1).isdigit() else None
+
+
+def measured_gpu() -> bool:
+    """Whether this is a GPU of the kind the kernels' "auto" choices were measured on (an H200:
+    compute capability 9.0 or more); other GPUs, and CPUs, keep the XLA paths."""
+    capability = compute_capability()
+    return capability is not None and capability >= 9.0

@@ -59,8 +59,7 @@ def causal_conv1d(x, weight, bias=None, doc=None, *, left=None, length=None,
 def _kernels_run(x, weight, left, length) -> bool:
     """"auto"'s choice (module docstring), a fallback logged once where it is not taken on a
     GPU the kernels were measured on."""
-    capability = hardware.compute_capability()
-    if capability is None or capability < 9.0:
+    if not hardware.measured_gpu():
         return False
     k, e = weight.shape[0], math.prod(x.shape[2:])
     if left != k - 1 or not triton.supports(length, e, k, x.dtype):

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.triton_call import call, present, split_optional
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -80,10 +82,6 @@ class _Row:
                           other=None if mask is None else 0).astype(jnp.float32)
 
 
-def _split(refs, present):
-    return (refs[0], refs[1:]) if present else (None, refs)
-
-
 def _doc(doc_ref, bi, row, rows_in):
     """The document of a row, -1 outside the input."""
     inside = (row >= 0) & (row < rows_in)
@@ -102,8 +100,8 @@ def _pre(w, bias, window, docs, own_doc):
 
 
 def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, has_bias, has_doc):
-    bias_ref, rest = _split(rest, has_bias)
-    doc_ref, (y_ref,) = _split(rest, has_doc)
+    bias_ref, rest = split_optional(rest, has_bias)
+    doc_ref, (y_ref,) = split_optional(rest, has_doc)
     bi = pl.program_id(0)
     row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
     m, off = k - 1, rows_in - l
@@ -131,8 +129,8 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, has_bias, ha
 
 def _backward_kernel(x_ref, w_ref, dy_ref, *rest, k, run, be, l, e, rows_in, has_bias,
                      has_doc):
-    bias_ref, rest = _split(rest, has_bias)
-    doc_ref, (dx_ref, dw_ref, *dbias_ref) = _split(rest, has_doc)
+    bias_ref, rest = split_optional(rest, has_bias)
+    doc_ref, (dx_ref, dw_ref, *dbias_ref) = split_optional(rest, has_doc)
     bi, ri = pl.program_id(0), pl.program_id(2)
     row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
     m, off = k - 1, rows_in - l
@@ -187,20 +185,10 @@ def _backward_kernel(x_ref, w_ref, dy_ref, *rest, k, run, be, l, e, rows_in, has
         plgpu.store(dbias_ref[0].at[bi, ri, pl.ds(row.c0, be)], dbias, mask=row.col_mask)
 
 
-def _call(kernel, grid, out_shape, config, interpret, name):
-    return pl.pallas_call(kernel, grid=grid, out_shape=out_shape, interpret=interpret,
-                          name=name, compiler_params=plgpu.CompilerParams(
-                              num_warps=config.warps, num_stages=config.stages))
-
-
 def _options(x, w, l, config):
     _, rows_in, e = x.shape
     be = min(config.block_e, e & -e) if e % 16 == 0 else config.block_e
     return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in)
-
-
-def _present(*optional):
-    return tuple(a for a in optional if a is not None)
 
 
 def forward(x, w, bias, doc, l, *, config, interpret=False):
@@ -211,8 +199,8 @@ def forward(x, w, bias, doc, l, *, config, interpret=False):
     kernel = functools.partial(_forward_kernel, **o, has_bias=bias is not None,
                                has_doc=doc is not None)
     grid = (b, pl.cdiv(e, o["be"]), pl.cdiv(l, o["run"]))
-    return _call(kernel, grid, jax.ShapeDtypeStruct((b, l, e), x.dtype), config, interpret,
-                 "conv1d_forward")(x, w, *_present(bias, doc))
+    return call(kernel, grid, jax.ShapeDtypeStruct((b, l, e), x.dtype), config.warps,
+                config.stages, interpret, "conv1d_forward")(x, w, *present(bias, doc))
 
 
 def backward(x, w, bias, doc, dy, *, config, interpret=False):
@@ -228,8 +216,8 @@ def backward(x, w, bias, doc, dy, *, config, interpret=False):
                  jax.ShapeDtypeStruct((b, runs, k, e), jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, runs, e), jnp.float32))
-    out = _call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config, interpret,
-                "conv1d_backward")(x, w, dy, *_present(bias, doc))
+    out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config.warps, config.stages,
+               interpret, "conv1d_backward")(x, w, dy, *present(bias, doc))
     dx, dw = out[0], out[1].sum(axis=(0, 1))
     return dx, dw, (out[2].sum(axis=(0, 1)) if bias is not None else None)
 

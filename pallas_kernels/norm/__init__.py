@@ -57,8 +57,7 @@ def gated_rms_norm(y, z, weight, eps, ngroups, *, implementation="auto"):
 def kernels_run(y, ngroups) -> bool:
     """"auto"'s choice for y [..., h, p]: whether the kernels run (module docstring), a
     fallback logged once where they would but cannot."""
-    capability = hardware.compute_capability()
-    if capability is None or capability < 9.0:
+    if not hardware.measured_gpu():
         return False
     if not triton.supports(y.shape, y.dtype, ngroups):
         *_, h, p = y.shape

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import hardware
+from pallas_kernels.triton_call import call
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 # The widest group the kernels take: a block of one row of a group holds bg floats per live
@@ -95,8 +96,8 @@ def forward(y, z, weight, eps, ngroups, *, config, interpret=False):
     blocks = pl.cdiv(rows, br)
     kernel = functools.partial(_forward_kernel, eps=eps, rows=rows, group=group, br=br, bg=bg,
                                ragged_rows=blocks * br != rows)
-    out = _call(kernel, (blocks, ngroups), [jax.ShapeDtypeStruct((rows, width), y.dtype)],
-                _warps(config, br, bg), 1, interpret, "gated_rms_norm_forward")(
+    out = call(kernel, (blocks, ngroups), [jax.ShapeDtypeStruct((rows, width), y.dtype)],
+               _warps(config, br, bg), 1, interpret, "gated_rms_norm_forward")(
         y.reshape(rows, width), z.reshape(rows, width), weight.reshape(width))[0]
     return out.reshape(y.shape)
 
@@ -115,7 +116,7 @@ def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False):
                                per_program=per_program,
                                ragged_rows=programs * per_program * br != rows)
     flat = lambda a: a.reshape(rows, width)
-    dy, dz, dweight = _call(
+    dy, dz, dweight = call(
         kernel, (programs, ngroups),
         [jax.ShapeDtypeStruct((rows, width), y.dtype),
          jax.ShapeDtypeStruct((rows, width), z.dtype),
@@ -212,9 +213,3 @@ def _next_power_of_two(n):
 
 def _warps(config, br, bg):
     return config.num_warps or min(max(br * bg // 256, 1), 8)
-
-
-def _call(kernel, grid, out_shape, warps, stages, interpret, name):
-    return pl.pallas_call(
-        kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))

@@ -32,7 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.triton_call import call, split_optional
 
 f32 = jnp.float32
 
@@ -61,10 +62,6 @@ def _block_d(config, d):
     return bd
 
 
-def _split_optional(refs, present):
-    return (refs[0], refs[1:]) if present else (None, refs)
-
-
 def _token(x_ref, dt_ref, B_ref, C_ref, doc_ref, A, bi, i, ds):
     """Token i of this program's channels: x, dt [bd], B, C [n] float32, and the decay
     exp(dt A) [bd, n] into it (zero at a document start)."""
@@ -78,7 +75,7 @@ def _token(x_ref, dt_ref, B_ref, C_ref, doc_ref, A, bi, i, ds):
 
 def _forward_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, init_ref, *rest, t, bd,
                     has_doc, save_states):
-    doc_ref, (y_ref, final_ref, *states_ref) = _split_optional(rest, has_doc)
+    doc_ref, (y_ref, final_ref, *states_ref) = split_optional(rest, has_doc)
     bi, ds = pl.program_id(0), pl.ds(pl.program_id(1) * bd, bd)
     A, D = A_ref[ds, :], D_ref[ds]
 
@@ -99,7 +96,7 @@ def _forward_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, init_ref, *rest, 
 
 def _backward_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, states_ref, dy_ref,
                      dfinal_ref, *rest, t, bd, has_doc):
-    doc_ref, (dx_ref, ddt_ref, dA_ref, dB_ref, dC_ref, dinit_ref, dD_ref) = _split_optional(
+    doc_ref, (dx_ref, ddt_ref, dA_ref, dB_ref, dC_ref, dinit_ref, dD_ref) = split_optional(
         rest, has_doc)
     bi, di = pl.program_id(0), pl.program_id(1)
     ds = pl.ds(di * bd, bd)
@@ -141,12 +138,6 @@ def _backward_kernel(x_ref, dt_ref, A_ref, B_ref, C_ref, D_ref, states_ref, dy_r
     dD_ref[bi, ds] = dD
 
 
-def _call(kernel, grid, out_shape, warps, stages, interpret, name):
-    return pl.pallas_call(
-        kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
-
-
 def forward(x, dt, A, B, C, D, initial_state, doc, *, config, save_states, interpret):
     """Chunk-padded x [b, l, d], dt [b, l, d] float32, A [d, n] float32, B, C [b, l, n], D
     [d] float32, initial_state [b, d, n] float32, doc [b, l] int32 or None -> (y [b, l, d]
@@ -161,8 +152,8 @@ def forward(x, dt, A, B, C, D, initial_state, doc, *, config, save_states, inter
     kernel = functools.partial(_forward_kernel, t=t, bd=bd, has_doc=doc is not None,
                                save_states=save_states)
     args = (x, dt, A, B, C, D, initial_state) + (() if doc is None else (doc,))
-    return _call(kernel, (b, d // bd), out_shape, config.forward_warps, config.stages,
-                 interpret, "selective_scan_forward")(*args)
+    return call(kernel, (b, d // bd), out_shape, config.forward_warps, config.stages,
+                interpret, "selective_scan_forward")(*args)
 
 
 def backward(x, dt, A, B, C, D, doc, states, dy, dfinal, *, config, interpret):
@@ -175,7 +166,7 @@ def backward(x, dt, A, B, C, D, doc, states, dy, dfinal, *, config, interpret):
     shape = lambda *s: jax.ShapeDtypeStruct(s, f32)
     kernel = functools.partial(_backward_kernel, t=t, bd=bd, has_doc=doc is not None)
     args = (x, dt, A, B, C, D, states, dy, dfinal) + (() if doc is None else (doc,))
-    dx, ddt, dA, dB, dC, dinit, dD = _call(
+    dx, ddt, dA, dB, dC, dinit, dD = call(
         kernel, (b, d // bd),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), shape(b, l, d), shape(b, d, n),
          shape(d // bd, b, l, n), shape(d // bd, b, l, n), shape(b, d, n), shape(b, d)],

@@ -133,9 +133,7 @@ def _scan(x, dt, A, B, C, *, chunk_size, implementation, segments=1, inputs=None
 def kernels_are_faster(x, B):
     """"auto"'s choice for x [..., headdim] and B [..., d_state]: whether the kernels run
     (module docstring), a fallback logged once where they would but cannot."""
-    # Measured on an H200 only (compute capability 9.0); other GPUs keep the XLA path.
-    capability = hardware.compute_capability()
-    if capability is None or capability < 9.0:
+    if not hardware.measured_gpu():
         return False
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         fallback.log_once("ssd", f"x is {x.dtype} (the kernels take float32 and bfloat16)")

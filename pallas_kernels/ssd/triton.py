@@ -45,9 +45,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import hardware
+from pallas_kernels.triton_call import call, present, split_optional
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots for float32 inputs (not TF32)
 
@@ -235,15 +235,15 @@ def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
 
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, has_doc,
                     has_D, has_rotation):
-    D_ref, rest = _split_optional(rest, has_D)
-    doc_ref, rest = _split_optional(rest, has_doc)
+    D_ref, rest = split_optional(rest, has_D)
+    doc_ref, rest = split_optional(rest, has_doc)
     rotation, (y_ref, final_ref) = _split_rotation(rest, has_rotation)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref, None,
                  t=t, r=r, bp=bp, bs=bs, read_out=(C_ref, D_ref, y_ref))
 
 
 def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc):
-    doc_ref, (final_ref, states_ref) = _split_optional(rest, has_doc)
+    doc_ref, (final_ref, states_ref) = split_optional(rest, has_doc)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, None, final_ref, states_ref,
                  t=t, r=r, bp=bp, bs=bs, read_out=None)
 
@@ -293,8 +293,8 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
                            r, bp, bs, has_doc, has_D):
-    D_ref, rest = _split_optional(rest, has_D)
-    doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = _split_optional(
+    D_ref, rest = split_optional(rest, has_D)
+    doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = split_optional(
         rest, has_doc)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
@@ -348,7 +348,7 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
                         *rest, t, r, heads, bs, has_doc):
-    doc_ref, (dB_ref, dC_ref, dcs_ref) = _split_optional(rest, has_doc)
+    doc_ref, (dB_ref, dC_ref, dcs_ref) = split_optional(rest, has_doc)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = r // heads  # programs per group
     gi, qi = gq // q, gq % q
@@ -432,21 +432,10 @@ def _sub_block(p):
     return p & -p
 
 
-def _split_optional(refs, present):
-    """(the first ref, the rest) where an optional input is present, else (None, refs)."""
-    return (refs[0], refs[1:]) if present else (None, refs)
-
-
 def _split_rotation(refs, present):
     """((theta, C_bias, B_bias) refs, the rest) where the rotation is given, else (None,
     refs)."""
     return (tuple(refs[:3]), refs[3:]) if present else (None, refs)
-
-
-def _call(kernel, grid, out_shape, warps, stages, interpret, name):
-    return pl.pallas_call(
-        kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
 
 
 def _states_dtype(config, x):
@@ -471,11 +460,11 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, rotation=Non
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
                                bs=_sub_block(bp), has_doc=doc is not None, has_D=D is not None,
                                has_rotation=rotation is not None)
-    args = (x, dt, cs, B, C, initial_state) + _present(D, doc) + _rotation_args(
+    args = (x, dt, cs, B, C, initial_state) + present(D, doc) + _rotation_args(
         rotation, config, B)
     stages = config.forward_stages if rotation is None else config.rotation_forward_stages
-    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
-                 "ssd_forward")(*args)
+    return call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
+                "ssd_forward")(*args)
 
 
 def chunk_states(x, dt, cs, B, initial_state, doc, *, config, interpret=False):
@@ -491,9 +480,9 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, interpret=False):
                                has_doc=doc is not None)
     out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
                  jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x))]
-    return _call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
-                 config.forward_stages, interpret, "ssd_chunk_states")(
-        x, dt, cs, B, initial_state, *_present(doc))[1]
+    return call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
+                config.forward_stages, interpret, "ssd_chunk_states")(
+        x, dt, cs, B, initial_state, *present(doc))[1]
 
 
 def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interpret=False):
@@ -510,13 +499,13 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interp
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
                                has_doc=doc is not None, has_D=D is not None)
-    dx, ddt, dcs_end, dstates, dinit, *dD = _call(
+    dx, ddt, dcs_end, dstates, dinit, *dD = call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
          f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
-    )(x, dt, cs, B, C, dy, dfinal, *_present(D, doc))
+    )(x, dt, cs, B, C, dy, dfinal, *present(D, doc))
     heads = r if config.backward_bc_heads is None else min(config.backward_bc_heads, r)
     if r % heads:
         raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
@@ -529,10 +518,10 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interp
     partials = r // heads
     grads = lambda a: jax.ShapeDtypeStruct((partials,) + a.shape,
                                            a.dtype if partials == 1 else jnp.float32)
-    dB, dC, dcs = _call(
+    dB, dC, dcs = call(
         kernel, (b, l // t, g * partials), [grads(B), grads(C), f32((b, h, l))],
         config.backward_bc_warps, config.backward_stages, interpret, "ssd_backward_bc",
-    )(x, dt, cs, B, C, dy, states, dstates, *_present(doc))
+    )(x, dt, cs, B, C, dy, states, dstates, *present(doc))
     return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
             dD[0].sum(0) if dD else None)
 
@@ -547,9 +536,9 @@ def weighted_state(x, B, weights, *, config, interpret=False):
     g, n = B.shape[2:]
     kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g,
                                bs=_sub_block(p))
-    return _call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
-                 config.forward_warps, config.forward_stages, interpret,
-                 "ssd_weighted_state")(x, B, weights)[0]
+    return call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
+                config.forward_warps, config.forward_stages, interpret,
+                "ssd_weighted_state")(x, B, weights)[0]
 
 
 def _rotation_args(rotation, config, B):
@@ -584,8 +573,3 @@ def _bias_rows(bias, rows, dtype):
     """bias [h, rank, n] -> [h, rows, n] in dtype, row s rank s % rank's: tiled, not gathered
     (a gather's transpose is a scatter); rank divides rows."""
     return jnp.tile(bias.astype(dtype), (1, rows // bias.shape[1], 1))
-
-
-def _present(*optional):
-    """The optional inputs given, in order (the kernels take them after the others)."""
-    return tuple(a for a in optional if a is not None)
