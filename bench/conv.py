@@ -5,8 +5,9 @@ path calls), on the same inputs.
     python3 -m bench.conv [--presets mamba2-370m mamba2-1.3b] [--shapes 20x2048]
                           [--baseline .baseline] [--warmup 5] [--reps 30]
 
-For each preset's conv channels (x, B and C: h * p + 2 * g * n) and each batch x seqlen of
---shapes, with and without packed documents (a document start in about every 512 tokens,
+For each preset's conv channels (x, B and C: h * p + 2 * g * n), written as the Mamba2
+mixer asks for them (`parts`: x, B and C each its own array; causal_conv1d's is one array,
+which mamba_ssm's kernels read in place), and each batch x seqlen of --shapes, with and without packed documents (a document start in about every 512 tokens,
 its `seq_idx`): x and the cotangent bf16, the weight and bias float32. Checks first,
 stopping on a miss: our kernels' output and gradients against our XLA path on the GPU, and
 causal_conv1d's against ours (bf16 results within 2^-6 of the largest value, the weight's
@@ -52,24 +53,28 @@ def main(argv=None):
     rows = []
     for preset in args.presets:
         cfg = Mamba2Config.preset(preset)
-        e, k = mamba2.dims(cfg).e, cfg.mamba2.d_conv
+        dims = mamba2.dims(cfg)
+        e, k = dims.e, dims.k
+        parts = (dims.d_inner, dims.g * dims.n, dims.g * dims.n)
+        whole = lambda out: [jnp.concatenate(out[0], axis=-1), *out[1]]
         for shape in args.shapes:
             b, l = (int(v) for v in shape.split("x"))
             x, dy = (jnp.asarray(rng.standard_normal((b, l, e)), jnp.bfloat16) for _ in "xy")
+            dy_parts = tuple(jnp.split(dy, np.cumsum(parts)[:-1], axis=-1))
             w = jnp.asarray(rng.standard_normal((k, e)) / k ** 0.5, jnp.float32)
             bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
             for documents in (False, True):
                 doc = (jnp.asarray(np.cumsum(rng.random((b, l)) < 1 / 512, axis=1), jnp.int32)
                        if documents else None)
                 conv = {impl: lambda x, w, bias, impl=impl: causal_conv1d(
-                    x, w, bias, doc, implementation=impl) for impl in ("triton", "xla")}
+                    x, w, bias, doc, parts=parts, implementation=impl)
+                    for impl in ("triton", "xla")}
                 both = {impl: forward_and_backward(f) for impl, f in conv.items()}
                 forward = {impl: jax.jit(f) for impl, f in conv.items()}
                 label = f"{preset} {b}x{l}{' documents' if documents else ''}"
-                reference = [(out := both["xla"](x, w, bias, dy))[0], *out[1]]
-                ours = both["triton"](x, w, bias, dy)
-                check_outputs(f"{label} ours against our XLA path", [ours[0], *ours[1]],
-                              reference, TOLERANCE)
+                reference = whole(both["xla"](x, w, bias, dy_parts))
+                check_outputs(f"{label} ours against our XLA path",
+                              whole(both["triton"](x, w, bias, dy_parts)), reference, TOLERANCE)
 
                 # [b, l, e] memory seen as [b, e, l]: the channel-last layout mamba_ssm passes
                 t_x, t_dy = (to_torch(a).transpose(1, 2) for a in (x, dy))
@@ -91,8 +96,8 @@ def main(argv=None):
                               [t.detach().float().cpu().numpy() for t in got], reference,
                               TOLERANCE)
 
-                times = time_passes(forward, both, (x, w, bias), dy, theirs, args.warmup,
-                                    args.reps)
+                times = time_passes(forward, both, (x, w, bias), dy_parts, theirs,
+                                    args.warmup, args.reps)
                 size = x.nbytes
                 for pass_, moved in (("fwd", 2 * size), ("fwd+bwd", 5 * size)):
                     rows.append((preset, shape, "yes" if documents else "no", pass_,

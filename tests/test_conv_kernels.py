@@ -7,7 +7,8 @@ and narrow channel blocks (so that rows cross from one program's run to the next
 channels span several blocks). Cases: odd lengths and channel counts that no tile divides,
 packed documents, a conv input that holds the rows before the first output (`length`, as
 under context parallelism or a continued sequence), a conv input without them (zeros), no
-bias, 3 taps. Errors are the largest difference over the largest value: float32 inputs
+bias, 3 taps, the output written as parts (Mamba2's x, B, C: `parts`, the gradient read
+from the parts' cotangents). Errors are the largest difference over the largest value: float32 inputs
 below 1e-5 (seen ~3e-7); bfloat16 inputs below 1e-2 (the kernels round y and dx to bf16
 once; seen ~2e-5). NaN fails every comparison.
 """
@@ -23,16 +24,18 @@ from pallas_kernels.conv import triton
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
-CASES = {  # name: (b, rows, channels, k, length, documents, bias)
-    "odd_length_and_channels": (2, 53, (3, 8), 4, 53, False, True),
-    "documents_rows_before": (2, 70, (40,), 4, 67, True, True),
-    "documents_no_rows_before": (1, 97, (2, 72), 4, 97, True, True),
-    "three_taps_no_bias": (2, 37, (24,), 3, 37, False, False),
+CASES = {  # name: (b, rows, channels, k, length, documents, bias, parts)
+    "odd_length_and_channels": (2, 53, (3, 8), 4, 53, False, True, None),
+    "documents_rows_before": (2, 70, (40,), 4, 67, True, True, None),
+    "documents_no_rows_before": (1, 97, (2, 72), 4, 97, True, True, None),
+    "three_taps_no_bias": (2, 37, (24,), 3, 37, False, False, None),
+    "parts_documents_rows_before": (2, 70, (96,), 4, 67, True, True, (64, 16, 16)),
+    "parts_no_bias": (1, 45, (160,), 4, 45, False, False, (96, 32, 32)),
 }
 CONFIGS = {"default": triton.Config(), "short_runs": triton.Config(run=16, block_e=16)}
 
 
-def inputs(b, rows, channels, k, length, documents, bias, dtype, seed):
+def inputs(b, rows, channels, k, length, documents, bias, parts, dtype, seed):
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     x = jax.random.normal(keys[0], (b, rows, *channels)).astype(dtype)
     w = jax.random.normal(keys[1], (k, *channels)) * 0.5
@@ -42,19 +45,24 @@ def inputs(b, rows, channels, k, length, documents, bias, dtype, seed):
         starts = jax.random.uniform(keys[3], (b, rows)) < 1 / 12
         doc = jnp.cumsum(starts.at[:, rows // 2].set(True), axis=1).astype(jnp.int32)
     dy = jax.random.normal(keys[4], (b, length, *channels)).astype(dtype)
+    if parts is not None:  # the cotangent of each part
+        dy = tuple(jnp.split(dy, np.cumsum(parts)[:-1], axis=-1))
     return x, w, bb, doc, dy
 
 
-def values_and_gradients(implementation, x, w, bb, doc, dy, length, config=None):
-    """The conv's last `length` outputs and the gradients of <y, dy> for x, w and bb: through
-    the dispatch ("xla"), or the kernels with `config` ("triton", channels flattened)."""
+def values_and_gradients(implementation, x, w, bb, doc, dy, length, parts, config=None):
+    """The conv's last `length` outputs (parts: a tuple of its parts) and the gradients of
+    <y, dy> for x, w and bb: through the dispatch ("xla"), or the kernels with `config`
+    ("triton", channels flattened)."""
     def f(x, w, bb):
         if implementation == "xla":
-            return conv.causal_conv1d(x, w, bb, doc, length=length, implementation="xla")
+            return conv.causal_conv1d(x, w, bb, doc, length=length, parts=parts,
+                                      implementation="xla")
         b, rows, k = x.shape[0], x.shape[1], w.shape[0]
         flat = lambda a, *lead: None if a is None else a.reshape(*lead, -1)
-        y = triton.conv1d(flat(x, b, rows), flat(w, k), flat(bb), doc, length, config, True)
-        return y.reshape(b, length, *x.shape[2:])
+        y = triton.conv1d(flat(x, b, rows), flat(w, k), flat(bb), doc, length,
+                          parts or (flat(x, b, rows).shape[-1],), config, True)
+        return y if parts else y[0].reshape(b, length, *x.shape[2:])
     y, vjp = jax.vjp(f, x, w, bb)
     return (y,) + vjp(dy)
 
@@ -63,17 +71,23 @@ def values_and_gradients(implementation, x, w, bb, doc, dy, length, config=None)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_kernels_match_the_float64_reference(case, dtype, config):
-    b, rows, channels, k, length, documents, bias = CASES[case]
+    b, rows, channels, k, length, documents, bias, parts = CASES[case]
     seed = np.random.SeedSequence().entropy % 2**31  # fresh inputs each run
-    x, w, bb, doc, dy = inputs(b, rows, channels, k, length, documents, bias, dtype, seed)
-    ours = values_and_gradients("triton", x, w, bb, doc, dy, length, CONFIGS[config])
+    x, w, bb, doc, dy = inputs(b, rows, channels, k, length, documents, bias, parts, dtype,
+                               seed)
+    ours = values_and_gradients("triton", x, w, bb, doc, dy, length, parts, CONFIGS[config])
     with jax.enable_x64(True):
-        up = lambda a: None if a is None else jnp.asarray(a, jnp.float64)
-        reference = values_and_gradients("xla", up(x), up(w), up(bb), doc, up(dy), length)
+        up = lambda a: None if a is None else jax.tree.map(
+            lambda t: jnp.asarray(t, jnp.float64), a)
+        reference = values_and_gradients("xla", up(x), up(w), up(bb), doc, up(dy), length,
+                                         parts)
     for name, o, r in zip(("y", "dx", "dweight", "dbias"), ours, reference):
         if r is None:
             assert o is None
             continue
+        if name == "y" and parts is not None:  # each part its own array, of its size
+            assert [a.shape[-1] for a in o] == list(parts)
+            o, r = jnp.concatenate(o, -1), jnp.concatenate(r, -1)
         o, r = np.asarray(o, np.float64), np.asarray(r, np.float64)
         assert o.shape == r.shape, name
         error = np.abs(o - r).max() / np.abs(r).max()
@@ -83,7 +97,7 @@ def test_kernels_match_the_float64_reference(case, dtype, config):
 def test_documents_cut_the_taps():
     """A token right after a document start reads no earlier token: changing the previous
     document's last input leaves it alone, and moves the next token of that document."""
-    x, w, bb, _, _ = inputs(1, 32, (16,), 4, 32, False, True, jnp.float32, 0)
+    x, w, bb, _, _ = inputs(1, 32, (16,), 4, 32, False, True, None, jnp.float32, 0)
     doc = jnp.zeros((1, 32), jnp.int32).at[:, 20:].set(1)
     run = lambda x: conv.causal_conv1d(x, w, bb, doc, implementation="triton")
     moved = run(x.at[:, 19].add(1.0)) - run(x)
@@ -108,3 +122,13 @@ def test_the_kernels_refuse_a_centred_conv():
     with pytest.raises(ValueError, match="left=1"):
         conv.causal_conv1d(jnp.zeros((1, 32, 16)), jnp.zeros((4, 16)), left=1,
                            implementation="triton")
+
+
+def test_parts_that_no_power_of_two_of_16_divides_take_xla(monkeypatch):
+    x, w = jnp.zeros((1, 32, 72)), jnp.zeros((4, 72))
+    monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
+    assert conv._kernels_run(x, w, 3, 32, (48, 16, 8)) is False
+    assert conv._kernels_run(x, w, 3, 32, (40, 16, 16)) is False
+    assert conv._kernels_run(jnp.zeros((1, 32, 96)), jnp.zeros((4, 96)), 3, 32, (64, 16, 16))
+    with pytest.raises(ValueError, match="do not sum"):
+        conv.causal_conv1d(x, w, parts=(64, 16))

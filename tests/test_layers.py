@@ -106,6 +106,21 @@ def test_matmul_gradient_runs_in_the_compute_dtype(spec, a_shape, b_shape):
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]
 
 
+def test_split_last_is_jnp_split_with_one_concatenation_for_its_gradient():
+    a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 11))
+    cotangents = tuple(jax.random.normal(jax.random.PRNGKey(i), (2, 3, n))
+                       for i, n in enumerate((4, 5, 2), 1))
+    ours, ours_vjp = jax.vjp(lambda a: layers.split_last(a, (4, 5, 2)), a)
+    split, split_vjp = jax.vjp(lambda a: tuple(jnp.split(a, [4, 9], axis=-1)), a)
+    for o, s in zip(ours, split):
+        np.testing.assert_array_equal(o, s)
+    np.testing.assert_array_equal(ours_vjp(cotangents)[0], split_vjp(cotangents)[0])
+    jaxpr = jax.make_jaxpr(lambda a, c: jax.vjp(
+        lambda a: layers.split_last(a, (4, 5, 2)), a)[1](c))(a, cotangents)
+    assert str(jaxpr).count("concatenate") == 1
+    assert "optimization_barrier" in str(jaxpr)
+
+
 def saved_residuals(f, *args):
     """print_saved_residuals' lines for f(*args), but those of the arguments: "bf16[8,16]
     output of dot_general from ..."."""

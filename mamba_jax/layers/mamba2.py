@@ -31,7 +31,7 @@ from flax import nnx
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, conv_window, dense,
                                      dt_bias_init, gated_rms_norm, groups_of_local_heads,
-                                     matmul, param, uniform)
+                                     matmul, param, split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.conv import causal_conv1d
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
@@ -133,20 +133,26 @@ _KEYS = {"in_proj.weight": Linear("z_proj", "x_proj", "B_proj", "C_proj", "dt_pr
          "out_proj.weight": Linear("out_proj", inputs=2), "out_proj.bias": Flat("out_bias")}
 
 
-def _conv_x_B_C(xBC, w, bias, doc, *, length, **split):
+def _conv_x_B_C(xBC, w, bias, doc, *, length, **shapes):
     """The causal conv and SiLU over xBC [b, width + length, e] (what precedes this device's
     first token first: Mamba2Mixer._conv_operands) with w [k, e], bias [e] or None and doc
     [b, width + length] (document ids) or None -> x, B, C of its last `length` outputs
-    (`_x_B_C`, with `split` its options)."""
-    return _x_B_C(causal_conv1d(xBC, w, bias, doc, length=length), **split)
+    (`_shaped`, with `shapes` its options), each written by the conv on its own."""
+    B_size = math.prod(shapes["B_shape"])
+    parts = (math.prod(shapes["x_shape"]), B_size, B_size)
+    return _shaped(*causal_conv1d(xBC, w, bias, doc, length=length, parts=parts), **shapes)
 
 
-def _x_B_C(out, *, x_shape, B_shape, heads, ngroups, ctx):
-    """The conv's output [..., e] -> x [..., *x_shape], B, C [..., *B_shape]: this rank's
-    heads and the groups they read (every group on every rank where tp does not divide
-    them)."""
-    x, B, C = jnp.split(out, [math.prod(x_shape), math.prod(x_shape) + math.prod(B_shape)],
-                        axis=-1)
+def _x_B_C(out, **shapes):
+    """The conv's output [..., e] -> x, B, C (`_shaped`)."""
+    x_size, B_size = math.prod(shapes["x_shape"]), math.prod(shapes["B_shape"])
+    return _shaped(*jnp.split(out, [x_size, x_size + B_size], axis=-1), **shapes)
+
+
+def _shaped(x, B, C, *, x_shape, B_shape, heads, ngroups, ctx):
+    """The conv's x [..., h*p], B, C [..., g*n] -> x [..., *x_shape], B, C [..., *B_shape]:
+    this rank's heads and the groups they read (every group on every rank where tp does not
+    divide them)."""
     x = x.reshape(*x.shape[:-1], *x_shape)
     B, C = (t.reshape(*t.shape[:-1], *B_shape) for t in (B, C))
     if ngroups % ctx.tp:
@@ -292,10 +298,10 @@ class Mamba2Mixer(Mixer):
     def project(self, u, in_proj=None):
         """u [..., d] -> z [..., h, p] and xBC [..., e] (the conv's channels x, B, C) in the
         compute dtype, dt [..., h] float32 (before dt_bias and softplus): project_packed's
-        output split."""
+        output split (its gradient one concatenation: split_last)."""
         zxbcdt = self.project_packed(u, in_proj)
         z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
-        z, xBC, dt = jnp.split(zxbcdt, [z_size, zxbcdt.shape[-1] - dt_size], axis=-1)
+        z, xBC, dt = split_last(zxbcdt, (z_size, zxbcdt.shape[-1] - z_size - dt_size, dt_size))
         return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
 
     def project_packed(self, u, in_proj=None):
@@ -361,7 +367,7 @@ class Mamba2Mixer(Mixer):
         return _x_B_C(out, **self._split_options(ctx))
 
     def _split_options(self, ctx: ParallelContext) -> dict:
-        """_x_B_C's options for this layer's (this rank's) conv weights."""
+        """_shaped's options for this layer's (this rank's) conv weights."""
         return dict(x_shape=self.x_conv.shape[1:], B_shape=self.B_conv.shape[1:],
                     heads=dims(self.cfg).h, ngroups=self.cfg.mamba2.ngroups, ctx=ctx)
 

@@ -11,6 +11,11 @@ XLA's fusions, bound by those re-reads).
 - `_forward_kernel`, grid (b, e / be, l / run): at each own row T, y = silu(bias + sum_j
   w[j] x[T - m + j]) from the window of the last k rows (zeros before the first row, and in
   place of another document's rows).
+- `parts`: the output's channels as consecutive parts, each its own array (Mamba2's x, B and
+  C, which the SSD kernels read as three arrays: split after the kernel, they were copies
+  of the conv's whole output, and their gradients a concatenation). A program's channel
+  block lies in one part (be divides every part), and the program writes that part's array
+  (and in the backward reads that part's dy).
 - `_backward_kernel`, grid (b, e / be, r / run): at each row T it recomputes the
   pre-activation of the output whose own row is T and its gradient g (dy times SiLU's
   derivative), keeps the last k of them, and writes dx[T - m] = sum_j w[j] g[T - j] once the
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +52,12 @@ class Config:
     stages: int = 3
 
 
-def supports(l: int, e: int, k: int, dtype) -> bool:
-    """Whether the kernels take l outputs of e channels through k taps in dtype."""
+def supports(l: int, e: int, k: int, dtype, parts=None) -> bool:
+    """Whether the kernels take l outputs of e channels through k taps in dtype, written as
+    parts of these sizes (None: one), which a power of two of at least 16 must divide."""
     return (l >= 1 and e >= 16 and 2 <= k <= 8
-            and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+            and (parts is None or len(parts) == 1 or _part_block(parts) >= 16))
 
 
 class _Row:
@@ -65,14 +73,24 @@ class _Row:
         inside = jnp.broadcast_to(inside, (self.be,))
         return inside if self.col_mask is None else inside & self.col_mask
 
-    def load(self, ref, row, inside):
-        """ref[bi, row, channels] in float32, zeros where not inside."""
-        return plgpu.load(ref.at[self.bi, row, pl.ds(self.c0, self.be)],
+    def load(self, ref, row, inside, start=0):
+        """ref[bi, row, channels] in float32, zeros where not inside; start: the first
+        channel ref holds (a part's)."""
+        return plgpu.load(ref.at[self.bi, row, pl.ds(self.c0 - start, self.be)],
                           mask=self._mask(inside), other=0).astype(jnp.float32)
 
-    def store(self, ref, row, value, inside):
-        plgpu.store(ref.at[self.bi, row, pl.ds(self.c0, self.be)], value.astype(ref.dtype),
-                    mask=self._mask(inside))
+    def store(self, ref, row, value, inside, start=0):
+        plgpu.store(ref.at[self.bi, row, pl.ds(self.c0 - start, self.be)],
+                    value.astype(ref.dtype), mask=self._mask(inside))
+
+    def by_part(self, parts, refs, walk):
+        """walk(ref, start) with the array of the part that holds this program's channels and
+        that part's first channel."""
+        if len(parts) == 1:
+            return walk(refs[0], 0)
+        for ref, start, size in zip(refs, _starts(parts), parts):
+            pl.when((self.c0 >= start) & (self.c0 < start + size))(
+                functools.partial(walk, ref, start))
 
     def vector(self, ref, *index):
         """ref[*index, channels] in float32 (a weight's row or the bias)."""
@@ -80,6 +98,11 @@ class _Row:
         index = tuple(jnp.int32(i) for i in index)  # Python ints: the interpreter's loads
         return plgpu.load(ref.at[(*index, pl.ds(self.c0, self.be))], mask=mask,
                           other=None if mask is None else 0).astype(jnp.float32)
+
+
+def _starts(parts):
+    """Each part's first channel."""
+    return [sum(parts[:i]) for i in range(len(parts))]
 
 
 def _doc(doc_ref, bi, row, rows_in):
@@ -99,9 +122,10 @@ def _pre(w, bias, window, docs, own_doc):
     return acc
 
 
-def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, has_bias, has_doc):
+def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_bias,
+                    has_doc):
     bias_ref, rest = split_optional(rest, has_bias)
-    doc_ref, (y_ref,) = split_optional(rest, has_doc)
+    doc_ref, y_refs = split_optional(rest, has_doc)
     bi = pl.program_id(0)
     row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
     m, off = k - 1, rows_in - l
@@ -113,22 +137,26 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, has_bias, ha
     docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
                                               for j in range(m))
 
-    def step(i, carry):
-        window, docs = carry
-        T = start + i
-        inside = T < rows_in
-        x = row.load(x_ref, T, inside)
-        own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
-        pre = _pre(w, bias, window + (x,), None if docs is None else docs + (own_doc,),
-                   own_doc)
-        row.store(y_ref, T - off, jax.nn.silu(pre), inside)
-        return window[1:] + (x,), None if docs is None else docs[1:] + (own_doc,)
+    def walk(y_ref, part_start):
+        def step(i, carry):
+            window, docs = carry
+            T = start + i
+            inside = T < rows_in
+            x = row.load(x_ref, T, inside)
+            own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
+            pre = _pre(w, bias, window + (x,), None if docs is None else docs + (own_doc,),
+                       own_doc)
+            row.store(y_ref, T - off, jax.nn.silu(pre), inside, part_start)
+            return window[1:] + (x,), None if docs is None else docs[1:] + (own_doc,)
 
-    jax.lax.fori_loop(0, run, step, (window, docs))
+        jax.lax.fori_loop(0, run, step, (window, docs))
+
+    row.by_part(parts, y_refs, walk)
 
 
-def _backward_kernel(x_ref, w_ref, dy_ref, *rest, k, run, be, l, e, rows_in, has_bias,
+def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_bias,
                      has_doc):
+    dy_refs, rest = rest[:len(parts)], rest[len(parts):]
     bias_ref, rest = split_optional(rest, has_bias)
     doc_ref, (dx_ref, dw_ref, *dbias_ref) = split_optional(rest, has_doc)
     bi, ri = pl.program_id(0), pl.program_id(2)
@@ -145,70 +173,83 @@ def _backward_kernel(x_ref, w_ref, dy_ref, *rest, k, run, be, l, e, rows_in, has
     # g of the m outputs whose own rows precede the run: they feed no row of the run
     gs = (zeros,) * m
 
-    def step(i, carry):
-        window, docs, gs, dw, dbias = carry
-        T = start + i
-        inside = T < rows_in
-        x = row.load(x_ref, T, inside)
-        own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
-        rows = window + (x,)
-        row_docs = None if docs is None else docs + (own_doc,)
-        pre = _pre(w, bias, rows, row_docs, own_doc)
-        t = T - off
-        dy = row.load(dy_ref, t, (t >= 0) & (t < l) & inside)
-        sig = jax.nn.sigmoid(pre)
-        g = dy * sig * (1.0 + pre * (1.0 - sig))  # zero where there is no output
-        # the run's own outputs (not the m rows walked past it) give dw and dbias
-        g_own = jnp.where(i < run, g, 0.0)
-        dw = tuple(dwj + g_own * (xj if row_docs is None or j == m else
-                                  jnp.where(row_docs[j] == own_doc, xj, 0.0))
-                   for j, (dwj, xj) in enumerate(zip(dw, rows)))
-        dbias = dbias + g_own
-        gs = gs + (g,)
-        # dx of row s = T - m: it is tap j of the output whose own row is T - j (gs[m - j])
-        s = T - m
-        dx = zeros
+    def walk(dy_ref, part_start):
+        def step(i, carry):
+            window, docs, gs, dw, dbias = carry
+            T = start + i
+            inside = T < rows_in
+            x = row.load(x_ref, T, inside)
+            own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
+            rows = window + (x,)
+            row_docs = None if docs is None else docs + (own_doc,)
+            pre = _pre(w, bias, rows, row_docs, own_doc)
+            t = T - off
+            dy = row.load(dy_ref, t, (t >= 0) & (t < l) & inside, part_start)
+            sig = jax.nn.sigmoid(pre)
+            g = dy * sig * (1.0 + pre * (1.0 - sig))  # zero where there is no output
+            # the run's own outputs (not the m rows walked past it) give dw and dbias
+            g_own = jnp.where(i < run, g, 0.0)
+            dw = tuple(dwj + g_own * (xj if row_docs is None or j == m else
+                                      jnp.where(row_docs[j] == own_doc, xj, 0.0))
+                       for j, (dwj, xj) in enumerate(zip(dw, rows)))
+            dbias = dbias + g_own
+            gs = gs + (g,)
+            # dx of row s = T - m: tap j of the output whose own row is T - j (gs[m - j])
+            s = T - m
+            dx = zeros
+            for j in range(k):
+                gj = gs[m - j]
+                if row_docs is not None:
+                    gj = jnp.where(row_docs[m - j] == row_docs[0], gj, 0.0)
+                dx = dx + w[j] * gj
+            row.store(dx_ref, s, dx, (i >= m) & (s < rows_in))
+            return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
+
+        carry = (window, docs, gs, (zeros,) * k, zeros)
+        _, _, _, dw, dbias = jax.lax.fori_loop(0, run + m, step, carry)
         for j in range(k):
-            gj = gs[m - j]
-            if row_docs is not None:
-                gj = jnp.where(row_docs[m - j] == row_docs[0], gj, 0.0)
-            dx = dx + w[j] * gj
-        row.store(dx_ref, s, dx, (i >= m) & (s < rows_in))
-        return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
+            plgpu.store(dw_ref.at[bi, ri, jnp.int32(j), pl.ds(row.c0, be)], dw[j],
+                        mask=row.col_mask)
+        if has_bias:
+            plgpu.store(dbias_ref[0].at[bi, ri, pl.ds(row.c0, be)], dbias, mask=row.col_mask)
 
-    carry = (window, docs, gs, (zeros,) * k, zeros)
-    _, _, _, dw, dbias = jax.lax.fori_loop(0, run + m, step, carry)
-    for j in range(k):
-        plgpu.store(dw_ref.at[bi, ri, jnp.int32(j), pl.ds(row.c0, be)], dw[j],
-                    mask=row.col_mask)
-    if has_bias:
-        plgpu.store(dbias_ref[0].at[bi, ri, pl.ds(row.c0, be)], dbias, mask=row.col_mask)
+    row.by_part(parts, dy_refs, walk)
 
 
-def _options(x, w, l, config):
+def _options(x, w, l, parts, config):
     _, rows_in, e = x.shape
-    be = min(config.block_e, e & -e) if e % 16 == 0 else config.block_e
-    return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in)
+    if len(parts) > 1:  # a block lies in one part
+        be = min(config.block_e, _part_block(parts))
+    else:
+        be = min(config.block_e, e & -e) if e % 16 == 0 else config.block_e
+    return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in, parts=parts)
 
 
-def forward(x, w, bias, doc, l, *, config, interpret=False):
-    """x [b, r, e], w [k, e], bias [e] or None, doc [b, r] int32 or None -> y [b, l, e] in
-    x.dtype, the last l outputs."""
+def _part_block(parts):
+    """The largest power of two that divides every part."""
+    g = math.gcd(*parts)
+    return g & -g
+
+
+def forward(x, w, bias, doc, l, parts, *, config, interpret=False):
+    """x [b, r, e], w [k, e], bias [e] or None, doc [b, r] int32 or None -> the last l outputs
+    in x.dtype, as a tuple of their parts' arrays [b, l, part] (parts: sizes summing to e)."""
     b, _, e = x.shape
-    o = _options(x, w, l, config)
+    o = _options(x, w, l, parts, config)
     kernel = functools.partial(_forward_kernel, **o, has_bias=bias is not None,
                                has_doc=doc is not None)
     grid = (b, pl.cdiv(e, o["be"]), pl.cdiv(l, o["run"]))
-    return call(kernel, grid, jax.ShapeDtypeStruct((b, l, e), x.dtype), config.warps,
-                config.stages, interpret, "conv1d_forward")(x, w, *present(bias, doc))
+    out_shape = [jax.ShapeDtypeStruct((b, l, size), x.dtype) for size in parts]
+    return tuple(call(kernel, grid, out_shape, config.warps, config.stages, interpret,
+                      "conv1d_forward")(x, w, *present(bias, doc)))
 
 
 def backward(x, w, bias, doc, dy, *, config, interpret=False):
-    """forward's inputs and dy [b, l, e] (the output's cotangent) -> (dx [b, r, e] in x.dtype,
-    dw [k, e], dbias [e] or None, float32)."""
+    """forward's inputs and dy (the output's cotangent: its parts [b, l, part]) -> (dx [b, r,
+    e] in x.dtype, dw [k, e], dbias [e] or None, float32)."""
     b, rows_in, e = x.shape
-    k, l = w.shape[0], dy.shape[1]
-    o = _options(x, w, l, config)
+    k, l = w.shape[0], dy[0].shape[1]
+    o = _options(x, w, l, tuple(d.shape[-1] for d in dy), config)
     runs = pl.cdiv(rows_in, o["run"])
     kernel = functools.partial(_backward_kernel, **o, has_bias=bias is not None,
                                has_doc=doc is not None)
@@ -217,23 +258,25 @@ def backward(x, w, bias, doc, dy, *, config, interpret=False):
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, runs, e), jnp.float32))
     out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config.warps, config.stages,
-               interpret, "conv1d_backward")(x, w, dy, *present(bias, doc))
+               interpret, "conv1d_backward")(x, w, *dy, *present(bias, doc))
     dx, dw = out[0], out[1].sum(axis=(0, 1))
     return dx, dw, (out[2].sum(axis=(0, 1)) if bias is not None else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def conv1d(x, w, bias, doc, l, config, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def conv1d(x, w, bias, doc, l, parts, config, interpret):
     """The causal conv and SiLU of x [b, r, e] through w [k, e], bias [e] or None, doc [b, r]
-    int32 or None -> its last l outputs [b, l, e] in x.dtype (zeros stand before x)."""
-    return forward(x, w, bias, doc, l, config=config, interpret=interpret)
+    int32 or None -> its last l outputs in x.dtype (zeros stand before x), a tuple of arrays
+    [b, l, part] of the channels' consecutive parts (sizes summing to e)."""
+    return forward(x, w, bias, doc, l, parts, config=config, interpret=interpret)
 
 
-def _conv_fwd(x, w, bias, doc, l, config, interpret):
-    return forward(x, w, bias, doc, l, config=config, interpret=interpret), (x, w, bias, doc)
+def _conv_fwd(x, w, bias, doc, l, parts, config, interpret):
+    return (forward(x, w, bias, doc, l, parts, config=config, interpret=interpret),
+            (x, w, bias, doc))
 
 
-def _conv_bwd(l, config, interpret, residuals, dy):
+def _conv_bwd(l, parts, config, interpret, residuals, dy):
     x, w, bias, doc = residuals
     dx, dw, dbias = backward(x, w, bias, doc, dy, config=config, interpret=interpret)
     ddoc = None if doc is None else jnp.zeros(doc.shape, jax.dtypes.float0)
