@@ -16,11 +16,11 @@ of arrays [b, length, part], which the kernels write each on its own (Mamba2's x
 so that neither the split nor its gradient's concatenation is a copy.
 
 `implementation`: "xla" (reference.py, any platform), "triton" (triton.py's kernels; in
-Pallas's interpreter off a GPU), "auto" ("triton" on Hopper GPUs for the causal conv of
-at least 16 channels, float32 or bfloat16, 2 to 8 taps, parts that a power of two of at
-least 16 divides; "xla" elsewhere, and a
-fallback on such a GPU logged once, pallas_kernels.fallback). The kernels' backward
-recomputes the conv from x and keeps nothing else, as the reference's jax.checkpoint does.
+Pallas's interpreter off a GPU), "auto" ("triton" on Hopper GPUs for the causal conv of at
+least 16 channels, float32 or bfloat16, 2 to 8 taps, parts that a power of two of at least
+16 divides; "xla" elsewhere, and a fallback on such a GPU logged once,
+pallas_kernels.fallback). The kernels' backward recomputes the conv from x and keeps
+nothing else, as the reference's jax.checkpoint does.
 """
 
 from __future__ import annotations

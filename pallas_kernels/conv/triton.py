@@ -87,7 +87,8 @@ class _Row:
         """walk(ref, start) with the array of the part that holds this program's channels and
         that part's first channel."""
         if len(parts) == 1:
-            return walk(refs[0], 0)
+            walk(refs[0], 0)
+            return
         for ref, start, size in zip(refs, _starts(parts), parts):
             pl.when((self.c0 >= start) & (self.c0 < start + size))(
                 functools.partial(walk, ref, start))
