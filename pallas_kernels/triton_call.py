@@ -7,11 +7,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def call(kernel, grid, out_shape, warps, stages, interpret, name):
+def call(kernel, grid, out_shape, warps, stages, interpret, name, aliases=None):
     """pl.pallas_call of kernel over grid, lowered through Triton with `warps` warps a program
-    and `stages` software-pipelining stages (Pallas's interpreter where interpret)."""
+    and `stages` software-pipelining stages (None: Triton's default), Pallas's interpreter
+    where interpret; aliases: {input index: output index} updated in place."""
     return pl.pallas_call(
         kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
+        input_output_aliases=aliases or {},
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
 
 

@@ -60,9 +60,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import hardware
+from pallas_kernels.triton_call import call
 
 IMPLEMENTATIONS = ("xla", "triton")
 ACTIVATIONS = (None, "relu2", "gelu", "gelu_tanh")
@@ -331,9 +331,6 @@ def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, wind
     out_shape = jax.ShapeDtypeStruct((b, n), out_dtype if residual is None else residual.dtype)
     if window is not None:
         out_shape = [out_shape, jax.ShapeDtypeStruct(window[0].shape, window[0].dtype)]
-    return pl.pallas_call(
-        functools.partial(_kernel, **options), grid=(n // options["bn"],), name="rms_norm_matmul",
-        interpret=jax.default_backend() != "gpu", out_shape=out_shape,
-        input_output_aliases={} if window is None else {len(args) - 1: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=warps),
-    )(*args)
+    return call(functools.partial(_kernel, **options), (n // options["bn"],), out_shape, warps,
+                None, jax.default_backend() != "gpu", "rms_norm_matmul",
+                None if window is None else {len(args) - 1: 1})(*args)

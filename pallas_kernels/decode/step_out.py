@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import hardware
 from pallas_kernels.decode import norm_matmul
 from pallas_kernels.ssd import step as ssd_step
+from pallas_kernels.triton_call import call
 
 
 def mamba_step_out(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
@@ -143,14 +144,11 @@ def _cooperative(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
                                blocks_per_head=p // bp, programs=programs)
     args = (*step_args, *out_args, sync)
     # y (gated, float32) goes through global memory from each program to all of them
-    _, state, out, sync = pl.pallas_call(
-        kernel, grid=(programs,), name="mamba_step_out",
-        interpret=jax.default_backend() != "gpu",
-        out_shape=[jax.ShapeDtypeStruct((b, h * p), jnp.float32),
-                   jax.ShapeDtypeStruct(state.shape, state.dtype),
-                   jax.ShapeDtypeStruct(residual.shape, residual.dtype),
-                   jax.ShapeDtypeStruct(sync.shape, sync.dtype)],
-        input_output_aliases={len(step_args) - 1: 1, len(args) - 1: 3},  # state, counter
-        compiler_params=plgpu.CompilerParams(num_warps=4),
-    )(*args)
+    out_shape = [jax.ShapeDtypeStruct((b, h * p), jnp.float32),
+                 jax.ShapeDtypeStruct(state.shape, state.dtype),
+                 jax.ShapeDtypeStruct(residual.shape, residual.dtype),
+                 jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
+    _, state, out, sync = call(kernel, (programs,), out_shape, 4, None,
+                               jax.default_backend() != "gpu", "mamba_step_out",
+                               {len(step_args) - 1: 1, len(args) - 1: 3})(*args)  # state, counter
     return out, state, sync

@@ -37,11 +37,11 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mamba3.reference import Mamba3State, mamba3_step, wrap
 from pallas_kernels.ssd.step import (INT8_LEVELS, Blocks, Int8State, filled_blocks, load_state,
                                      quantized_values, store_state)
+from pallas_kernels.triton_call import call
 
 IMPLEMENTATIONS = ("xla", "triton")
 
@@ -182,10 +182,8 @@ def _triton(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, 
     # k are new buffers (module docstring).
     aliases = {1 + i: 2 + i for i in range(len(ssm))}
     aliases[2 + len(ssm)] = 3 + len(ssm)
-    y, angle, *new_ssm, k, x_new = pl.pallas_call(
-        kernel, grid=(b, h, p // bp), out_shape=out_shape, input_output_aliases=aliases,
-        interpret=jax.default_backend() != "gpu", name="mamba3_step",
-        compiler_params=plgpu.CompilerParams(num_warps=warps),
-    )(*args)
+    y, angle, *new_ssm, k, x_new = call(kernel, (b, h, p // bp), out_shape, warps, None,
+                                        jax.default_backend() != "gpu", "mamba3_step",
+                                        aliases)(*args)
     new_ssm = Int8State(*new_ssm) if int8 else new_ssm[0]
     return y, Mamba3State(angle, new_ssm, k, x_new)

@@ -60,11 +60,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import hardware
 from pallas_kernels.decode.norm_matmul import largest_power_of_two_dividing, shift_window
 from pallas_kernels.ssd.reference import process_dt
+from pallas_kernels.triton_call import call
 
 IMPLEMENTATIONS = ("xla", "triton")
 INT8_LEVELS = 127  # symmetric int8: -127..127, so a row's scale maps its max to 127
@@ -372,12 +372,9 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     states = jax.tree.leaves(state)
     out_shape = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype), *window,
                  *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)]
-    y, *outs = pl.pallas_call(
-        functools.partial(_step_kernel, **options), grid=(b, h, p // bp),
-        interpret=jax.default_backend() != "gpu", name="mamba_step", out_shape=out_shape,
-        input_output_aliases={len(args) - i: len(out_shape) - i
-                              for i in range(1, len(states) + 1)},
-        compiler_params=plgpu.CompilerParams(num_warps=warps),
-    )(*args)
+    y, *outs = call(functools.partial(_step_kernel, **options), (b, h, p // bp), out_shape,
+                    warps, None, jax.default_backend() != "gpu", "mamba_step",
+                    {len(args) - i: len(out_shape) - i
+                     for i in range(1, len(states) + 1)})(*args)
     new = jax.tree.unflatten(jax.tree.structure(state), outs[len(window):])
     return (y, *outs[:len(window)], new)
