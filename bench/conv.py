@@ -5,19 +5,19 @@ path calls), on the same inputs.
     python3 -m bench.conv [--presets mamba2-370m mamba2-1.3b] [--shapes 20x2048]
                           [--baseline .baseline] [--warmup 5] [--reps 30]
 
-For each preset's conv channels (x, B and C: h * p + 2 * g * n), written as the Mamba2
-mixer asks for them (`parts`: x, B and C each its own array; causal_conv1d's is one array,
-which mamba_ssm's kernels read in place), and each batch x seqlen of --shapes, with and without packed documents (a document start in about every 512 tokens,
-its `seq_idx`): x and the cotangent bf16, the weight and bias float32. Checks first,
-stopping on a miss: our kernels' output and gradients against our XLA path on the GPU, and
-causal_conv1d's against ours (bf16 results within 2^-6 of the largest value, the weight's
-and bias's gradients within 1e-3). Then one row a pass (forward, and forward+backward: the
-output and the gradients of <y, dy>): milliseconds of ours, of our XLA path and of
-causal_conv1d (on x in the channel-last layout mamba_ssm gives it), ours/theirs, and the
-floor: the bf16 arrays each pass must read and write (forward x and y; forward+backward
-adds x and dy read and dx written) over the copy bandwidth measured in the same run.
-Timing: the host clock around one call until its results are ready, median of --reps after
---warmup.
+For each preset's conv channels (x, B and C: h * p + 2 * g * n), written as the Mamba2 mixer
+asks for them (`parts`: x, B and C each its own array; causal_conv1d's is one array, which
+mamba_ssm's kernels read in place), and each batch x seqlen of --shapes, with and without
+packed documents (a document start in about every 512 tokens, its `seq_idx`): x and the
+cotangent bf16, the weight and bias float32. Checks first, stopping on a miss: our kernels'
+output and gradients against our XLA path on the GPU, and causal_conv1d's against ours (bf16
+results within 2^-6 of the largest value, the weight's and bias's gradients within 1e-3).
+Then one row a pass (forward, and forward+backward: the output and the gradients of <y,
+dy>): milliseconds of ours, of our XLA path and of causal_conv1d (on x in the channel-last
+layout mamba_ssm gives it), ours/theirs, and the floor: the bf16 arrays each pass must read
+and write (forward x and y; forward+backward adds x and dy read and dx written) over the
+copy bandwidth measured in the same run. Timing: the host clock around one call until its
+results are ready, median of --reps after --warmup.
 """
 
 from __future__ import annotations
