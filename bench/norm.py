@@ -52,11 +52,10 @@ def main(argv=None):
             arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
             y, z, dy = (arr(b, l, dims.h, dims.p) for _ in range(3))
             w = jnp.asarray(1 + 0.1 * rng.standard_normal((dims.h, dims.p)), jnp.float32)
-            both = {impl: forward_and_backward(
-                lambda y, z, w, impl=impl: gated_rms_norm(y, z, w, eps, g, implementation=impl))
-                for impl in ("triton", "xla")}
-            forward = {impl: jax.jit(lambda y, z, w, impl=impl: gated_rms_norm(
-                y, z, w, eps, g, implementation=impl)) for impl in ("triton", "xla")}
+            norm = {impl: lambda y, z, w, impl=impl: gated_rms_norm(
+                y, z, w, eps, g, implementation=impl) for impl in ("triton", "xla")}
+            both = {impl: forward_and_backward(f) for impl, f in norm.items()}
+            forward = {impl: jax.jit(f) for impl, f in norm.items()}
             flat = lambda out, grads: [out, *grads]
             label = f"{preset} {b}x{l}"
             reference = flat(*both["xla"](y, z, w, dy))

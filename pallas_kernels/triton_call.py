@@ -1,8 +1,10 @@
 """What every module of Triton kernels (`pl.pallas_call`) shares: the call with its launch
-parameters, and the optional inputs a kernel takes after the others."""
+parameters, where it runs in Pallas's interpreter, and the optional inputs a kernel takes
+after the others."""
 
 from __future__ import annotations
 
+import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -15,6 +17,12 @@ def call(kernel, grid, out_shape, warps, stages, interpret, name, aliases=None):
         kernel, grid=grid, out_shape=out_shape, interpret=interpret, name=name,
         input_output_aliases=aliases or {},
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
+
+
+def off_gpu() -> bool:
+    """Whether the kernels run in Pallas's interpreter: where no GPU runs them (the tests and
+    CI, on CPUs)."""
+    return jax.default_backend() != "gpu"
 
 
 def present(*optional):

@@ -34,7 +34,8 @@ from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Conv, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_dt_section, conv_window, dense,
-                                     dt_bias_init, matmul, param, rms_norm, uniform)
+                                     dt_bias_init, matmul, param, rms_norm, split_last,
+                                     uniform)
 from mamba_jax.layers.mamba2 import MambaCache
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.conv import causal_conv1d
@@ -186,9 +187,11 @@ class Mamba1Mixer(Mixer):
 
     def project(self, u, in_proj=None):
         """u [..., d] -> x, z [..., i] in the compute dtype: one matmul over in_proj() (or
-        StepWeights.in_proj)."""
+        StepWeights.in_proj), its output split (its gradient one concatenation:
+        split_last)."""
         w, bias = self.in_proj() if in_proj is None else in_proj
-        return jnp.split(dense(u, w, self.dtype, bias, out_dtype=self.dtype), 2, axis=-1)
+        xz = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
+        return split_last(xz, (xz.shape[-1] // 2,) * 2)
 
     def _conv_params(self):
         return self.conv[...], self.conv_bias[...] if self.cfg.mamba1.conv_bias else None

@@ -143,12 +143,6 @@ def _conv_x_B_C(xBC, w, bias, doc, *, length, **shapes):
     return _shaped(*causal_conv1d(xBC, w, bias, doc, length=length, parts=parts), **shapes)
 
 
-def _x_B_C(out, **shapes):
-    """The conv's output [..., e] -> x, B, C (`_shaped`)."""
-    x_size, B_size = math.prod(shapes["x_shape"]), math.prod(shapes["B_shape"])
-    return _shaped(*jnp.split(out, [x_size, x_size + B_size], axis=-1), **shapes)
-
-
 def _shaped(x, B, C, *, x_shape, B_shape, heads, ngroups, ctx):
     """The conv's x [..., h*p], B, C [..., g*n] -> x [..., *x_shape], B, C [..., *B_shape]:
     this rank's heads and the groups they read (every group on every rank where tp does not
@@ -363,8 +357,10 @@ class Mamba2Mixer(Mixer):
         return ctx.with_previous_tokens(xBC, width, before), w, bias, doc
 
     def split_conv_output(self, out, ctx: ParallelContext = SINGLE_DEVICE):
-        """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n] (`_x_B_C`)."""
-        return _x_B_C(out, **self._split_options(ctx))
+        """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n] (`_shaped`)."""
+        shapes = self._split_options(ctx)
+        x_size, B_size = math.prod(shapes["x_shape"]), math.prod(shapes["B_shape"])
+        return _shaped(*jnp.split(out, [x_size, x_size + B_size], axis=-1), **shapes)
 
     def _split_options(self, ctx: ParallelContext) -> dict:
         """_shaped's options for this layer's (this rank's) conv weights."""

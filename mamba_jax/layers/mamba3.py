@@ -34,12 +34,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_init,
-                                     groups_of_local_heads, matmul, param, rms_norm, uniform)
+                                     groups_of_local_heads, matmul, param, rms_norm, split_last,
+                                     uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
 from pallas_kernels.mamba3.step import decode_step
@@ -201,15 +201,15 @@ class Mamba3Mixer(Mixer):
         """u [..., d] -> the scan's inputs: z, x [..., h, p] and B, C [..., r, g', n] (normed;
         g' the groups this rank's heads read) in the compute dtype; dt, adt = A * dt, trap
         [..., h] and angles [..., a] float32. One matmul over in_proj() (or the given
-        Mamba3Weights.in_proj)."""
+        Mamba3Weights.in_proj), its output split (its gradient one concatenation:
+        split_last)."""
         h, p = self.z_proj.shape[1:]
         r, g, n = self.B_proj.shape[1:]
         a = self.angle_proj.shape[1]
         w = self.in_proj() if in_proj is None else in_proj
         out = dense(u, w, self.dtype, out_dtype=self.dtype)
-        sizes = [h * p, h * p, r * g * n, r * g * n, h, h, h, a]
-        z, x, B, C, dd_dt, dd_A, trap, angles = jnp.split(
-            out, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+        sizes = (h * p, h * p, r * g * n, r * g * n, h, h, h, a)
+        z, x, B, C, dd_dt, dd_A, trap, angles = split_last(out, sizes)
         lead = out.shape[:-1]
         z, x = z.reshape(*lead, h, p), x.reshape(*lead, h, p)
         B, C = (rms_norm(t.reshape(*lead, r, g, n), norm[...], BC_NORM_EPS)

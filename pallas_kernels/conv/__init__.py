@@ -28,11 +28,11 @@ from __future__ import annotations
 import itertools
 import math
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fallback, hardware
 from pallas_kernels.conv import reference, triton
+from pallas_kernels.triton_call import off_gpu
 
 IMPLEMENTATIONS = ("auto", "xla", "triton")
 
@@ -65,7 +65,7 @@ def causal_conv1d(x, weight, bias=None, doc=None, *, left=None, length=None, par
                       None if bias is None else bias.reshape(e),
                       None if doc is None else doc.astype(jnp.int32), length,
                       (e,) if parts is None else tuple(parts), triton.Config(),
-                      jax.default_backend() != "gpu")
+                      off_gpu())
     return y[0].reshape(b, length, *channels) if parts is None else y
 
 

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import hardware
-from pallas_kernels.triton_call import call
+from pallas_kernels.triton_call import call, off_gpu
 
 IMPLEMENTATIONS = ("xla", "triton")
 ACTIVATIONS = (None, "relu2", "gelu", "gelu_tanh")
@@ -332,5 +332,5 @@ def _triton(x, weight, w, *, eps, z, ngroups, bias, residual, w_transposed, wind
     if window is not None:
         out_shape = [out_shape, jax.ShapeDtypeStruct(window[0].shape, window[0].dtype)]
     return call(functools.partial(_kernel, **options), (n // options["bn"],), out_shape, warps,
-                None, jax.default_backend() != "gpu", "rms_norm_matmul",
+                None, off_gpu(), "rms_norm_matmul",
                 None if window is None else {len(args) - 1: 1})(*args)

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import hardware
 from pallas_kernels.decode import norm_matmul
 from pallas_kernels.ssd import step as ssd_step
-from pallas_kernels.triton_call import call
+from pallas_kernels.triton_call import call, off_gpu
 
 
 def mamba_step_out(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
@@ -149,6 +149,6 @@ def _cooperative(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, residual,
                  jax.ShapeDtypeStruct(residual.shape, residual.dtype),
                  jax.ShapeDtypeStruct(sync.shape, sync.dtype)]
     _, state, out, sync = call(kernel, (programs,), out_shape, 4, None,
-                               jax.default_backend() != "gpu", "mamba_step_out",
+                               off_gpu(), "mamba_step_out",
                                {len(step_args) - 1: 1, len(args) - 1: 3})(*args)  # state, counter
     return out, state, sync

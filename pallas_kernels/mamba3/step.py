@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mamba3.reference import Mamba3State, mamba3_step, wrap
 from pallas_kernels.ssd.step import (INT8_LEVELS, Blocks, Int8State, filled_blocks, load_state,
                                      quantized_values, store_state)
-from pallas_kernels.triton_call import call
+from pallas_kernels.triton_call import call, off_gpu
 
 IMPLEMENTATIONS = ("xla", "triton")
 
@@ -183,7 +183,7 @@ def _triton(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, 
     aliases = {1 + i: 2 + i for i in range(len(ssm))}
     aliases[2 + len(ssm)] = 3 + len(ssm)
     y, angle, *new_ssm, k, x_new = call(kernel, (b, h, p // bp), out_shape, warps, None,
-                                        jax.default_backend() != "gpu", "mamba3_step",
+                                        off_gpu(), "mamba3_step",
                                         aliases)(*args)
     new_ssm = Int8State(*new_ssm) if int8 else new_ssm[0]
     return y, Mamba3State(angle, new_ssm, k, x_new)

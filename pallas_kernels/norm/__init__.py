@@ -23,11 +23,10 @@ silent slow path.
 
 from __future__ import annotations
 
-import jax
-
 from pallas_kernels import fallback, hardware
 from pallas_kernels.norm import reference, triton
 from pallas_kernels.norm.reference import gated_rms_norm_reference
+from pallas_kernels.triton_call import off_gpu
 
 __all__ = ["gated_rms_norm", "gated_rms_norm_reference", "IMPLEMENTATIONS"]
 
@@ -50,7 +49,7 @@ def gated_rms_norm(y, z, weight, eps, ngroups, *, implementation="auto"):
         implementation = "triton" if kernels_run(y, ngroups) else "xla"
     if implementation == "triton":
         return triton.gated_rms_norm(y, z, weight, eps, ngroups,
-                                     interpret=jax.default_backend() != "gpu")
+                                     interpret=off_gpu())
     return reference.gated_rms_norm_reference(y, z, weight, eps, ngroups)
 
 

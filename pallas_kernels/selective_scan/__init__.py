@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from pallas_kernels.selective_scan import reference, triton
 from pallas_kernels.selective_scan.context_parallel import selective_scan_context_parallel
 from pallas_kernels.ssd.reference import document_ids, process_dt
+from pallas_kernels.triton_call import off_gpu
 
 __all__ = ["selective_scan", "IMPLEMENTATIONS"]
 
@@ -77,7 +78,7 @@ def kernel_scan(x, dt, A, B, C, *, D=None, initial_state=None, seq_idx=None, con
     when no GPU is present."""
     config = triton.Config() if config is None else config
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = off_gpu()
     b, l, d = x.shape
     pad = (-l) % config.chunk
     pad_l = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a

@@ -64,7 +64,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import hardware
 from pallas_kernels.decode.norm_matmul import largest_power_of_two_dividing, shift_window
 from pallas_kernels.ssd.reference import process_dt
-from pallas_kernels.triton_call import call
+from pallas_kernels.triton_call import call, off_gpu
 
 IMPLEMENTATIONS = ("xla", "triton")
 INT8_LEVELS = 127  # symmetric int8: -127..127, so a row's scale maps its max to 127
@@ -373,7 +373,7 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     out_shape = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype), *window,
                  *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)]
     y, *outs = call(functools.partial(_step_kernel, **options), (b, h, p // bp), out_shape,
-                    warps, None, jax.default_backend() != "gpu", "mamba_step",
+                    warps, None, off_gpu(), "mamba_step",
                     {len(args) - i: len(out_shape) - i
                      for i in range(1, len(states) + 1)})(*args)
     new = jax.tree.unflatten(jax.tree.structure(state), outs[len(window):])

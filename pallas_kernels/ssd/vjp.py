@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ssd.context_parallel import entering_rows, last_document, part_ends
 from pallas_kernels.ssd.reference import document_ids, process_dt
+from pallas_kernels.triton_call import off_gpu
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -188,7 +189,7 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     (`turned`); segments 1 only."""
     config = backend.Config() if config is None else config
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = off_gpu()
     make, args = inputs or ((lambda *xBC: xBC), (x, B, C))
     b, l_row, h, p = jax.eval_shape(make, *args)[0].shape
     rows = lambda a: a.reshape(b * segments, l_row // segments, *a.shape[2:])
