@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from mamba_jax import layer_scan
 from mamba_jax.layers.common import RMSNorm, matmul, param, uniform
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.sharding import SINGLE_DEVICE, GATHERED, ParallelContext
@@ -264,8 +265,8 @@ class Mamba2LM(nnx.Module):
                     residual, cache = layer(residual, state)
                     caches.append(cache)
             else:
-                residual, stacked = lax.scan(layer, residual,
-                                             jax.tree.map(lambda *ws: jnp.stack(ws), *states))
+                residual, stacked = layer_scan.scan(
+                    layer, residual, jax.tree.map(lambda *ws: jnp.stack(ws), *states))
                 caches.extend(jax.tree.map(lambda c, i=i: c[i], stacked)
                               for i in range(end - first))
         return residual, tuple(caches)

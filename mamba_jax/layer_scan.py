@@ -1,0 +1,95 @@
+"""`scan(step, carry, xs)`: `lax.scan` for the model's run of layers, differentiable, with
+each step's residuals for the backward pass kept in stacks that are never zero-filled.
+
+Differentiated, `lax.scan` keeps what each step's backward needs in stacked arrays [n, ...]
+that it first fills with zeros (jax lowers their initial value as a broadcast zero), and
+XLA does not elide that fill although every slot is written: in a mamba2-1.3b step at 16 x
+2048 those fills took 31 of the 847 ms (bench/profile_step.py). Here a custom_vjp runs the
+forward loop itself: each step takes `jax.vjp` of `step`, whose pullback is a pytree of
+residual arrays, writes those into stacks made by `lax.empty` (XLA's no-op AllocateBuffer
+on a GPU: allocated, not written; zeros on a CPU), and the backward loop reads them back
+in reverse, rebuilds each step's pullback and runs it. The stacked outputs `ys` are made
+the same way. What is kept is what `jax.vjp` of `step` keeps, so a jax.checkpoint policy
+on `step` (the trainer's --remat) chooses it as under `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def scan(step, carry, xs):
+    """lax.scan(step, carry, xs) -> (carry, ys) for step(carry, x) -> (carry, y), over the
+    leading axis of every leaf of xs (no `length`, `reverse` or `unroll`). Its gradient
+    flows to carry and to the floating-point leaves of xs; an integer leaf gets float0."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    pullbacks = {}  # the structure of a step's pullback, from the forward loop's trace
+
+    @jax.custom_vjp
+    def run(carry, xs):
+        return lax.scan(step, carry, xs)
+
+    def run_fwd(carry, xs):
+        (_, y), pullback = jax.eval_shape(lambda c, x: _vjp(step, c, x), carry, _at(xs, 0))
+        stacks = [_empty(n, a) for a in jax.tree.leaves(pullback)]
+        ys = jax.tree.map(lambda a: _empty(n, a), y)
+
+        def body(i, state):
+            carry, stacks, ys = state
+            (carry, y), pullback = _vjp(step, carry, _at(xs, i))
+            leaves, pullbacks["treedef"] = jax.tree.flatten(pullback)
+            stacks = [_set(s, leaf, i) for s, leaf in zip(stacks, leaves)]
+            return carry, stacks, jax.tree.map(lambda s, leaf: _set(s, leaf, i), ys, y)
+        carry, stacks, ys = lax.fori_loop(0, n, body, (carry, stacks, ys))
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), xs)
+        return (carry, ys), (stacks, shapes)
+
+    def run_bwd(residuals, cotangents):
+        stacks, shapes = residuals
+        dcarry, dys = cotangents
+        differentiable = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
+        dxs = jax.tree.map(lambda a: _empty(n, _at_shape(a)) if differentiable(a) else None,
+                           shapes)
+
+        def body(j, state):
+            dcarry, dxs = state
+            i = n - 1 - j
+            pullback = jax.tree.unflatten(pullbacks["treedef"], [_at(s, i) for s in stacks])
+            dcarry, dx = pullback((dcarry, _at(dys, i)))
+            dxs = jax.tree.map(lambda s, d: None if s is None else _set(s, d, i), dxs, dx,
+                               is_leaf=lambda a: a is None)
+            return dcarry, dxs
+        dcarry, dxs = lax.fori_loop(0, n, body, (dcarry, dxs))
+        dxs = jax.tree.map(lambda d, a: d if d is not None or a is None else
+                           jnp.zeros(a.shape, jax.dtypes.float0), dxs, shapes,
+                           is_leaf=lambda a: a is None)
+        return dcarry, dxs
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(carry, xs)
+
+
+def _vjp(step, carry, x):
+    """(step(carry, x), its pullback of (dcarry, dy))."""
+    return jax.vjp(step, carry, x)
+
+
+def _at(tree, i):
+    """Every leaf's slice i of its leading axis."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _at_shape(a):
+    """The ShapeDtypeStruct of one slice of a's leading axis."""
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+
+
+def _empty(n, a):
+    """An uninitialised [n, *a.shape] array of a's dtype."""
+    return lax.empty((n, *a.shape), a.dtype)
+
+
+def _set(stack, value, i):
+    return lax.dynamic_update_index_in_dim(stack, value, i, 0)
