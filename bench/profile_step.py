@@ -22,6 +22,16 @@ inputs, bf16, on the kernels.
 
     python3 -m bench.profile_step --scan mamba3 --batch 8 --seq-len 2048 --out DIR
 
+--theirs: the same for mamba_ssm's training step (bench.train_step.their_step: its
+MambaLMHeadModel and fused AdamW, built from --preset, from the copy at --baseline; its
+fast path, or refused as bench.baseline's guard says), after two steps (its autotuning),
+traced by torch.profiler over --steps steps (DIR/mamba_ssm_trace.json, for ui.perfetto.dev).
+Its kernels fall in the same kinds by name (torch's elementwise kernels under "other
+fusion"); no HLO ops.
+
+    python3 -m bench.profile_step --theirs --preset mamba2-1.3b --seq-len 2048 --batch 16 \
+        --baseline .baseline --out DIR
+
 --decode NEW: `mamba_jax.generate` of NEW tokens after a --seq-len prompt for --batch rows
 (random bf16 weights, greedy), compiled by one call and traced in a second; the kernels of
 the decode loop's program (not the prefill's) per decode step (NEW - 1 of them). The loop is
@@ -41,7 +51,8 @@ import re
 import tempfile
 import time
 
-from bench.train_step import Steps
+from bench import baseline
+from bench.train_step import Steps, their_step
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
     ("matmul", r"gemm|cublas|cutlass|sm90_xmma|nvjet|dot"),
@@ -135,6 +146,35 @@ def traced(fn, out, steps):
         return times, json.load(f)
 
 
+def profile_theirs(args):
+    import torch
+
+    from mamba_jax.config import Mamba2Config
+
+    compared = baseline.comparison(args.baseline, "train", args.allow_slow_baseline,
+                                   in_child=False)
+    cfg = Mamba2Config.preset(args.preset)
+    step, _, path = their_step(cfg, args.baseline)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device="cuda")
+    for _ in range(2):  # its Triton autotuning, then a warm step
+        step(ids).item()
+    times = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step(ids).item()  # waits for the step
+            times.append(time.perf_counter() - start)
+    trace = os.path.join(args.out, "mamba_ssm_trace.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+                  and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    print(f"{time.strftime('%Y-%m-%d')} torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}; {compared.line}; {path}; {args.preset} "
+          f"{args.batch}x{args.seq_len}")
+    summarize(events, args.steps, sorted(times)[len(times) // 2], args.top)
+
+
 def profile_decode(args):
     import jax
     import jax.numpy as jnp
@@ -225,8 +265,13 @@ def main(argv=None):
     p.add_argument("--scan", choices=("ssd", "mamba3", "mamba3-mimo"), default=None,
                    help="profile a scan alone (its forward, and forward+backward) instead")
     p.add_argument("--groups", type=int, default=1, help="with --scan ssd: B/C groups")
+    p.add_argument("--theirs", action="store_true",
+                   help="profile mamba_ssm's training step (from --baseline) instead")
+    baseline.add_arguments(p, "train")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.theirs:
+        return profile_theirs(args)
     if args.decode:
         return profile_decode(args)
     if args.scan:

@@ -321,25 +321,20 @@ def gpus_for(mesh_spec: str) -> str:
 
 # ---- mamba_ssm's step (torch), in its own process ----
 
-def theirs(args):
-    """Largest batch (doubling, then bisecting) and tokens/s of mamba_ssm's training step,
-    and the seconds of the first step this process runs (at --batch, its CUDA and Triton
-    compiles and autotuning included)."""
+def their_step(cfg, baseline_dir):
+    """mamba_ssm's training step for our config cfg, from the copy at baseline_dir: (step(ids
+    [b, l + 1] int64 on the GPU) -> the loss tensor, its optimizer, the path it runs)."""
     import torch
     import torch.nn.functional as F
 
-    from mamba_jax.config import Mamba2Config
-    from mamba_jax.metrics import train_flops_per_token
-
-    cfg = Mamba2Config.preset(args.preset)
-    MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(args.baseline)
+    MambaConfig, MambaLMHeadModel = baseline.import_mamba_lm(baseline_dir)
     if baseline.ssm_layer(cfg) == "Mamba3":  # one path: mamba3_siso_combined
         config = baseline.mamba_config(cfg, MambaConfig)
         path = "Mamba3 SISO (mamba3_siso_combined)"
     else:
         # Its fast path wherever it can run here; the parent's guard refused a run without
         # it or marks its ratios.
-        mem_eff = not baseline.probe(args.baseline).slow("train")
+        mem_eff = not baseline.probe(baseline_dir).slow("train")
         config = baseline.mamba_config(cfg, MambaConfig, use_mem_eff_path=mem_eff)
         path = f"use_mem_eff_path={mem_eff}"
     model = MambaLMHeadModel(config, device="cuda", dtype=torch.float32)
@@ -359,7 +354,20 @@ def theirs(args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+    return step, opt, path
 
+
+def theirs(args):
+    """Largest batch (doubling, then bisecting) and tokens/s of mamba_ssm's training step,
+    and the seconds of the first step this process runs (at --batch, its CUDA and Triton
+    compiles and autotuning included)."""
+    import torch
+
+    from mamba_jax.config import Mamba2Config
+    from mamba_jax.metrics import train_flops_per_token
+
+    cfg = Mamba2Config.preset(args.preset)
+    step, opt, path = their_step(cfg, args.baseline)
     first = {}  # the first step that ran: its seconds and batch
 
     def fits(batch):

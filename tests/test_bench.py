@@ -85,7 +85,8 @@ def test_each_script_answers_help(script, capsys):
     usage = capsys.readouterr().out
     assert usage.startswith("usage:")
     # The scripts that time mamba_ssm's Mamba2 take the guard's option.
-    assert ("--allow-slow-baseline" in usage) == (script in ("generate", "train_step"))
+    assert ("--allow-slow-baseline" in usage) == (script in ("generate", "train_step",
+                                                             "profile_step"))
 
 
 @pytest.mark.subprocess
