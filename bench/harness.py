@@ -256,6 +256,22 @@ def child_environment(env: dict | None = None) -> dict:
     return dict(os.environ, **(env or {}), PYTHONPATH=path)
 
 
+def with_cublas_gemms(flags: str) -> str:
+    """XLA flags with `--xla_gpu_enable_triton_gemm=false` added unless they name that flag:
+    the autotuning of XLA's Triton GEMMs made the mamba2-1.3b step's compile exceed 150 s on
+    an H200, 32 s without it (docs/performance.md), so the training benchmarks, and the
+    profiles of what they time, run cuBLAS's GEMMs."""
+    if "xla_gpu_enable_triton_gemm" in flags:
+        return flags
+    return (flags + " --xla_gpu_enable_triton_gemm=false").strip()
+
+
+def use_cublas_gemms():
+    """with_cublas_gemms for this process: call it before jax starts its backends (its first
+    device or computation), which read XLA_FLAGS then."""
+    os.environ["XLA_FLAGS"] = with_cublas_gemms(os.environ.get("XLA_FLAGS", ""))
+
+
 def run_module(module: str, argv: list[str], *, visible: str | None = None,
                env: dict | None = None, timeout: float | None = None) -> list[dict]:
     """Run `python -m bench.<module> *argv` in a child process and return what it reported

@@ -52,8 +52,9 @@ forward for each of its keys, the forward without gradients one of them): of a r
 three default shapes on an H200 (468 s), 343 s were its autotuning; TRITON_CACHE_AUTOTUNING=1
 keeps the choices in Triton's cache for later processes. --implementations: the columns of
 ours, default the kernels alone; "xla" adds the chunked form's. XLA_FLAGS gets
-`--xla_gpu_enable_triton_gemm=false` unless it names that flag (as bench.train_step does:
-the autotuning of XLA's Triton GEMMs dominated compile times).
+`--xla_gpu_enable_triton_gemm=false` unless it names that flag (harness.use_cublas_gemms, as
+bench.train_step and bench.profile_step do: the autotuning of XLA's Triton GEMMs dominated
+compile times).
 """
 
 from __future__ import annotations
@@ -63,9 +64,6 @@ import os
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-if "xla_gpu_enable_triton_gemm" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_enable_triton_gemm=false").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,10 +71,12 @@ import numpy as np  # noqa: E402
 
 from bench import baseline  # noqa: E402
 from bench.harness import (device_line, forward_and_backward, median_time,  # noqa: E402
-                           table_header, table_row, to_torch)
+                           table_header, table_row, to_torch, use_cublas_gemms)
 from mamba_jax.layers.mamba3 import Mamba3Section  # noqa: E402
 from pallas_kernels.mamba3 import IMPLEMENTATIONS, mamba3_scan  # noqa: E402
 from pallas_kernels.mamba3.reference import mamba3_naive  # noqa: E402
+
+use_cublas_gemms()
 
 SHAPES = [(8, 2048), (8, 8192), (1, 65536)]  # (batch, seqlen)
 GRADS = ("C", "B", "x", "adt", "dt", "trap", "angles", "C_bias", "B_bias", "D")

@@ -6,13 +6,14 @@ device kernels summed by name and by kind. With --decode NEW, the same for gener
         [--step-implementation triton] [--ssm-state-dtype bfloat16] --out DIR
 
 Builds and compiles the step as bench.train_step does (Steps: same mesh, remat and
-parameters), runs two warm-up steps, traces --steps steps, and prints the step time, GPU
-time per step by kind (matmul, SSD Pallas kernels, collectives, copies, other fusions) and
-the --top kernels by GPU time per step, each with the HLO ops that launched it (the trace's
-`hlo_op`, by time). DIR keeps the trace (perfetto_trace.json.gz, for
-ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt), where a fusion's name leads to
-the operations it holds. Kernel times are the trace's device events (CUPTI); kernels on
-different streams may overlap, so their sum can exceed the step time.
+parameters; cuBLAS's GEMMs, harness.use_cublas_gemms), runs two warm-up steps, traces
+--steps steps, and prints the step time, GPU time per step by kind (matmul, SSD Pallas
+kernels, collectives, copies, other fusions) and the --top kernels by GPU time per step,
+each with the HLO ops that launched it (the trace's `hlo_op`, by time). DIR keeps the trace
+(perfetto_trace.json.gz, for ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt),
+where a fusion's name leads to the operations it holds. Kernel times are the trace's device
+events (CUPTI); kernels on different streams may overlap, so their sum can exceed the step
+time.
 
 --scan KIND: a scan alone, its forward and its forward+backward (the output returned with the
 gradients, harness.forward_and_backward) each traced --steps times, at --batch x --seq-len
@@ -52,6 +53,7 @@ import tempfile
 import time
 
 from bench import baseline
+from bench.harness import use_cublas_gemms
 from bench.train_step import Steps, their_step
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
@@ -279,6 +281,7 @@ def main(argv=None):
 
     import jax
 
+    use_cublas_gemms()  # as bench.train_step's steps run
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}")

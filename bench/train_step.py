@@ -77,7 +77,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import (ROOT, gpu_count, gpus, median_time, result, run_module,
-                           table_header, table_row)
+                           table_header, table_row, with_cublas_gemms)
 
 GIB = 2**30
 
@@ -304,14 +304,9 @@ def child(args):
 def in_process(gpus: str, argv: list[str], timeout: float, xla_flags: str = "") -> list[dict]:
     """This script's child (argv) run pinned to gpus, with xla_flags added to XLA_FLAGS; what
     it reported (harness.run_module)."""
-    # XLA's Triton GEMM autotuning made the 1.3b step's compile exceed 150 s on an H200;
-    # without it the compile took 32 s (BENCHMARKS.md).
-    flags = os.environ.get("XLA_FLAGS", "") + " " + xla_flags
-    if "xla_gpu_enable_triton_gemm" not in flags:
-        flags += " --xla_gpu_enable_triton_gemm=false"
+    flags = with_cublas_gemms(os.environ.get("XLA_FLAGS", "") + " " + xla_flags)
     return run_module("train_step", argv, visible=gpus, timeout=timeout,
-                      env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95",
-                           "XLA_FLAGS": flags.strip()})
+                      env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "XLA_FLAGS": flags})
 
 
 def gpus_for(mesh_spec: str) -> str:

@@ -328,3 +328,11 @@ def test_forward_and_backward_computes_the_output_with_the_gradients():
     y, (dx,) = harness.forward_and_backward(square)(x, dy)
     assert jnp.array_equal(y, x * x)
     assert jnp.array_equal(dx, 2 * x * dy)
+
+
+def test_training_benchmarks_run_cublas_gemms_unless_the_flags_name_triton_gemms():
+    assert harness.with_cublas_gemms("") == "--xla_gpu_enable_triton_gemm=false"
+    assert (harness.with_cublas_gemms("--xla_gpu_enable_cublaslt=false")
+            == "--xla_gpu_enable_cublaslt=false --xla_gpu_enable_triton_gemm=false")
+    chosen = "--xla_gpu_enable_triton_gemm=true"
+    assert harness.with_cublas_gemms(chosen) == chosen
