@@ -2,8 +2,9 @@
 norm's), where the conv runs inside the scan's custom_vjp and the backward pass recomputes
 its output and the per-chunk states, equals the XLA path (the conv, then the chunked scan,
 differentiated by JAX): logits, loss and every gradient of a float32 model, on one device
-and under a tp x cp mesh (8 fake CPU devices), on an odd length over packed documents. The
-kernels run in Pallas's interpreter.
+and under a tp x cp mesh (8 fake CPU devices), on an odd length over packed documents, and
+continued from the states of the sequence before it (the conv's window and the SSM's state,
+gradients into both). The kernels run in Pallas's interpreter.
 
 Tolerances: logits and loss within 1e-5 absolute; every gradient within 1e-5 absolute +
 1e-4 relative (the kernels sum the same float32 products in another order; seen ~1e-6).
@@ -12,6 +13,7 @@ Tolerances: logits and loss within 1e-5 absolute; every gradient within 1e-5 abs
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 
 import pallas_kernels.conv as conv
@@ -57,3 +59,37 @@ def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
     for path, g in jax.tree_util.tree_leaves_with_path(kernel_grads):
         np.testing.assert_allclose(g, reference[path], rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                    err_msg=param_name(path))
+
+
+def test_kernel_path_continues_from_states(monkeypatch):
+    cfg = mamba_config(ngroups=8).replace(n_layer=2)
+    graphdef, params, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
+    cut = 13  # the first piece: states of a document that goes on past it in some rows
+
+    def hidden(params, ids, seq_idx, states, return_states):
+        return nnx.merge(graphdef, params).hidden(ids, seq_idx, initial_states=states,
+                                                  return_states=return_states)
+    _, states = jax.jit(lambda p: hidden(p, ids[:, :cut], seq_idx[:, :cut], None, True))(
+        params)
+    weight = np.random.default_rng(4).standard_normal(ids[:, cut:].shape + (cfg.d_model,))
+
+    def objective(params, states):  # a fixed projection of the second piece's hidden states
+        return (hidden(params, ids[:, cut:], seq_idx[:, cut:], states, False) * weight).sum()
+    run = lambda: jax.jit(jax.value_and_grad(objective, (0, 1)),
+                          compiler_options=FAST_COMPILE)(params, states)
+    value, grads = run()
+    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
+    monkeypatch.setattr(conv, "_kernels_run", lambda *args: True)
+    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+    kernel_value, kernel_grads = run()
+    assert np.isfinite(float(value))
+    np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL * abs(float(value)))
+    reference = dict(jax.tree_util.tree_leaves_with_path(grads))
+    assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(grads[1]))  # states matter
+    for path, g in jax.tree_util.tree_leaves_with_path(kernel_grads):
+        # Against the parameter's largest gradient (this objective sums ~1e3 terms, so
+        # gradients reach ~1e2): D's, a sum of x * dy over every position, differs by up to
+        # 6e-5 of its largest entry with or without states (float32 sums in another order).
+        r = reference[path]
+        np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=1e-4 * np.abs(r).max(),
+                                   err_msg=jax.tree_util.keystr(path))
