@@ -4,7 +4,7 @@ its output and the per-chunk states, equals the XLA path (the conv, then the chu
 differentiated by JAX): logits, loss and every gradient of a float32 model, on one device
 and under a tp x cp mesh (8 fake CPU devices), on an odd length over packed documents, and
 continued from the states of the sequence before it (the conv's window and the SSM's state,
-gradients into both). The kernels run in Pallas's interpreter.
+gradients into both) under each --remat choice. The kernels run in Pallas's interpreter.
 
 Tolerances: logits and loss within 1e-5 absolute; every gradient within 1e-5 absolute +
 1e-4 relative (the kernels sum the same float32 products in another order; seen ~1e-6).
@@ -61,27 +61,30 @@ def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
                                    err_msg=param_name(path))
 
 
-def test_kernel_path_continues_from_states(monkeypatch):
+@pytest.mark.parametrize("remat", ["none", "block", "full"])
+def test_kernel_path_continues_from_states(monkeypatch, remat):
+    # The kernel path under each --remat choice against the XLA path without remat.
     cfg = mamba_config(ngroups=8).replace(n_layer=2)
     graphdef, params, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
     cut = 13  # the first piece: states of a document that goes on past it in some rows
 
-    def hidden(params, ids, seq_idx, states, return_states):
+    def hidden(params, ids, seq_idx, states, return_states, remat="none"):
         return nnx.merge(graphdef, params).hidden(ids, seq_idx, initial_states=states,
-                                                  return_states=return_states)
+                                                  return_states=return_states, remat=remat)
     _, states = jax.jit(lambda p: hidden(p, ids[:, :cut], seq_idx[:, :cut], None, True))(
         params)
     weight = np.random.default_rng(4).standard_normal(ids[:, cut:].shape + (cfg.d_model,))
 
-    def objective(params, states):  # a fixed projection of the second piece's hidden states
-        return (hidden(params, ids[:, cut:], seq_idx[:, cut:], states, False) * weight).sum()
-    run = lambda: jax.jit(jax.value_and_grad(objective, (0, 1)),
-                          compiler_options=FAST_COMPILE)(params, states)
-    value, grads = run()
+    def run(remat):  # a fixed projection of the second piece's hidden states
+        objective = lambda params, states: (hidden(params, ids[:, cut:], seq_idx[:, cut:],
+                                                   states, False, remat) * weight).sum()
+        return jax.jit(jax.value_and_grad(objective, (0, 1)),
+                       compiler_options=FAST_COMPILE)(params, states)
+    value, grads = run("none")
     monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
     monkeypatch.setattr(conv, "_kernels_run", lambda *args: True)
     monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
-    kernel_value, kernel_grads = run()
+    kernel_value, kernel_grads = run(remat)
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL * abs(float(value)))
     reference = dict(jax.tree_util.tree_leaves_with_path(grads))
