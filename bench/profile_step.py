@@ -54,7 +54,7 @@ import time
 
 from bench import baseline
 from bench.harness import use_cublas_gemms
-from bench.train_step import Steps, their_step
+from bench.train_step import Steps, not_comparable, their_step, their_use
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
     ("matmul", r"gemm|cublas|cutlass|sm90_xmma|nvjet|dot"),
@@ -149,14 +149,17 @@ def traced(fn, out, steps):
 
 
 def profile_theirs(args):
-    import torch
-
     from mamba_jax.config import Mamba2Config
 
-    compared = baseline.comparison(args.baseline, "train", args.allow_slow_baseline,
-                                   in_child=False)
     cfg = Mamba2Config.preset(args.preset)
-    step, _, path = their_step(cfg, args.baseline)
+    why = not_comparable(cfg, args.baseline)
+    if why:
+        raise SystemExit(f"--theirs --preset {args.preset}: {why}")
+    compared = baseline.comparison(args.baseline, their_use(cfg), args.allow_slow_baseline,
+                                   in_child=False)
+    import torch
+
+    step, _, _ = their_step(cfg, args.baseline)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device="cuda")
     for _ in range(2):  # its Triton autotuning, then a warm step
         step(ids).item()
@@ -172,7 +175,7 @@ def profile_theirs(args):
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
                   and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     print(f"{time.strftime('%Y-%m-%d')} torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}; {compared.line}; {path}; {args.preset} "
+          f"{torch.cuda.get_device_name()}; {compared.line}; {args.preset} "
           f"{args.batch}x{args.seq_len}")
     summarize(events, args.steps, sorted(times)[len(times) // 2], args.top)
 

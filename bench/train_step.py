@@ -504,13 +504,18 @@ def not_comparable(cfg, copy) -> str:
     return baseline.lacks_mamba3(copy) if layer == "Mamba3" else ""
 
 
+def their_use(cfg) -> str:
+    """The bench.baseline.USES key of mamba_ssm's training step for this config."""
+    return "train-mamba3" if baseline.ssm_layer(cfg) == "Mamba3" else "train"
+
+
 def versus(args):
     from mamba_jax.config import Mamba2Config
 
     configs = {preset: Mamba2Config.preset(preset) for preset in args.presets}
     # mamba_ssm's path per kind of preset, checked before any timing.
-    uses = {preset: "train-mamba3" if baseline.ssm_layer(cfg) == "Mamba3" else "train"
-            for preset, cfg in configs.items() if not not_comparable(cfg, args.baseline)}
+    uses = {preset: their_use(cfg) for preset, cfg in configs.items()
+            if not not_comparable(cfg, args.baseline)}
     compared = {use: baseline.comparison(args.baseline, use, args.allow_slow_baseline)
                 for use in dict.fromkeys(uses.values())}
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "

@@ -32,13 +32,13 @@ def scan(step, carry, xs):
         return lax.scan(step, carry, xs)
 
     def run_fwd(carry, xs):
-        (_, y), pullback = jax.eval_shape(lambda c, x: _vjp(step, c, x), carry, _at(xs, 0))
-        stacks = [_empty(n, a) for a in jax.tree.leaves(pullback)]
-        ys = jax.tree.map(lambda a: _empty(n, a), y)
+        (_, y), pullback = jax.eval_shape(lambda c, x: jax.vjp(step, c, x), carry, _at(xs, 0))
+        stacks = [lax.empty((n, *a.shape), a.dtype) for a in jax.tree.leaves(pullback)]
+        ys = jax.tree.map(lambda a: lax.empty((n, *a.shape), a.dtype), y)
 
         def body(i, state):
             carry, stacks, ys = state
-            (carry, y), pullback = _vjp(step, carry, _at(xs, i))
+            (carry, y), pullback = jax.vjp(step, carry, _at(xs, i))
             leaves, pullbacks["treedef"] = jax.tree.flatten(pullback)
             stacks = [_set(s, leaf, i) for s, leaf in zip(stacks, leaves)]
             return carry, stacks, jax.tree.map(lambda s, leaf: _set(s, leaf, i), ys, y)
@@ -50,7 +50,7 @@ def scan(step, carry, xs):
         stacks, shapes = residuals
         dcarry, dys = cotangents
         differentiable = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
-        dxs = jax.tree.map(lambda a: _empty(n, _at_shape(a)) if differentiable(a) else None,
+        dxs = jax.tree.map(lambda a: lax.empty(a.shape, a.dtype) if differentiable(a) else None,
                            shapes)
 
         def body(j, state):
@@ -71,24 +71,9 @@ def scan(step, carry, xs):
     return run(carry, xs)
 
 
-def _vjp(step, carry, x):
-    """(step(carry, x), its pullback of (dcarry, dy))."""
-    return jax.vjp(step, carry, x)
-
-
 def _at(tree, i):
     """Every leaf's slice i of its leading axis."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
-
-
-def _at_shape(a):
-    """The ShapeDtypeStruct of one slice of a's leading axis."""
-    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
-
-
-def _empty(n, a):
-    """An uninitialised [n, *a.shape] array of a's dtype."""
-    return lax.empty((n, *a.shape), a.dtype)
 
 
 def _set(stack, value, i):

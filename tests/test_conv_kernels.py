@@ -109,12 +109,12 @@ def test_auto_uses_xla_without_a_gpu_and_logs_a_centred_conv_on_hopper(monkeypat
     x = jnp.zeros((1, 32, 16))
     w = jnp.zeros((4, 16))
     assert hardware.compute_capability() is None
-    assert not conv._kernels_run(x, w, 3, 32)
+    assert not conv.kernels_run(x, w, 3, 32)
     monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
-    assert conv._kernels_run(x, w, 3, 32)
+    assert conv.kernels_run(x, w, 3, 32)
     monkeypatch.setattr(fallback, "_said", set())
     with caplog.at_level("WARNING", logger=fallback.logger.name):
-        assert not conv._kernels_run(x, w, 1, 32)
+        assert not conv.kernels_run(x, w, 1, 32)
     assert "causal_conv1d: the XLA path, not the kernels: left 1 of 4 taps" in caplog.text
 
 
@@ -127,8 +127,8 @@ def test_the_kernels_refuse_a_centred_conv():
 def test_parts_that_no_power_of_two_of_16_divides_take_xla(monkeypatch):
     x, w = jnp.zeros((1, 32, 72)), jnp.zeros((4, 72))
     monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
-    assert conv._kernels_run(x, w, 3, 32, (48, 16, 8)) is False
-    assert conv._kernels_run(x, w, 3, 32, (40, 16, 16)) is False
-    assert conv._kernels_run(jnp.zeros((1, 32, 96)), jnp.zeros((4, 96)), 3, 32, (64, 16, 16))
+    assert conv.kernels_run(x, w, 3, 32, (48, 16, 8)) is False
+    assert conv.kernels_run(x, w, 3, 32, (40, 16, 16)) is False
+    assert conv.kernels_run(jnp.zeros((1, 32, 96)), jnp.zeros((4, 96)), 3, 32, (64, 16, 16))
     with pytest.raises(ValueError, match="do not sum"):
         conv.causal_conv1d(x, w, parts=(64, 16))

@@ -138,9 +138,13 @@ def _conv_x_B_C(xBC, w, bias, doc, *, length, **shapes):
     first token first: Mamba2Mixer._conv_operands) with w [k, e], bias [e] or None and doc
     [b, width + length] (document ids) or None -> x, B, C of its last `length` outputs
     (`_shaped`, with `shapes` its options), each written by the conv on its own."""
-    B_size = math.prod(shapes["B_shape"])
-    parts = (math.prod(shapes["x_shape"]), B_size, B_size)
-    return _shaped(*causal_conv1d(xBC, w, bias, doc, length=length, parts=parts), **shapes)
+    return _shaped(*causal_conv1d(xBC, w, bias, doc, length=length, parts=_parts(**shapes)),
+                   **shapes)
+
+
+def _parts(*, x_shape, B_shape, **_):
+    """The sizes of the conv's channels x, B and C."""
+    return math.prod(x_shape), math.prod(B_shape), math.prod(B_shape)
 
 
 def _shaped(x, B, C, *, x_shape, B_shape, heads, ngroups, ctx):
@@ -359,8 +363,7 @@ class Mamba2Mixer(Mixer):
     def split_conv_output(self, out, ctx: ParallelContext = SINGLE_DEVICE):
         """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n] (`_shaped`)."""
         shapes = self._split_options(ctx)
-        x_size, B_size = math.prod(shapes["x_shape"]), math.prod(shapes["B_shape"])
-        return _shaped(*jnp.split(out, [x_size, x_size + B_size], axis=-1), **shapes)
+        return _shaped(*split_last(out, _parts(**shapes)), **shapes)
 
     def _split_options(self, ctx: ParallelContext) -> dict:
         """_shaped's options for this layer's (this rank's) conv weights."""

@@ -51,7 +51,7 @@ def causal_conv1d(x, weight, bias=None, doc=None, *, left=None, length=None, par
     if parts is not None and sum(parts) != e:
         raise ValueError(f"causal_conv1d: parts={parts} do not sum to the {e} channels")
     if implementation == "auto":
-        implementation = "triton" if _kernels_run(x, weight, left, length, parts) else "xla"
+        implementation = "triton" if kernels_run(x, weight, left, length, parts) else "xla"
     if implementation == "xla":
         y = reference.conv1d(x, weight, bias, doc, left)[:, rows - length:]
         if parts is None:
@@ -69,7 +69,7 @@ def causal_conv1d(x, weight, bias=None, doc=None, *, left=None, length=None, par
     return y[0].reshape(b, length, *channels) if parts is None else y
 
 
-def _kernels_run(x, weight, left, length, parts=None) -> bool:
+def kernels_run(x, weight, left, length, parts=None) -> bool:
     """"auto"'s choice (module docstring), a fallback logged once where it is not taken on a
     GPU the kernels were measured on."""
     if not hardware.measured_gpu():
