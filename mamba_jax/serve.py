@@ -68,6 +68,7 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
+from mamba_jax import compilation_cache
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
                                 load_for_generation, token_logprobs)
@@ -726,8 +727,10 @@ def main(argv=None):
     parser.add_argument("--max-queued-tokens", type=int, default=Limits.max_queued_tokens,
                         help="prompt and new tokens of all waiting prompts; more is a 503")
     add_decode_arguments(parser)
+    compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
 
+    compilation_cache.use(args.compilation_cache)
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
                     args.batch_window_ms / 1e3, args.max_prompts, args.max_queued_tokens)

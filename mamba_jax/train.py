@@ -39,7 +39,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import parallel
+from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import PRESETS, Mamba2Config
@@ -176,6 +176,7 @@ def build_parser():
                    help="multi-process runs: process 0's address (all processes)")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
+    compilation_cache.add_argument(p)
     return p
 
 
@@ -323,6 +324,7 @@ def main(argv=None):
 def _train(argv, held: contextlib.ExitStack):
     """main's run; `held` keeps the --checkpoint-dir lock until main returns."""
     args, overrides = parse_command_line(argv)
+    cache_dir = compilation_cache.use(args.compilation_cache)
     parallel.initialize_distributed(args.coordinator_address, args.num_processes,
                                     args.process_id)
     lead = jax.process_index() == 0  # the process that prints, logs and exports
@@ -423,8 +425,8 @@ def _train(argv, held: contextlib.ExitStack):
               f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
               f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
               f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}, "
-              f"remat {args.remat}" + (f", resumed at step {start}" if start else ""),
-              file=sys.stderr)
+              f"remat {args.remat}, compilation cache {cache_dir or 'off'}"
+              + (f", resumed at step {start}" if start else ""), file=sys.stderr)
     flops = train_flops_per_token(cfg, args.seq_len)
     peak = peak_flops(args.dtype)
     # A resumed run supersedes what a killed one logged after its checkpoint.

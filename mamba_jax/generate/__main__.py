@@ -15,6 +15,7 @@ import json
 
 import jax.numpy as jnp
 
+from mamba_jax import compilation_cache
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
                                 load_for_generation)
@@ -44,6 +45,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_decode_arguments(parser)
+    compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
     if args.server:
         if args.top_k is not None:
@@ -54,6 +56,7 @@ def main(argv=None):
         print()
         return
 
+    compilation_cache.use(args.compilation_cache)
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
