@@ -1,8 +1,8 @@
 """mamba_jax.layer_scan.scan against lax.scan: the carry, the stacked outputs and every
 gradient equal (the same operations in the same order, so bit for bit) for a step with
 stacked outputs, an integer and a None leaf among its inputs, with and without a
-jax.checkpoint policy; and the residual stacks are uninitialised allocations when lowered
-for a GPU."""
+jax.checkpoint policy; the residual stacks are uninitialised allocations when lowered for a
+GPU; and a residual that is a slice of xs is read from xs, not stacked again."""
 
 import jax
 import jax.numpy as jnp
@@ -67,3 +67,29 @@ def test_the_stacks_are_not_filled_on_a_gpu():
         lambda c, w, b: layer_scan.scan(step, c, dict(xs, w=w, b=b))[0].sum(),
         (0, 1, 2))(c, w, b)).trace(c, xs["w"], xs["b"]).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("AllocateBuffer") >= 3
+
+
+def allocations(f, c, xs):
+    """The shapes of the stacks (`lax.empty`) that the gradient of a scan of f makes."""
+    def eqns(jaxpr):
+        for e in jaxpr.eqns:
+            yield e
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    yield from eqns(inner)
+    grad = jax.grad(lambda c, w, b: layer_scan.scan(f, c, dict(xs, w=w, b=b))[0].sum(),
+                    (0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad)(c, xs["w"], xs["b"]).jaxpr
+    return [e.outvars[0].aval.shape for e in eqns(jaxpr) if e.primitive.name == "empty"]
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable],
+                         ids=["no_remat", "remat"])
+def test_a_weight_the_backward_reads_is_not_stacked_again(policy):
+    # step's backward reads w (the carry's gradient is d @ w.T; under the policy, the step's
+    # inputs are what it keeps): the only stack of w's shape is w's gradient.
+    c, xs = inputs(0)
+    f = step if policy is None else jax.checkpoint(step, policy=policy)
+    shapes = allocations(f, c, xs)
+    assert shapes.count(xs["w"].shape) == 1, shapes
