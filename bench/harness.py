@@ -251,9 +251,12 @@ def result(value: dict):
 
 def child_environment(env: dict | None = None) -> dict:
     """The environment of a `python -m bench.<module>` child: ours, with env's variables and
-    the repository first on PYTHONPATH."""
+    the repository first on PYTHONPATH, less JAX_COMPILATION_CACHE_DIR: a child compiles
+    cold, so the compile and first-step times it reports are what a first run pays."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, **(env or {}), PYTHONPATH=path)
+    environ = dict(os.environ, **(env or {}), PYTHONPATH=path)
+    environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return environ
 
 
 def with_cublas_gemms(flags: str) -> str:

@@ -336,3 +336,11 @@ def test_training_benchmarks_run_cublas_gemms_unless_the_flags_name_triton_gemms
             == "--xla_gpu_enable_cublaslt=false --xla_gpu_enable_triton_gemm=false")
     chosen = "--xla_gpu_enable_triton_gemm=true"
     assert harness.with_cublas_gemms(chosen) == chosen
+
+
+def test_a_benchmarks_child_compiles_cold(monkeypatch):
+    # A compilation cache would make the child's compile and first-step times a load's.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/some-cache")
+    environ = harness.child_environment({"XLA_FLAGS": "--x"})
+    assert "JAX_COMPILATION_CACHE_DIR" not in environ
+    assert environ["XLA_FLAGS"] == "--x" and environ["PYTHONPATH"].startswith(harness.ROOT)
