@@ -257,6 +257,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--remat", default="none")
+    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="our layers one after the other, as the trainer's flag")
     p.add_argument("--loss-chunk", type=int, default=None)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
@@ -285,9 +287,11 @@ def main(argv=None):
     import jax
 
     use_cublas_gemms()  # as bench.train_step's steps run
-    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk)
+    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk,
+                  scan_layers=args.scan_layers)
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
-          f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}")
+          f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}"
+          + ("" if args.scan_layers else ", layers unrolled"))
     steps.measure(args.batch, args.seq_len, 1)  # compiles, builds the state, warms up
     exe = steps.compiled[args.batch, args.seq_len][0]
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:

@@ -87,7 +87,7 @@ GIB = 2**30
 class Steps:
     """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len)."""
 
-    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None):
+    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=True):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -112,7 +112,7 @@ class Steps:
         self.param_shardings = parallel.shardings(mesh, specs)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
         self.loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
-                                             loss_chunk=loss_chunk)
+                                             loss_chunk=loss_chunk, scan_layers=scan_layers)
         self.step = make_train_step(self.loss_fn, self.tx)
         self.rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
         self.replicated = NamedSharding(mesh, P())
@@ -283,7 +283,8 @@ def child(args):
     """One process's work; reports its results (harness.result)."""
     import jax
 
-    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers)
+    steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers,
+                  args.scan_layers)
     if args.child == "measure":
         result(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
         return
@@ -444,6 +445,11 @@ def row(r, label=None):
             + " |")
 
 
+def layers_note(args) -> str:
+    """What a table's introduction says of --no-scan-layers."""
+    return "" if args.scan_layers else "; our layers one after the other (--no-scan-layers)"
+
+
 def child_argv(args, kind, mesh, **changes):
     values = dict(preset=args.preset, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
                   steps=args.steps, granule=args.granule, **changes)
@@ -451,7 +457,8 @@ def child_argv(args, kind, mesh, **changes):
         values["layers"] = args.layers
     if args.limit_gib:
         values["limit_gib"] = args.limit_gib
-    flags = ["--breakdown"] if args.breakdown else []
+    flags = (["--breakdown"] if args.breakdown else []) + ([] if args.scan_layers
+                                                           else ["--no-scan-layers"])
     argv = ["_child", kind, "--mesh", mesh] + [
         f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
     return argv + flags + ([f"--loss-chunk={args.loss_chunk}"] if args.loss_chunk else [])
@@ -459,8 +466,8 @@ def child_argv(args, kind, mesh, **changes):
 
 def throughput(args):
     part = f" (its first {args.layers} layers)" if args.layers else ""
-    print(f"{args.preset}{part}, bf16 compute, remat {args.remat}; median of {args.steps} "
-          "steps")
+    print(f"{args.preset}{part}, bf16 compute, remat {args.remat}{layers_note(args)}; median "
+          f"of {args.steps} steps")
     print(row_head(), flush=True)
     base = None
     for mesh, variant in itertools.product(args.meshes, args.xla_variants):
@@ -523,7 +530,7 @@ def versus(args):
           "the same time (on a one-GPU machine, one after the other). First step: ours, the "
           "compile and the first step at the batch measured; theirs, the first step its "
           f"process ran (batch {args.batch}, its CUDA and Triton compiles and autotuning "
-          "included)")
+          f"included){layers_note(args)}")
     print(f"mamba_ssm from {args.baseline}")
     if any("3" in cfg.layers for cfg in configs.values()):
         print("ours: Mamba-3 layers on mamba3_scan's \"auto\": the SSD's Pallas kernels on a "
@@ -591,6 +598,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--remat", default=None)
+    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="our layers one after the other, as the trainer's flag")
     p.add_argument("--loss-chunk", type=int, default=None)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--granule", type=int, default=None,

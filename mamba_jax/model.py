@@ -160,22 +160,25 @@ class Mamba2LM(nnx.Module):
     # ------------------------------------------------------------ the forward
 
     def __call__(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 remat="none", initial_states=None, return_states=False):
+                 remat="none", initial_states=None, return_states=False, scan_layers=True):
         """input_ids [b, l] -> logits [b, l, v] float32 ([b, l, v/tp] under tp: this rank's
         slice of the vocabulary). seq_idx [b, l]: packed documents (no state crosses a
-        document start). initial_states, return_states: as `hidden`'s; with return_states,
-        (logits, states)."""
+        document start). initial_states, return_states, scan_layers: as `hidden`'s; with
+        return_states, (logits, states)."""
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
-                             initial_states=initial_states, return_states=return_states)
+                             initial_states=initial_states, return_states=return_states,
+                             scan_layers=scan_layers)
         if return_states:
             return self._vocab(hidden[0], self.head_weight(ctx)), hidden[1]
         return self._vocab(hidden, self.head_weight(ctx))
 
     def hidden(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-               remat="none", initial_states=None, return_states=False):
+               remat="none", initial_states=None, return_states=False, scan_layers=True):
         """input_ids [b, l] -> the final norm's output [b, l, d] in the compute dtype (every
         position of this device's part, whatever the sequence parallelism). remat: "none",
-        "block" or "full" activation checkpointing of each layer (remat_policy).
+        "block" or "full" activation checkpointing of each layer (remat_policy). scan_layers:
+        each run of layers of one kind as one scan, else one layer after the other
+        (`_layers`' scan).
 
         initial_states: per layer, the state the sequence continues from (a MambaCache, whose
         conv window and SSM state may each be None; None for a layer without one), e.g. the
@@ -184,21 +187,24 @@ class Mamba2LM(nnx.Module):
         gets the end of the whole sequence): (hidden, states)."""
         residual, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
                                         cache_len=input_ids.shape[1] if return_states else None,
-                                        initial_states=initial_states)
+                                        scan=scan_layers, initial_states=initial_states)
         hidden = self._final(residual, ctx)
         return (hidden, states) if return_states else hidden
 
     def loss(self, input_ids, targets, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-             remat="none", loss_chunk=None, initial_states=None, return_states=False):
+             remat="none", loss_chunk=None, initial_states=None, return_states=False,
+             scan_layers=True):
         """Per-token next-token cross-entropy [b, l] float32 (nats) of targets [b, l] (with
         return_states, (that, the states): `hidden`'s initial_states and return_states, for
-        truncated backpropagation through time over the pieces of a long sequence).
+        truncated backpropagation through time over the pieces of a long sequence; its
+        remat and scan_layers).
 
         loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
         backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l,
         v/tp] (at 64K tokens and a 50K vocabulary that is 13 GB of float32 per row)."""
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
-                             initial_states=initial_states, return_states=return_states)
+                             initial_states=initial_states, return_states=return_states,
+                             scan_layers=scan_layers)
         hidden, states = hidden if return_states else (hidden, None)
         with_states = lambda losses: (losses, states) if return_states else losses
         head = self.head_weight(ctx)
@@ -240,12 +246,14 @@ class Mamba2LM(nnx.Module):
         initial_states: per layer the cache it continues from, or None (`hidden`).
 
         scan: one scan per run of consecutive layers of one kind, not a copy of the layer per
-        layer: compile time and program size stay those of one layer per run (48 unrolled
-        1.3b layers with their backward pass took minutes to compile). An all-Mamba model is
-        one run, one scan; a hybrid pattern such as Megatron's "M-M-M*-..." alternates kinds,
-        so most of its runs are a single layer, called directly. A run's weights are stacked
-        for its scan, a copy of this device's shards, which a prefill (no backward pass to
-        compile) does not pay: scan=False calls the layers one after the other."""
+        layer: compile time and program size stay those of one layer per run. An all-Mamba
+        model is one run, one scan; a hybrid pattern such as Megatron's "M-M-M*-..."
+        alternates kinds, so most of its runs are a single layer, called directly. A scan
+        pays for its stacks: the run's weights stacked (a copy of this device's shards, held
+        through the step), their gradients stacked before they are sliced apart, and each
+        layer's saved residuals copied into stacks and out of them (layer_scan).
+        scan=False calls the layers one after the other: none of those, for a program that
+        holds a copy of the layer per layer (a prefill; training with --no-scan-layers)."""
         policy = remat_policy(remat, ctx.fsdp > 1)
         initial_states = self._check_initial_states(initial_states)
         caches = []

@@ -130,7 +130,7 @@ def _shard_map(body, mesh, specs, n_batch_args, out_specs):
 
 
 def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
-                 loss_chunk=None):
+                 loss_chunk=None, scan_layers=True):
     """loss(params, inputs [b, l], targets [b, l], seq_idx=None) -> mean next-token
     cross-entropy (nats): Mamba2LM.loss on every device, averaged over the mesh. seq_idx
     [b, l]: packed documents (no state crosses a boundary).
@@ -138,14 +138,15 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     params are placed as `specs`; the token arrays as TOKENS (rows over dp and fsdp, the
     sequence over cp). remat: "none", "block" or "full" activation checkpointing of each
     layer (model.remat_policy). loss_chunk: the logits and cross-entropy that many positions
-    at a time (Mamba2LM.loss); None: all at once."""
+    at a time (Mamba2LM.loss); None: all at once. scan_layers: Mamba2LM.loss's."""
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel)
     token_axes = BATCH_AXES + ("cp",)
     n_shards = math.prod(mesh.shape[a] for a in token_axes)
 
     def body(params, inputs, targets, seq_idx=None):
         token_loss = nnx.merge(graphdef, params).loss(inputs, targets, seq_idx, ctx=ctx,
-                                                      remat=remat, loss_chunk=loss_chunk)
+                                                      remat=remat, loss_chunk=loss_chunk,
+                                                      scan_layers=scan_layers)
         return lax.psum(token_loss.sum(), token_axes) / (token_loss.size * n_shards)
     plain = _shard_map(body, mesh, specs, 2, P())
     packed = _shard_map(body, mesh, specs, 3, P())

@@ -141,6 +141,11 @@ def build_parser():
     p.add_argument("--remat", choices=REMAT, default="none",
                    help="activation checkpointing per block: block keeps matmul outputs, "
                         "full keeps only each block's input")
+    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="run the layers one after the other rather than as one scan per run "
+                        "of a layer kind: no stacked copy of the weights, of their gradients "
+                        "or of the saved activations, for a compile that grows with the "
+                        "number of layers")
     p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
                    help="compute the logits and the loss TOKENS positions at a time, "
                         "recomputed in the backward pass (long sequences: the full logits "
@@ -404,7 +409,7 @@ def _train(argv, held: contextlib.ExitStack):
 
     loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=args.remat,
                                     sequence_parallel=args.sequence_parallel,
-                                    loss_chunk=args.loss_chunk)
+                                    loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
     eval_loss = jax.jit(loss_fn)
     train_step = make_train_step(loss_fn, tx)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
@@ -425,7 +430,8 @@ def _train(argv, held: contextlib.ExitStack):
               f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
               f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
               f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}, "
-              f"remat {args.remat}, compilation cache {cache_dir or 'off'}"
+              f"remat {args.remat}, layers {'scanned' if args.scan_layers else 'unrolled'}, "
+              f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)
     flops = train_flops_per_token(cfg, args.seq_len)
     peak = peak_flops(args.dtype)

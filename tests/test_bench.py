@@ -344,3 +344,16 @@ def test_a_benchmarks_child_compiles_cold(monkeypatch):
     environ = harness.child_environment({"XLA_FLAGS": "--x"})
     assert "JAX_COMPILATION_CACHE_DIR" not in environ
     assert environ["XLA_FLAGS"] == "--x" and environ["PYTHONPATH"].startswith(harness.ROOT)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_our_training_child_runs_the_layers_as_asked(scan_layers):
+    import argparse
+
+    from bench.train_step import child_argv, layers_note
+    args = argparse.Namespace(preset="mamba2-370m", batch=8, seq_len=2048, remat="none",
+                              steps=3, granule=4, layers=None, limit_gib=None, breakdown=False,
+                              loss_chunk=None, scan_layers=scan_layers)
+    argv = child_argv(args, "measure", "dp=1")
+    assert ("--no-scan-layers" in argv) == (not scan_layers)
+    assert ("--no-scan-layers" in layers_note(args)) == (not scan_layers)

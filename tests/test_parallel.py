@@ -11,10 +11,11 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import parallel
-from mesh_check import (BATCH, LOSS_RTOL, SEQ, assert_matches_single_device, mamba_config,
+from mamba_jax import layer_scan, parallel
+from mesh_check import (BATCH, FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, SEQ,
+                        assert_matches_single_device, mamba_config, model_and_batch,
                         single_device_train_losses, tiny_config, train_losses)
 
 MESHES = ["tp=2,dp=4", "tp=4,dp=2", "tp=8", "dp=2,tp=4", "fsdp=2,tp=2,dp=2"]
@@ -144,3 +145,34 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
     assert len(single) == 3 and np.all(np.isfinite(single))
     np.testing.assert_allclose(read("multi.jsonl"), single, rtol=LOSS_RTOL)
     assert (tmp_path / "ck" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(remat, monkeypatch):
+    # scan_layers=False (the trainer's --no-scan-layers) under fsdp x cp x tp over packed
+    # documents: no layer scan (so no weight, gradient or residual stack), the same loss and
+    # every gradient.
+    scans = []
+    scan = layer_scan.scan
+    monkeypatch.setattr(layer_scan, "scan", lambda *args: scans.append(1) or scan(*args))
+    cfg = tiny_config(n_layer=3, ngroups=2)
+    graphdef, params, batch = model_and_batch(cfg, packed=True)
+    mesh = parallel.make_mesh("fsdp=2,cp=2,tp=2")
+    specs = parallel.param_specs(params, mesh)
+    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
+
+    def value_and_grads(scan_layers):
+        loss = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
+                                     scan_layers=scan_layers)
+        return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
+    value, grads = value_and_grads(False)
+    assert not scans
+    ref_value, ref_grads = value_and_grads(True)
+    assert scans
+    assert np.isfinite(float(value))
+    np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
