@@ -168,7 +168,10 @@ def build_parser():
                              "checkpoint (for jobs that a scheduler restarts)")
     p.add_argument("--out", "--export-hf", dest="out", default="runs/{preset}",
                    help="where the final weights go (HF layout + tokenizer.json); 'none' to "
-                        "skip")
+                        "skip. A directory that holds a model is refused, unless "
+                        "--overwrite-out or the run resumes the checkpoints that wrote it")
+    p.add_argument("--overwrite-out", action="store_true",
+                   help="let the final export replace the model in --out")
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="device mesh, e.g. 'tp=4', 'dp=2,fsdp=2,tp=2' or 'cp=2,tp=4' (axes dp, "
                         "fsdp, cp, tp; omitted axes are 1; default: every device on dp)")
@@ -320,6 +323,25 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
     return ckpt
 
 
+def _check_out(args) -> None:
+    """Refuses an --out that holds a model (its config.json), which the export at the end
+    would replace, unless --overwrite-out, or the run resumes from the --checkpoint-dir that
+    the model's own train_config.json names (a restarted job exports where it did)."""
+    out = Path(args.out.format(preset=args.preset))
+    if args.overwrite_out or not (out / "config.json").exists():
+        return
+    if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
+        try:
+            earlier = json.loads((out / "train_config.json").read_text())["train"]
+            if Path(earlier["checkpoint_dir"]).resolve() == Path(args.checkpoint_dir).resolve():
+                return
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no record of the run that wrote it: someone else's model
+    raise SystemExit(f"--out {out} already holds a model (its config.json), which this run's "
+                     "final export would replace: give another --out, --out none, or "
+                     "--overwrite-out to replace it")
+
+
 @command("python -m mamba_jax.train")
 def main(argv=None):
     with contextlib.ExitStack() as held:  # the --checkpoint-dir lock, to the end
@@ -348,6 +370,7 @@ def _train(argv, held: contextlib.ExitStack):
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
         cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
     if args.out.lower() != "none":
+        _check_out(args)
         try:  # the export's layout must fit the model: say so now, not after training
             config_dict(cfg, export_format(cfg, "hf"))
         except ValueError as error:

@@ -279,3 +279,26 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
     from_checkpoint = capsys.readouterr().out
     generate(["--checkpoint", str(final), *prompt])
     assert from_checkpoint == capsys.readouterr().out and from_checkpoint.startswith("GNU")
+
+
+def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(tmp_path, capsys):
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    main([*SMALL, "--steps", "2", "--checkpoint-dir", str(ck), "--out", str(out)])
+    first = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    # Another run into it is refused before it trains; the model stays as it was.
+    with pytest.raises(SystemExit) as refused:
+        main([*SMALL, "--steps", "2", "--seed", "1", "--out", str(out)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"python -m mamba_jax.train: --out {out} already holds a model (its "
+                   "config.json), which this run's final export would replace: give another "
+                   "--out, --out none, or --overwrite-out to replace it\n")
+    assert (out / "model.safetensors").read_bytes() == first
+    # The run that wrote it, resumed to more steps, exports there again.
+    main([*SMALL, "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "--out", str(out)])
+    resumed = (out / "model.safetensors").read_bytes()
+    assert resumed != first
+    # --overwrite-out replaces it.
+    main([*SMALL, "--steps", "2", "--seed", "1", "--out", str(out), "--overwrite-out"])
+    assert (out / "model.safetensors").read_bytes() not in (first, resumed)
