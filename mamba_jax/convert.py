@@ -293,12 +293,18 @@ def main(argv=None):
                     "trainer's --checkpoint-dir (Orbax) to one of them.")
     parser.add_argument("src", help="checkpoint dir (config.json + weights), or a trainer's "
                                     "--checkpoint-dir")
-    parser.add_argument("dst", help="output dir")
+    parser.add_argument("dst", help="output dir (refused if it holds a model, unless "
+                                    "--overwrite)")
     parser.add_argument("--to", choices=FORMATS, required=True)
     parser.add_argument("--step", type=int, default=None,
                         help="with a trainer's --checkpoint-dir: the step to export (default: "
                              "the newest)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let the output replace the model in dst")
     args = parser.parse_args(argv)
+    if (Path(args.dst) / "config.json").exists() and not args.overwrite:
+        raise SystemExit(f"{args.dst} already holds a model (its config.json): give another "
+                         "output dir, or --overwrite to replace it")
     tokenizer = None
     if is_training_checkpoint(args.src):
         model, meta = load_training_checkpoint(args.src, args.step)

@@ -151,6 +151,24 @@ def test_convert_cli_writes_the_other_layout(tmp_path):
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
 
 
+def test_convert_keeps_a_model_in_dst_unless_overwrite(tmp_path, capsys):
+    from mamba_jax.cli import UserExit
+    from mamba_jax.convert import main
+    source = str(FIXTURES / "hf_ngroups2_untied")
+    main([source, str(tmp_path), "--to", "mamba_ssm"])
+    written = (tmp_path / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(UserExit):
+        main([source, str(tmp_path), "--to", "hf"])
+    assert capsys.readouterr().err == (
+        f"python -m mamba_jax.convert: {tmp_path} already holds a model (its config.json): "
+        "give another output dir, or --overwrite to replace it\n")
+    assert load_config(tmp_path)[1] == "mamba_ssm"
+    assert (tmp_path / "model.safetensors").read_bytes() == written
+    main([source, str(tmp_path), "--to", "hf", "--overwrite"])
+    assert load_config(tmp_path)[1] == "hf"
+
+
 def _shard(tmp_path, first_keys, overlap):
     """The untied fixture as two shards and an index; `overlap` (None: no tensor) is in
     both shards."""
