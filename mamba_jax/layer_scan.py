@@ -46,7 +46,9 @@ def scan(step, carry, xs):
         leaves, traced["treedef"] = jax.tree.flatten(pullback)
         which = {id(a): k for k, a in enumerate(jax.tree.leaves(x))}
         of_xs = tuple(which.get(id(a)) for a in leaves)
-        assert traced.setdefault("of_xs", of_xs) == of_xs, "the step traced apart"
+        if traced.setdefault("of_xs", of_xs) != of_xs:
+            raise RuntimeError("layer_scan: a trace of the step kept other residuals than "
+                               "its first trace, which the stacks were made for")
         return out, leaves
 
     def run_fwd(carry, xs):
