@@ -41,15 +41,16 @@ class Mamba2Encoder(nnx.Module):
     _final = Mamba2LM._final
 
     def __call__(self, inputs, seq_idx=None, *, mask=None, pool=None,
-                 ctx: ParallelContext = SINGLE_DEVICE, remat="none"):
+                 ctx: ParallelContext = SINGLE_DEVICE, remat="none", scan_layers=True):
         """inputs [b, l] token ids, or [b, l, d] float features (image patches, audio
         frames: the embedding is skipped) -> per-token outputs [b, l, d] in the compute
         dtype (`hidden`), or with pool="mean" their mean [b, d] float32 over each row's
         tokens (those where mask [b, l] is true, when given; under cp over the whole row).
-        seq_idx [b, l]: packed documents, each encoded as if alone."""
+        seq_idx [b, l]: packed documents, each encoded as if alone. remat, scan_layers: as
+        Mamba2LM.hidden's."""
         if pool not in POOLS:
             raise ValueError(f"Mamba2Encoder: pool={pool!r}; use one of {POOLS}")
-        hidden = self.hidden(inputs, seq_idx, ctx=ctx, remat=remat)
+        hidden = self.hidden(inputs, seq_idx, ctx=ctx, remat=remat, scan_layers=scan_layers)
         if pool is None:
             return hidden
         weight = (jnp.ones(hidden.shape[:2], jnp.float32) if mask is None
@@ -58,7 +59,7 @@ class Mamba2Encoder(nnx.Module):
         return total / jnp.maximum(ctx.psum_cp(weight.sum(1)), 1.0)[:, None]
 
     def hidden(self, inputs, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-               remat="none"):
+               remat="none", scan_layers=True):
         """inputs as __call__'s -> the final norm's output [b, l, d] in the compute dtype
         (every position of this device's part, as Mamba2LM.hidden)."""
         if jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -69,5 +70,5 @@ class Mamba2Encoder(nnx.Module):
                                  f"[batch, seqlen, d_model={self.config.d_model}] floats or "
                                  "[batch, seqlen] token ids")
             residual = ctx.sequence_shard(inputs.astype(self.residual_dtype))
-        residual, _ = self._layers(residual, seq_idx, ctx, remat)
+        residual, _ = self._layers(residual, seq_idx, ctx, remat, scan=scan_layers)
         return self._final(residual, ctx)

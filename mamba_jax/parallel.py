@@ -186,7 +186,8 @@ def state_specs(states, axis_names: AxisNames = AxisNames()):
 
 
 def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
-                   axis_names: AxisNames = AxisNames(), return_states=False, remat="none"):
+                   axis_names: AxisNames = AxisNames(), return_states=False, remat="none",
+                   scan_layers=True):
     """hidden(params, inputs [b, l], seq_idx=None, initial_states=None) -> the final norm's
     output [b, l, d] in the compute dtype, rows over dp and fsdp and the sequence over cp:
     the model's `hidden` (Mamba2LM's, or Mamba2Encoder's, whose inputs may also be [b, l,
@@ -195,7 +196,8 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
 
     return_states (Mamba2LM): (hidden, states), each layer's state after the last token,
     placed as state_specs; initial_states: the states to continue from, placed so. Both
-    differentiable: a custom training loop takes gradients through them."""
+    differentiable: a custom training loop takes gradients through them. remat,
+    scan_layers: as Mamba2LM.hidden's."""
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel, axis_names)
     tokens = token_spec(axis_names)
     out = P(*tokens, None)
@@ -206,7 +208,8 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
             options = {} if initial_states is None else {"initial_states": initial_states}
             if return_states:
                 options["return_states"] = True
-            return model.hidden(inputs, seq_idx, ctx=ctx, remat=remat, **options)
+            return model.hidden(inputs, seq_idx, ctx=ctx, remat=remat,
+                                scan_layers=scan_layers, **options)
         batch = P(*tokens, *(None,) * (inputs.ndim - 2))
         states_out = state_specs(nnx.eval_shape(
             lambda: nnx.merge(graphdef, params).init_cache(1)), axis_names) if return_states \

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import Mamba2Config, parallel
+from mamba_jax import Mamba2Config, layer_scan, parallel
 from mamba_jax.encoder import Mamba2Encoder
 from mamba_jax.layers.bidirectional import BidirectionalMamba2
 
@@ -105,6 +105,44 @@ def test_encoder_pools_the_tokens_it_is_given():
         encoder(jnp.zeros((2, 20, 8)))
     with pytest.raises(ValueError, match="pool='max'"):
         encoder(ids, pool="max")
+
+
+def test_encoder_layers_one_after_the_other_give_the_scans_outputs_and_gradients(monkeypatch):
+    # make_hidden_fn's scan_layers=False over packed documents, three B layers (one scan
+    # otherwise): no layer scan, the same outputs and every parameter's gradient.
+    scans = []
+    scan = layer_scan.scan
+    monkeypatch.setattr(layer_scan, "scan", lambda *args: scans.append(1) or scan(*args))
+    encoder = Mamba2Encoder(Mamba2Config(**dict(CFG, n_layer=3, layer_pattern="BBB")),
+                            rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(encoder)
+    mesh = parallel.make_mesh("dp=2,tp=2,cp=2")
+    specs = parallel.param_specs(params, mesh)
+    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    rows = NamedSharding(mesh, parallel.TOKENS)
+    ids = jax.device_put(np.random.default_rng(1).integers(0, 20, (2, 20)).astype(np.int32),
+                         rows)
+    seq_idx = jax.device_put(SEQ_IDX.astype(np.int32), rows)
+
+    # A fixed random direction of the outputs (their squares' sum would be nearly constant
+    # after the final RMS norm: gradients of rounding noise).
+    direction = jnp.asarray(np.random.default_rng(5).normal(size=(2, 20, 16)), jnp.float32)
+
+    def outputs_and_grads(scan_layers):
+        hidden = parallel.make_hidden_fn(graphdef, specs, mesh, scan_layers=scan_layers)
+        loss = lambda params: (hidden(params, ids, seq_idx) * direction).sum()
+        return jax.jit(lambda p: (hidden(p, ids, seq_idx), jax.grad(loss)(p)))(params)
+    out, grads = outputs_and_grads(False)
+    assert not scans
+    ref_out, ref_grads = outputs_and_grads(True)
+    assert scans and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=1e-5)
+    # float32 sums in another order: within 1e-5 of each parameter's largest gradient (seen
+    # 2e-6).
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(jnp.abs(r).max()),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_one_sharded_layer_matches_one_device():
