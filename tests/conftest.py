@@ -1,4 +1,5 @@
-"""Test set-up: 8 fake CPU devices for the mesh tests, and XLA:CPU's quickest compiles.
+"""Test set-up: 8 fake CPU devices for the mesh tests, and XLA:CPU's quickest compiles; the
+layer_scans fixture.
 
 XLA reads XLA_FLAGS when jax initialises its backends, so this runs before any test module
 imports jax. Compiling dominates the suite's time and optimization level 0 about halves it;
@@ -7,6 +8,8 @@ every side of every comparison is compiled the same way. Subprocesses inherit bo
 
 import os
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8"
@@ -17,3 +20,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"mamba-jax-tests-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+@pytest.fixture
+def layer_scans(monkeypatch):
+    """A list that gains an entry at each call of layer_scan.scan (a run of layers traced as
+    one scan): a test of the unscanned path asserts it stays empty."""
+    from mamba_jax import layer_scan
+
+    calls = []
+    scan = layer_scan.scan
+    monkeypatch.setattr(layer_scan, "scan", lambda *args: calls.append(1) or scan(*args))
+    return calls

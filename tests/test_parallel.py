@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import layer_scan, parallel
+from mamba_jax import parallel
 from mesh_check import (BATCH, FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, SEQ,
                         assert_matches_single_device, mamba_config, model_and_batch,
                         single_device_train_losses, tiny_config, train_losses)
@@ -148,13 +148,10 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
-def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(remat, monkeypatch):
+def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(remat, layer_scans):
     # scan_layers=False (the trainer's --no-scan-layers) under fsdp x cp x tp over packed
     # documents: no layer scan (so no weight, gradient or residual stack), the same loss and
     # every gradient.
-    scans = []
-    scan = layer_scan.scan
-    monkeypatch.setattr(layer_scan, "scan", lambda *args: scans.append(1) or scan(*args))
     cfg = tiny_config(n_layer=3, ngroups=2)
     graphdef, params, batch = model_and_batch(cfg, packed=True)
     mesh = parallel.make_mesh("fsdp=2,cp=2,tp=2")
@@ -167,9 +164,9 @@ def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(remat, mon
                                      scan_layers=scan_layers)
         return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
     value, grads = value_and_grads(False)
-    assert not scans
+    assert not layer_scans
     ref_value, ref_grads = value_and_grads(True)
-    assert scans
+    assert layer_scans
     assert np.isfinite(float(value))
     np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),

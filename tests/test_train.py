@@ -233,23 +233,18 @@ def test_trains_a_sentencepiece_blend_of_a_prepared_and_a_megatron_dataset(tmp_p
     assert model.config.vocab_size == 512
 
 
-def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, monkeypatch):
+def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, layer_scans):
     # --no-scan-layers: no layer scan, and the same losses, step by step, as the layers' scan
     # (float32; XLA may fuse the two programs apart: 1e-5 relative).
-    from mamba_jax import layer_scan
-    scans = []
-    scan = layer_scan.scan
-    monkeypatch.setattr(layer_scan, "scan", lambda *args: scans.append(1) or scan(*args))
-
     def losses(*flags):
         metrics = tmp_path / f"m{len(flags)}.jsonl"
         main(["--steps", "4", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=3",
               "--warmup", "1", "--metrics-file", str(metrics), "--out", "none", *flags])
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     unrolled = losses("--no-scan-layers")
-    assert not scans
+    assert not layer_scans
     scanned = losses()
-    assert scans
+    assert layer_scans
     assert "layers unrolled" in capsys.readouterr().err
     assert np.all(np.isfinite(unrolled)) and unrolled[-1] < unrolled[0]
     np.testing.assert_allclose(unrolled, scanned, rtol=1e-5)
