@@ -62,11 +62,21 @@ import itertools
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from aiohttp import web
+
+try:
+    from aiohttp import web
+except ImportError as missing:
+    if __name__ != "__main__":
+        raise
+    # `python -m mamba_jax.serve` without the [serve] extra: the CLI's one line, not a traceback
+    print(f"python -m mamba_jax.serve: the server needs {missing.name}: pip install "
+          "'mamba-jax[serve]'", file=sys.stderr)
+    raise SystemExit(2) from None
 
 from mamba_jax import compilation_cache
 from mamba_jax.cli import HelpFormatter, command

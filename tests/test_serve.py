@@ -5,8 +5,11 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -611,3 +614,23 @@ def test_openai_logprobs_list_each_new_token_and_the_most_likely(url, model):
     for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
     assert refused == 400 and error["error"]["field"] == "logprobs"
+
+
+@pytest.mark.parametrize("command", [["mamba_jax.serve", "--checkpoint", "runs/x"],
+                                     ["mamba_jax.generate", "--server", "http://127.0.0.1:9",
+                                      "--prompt", "Hi"]], ids=["serve", "generate"])
+def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, command):
+    # An aiohttp that cannot be imported, as where `pip install mamba-jax` left it out.
+    (tmp_path / "aiohttp").mkdir()
+    (tmp_path / "aiohttp" / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'aiohttp'\", name='aiohttp')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    done = subprocess.run([sys.executable, "-m", *command], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    name = command[0].replace("mamba_jax.", "")
+    needs = "the server needs" if name == "serve" else "--server needs"
+    assert done.stderr == (f"python -m mamba_jax.{name}: {needs} aiohttp: pip install "
+                           "'mamba-jax[serve]'\n")
+    assert done.stdout == ""

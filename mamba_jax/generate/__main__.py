@@ -50,7 +50,6 @@ def main(argv=None):
     if args.server:
         if args.top_k is not None:
             parser.error("--top-k is not part of /v1/completions; leave it out with --server")
-        print(args.prompt, end="", flush=True)
         asyncio.run(stream_from_server(args.server, args.prompt, args.max_new_tokens,
                                        args.temperature, args.top_p))
         print()
@@ -67,9 +66,14 @@ def main(argv=None):
 
 
 async def stream_from_server(url, prompt, max_tokens, temperature, top_p):
-    """Print the server's streamed completion of prompt as it arrives."""
-    import aiohttp
+    """Print prompt, then the server's streamed completion of it as it arrives."""
+    try:
+        import aiohttp
+    except ImportError as missing:
+        raise SystemExit(f"--server needs {missing.name}: pip install 'mamba-jax[serve]'") \
+            from None
 
+    print(prompt, end="", flush=True)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, **({} if top_p is None else {"top_p": top_p})}
     async with aiohttp.ClientSession() as session:
