@@ -14,7 +14,8 @@ and decode tokens/s; mamba_ssm's the same; the ratio ours/theirs per step; and t
 Both sides' decode time is taken the same way: a generation of new tokens minus one of a
 single token (the prefill's), over the new - 1 steps between them. Theirs is
 generate(max_length=prompt+new) minus generate(max_length=prompt+1), with CUDA graphs; ours
-is mamba_jax.generate(max_new_tokens=new) minus generate(max_new_tokens=1). What a call
+is mamba_jax.generate(max_new_tokens=new) minus the same program stopped after one token
+(max_new_tokens_per_row=1: one decode loop to compile per row of the table). What a call
 costs once (the host's work to start the programs, casting the weights for the loop) cancels
 on both sides. The roofline: bytes one decode step must read (bf16 matmul weights, float32
 conv weights and norms, the conv and SSM states read and written; mamba_ssm's cache keeps
@@ -133,13 +134,15 @@ def mamba3_bytes(cfg: Mamba2Config, batch: int, state_bytes: float) -> float:
 def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
     """(prefill s, decode s for new - 1 steps, tokens [batch, new]) of mamba_jax.generate.
     The decode time is generate of `new` tokens minus generate of one token (the prefill's
-    alone), as mamba_ssm's is taken (theirs)."""
+    alone), as mamba_ssm's is taken (theirs). The one token is the same program told to
+    stop after it (max_new_tokens_per_row=1): one decode loop to compile, not two."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
                                                         (batch, prompt)))
 
     options = DECODE_COMPILER_OPTIONS if command_buffers else {}
-    prepared = {n: prepare(model, ids, n, ssm_state_dtype=ssm_state_dtype,
-                           step_implementation=implementation) for n in (1, new)}
+    prepared = {n: prepare(model, ids, new, max_new_tokens_per_row=n,
+                           ssm_state_dtype=ssm_state_dtype, step_implementation=implementation)
+                for n in (1, new)}
 
     def run(n):  # generate(model, ids, n, ...), its decode loop compiled with `options`
         first, cache = prefill(model, ids, prepared[n])

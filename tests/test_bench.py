@@ -357,3 +357,20 @@ def test_our_training_child_runs_the_layers_as_asked(scan_layers):
     argv = child_argv(args, "measure", "dp=1")
     assert ("--no-scan-layers" in argv) == (not scan_layers)
     assert ("--no-scan-layers" in layers_note(args)) == (not scan_layers)
+
+
+def test_our_decode_timing_compiles_one_decode_loop():
+    # bench.generate's `ours` times `new` tokens and one token from one compiled program.
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bench.generate import ours
+    from mamba_jax import Mamba2Config, Mamba2LM
+    from mamba_jax.generate import DECODE_COMPILER_OPTIONS, _jit_decode
+
+    loop = _jit_decode(tuple(sorted(DECODE_COMPILER_OPTIONS.items())))
+    before = loop._cache_size()
+    model = Mamba2LM(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    t_prefill, t_decode, tokens = ours(model, 2, 8, 16, 2, "float32", True, "auto")
+    assert loop._cache_size() == before + 1
+    assert t_prefill > 0 and t_decode > 0 and tokens.shape == (2, 16)
