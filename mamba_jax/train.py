@@ -144,8 +144,8 @@ def build_parser():
     p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                    help="run the layers one after the other rather than as one scan per run "
                         "of a layer kind: no stacked copy of the weights, of their gradients "
-                        "or of the saved activations, for a compile that grows with the "
-                        "number of layers")
+                        "or of the saved activations, so a shorter step, for a compile that "
+                        "grows with the number of layers and more memory a row")
     p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
                    help="compute the logits and the loss TOKENS positions at a time, "
                         "recomputed in the backward pass (long sequences: the full logits "
