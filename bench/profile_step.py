@@ -54,7 +54,8 @@ import time
 
 from bench import baseline
 from bench.harness import use_cublas_gemms
-from bench.train_step import Steps, not_comparable, their_step, their_use
+from bench.train_step import (Steps, add_scan_layers_argument, layers_note, not_comparable,
+                              their_step, their_use)
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
     ("matmul", r"gemm|cublas|cutlass|sm90_xmma|nvjet|dot"),
@@ -257,8 +258,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--remat", default="none")
-    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
-                   help="our layers one after the other, as the trainer's flag")
+    add_scan_layers_argument(p)
     p.add_argument("--loss-chunk", type=int, default=None)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
@@ -291,7 +291,7 @@ def main(argv=None):
                   scan_layers=args.scan_layers)
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}"
-          + ("" if args.scan_layers else ", layers unrolled"))
+          f"{layers_note(args)}")
     steps.measure(args.batch, args.seq_len, 1)  # compiles, builds the state, warms up
     exe = steps.compiled[args.batch, args.seq_len][0]
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:

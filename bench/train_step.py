@@ -445,6 +445,12 @@ def row(r, label=None):
             + " |")
 
 
+def add_scan_layers_argument(parser):
+    """--no-scan-layers, as the trainer's flag, for the scripts that build our step."""
+    parser.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                        help="our layers one after the other, as the trainer's flag")
+
+
 def layers_note(args) -> str:
     """What a table's introduction says of --no-scan-layers."""
     return "" if args.scan_layers else "; our layers one after the other (--no-scan-layers)"
@@ -598,8 +604,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--remat", default=None)
-    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
-                   help="our layers one after the other, as the trainer's flag")
+    add_scan_layers_argument(p)
     p.add_argument("--loss-chunk", type=int, default=None)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--granule", type=int, default=None,

@@ -302,7 +302,7 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true",
                         help="let the output replace the model in dst")
     args = parser.parse_args(argv)
-    if (Path(args.dst) / "config.json").exists() and not args.overwrite:
+    if holds_model(args.dst) and not args.overwrite:
         raise SystemExit(f"{args.dst} already holds a model (its config.json): give another "
                          "output dir, or --overwrite to replace it")
     tokenizer = None
@@ -356,11 +356,16 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
         with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
 
 
+def holds_model(path) -> bool:
+    """Whether `path` holds a model that an export there would replace (its config.json)."""
+    return (Path(path) / "config.json").exists()
+
+
 def is_training_checkpoint(path) -> bool:
     """Whether `path` is a trainer's --checkpoint-dir: Orbax step directories, no
     config.json."""
     path = Path(path)
-    return (path.is_dir() and not (path / "config.json").exists()
+    return (path.is_dir() and not holds_model(path)
             and any(child.name.isdigit() and child.is_dir() for child in path.iterdir()))
 
 

@@ -63,15 +63,15 @@ def scan(step, carry, xs):
             stacks = [s if s is None else _set(s, leaf, i) for s, leaf in zip(stacks, leaves)]
             return carry, stacks, jax.tree.map(lambda s, leaf: _set(s, leaf, i), ys, y)
         carry, stacks, ys = lax.fori_loop(0, n, body, (carry, stacks, ys))
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), xs)
-        return (carry, ys), (stacks, jax.tree.leaves(xs), shapes)
+        return (carry, ys), (stacks, xs)
 
     def run_bwd(residuals, cotangents):
-        stacks, xs_leaves, shapes = residuals
+        stacks, xs = residuals
+        xs_leaves = jax.tree.leaves(xs)
         dcarry, dys = cotangents
         differentiable = lambda a: jnp.issubdtype(a.dtype, jnp.inexact)
         dxs = jax.tree.map(lambda a: lax.empty(a.shape, a.dtype) if differentiable(a) else None,
-                           shapes)
+                           xs)
 
         def body(j, state):
             dcarry, dxs = state
@@ -84,7 +84,7 @@ def scan(step, carry, xs):
             return dcarry, dxs
         dcarry, dxs = lax.fori_loop(0, n, body, (dcarry, dxs))
         dxs = jax.tree.map(lambda d, a: d if d is not None or a is None else
-                           jnp.zeros(a.shape, jax.dtypes.float0), dxs, shapes,
+                           jnp.zeros(a.shape, jax.dtypes.float0), dxs, xs,
                            is_leaf=lambda a: a is None)
         return dcarry, dxs
 

@@ -43,7 +43,7 @@ from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import PRESETS, Mamba2Config
-from mamba_jax.convert import export
+from mamba_jax.convert import export, holds_model
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
                             load_data, parse_blend)
 from mamba_jax.files import locked, replace_text
@@ -328,7 +328,7 @@ def _check_out(args) -> None:
     would replace, unless --overwrite-out, or the run resumes from the --checkpoint-dir that
     the model's own train_config.json names (a restarted job exports where it did)."""
     out = Path(args.out.format(preset=args.preset))
-    if args.overwrite_out or not (out / "config.json").exists():
+    if args.overwrite_out or not holds_model(out):
         return
     if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
         try:

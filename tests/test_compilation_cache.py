@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from bench.harness import ROOT
 from mamba_jax import compilation_cache
 from mamba_jax.cli import UserExit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["--steps", "1", "--batch-size", "8", "--seq-len", "16", "--eval-every", "100",
          "--set", "n_layer=1", "--out", "none"]
 

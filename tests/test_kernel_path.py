@@ -41,6 +41,14 @@ def loss_and_grads(cfg, mesh_spec=None):
     return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
 
 
+def take_the_kernels(monkeypatch):
+    """The layer on the SSD's, the conv's and the norm's kernels from here on (their "auto"
+    takes them on a GPU only)."""
+    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
+    monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
+    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+
+
 @pytest.mark.parametrize("ngroups,mesh_spec", [
     (8, None),
     (2, "tp=4,dp=2"),       # each rank's heads read one of 2 groups, taken inside the vjp
@@ -49,9 +57,7 @@ def loss_and_grads(cfg, mesh_spec=None):
 def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
     cfg = mamba_config(ngroups=ngroups).replace(n_layer=1)
     value, grads = loss_and_grads(cfg)
-    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
-    monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
-    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+    take_the_kernels(monkeypatch)
     kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)
@@ -81,9 +87,7 @@ def test_kernel_path_continues_from_states(monkeypatch, remat):
         return jax.jit(jax.value_and_grad(objective, (0, 1)),
                        compiler_options=FAST_COMPILE)(params, states)
     value, grads = run("none")
-    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
-    monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
-    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+    take_the_kernels(monkeypatch)
     kernel_value, kernel_grads = run(remat)
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL * abs(float(value)))

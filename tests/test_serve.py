@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 from flax import nnx
 
+from bench.harness import ROOT
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.tokenizer import byte_tokenizer
@@ -624,8 +625,7 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
     (tmp_path / "aiohttp").mkdir()
     (tmp_path / "aiohttp" / "__init__.py").write_text(
         "raise ImportError(\"No module named 'aiohttp'\", name='aiohttp')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
     done = subprocess.run([sys.executable, "-m", *command], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2
