@@ -1,10 +1,12 @@
-"""The Mamba2 layer's training path on the kernels (the conv's, the SSD's and the gated
-norm's), where the conv runs inside the scan's custom_vjp and the backward pass recomputes
-its output and the per-chunk states, equals the XLA path (the conv, then the chunked scan,
-differentiated by JAX): logits, loss and every gradient of a float32 model, on one device
-and under a tp x cp mesh (8 fake CPU devices), on an odd length over packed documents, and
-continued from the states of the sequence before it (the conv's window and the SSM's state,
-gradients into both) under each --remat choice. The kernels run in Pallas's interpreter.
+"""The Mamba2 layer's training path on the kernels equals the XLA path (the conv, then the
+chunked scan, the norm and out_proj, differentiated by JAX): logits, loss and every gradient
+of a float32 model, on one device and under tp and tp x cp meshes (8 fake CPU devices), on
+an odd length over packed documents, and continued from the states of the sequence before it
+(the conv's window and the SSM's state, gradients into both) under each --remat choice. On
+the kernels the layer runs as one custom_vjp (pallas_kernels.mamba2_mixer) where each rank
+holds whole groups on one cp device, ngroups 1 and 8, else composed, the conv inside the
+scan's custom_vjp (a tp rank reading groups that tp does not divide; cp). The kernels run in
+Pallas's interpreter.
 
 Tolerances: logits and loss within 1e-5 absolute; every gradient within 1e-5 absolute +
 1e-4 relative (the kernels sum the same float32 products in another order; seen ~1e-6).
@@ -20,6 +22,7 @@ import pallas_kernels.conv as conv
 import pallas_kernels.norm as norm
 import pallas_kernels.ssd as ssd
 from mamba_jax import parallel
+from mamba_jax.layers import mamba2
 from mamba_jax.sharding import param_name
 from mesh_check import (FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOGIT_ATOL, mamba_config,
                         model_and_batch, reference_loss)
@@ -50,15 +53,22 @@ def take_the_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("ngroups,mesh_spec", [
-    (8, None),
+    (8, None),              # pallas_kernels.mamba2_mixer
+    (1, None),
+    (8, "tp=4,dp=2"),       # the same on each rank's heads and groups
     (2, "tp=4,dp=2"),       # each rank's heads read one of 2 groups, taken inside the vjp
     (1, "cp=2,tp=2,dp=2"),  # the conv's halo crosses devices (the conv runs before the scan)
-], ids=["g8", "g2-tp4", "g1-cp2-tp2"])
+], ids=["g8", "g1", "g8-tp4", "g2-tp4", "g1-cp2-tp2"])
 def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
     cfg = mamba_config(ngroups=ngroups).replace(n_layer=1)
     value, grads = loss_and_grads(cfg)
     take_the_kernels(monkeypatch)
+    calls = []
+    fused = mamba2.mamba2_mixer
+    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
     kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
+    # one custom_vjp on the kernels where each rank holds whole groups on one cp device
+    assert bool(calls) == (mesh_spec is None or ngroups % 4 == 0 and "cp" not in mesh_spec)
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)
     reference = dict(jax.tree_util.tree_leaves_with_path(grads))

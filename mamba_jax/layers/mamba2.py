@@ -33,9 +33,14 @@ from mamba_jax.layers.common import (Mixer, check_mamba_section, conv_window, de
                                      dt_bias_init, gated_rms_norm, groups_of_local_heads,
                                      matmul, param, split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels import conv as conv_kernels
+from pallas_kernels import norm as norm_kernels
+from pallas_kernels import ssd as ssd_kernels
 from pallas_kernels.conv import causal_conv1d
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
+from pallas_kernels.mamba2_mixer import Shapes as MixerShapes
+from pallas_kernels.mamba2_mixer import mamba2_mixer
 from pallas_kernels.ssd import document_ids, ssd
 from pallas_kernels.ssd.step import mamba_step, state_in
 from pallas_kernels.ssd.step import supports as step_supports
@@ -237,17 +242,62 @@ class Mamba2Mixer(Mixer):
         a MambaCache or None). seq_idx [b, l]: packed documents; the conv and the SSM state
         restart where it changes. initial_state: the MambaCache the sequence continues
         from (its conv window and SSM state, both differentiable; either may be None: zeros,
-        or for the SSM state the learned one), entering the row's first document."""
-        z, xBC_in, dt = self.project(u)
-        operands = self._conv_operands(xBC_in, seq_idx, ctx, self.window_before(initial_state))
-        y, ssm_state = self.conv_and_scan(operands, dt, seq_idx, ctx,
-                                          self.entering_state(u.shape[0], initial_state))
-        out = self.gated_out_proj(y, z, ctx)
+        or for the SSM state the learned one), entering the row's first document.
+
+        Where its kernels run (`mixer_kernels_run`), the mixer after the in-projection is
+        one custom_vjp on them, pallas_kernels.mamba2_mixer; elsewhere the composed form
+        below, its reference."""
+        before = self.window_before(initial_state)
+        entering = self.entering_state(u.shape[0], initial_state)
+        if self.mixer_kernels_run(u, ctx, before):
+            zxbcdt = self.project_packed(u)
+            out, ssm_state = mamba2_mixer(
+                zxbcdt, *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...],
+                self.norm[...], self.out_proj[...], entering, seq_idx, self._mixer_shapes(ctx))
+            hp, e = self._local_widths()
+            xBC = zxbcdt[..., hp:hp + e]
+            doc = None if seq_idx is None else document_ids(seq_idx)
+        else:
+            z, xBC_in, dt = self.project(u)
+            operands = self._conv_operands(xBC_in, seq_idx, ctx, before)
+            y, ssm_state = self.conv_and_scan(operands, dt, seq_idx, ctx, entering)
+            out = self.gated_out_proj(y, z, ctx)
+            xBC, _, _, doc = operands
         if cache_len is None:
             return out, None
-        xBC_ext, _, _, doc = operands
-        return out, MambaCache(self.final_window(xBC_ext, doc, ctx),
-                               ctx.from_last_cp(ssm_state))
+        return out, MambaCache(self.final_window(xBC, doc, ctx), ctx.from_last_cp(ssm_state))
+
+    def _local_widths(self):
+        """(h*p, e) of this rank's heads and groups."""
+        hp, gn = math.prod(self.x_conv.shape[1:]), math.prod(self.B_conv.shape[1:])
+        return hp, hp + 2 * gn
+
+    def mixer_kernels_run(self, u, ctx: ParallelContext, before) -> bool:
+        """Whether the mixer runs as pallas_kernels.mamba2_mixer: where the conv's, the gated
+        norm's and the SSD's kernels each run ("auto"'s choices, which log a fallback on a
+        GPU they were measured on), on one cp device (the conv reads no other device's
+        inputs), with no conv window before the first token and whole groups on each tp
+        rank."""
+        m = self.cfg.mamba2
+        if ctx.cp > 1 or before is not None or m.ngroups % ctx.tp:
+            return False
+        b, l = u.shape[:2]
+        h, p = self.x_conv.shape[1:]
+        g, n = self.B_conv.shape[1:]
+        hp, e = self._local_widths()
+        like = lambda *shape: jax.ShapeDtypeStruct(shape, self.dtype)
+        return (ssd_kernels.kernels_are_faster(like(b, l, h, p), like(b, l, g, n))
+                and conv_kernels.kernels_run(like(b, l, e), like(m.d_conv, e), m.d_conv - 1, l,
+                                             (hp, g * n, g * n))
+                and norm_kernels.kernels_run(like(b, l, h, p), m.ngroups // ctx.tp))
+
+    def _mixer_shapes(self, ctx: ParallelContext) -> MixerShapes:
+        m = self.cfg.mamba2
+        h, p = self.x_conv.shape[1:]
+        g, n = self.B_conv.shape[1:]
+        return MixerShapes(h=h, p=p, g=g, n=n, chunk_size=m.chunk_size, dt_limit=m.dt_limit,
+                           eps=self.cfg.norm_eps, norm_groups=m.ngroups // ctx.tp,
+                           dtype=jnp.dtype(self.dtype).name)
 
     def window_before(self, initial_state: MambaCache | None):
         """The conv inputs before the first token [b, k - 1, e] from a cache's window (its

@@ -123,8 +123,8 @@ def _pre(w, bias, window, docs, own_doc):
     return acc
 
 
-def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_bias,
-                    has_doc):
+def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_start,
+                    has_bias, has_doc):
     bias_ref, rest = split_optional(rest, has_bias)
     doc_ref, y_refs = split_optional(rest, has_doc)
     bi = pl.program_id(0)
@@ -134,7 +134,7 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_b
     w = [row.vector(w_ref, j) for j in range(k)]
     bias = row.vector(bias_ref) if has_bias else jnp.zeros((be,), jnp.float32)
     first = start - m
-    window = tuple(row.load(x_ref, first + j, first + j >= 0) for j in range(m))
+    window = tuple(row.load(x_ref, first + j, first + j >= 0, -x_start) for j in range(m))
     docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
                                               for j in range(m))
 
@@ -143,7 +143,7 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_b
             window, docs = carry
             T = start + i
             inside = T < rows_in
-            x = row.load(x_ref, T, inside)
+            x = row.load(x_ref, T, inside, -x_start)
             own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
             pre = _pre(w, bias, window + (x,), None if docs is None else docs + (own_doc,),
                        own_doc)
@@ -155,11 +155,14 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_b
     row.by_part(parts, y_refs, walk)
 
 
-def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_bias,
-                     has_doc):
+def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_start,
+                     has_bias, has_doc, dx_into):
     dy_refs, rest = rest[:len(parts)], rest[len(parts):]
     bias_ref, rest = split_optional(rest, has_bias)
-    doc_ref, (dx_ref, dw_ref, *dbias_ref) = split_optional(rest, has_doc)
+    doc_ref, rest = split_optional(rest, has_doc)
+    if dx_into:  # the buffer dx is written into, aliased to the output dx_ref
+        rest = rest[1:]
+    dx_ref, dw_ref, *dbias_ref = rest
     bi, ri = pl.program_id(0), pl.program_id(2)
     row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
     m, off = k - 1, rows_in - l
@@ -168,7 +171,7 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_
     bias = row.vector(bias_ref) if has_bias else jnp.zeros((be,), jnp.float32)
     first = start - m
     zeros = jnp.zeros((be,), jnp.float32)
-    window = tuple(row.load(x_ref, first + j, first + j >= 0) for j in range(m))
+    window = tuple(row.load(x_ref, first + j, first + j >= 0, -x_start) for j in range(m))
     docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
                                               for j in range(m))
     # g of the m outputs whose own rows precede the run: they feed no row of the run
@@ -179,7 +182,7 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_
             window, docs, gs, dw, dbias = carry
             T = start + i
             inside = T < rows_in
-            x = row.load(x_ref, T, inside)
+            x = row.load(x_ref, T, inside, -x_start)
             own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
             rows = window + (x,)
             row_docs = None if docs is None else docs + (own_doc,)
@@ -203,7 +206,7 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_
                 if row_docs is not None:
                     gj = jnp.where(row_docs[m - j] == row_docs[0], gj, 0.0)
                 dx = dx + w[j] * gj
-            row.store(dx_ref, s, dx, (i >= m) & (s < rows_in))
+            row.store(dx_ref, s, dx, (i >= m) & (s < rows_in), -x_start if dx_into else 0)
             return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
 
         carry = (window, docs, gs, (zeros,) * k, zeros)
@@ -217,13 +220,14 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, has_
     row.by_part(parts, dy_refs, walk)
 
 
-def _options(x, w, l, parts, config):
-    _, rows_in, e = x.shape
+def _options(x, w, l, parts, config, x_start):
+    rows_in, e = x.shape[1], w.shape[1]
     if len(parts) > 1:  # a block lies in one part
         be = min(config.block_e, _part_block(parts))
     else:
         be = min(config.block_e, e & -e) if e % 16 == 0 else config.block_e
-    return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in, parts=parts)
+    return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in, parts=parts,
+                x_start=x_start)
 
 
 def _part_block(parts):
@@ -232,11 +236,13 @@ def _part_block(parts):
     return g & -g
 
 
-def forward(x, w, bias, doc, l, parts, *, config, interpret=False):
+def forward(x, w, bias, doc, l, parts, *, config, interpret=False, x_start=0):
     """x [b, r, e], w [k, e], bias [e] or None, doc [b, r] int32 or None -> the last l outputs
-    in x.dtype, as a tuple of their parts' arrays [b, l, part] (parts: sizes summing to e)."""
-    b, _, e = x.shape
-    o = _options(x, w, l, parts, config)
+    in x.dtype, as a tuple of their parts' arrays [b, l, part] (parts: sizes summing to e).
+    x_start: x may be wider, its channels [x_start, x_start + e) the conv's (read in place,
+    as from Mamba2's in-projection output)."""
+    b, e = x.shape[0], w.shape[1]
+    o = _options(x, w, l, parts, config, x_start)
     kernel = functools.partial(_forward_kernel, **o, has_bias=bias is not None,
                                has_doc=doc is not None)
     grid = (b, pl.cdiv(e, o["be"]), pl.cdiv(l, o["run"]))
@@ -245,21 +251,27 @@ def forward(x, w, bias, doc, l, parts, *, config, interpret=False):
                       "conv1d_forward")(x, w, *present(bias, doc)))
 
 
-def backward(x, w, bias, doc, dy, *, config, interpret=False):
+def backward(x, w, bias, doc, dy, *, config, interpret=False, x_start=0, dx_into=None):
     """forward's inputs and dy (the output's cotangent: its parts [b, l, part]) -> (dx [b, r,
-    e] in x.dtype, dw [k, e], dbias [e] or None, float32)."""
-    b, rows_in, e = x.shape
-    k, l = w.shape[0], dy[0].shape[1]
-    o = _options(x, w, l, tuple(d.shape[-1] for d in dy), config)
+    e] in x.dtype, dw [k, e], dbias [e] or None, float32). dx_into: None (dx its own array),
+    or a buffer of x's shape that dx is written into in place, at x's channels [x_start,
+    x_start + e), the rest of it left as it is: Mamba2's in-projection gradient, whose other
+    columns are the gate's and dt's."""
+    b, rows_in = x.shape[:2]
+    k, l, e = w.shape[0], dy[0].shape[1], w.shape[1]
+    o = _options(x, w, l, tuple(d.shape[-1] for d in dy), config, x_start)
     runs = pl.cdiv(rows_in, o["run"])
     kernel = functools.partial(_backward_kernel, **o, has_bias=bias is not None,
-                               has_doc=doc is not None)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               has_doc=doc is not None, dx_into=dx_into is not None)
+    out_shape = [jax.ShapeDtypeStruct((b, rows_in, e) if dx_into is None else x.shape,
+                                      x.dtype),
                  jax.ShapeDtypeStruct((b, runs, k, e), jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, runs, e), jnp.float32))
+    args = (x, w, *dy, *present(bias, doc, dx_into))
     out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config.warps, config.stages,
-               interpret, "conv1d_backward")(x, w, *dy, *present(bias, doc))
+               interpret, "conv1d_backward",
+               None if dx_into is None else {len(args) - 1: 0})(*args)
     dx, dw = out[0], out[1].sum(axis=(0, 1))
     return dx, dw, (out[2].sum(axis=(0, 1)) if bias is not None else None)
 

@@ -90,7 +90,9 @@ gated_rms_norm.defvjp(_gated_rms_norm_fwd, _gated_rms_norm_bwd)
 
 
 def forward(y, z, weight, eps, ngroups, *, config, interpret=False):
-    """The forward kernel: y, z [..., h, p], weight [h, p] -> [..., h, p] in y's dtype."""
+    """The forward kernel: y, z [..., h, p], weight [h, p] -> [..., h, p] in y's dtype. z may
+    be wider: [..., W] rows whose first h * p entries are z (read in place, as from Mamba2's
+    in-projection output)."""
     rows, width, group = _sizes(y, ngroups)
     br, bg = _tiles(config, rows, group)
     blocks = pl.cdiv(rows, br)
@@ -98,14 +100,15 @@ def forward(y, z, weight, eps, ngroups, *, config, interpret=False):
                                ragged_rows=blocks * br != rows)
     out = call(kernel, (blocks, ngroups), [jax.ShapeDtypeStruct((rows, width), y.dtype)],
                _warps(config, br, bg), 1, interpret, "gated_rms_norm_forward")(
-        y.reshape(rows, width), z.reshape(rows, width), weight.reshape(width))[0]
+        y.reshape(rows, width), z.reshape(rows, -1), weight.reshape(width))[0]
     return out.reshape(y.shape)
 
 
 def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False):
     """The backward kernel: forward's inputs and the cotangent dout (y's shape) -> (dy, dz,
     dweight) in y's, z's and weight's dtypes; dweight summed here from the kernel's float32
-    partials [programs, h * p]."""
+    partials [programs, h * p]. With a wider z (forward), dz has z's shape and only its
+    first h * p entries a row are written: the caller writes the rest."""
     rows, width, group = _sizes(y, ngroups)
     br, bg = _tiles(config, rows, group)
     blocks = pl.cdiv(rows, br)
@@ -115,11 +118,11 @@ def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False):
     kernel = functools.partial(_backward_kernel, eps=eps, rows=rows, group=group, br=br, bg=bg,
                                per_program=per_program,
                                ragged_rows=programs * per_program * br != rows)
-    flat = lambda a: a.reshape(rows, width)
+    flat = lambda a: a.reshape(rows, -1)
     dy, dz, dweight = call(
         kernel, (programs, ngroups),
         [jax.ShapeDtypeStruct((rows, width), y.dtype),
-         jax.ShapeDtypeStruct((rows, width), z.dtype),
+         jax.ShapeDtypeStruct((rows, math.prod(z.shape) // rows), z.dtype),
          jax.ShapeDtypeStruct((programs, width), jnp.float32)],
         _warps(config, br, bg), config.backward_stages, interpret, "gated_rms_norm_backward",
     )(flat(y), flat(z), weight.reshape(width), flat(dout))
