@@ -36,6 +36,7 @@ from pallas_kernels import ssd as ssd_kernels
 from pallas_kernels.conv import triton as conv
 from pallas_kernels.norm import triton as norm
 from pallas_kernels.ssd.reference import document_ids
+from pallas_kernels.triton_call import off_gpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +70,11 @@ def mamba2_mixer(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, in
                   initial_state, seq_idx)
 
 
-def _interpret():
-    return jax.default_backend() != "gpu"
-
-
 def _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc):
     """The conv's x [b, l, h, p], B, C [b, l, g, n], from zxbcdt's xBC columns in place."""
     b, l, _ = zxbcdt.shape
     x, B, C = conv.forward(zxbcdt, conv_w, conv_b, doc, l, shapes.parts, config=conv.Config(),
-                           interpret=_interpret(), x_start=shapes.h * shapes.p)
+                           interpret=off_gpu(), x_start=shapes.h * shapes.p)
     return (x.reshape(b, l, shapes.h, shapes.p), B.reshape(b, l, shapes.g, shapes.n),
             C.reshape(b, l, shapes.g, shapes.n))
 
@@ -98,7 +95,7 @@ def _dt(shapes, zxbcdt):
 def _normed(shapes, y, zxbcdt, norm_w):
     """The gated norm of y [b, l, h, p] by z, zxbcdt's first h*p columns (read in place)."""
     return norm.forward(y, zxbcdt, norm_w, shapes.eps, shapes.norm_groups,
-                        config=norm.Config(), interpret=_interpret())
+                        config=norm.Config(), interpret=off_gpu())
 
 
 def _out_proj(shapes, normed, out_proj):
@@ -138,7 +135,7 @@ def _mixer_bwd(shapes, residuals, cotangents):
     # the norm: dy, and dz into the first h*p columns of the in-projection's gradient
     dy, dzxbcdt, dnorm_w = norm.backward(y, zxbcdt, norm_w, dnormed, shapes.eps,
                                          shapes.norm_groups, config=norm.Config(),
-                                         interpret=_interpret())
+                                         interpret=off_gpu())
     dzxbcdt = dzxbcdt.reshape(zxbcdt.shape)
     # the scan's backward over x, B, C recomputed
     doc = None if seq_idx is None else document_ids(seq_idx)
@@ -151,7 +148,7 @@ def _mixer_bwd(shapes, residuals, cotangents):
     flat = lambda a: a.reshape(*a.shape[:2], -1)
     dzxbcdt, dconv_w, dconv_b = conv.backward(
         zxbcdt, conv_w, conv_b, doc, (flat(dx), flat(dB), flat(dC)), config=conv.Config(),
-        interpret=_interpret(), x_start=shapes.h * shapes.p, dx_into=dzxbcdt)
+        interpret=off_gpu(), x_start=shapes.h * shapes.p, dx_into=dzxbcdt)
     dzxbcdt = dzxbcdt.at[..., shapes.h * shapes.p + sum(shapes.parts):].set(
         ddt.astype(dzxbcdt.dtype))
     dseq = None if seq_idx is None else jnp.zeros(seq_idx.shape, jax.dtypes.float0)
