@@ -130,8 +130,10 @@ def _mixer_bwd(shapes, residuals, cotangents):
     normed = _normed(shapes, y, zxbcdt, norm_w)
     dout = dout.astype(dtype)
     dout_proj = jnp.einsum("blhp,bld->hpd", normed, dout, preferred_element_type=jnp.float32)
+    # in the compute dtype straight from the matmul (its accumulation is float32 either way):
+    # a float32 product and its conversion were two more passes over [b, l, h, p]
     dnormed = jnp.einsum("bld,hpd->blhp", dout, out_proj.astype(dtype),
-                         preferred_element_type=jnp.float32).astype(dtype)
+                         preferred_element_type=dtype)
     # the norm: dy, and dz into the first h*p columns of the in-projection's gradient
     dy, dzxbcdt, dnorm_w = norm.backward(y, zxbcdt, norm_w, dnormed, shapes.eps,
                                          shapes.norm_groups, config=norm.Config(),
