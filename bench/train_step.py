@@ -446,14 +446,16 @@ def row(r, label=None):
 
 
 def add_scan_layers_argument(parser):
-    """--no-scan-layers, as the trainer's flag, for the scripts that build our step."""
-    parser.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
-                        help="our layers one after the other, as the trainer's flag")
+    """--scan-layers / --no-scan-layers, as the trainer's flag, for the scripts that build
+    our step."""
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
+                        help="our layers as one scan per run of a layer kind, as the "
+                             "trainer's flag (default: one after the other)")
 
 
 def layers_note(args) -> str:
-    """What a table's introduction says of --no-scan-layers."""
-    return "" if args.scan_layers else "; our layers one after the other (--no-scan-layers)"
+    """What a table's introduction says of --scan-layers."""
+    return "; our layers scanned (--scan-layers)" if args.scan_layers else ""
 
 
 def child_argv(args, kind, mesh, **changes):
@@ -463,8 +465,8 @@ def child_argv(args, kind, mesh, **changes):
         values["layers"] = args.layers
     if args.limit_gib:
         values["limit_gib"] = args.limit_gib
-    flags = (["--breakdown"] if args.breakdown else []) + ([] if args.scan_layers
-                                                           else ["--no-scan-layers"])
+    flags = (["--breakdown"] if args.breakdown else []) + (["--scan-layers"] if args.scan_layers
+                                                           else [])
     argv = ["_child", kind, "--mesh", mesh] + [
         f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
     return argv + flags + ([f"--loss-chunk={args.loss_chunk}"] if args.loss_chunk else [])

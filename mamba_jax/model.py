@@ -253,7 +253,7 @@ class Mamba2LM(nnx.Module):
         through the step), their gradients stacked before they are sliced apart, and each
         layer's saved residuals copied into stacks and out of them (layer_scan).
         scan=False calls the layers one after the other: none of those, for a program that
-        holds a copy of the layer per layer (a prefill; training with --no-scan-layers)."""
+        holds a copy of the layer per layer (a prefill; training without --scan-layers)."""
         policy = remat_policy(remat, ctx.fsdp > 1)
         initial_states = self._check_initial_states(initial_states)
         caches = []

@@ -141,11 +141,12 @@ def build_parser():
     p.add_argument("--remat", choices=REMAT, default="none",
                    help="activation checkpointing per block: block keeps matmul outputs, "
                         "full keeps only each block's input")
-    p.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
-                   help="run the layers one after the other rather than as one scan per run "
-                        "of a layer kind: no stacked copy of the weights, of their gradients "
-                        "or of the saved activations, so a shorter step, for a compile that "
-                        "grows with the number of layers and more memory a row")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=False,
+                   help="run each run of a layer kind as one scan over its stacked layers: "
+                        "a compile that does not grow with the number of layers and less "
+                        "memory a row, for a longer step (the stacked weights, their "
+                        "gradients and the saved activations are copied each step); by "
+                        "default the layers run one after the other")
     p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
                    help="compute the logits and the loss TOKENS positions at a time, "
                         "recomputed in the backward pass (long sequences: the full logits "

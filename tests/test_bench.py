@@ -355,8 +355,8 @@ def test_our_training_child_runs_the_layers_as_asked(scan_layers):
                               steps=3, granule=4, layers=None, limit_gib=None, breakdown=False,
                               loss_chunk=None, scan_layers=scan_layers)
     argv = child_argv(args, "measure", "dp=1")
-    assert ("--no-scan-layers" in argv) == (not scan_layers)
-    assert ("--no-scan-layers" in layers_note(args)) == (not scan_layers)
+    assert ("--scan-layers" in argv) == scan_layers
+    assert ("--scan-layers" in layers_note(args)) == scan_layers
 
 
 def test_our_decode_timing_compiles_one_decode_loop():

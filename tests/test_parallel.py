@@ -149,7 +149,7 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(remat, layer_scans):
-    # scan_layers=False (the trainer's --no-scan-layers) under fsdp x cp x tp over packed
+    # scan_layers=False (the trainer's default) under fsdp x cp x tp over packed
     # documents: no layer scan (so no weight, gradient or residual stack), the same loss and
     # every gradient.
     cfg = tiny_config(n_layer=3, ngroups=2)

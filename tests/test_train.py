@@ -234,16 +234,16 @@ def test_trains_a_sentencepiece_blend_of_a_prepared_and_a_megatron_dataset(tmp_p
 
 
 def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, layer_scans):
-    # --no-scan-layers: no layer scan, and the same losses, step by step, as the layers' scan
-    # (float32; XLA may fuse the two programs apart: 1e-5 relative).
+    # By default no layer scan, and the same losses, step by step, as the layers' scan
+    # (--scan-layers; float32; XLA may fuse the two programs apart: 1e-5 relative).
     def losses(*flags):
         metrics = tmp_path / f"m{len(flags)}.jsonl"
         main(["--steps", "4", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=3",
               "--warmup", "1", "--metrics-file", str(metrics), "--out", "none", *flags])
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    unrolled = losses("--no-scan-layers")
+    unrolled = losses()
     assert not layer_scans
-    scanned = losses()
+    scanned = losses("--scan-layers")
     assert layer_scans
     assert "layers unrolled" in capsys.readouterr().err
     assert np.all(np.isfinite(unrolled)) and unrolled[-1] < unrolled[0]
