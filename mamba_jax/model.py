@@ -20,6 +20,7 @@ sequence parallelism the residual stream between layers is [b, l/tp, d].
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -260,7 +261,7 @@ class Mamba2LM(nnx.Module):
         for first, end in _runs(self.config.layers):
             graphdef = nnx.graphdef(self.layers[first])  # the same in the whole run
 
-            def layer(residual, xs, graphdef=graphdef):
+            def layer(residual, xs, seq_idx, graphdef=graphdef):
                 state, initial_state = xs
                 block = nnx.merge(graphdef, ctx.gather_params(state))
                 return block(residual, seq_idx, ctx=ctx, cache_len=cache_len,
@@ -269,12 +270,17 @@ class Mamba2LM(nnx.Module):
                 layer = jax.checkpoint(layer, policy=policy)
             states = [(nnx.state(self.layers[i]), initial_states[i]) for i in range(first, end)]
             if len(states) == 1 or not scan:
+                # One function traced once for the run's layers, not once a layer: its
+                # jaxpr, its derivatives' and its lowering (the kernels') are reused at each
+                # call, which XLA inlines.
+                call = layer if len(states) == 1 else jax.jit(layer)
                 for state in states:
-                    residual, cache = layer(residual, state)
+                    residual, cache = call(residual, state, seq_idx)
                     caches.append(cache)
             else:
                 residual, stacked = layer_scan.scan(
-                    layer, residual, jax.tree.map(lambda *ws: jnp.stack(ws), *states))
+                    functools.partial(layer, seq_idx=seq_idx), residual,
+                    jax.tree.map(lambda *ws: jnp.stack(ws), *states))
                 caches.extend(jax.tree.map(lambda c, i=i: c[i], stacked)
                               for i in range(end - first))
         return residual, tuple(caches)

@@ -115,3 +115,27 @@ def test_residual_in_fp32_off_keeps_the_stream_in_compute_dtype():
     assert model.embed(jnp.zeros((1, 3), jnp.int32)).dtype == jnp.bfloat16
     model = Mamba2LM(tiny(), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     assert model.embed(jnp.zeros((1, 3), jnp.int32)).dtype == jnp.float32
+
+
+def test_the_layers_one_after_the_other_are_traced_once_a_run(monkeypatch):
+    """scan_layers=False: a run's four layers are one function traced once and called per
+    layer (a jit: its jaxpr, its derivatives' and its lowering reused), not four traces,
+    with the gradient taken; the loss is the scan's."""
+    from mamba_jax import model as model_module
+    traces = []
+    block_call = model_module.Block.__call__
+    monkeypatch.setattr(model_module.Block, "__call__",
+                        lambda self, *a, **k: traces.append(1) or block_call(self, *a, **k))
+    cfg = Mamba2Config(d_model=32, n_layer=4, vocab_size=32,
+                       mamba2=dict(d_state=8, headdim=8, chunk_size=8))
+    graphdef, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 17), 0, 32)
+
+    def loss(params, scan_layers):
+        model = nnx.merge(graphdef, params)
+        return model.loss(ids[:, :-1], ids[:, 1:], scan_layers=scan_layers).mean()
+    value, grads = jax.value_and_grad(loss)(params, False)
+    assert len(traces) == 1
+    assert np.isfinite(float(value)) and all(
+        np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(value, loss(params, True), rtol=1e-6)
