@@ -9,9 +9,11 @@ Builds and compiles the step as bench.train_step does (Steps: same mesh, remat a
 parameters; cuBLAS's GEMMs, harness.use_cublas_gemms), runs two warm-up steps, traces
 --steps steps, and prints the step time, GPU time per step by kind (matmul, SSD Pallas
 kernels, collectives, copies, other fusions) and the --top kernels by GPU time per step,
-each with the HLO ops that launched it (the trace's `hlo_op`, by time). DIR keeps the trace
-(perfetto_trace.json.gz, for ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt),
-where a fusion's name leads to the operations it holds. Kernel times are the trace's device
+each with the HLO ops that launched it (the trace's `hlo_op`, by time) and, for an XLA
+fusion, what it computes (`fusion_contents`: its output's and operands' shapes, its
+operations and the JAX operation it came from, read from the compiled HLO: under XLA's
+command buffers the trace names only the buffer). DIR keeps the trace
+(perfetto_trace.json.gz, for ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt). Kernel times are the trace's device
 events (CUPTI); kernels on different streams may overlap, so their sum can exceed the step
 time.
 
@@ -105,7 +107,43 @@ def busy_fraction(events: list[dict]) -> float:
     return busy / span if span else 1.0
 
 
-def summarize(events: list[dict], steps: int, step_s: float, top: int, what="step"):
+# One HLO instruction of the compiled module's text: its name, shape, opcode, operands and
+# attributes (`%add.3 = f32[8]{0} add(%a, %b), metadata={...}`).
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{$")
+
+
+def fusion_contents(hlo_text: str) -> dict[str, str]:
+    """The compiled module's HLO text -> {a fusion's kernel name (its HLO name with "." and "-"
+    as "_", as the profiler names the kernel): "out shape <- operand shapes: the fused
+    computation's operations (from the JAX operation's name)"}, shapes without layouts."""
+    unlaid = lambda shape: re.sub(r"\{[^{}]*\}", "", shape)
+    shapes, opcodes, fusions = {}, collections.defaultdict(list), []
+    computation = None
+    for line in hlo_text.splitlines():
+        if (header := _COMPUTATION.match(line)) is not None:
+            computation = header.group(1)
+            continue
+        if (m := _INSTRUCTION.match(line)) is None:
+            continue
+        name, shape, opcode, operands, attributes = m.groups()
+        shapes[name] = unlaid(shape)
+        if opcode not in ("parameter", "constant") and opcode not in opcodes[computation]:
+            opcodes[computation].append(opcode)
+        if opcode == "fusion" and (called := re.search(r"calls=%?([\w.\-]+)", attributes)):
+            source = re.search(r'op_name="([^"]*)"', attributes)
+            fusions.append((name, shapes[name], re.findall(r"%([\w.\-]+)", operands),
+                            called.group(1), source.group(1) if source else "?"))
+    return {re.sub(r"[.\-]", "_", name): (
+        f"{shape} <- {', '.join(shapes.get(o, '?') for o in operands)}: "
+        f"{', '.join(opcodes[called])} (from {source[-70:]})")
+        for name, shape, operands, called, source in fusions}
+
+
+def summarize(events: list[dict], steps: int, step_s: float, top: int, what="step",
+              contents: dict[str, str] | None = None):
+    """Print the kernel time by kind and the top kernels; contents: fusion_contents of the
+    program's HLO, a column of what each fusion computes."""
     by_name, calls, by_kind = (collections.Counter(), collections.Counter(),
                                collections.Counter())
     ops = collections.defaultdict(collections.Counter)  # kernel -> the HLO ops that ran it
@@ -122,11 +160,11 @@ def summarize(events: list[dict], steps: int, step_s: float, top: int, what="ste
     for k, ms in by_kind.most_common():
         print(f"| {k} | {ms:.1f} | {100 * ms / total:.1f}% |")
     print(f"\n| kernel | kind | calls per {what} | ms per {what} | share | its largest HLO ops "
-          "|\n|---|---|---|---|---|---|")
+          "| what it computes |\n|---|---|---|---|---|---|---|")
     for name, ms in by_name.most_common(top):
         largest = ", ".join(op for op, _ in ops[name].most_common(3))
         print(f"| {name[:90]} | {kind_of(name)} | {calls[name]:.0f} | {ms:.3f} | "
-              f"{100 * ms / total:.1f}% | {largest} |")
+              f"{100 * ms / total:.1f}% | {largest} | {(contents or {}).get(name, '')} |")
 
 
 def traced(fn, out, steps):
@@ -294,8 +332,9 @@ def main(argv=None):
           f"{layers_note(args)}")
     steps.measure(args.batch, args.seq_len, 1)  # compiles, builds the state, warms up
     exe = steps.compiled[args.batch, args.seq_len][0]
+    hlo = exe.as_text()
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
-        f.write(exe.as_text())
+        f.write(hlo)
     state = list(steps.state)
     tokens = steps.tokens(args.batch, args.seq_len)
 
@@ -303,7 +342,8 @@ def main(argv=None):
         state[0], state[1], loss, _ = exe(*state, tokens)
         loss.block_until_ready()
     times, trace = traced(step, args.out, args.steps)
-    summarize(device_events(trace), args.steps, sorted(times)[len(times) // 2], args.top)
+    summarize(device_events(trace), args.steps, sorted(times)[len(times) // 2], args.top,
+              contents=fusion_contents(hlo))
 
 
 if __name__ == "__main__":

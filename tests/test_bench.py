@@ -374,3 +374,27 @@ def test_our_decode_timing_compiles_one_decode_loop():
     t_prefill, t_decode, tokens = ours(model, 2, 8, 16, 2, "float32", True, "auto")
     assert loop._cache_size() == before + 1
     assert t_prefill > 0 and t_decode > 0 and tokens.shape == (2, 16)
+
+
+def test_the_profile_says_what_each_fusion_computes(capsys):
+    """bench.profile_step.fusion_contents reads a compiled program's HLO: each fusion, by the
+    kernel name the profiler gives it, with its output's and operands' shapes, its
+    operations and the JAX operation it came from; summarize prints it beside the kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.profile_step import fusion_contents, summarize
+    program = jax.jit(lambda x, y: jnp.exp(x) * y).lower(
+        jnp.ones((64, 128)), jnp.ones((64, 128), jnp.bfloat16)).compile()
+    contents = fusion_contents(program.as_text())
+    [(name, what)] = [(k, v) for k, v in contents.items() if "exponential" in v]
+    assert what.startswith("f32[64,128] <- ") and "bf16[64,128]" in what
+    assert "multiply" in what and "(from jit(<lambda>)/mul)" in what
+    assert "." not in name and all(k.isidentifier() for k in contents)
+    events = [{"name": name, "dur": 1000.0, "ts": 0.0, "args": {"hlo_op": "command_buffer"}},
+              {"name": "ssd_forward", "dur": 500.0, "ts": 1000.0, "args": {}}]
+    summarize(events, 1, 2e-3, 5, contents=contents)
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ")}
+    assert rows[name].rstrip().endswith(f"| {what} |")
+    assert rows["ssd_forward"].rstrip().endswith("|  |")
