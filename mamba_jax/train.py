@@ -465,7 +465,7 @@ def _train(argv, held: contextlib.ExitStack):
                else MetricsWriter())
     progress = Progress(args.steps, first=start)
     step = start
-    with _StopRequest() as stop, contextlib.ExitStack() as cleanup:
+    with _StopRequest() as stop, contextlib.ExitStack() as cleanup, _fits_in_memory(args):
         cleanup.callback(metrics.close)
         if ckpt:
             cleanup.callback(ckpt.close)  # saves in flight are committed before we go on
@@ -517,6 +517,34 @@ def _train(argv, held: contextlib.ExitStack):
             print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",
                   file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _fits_in_memory(args):
+    """A device out of memory in the steps (XLA's RESOURCE_EXHAUSTED, at the first step's
+    allocation or later) -> a message naming the batch and what to change, not a traceback.
+    Raised inside the run's cleanup, so the checkpoints in flight are committed first."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        fixes = [f"split the step's rows into more micro-batches (--grad-accum "
+                 f"{2 * args.grad_accum}: the same tokens a step, fewer activations at once) "
+                 "or lower --batch-size"]
+        if args.remat != "full":
+            fixes.append("recompute more in the backward pass (--remat "
+                         + ("block or full)" if args.remat == "none" else "full)"))
+        if not args.scan_layers:
+            fixes.append("run the layers as one scan (--scan-layers: less memory a row, a "
+                         "longer step)")
+        fixes.append("or shard the model over more devices (--mesh fsdp=N)")
+        rows = args.batch_size // args.grad_accum
+        raise SystemExit(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} "
+                         + (f"({rows} rows at once with --grad-accum {args.grad_accum}) "
+                            if args.grad_accum > 1 else "")
+                         + f"does not fit in the device's memory "
+                         f"({str(error).splitlines()[0][:160]}): " + "; ".join(fixes)) from None
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 import mamba_jax
 from bpe import EOS_ID, PAD_ID, VOCAB, bpe_tokenizer
+from mamba_jax.cli import UserExit
 from mamba_jax.data import DEFAULT_CORPUS, prepare
 from mamba_jax.files import locked
 from mamba_jax.generate import load_for_generation
@@ -302,3 +304,41 @@ def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(tm
     # --overwrite-out replaces it.
     main([*SMALL, "--steps", "2", "--seed", "1", "--out", str(out), "--overwrite-out"])
     assert (out / "model.safetensors").read_bytes() not in (first, resumed)
+
+
+def test_a_step_out_of_device_memory_names_the_batch_and_the_fixes(tmp_path, monkeypatch,
+                                                                   capsys):
+    """XLA's RESOURCE_EXHAUSTED from the step (a batch too large for the device): one line
+    naming the batch and what to change, exit 2, no traceback, the checkpoint saved before it
+    kept; another XLA error is not dressed up as one."""
+    from mamba_jax import train
+
+    def failing(message, after):
+        build = train.make_train_step
+
+        def make(loss_fn, tx):
+            step, calls = build(loss_fn, tx), []
+
+            def run(*args):
+                calls.append(1)
+                if len(calls) > after:
+                    raise jax.errors.JaxRuntimeError(message)
+                return step(*args)
+            return run
+        return make
+
+    ck = tmp_path / "ck"
+    monkeypatch.setattr(train, "make_train_step", failing(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 42.00GiB.\nmore", 2))
+    with pytest.raises(UserExit) as stop:
+        train.main([*SMALL, "--steps", "5", "--save-every", "2", "--checkpoint-dir", str(ck)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "--batch-size 8 x --seq-len 32 does not fit in the device's memory " \
+           "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 42.00GiB.)" in err
+    assert "--grad-accum 2" in err and "--remat block or full" in err and "--scan-layers" in err
+    assert [p.name for p in ck.iterdir() if p.name.isdigit()] == ["2"]
+    monkeypatch.setattr(train, "make_train_step", failing("INTERNAL: something else", 0))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        train.main([*SMALL, "--steps", "2", "--out", "none"])
