@@ -2,7 +2,8 @@
 chunked scan, the norm and out_proj, differentiated by JAX): logits, loss and every gradient
 of a float32 model, on one device and under tp and tp x cp meshes (8 fake CPU devices), on
 an odd length over packed documents, and continued from the states of the sequence before it
-(the conv's window and the SSM's state, gradients into both) under each --remat choice. On
+(the conv's window and the SSM's state, gradients into both) under each --remat choice;
+and a prefill's returned states. On
 the kernels the layer runs as one custom_vjp (pallas_kernels.mamba2_mixer) where each rank
 holds whole groups on one cp device, ngroups 1 and 8, else composed, the conv inside the
 scan's custom_vjp (a tp rank reading groups that tp does not divide; cp). The kernels run in
@@ -109,4 +110,25 @@ def test_kernel_path_continues_from_states(monkeypatch, remat):
         # 6e-5 of its largest entry with or without states (float32 sums in another order).
         r = reference[path]
         np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=1e-4 * np.abs(r).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_kernel_path_returns_the_states_of_the_xla_path(monkeypatch):
+    # A prefill's states (return_states: the conv's last inputs and the SSM state) from the
+    # one custom_vjp on the kernels equal the XLA path's, over packed documents.
+    cfg = mamba_config(ngroups=8).replace(n_layer=1)
+    graphdef, params, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
+    hidden = lambda p: nnx.merge(graphdef, p).hidden(ids, seq_idx, return_states=True)
+    value, states = jax.jit(hidden)(params)
+    take_the_kernels(monkeypatch)
+    calls = []
+    fused = mamba2.mamba2_mixer
+    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
+    kernel_value, kernel_states = jax.jit(lambda p: hidden(p))(params)
+    assert calls
+    np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)
+    leaves = jax.tree_util.tree_leaves_with_path(states)
+    assert leaves and all(np.abs(s).max() > 0 for _, s in leaves)
+    for (path, s), k in zip(leaves, jax.tree.leaves(kernel_states)):
+        np.testing.assert_allclose(k, s, rtol=0, atol=1e-5 * np.abs(s).max(),
                                    err_msg=jax.tree_util.keystr(path))
