@@ -178,8 +178,9 @@ class Mamba2LM(nnx.Module):
         """input_ids [b, l] -> the final norm's output [b, l, d] in the compute dtype (every
         position of this device's part, whatever the sequence parallelism). remat: "none",
         "block" or "full" activation checkpointing of each layer (remat_policy). scan_layers:
-        each run of layers of one kind as one scan, else one layer after the other
-        (`_layers`' scan).
+        each run of layers of one kind as one scan (a shorter compile, less memory a row),
+        else one layer after the other (a shorter step: the trainer's default; `_layers`'
+        scan).
 
         initial_states: per layer, the state the sequence continues from (a MambaCache, whose
         conv window and SSM state may each be None; None for a layer without one), e.g. the
