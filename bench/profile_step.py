@@ -13,9 +13,9 @@ each with the HLO ops that launched it (the trace's `hlo_op`, by time) and, for 
 fusion, what it computes (`fusion_contents`: its output's and operands' shapes, its
 operations and the JAX operation it came from, read from the compiled HLO: under XLA's
 command buffers the trace names only the buffer). DIR keeps the trace
-(perfetto_trace.json.gz, for ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt). Kernel times are the trace's device
-events (CUPTI); kernels on different streams may overlap, so their sum can exceed the step
-time.
+(perfetto_trace.json.gz, for ui.perfetto.dev) and the compiled step's HLO (step.hlo.txt).
+Kernel times are the trace's device events (CUPTI); kernels on different streams may
+overlap, so their sum can exceed the step time.
 
 --scan KIND: a scan alone, its forward and its forward+backward (the output returned with the
 gradients, harness.forward_and_backward) each traced --steps times, at --batch x --seq-len

@@ -523,7 +523,7 @@ def _train(argv, held: contextlib.ExitStack):
 def _fits_in_memory(args):
     """A device out of memory in the steps (XLA's RESOURCE_EXHAUSTED, at the first step's
     allocation or later) -> a message naming the batch and what to change, not a traceback.
-    Raised inside the run's cleanup, so the checkpoints in flight are committed first."""
+    Entered inside the run's cleanup stack, which then commits the checkpoints in flight."""
     try:
         yield
     except jax.errors.JaxRuntimeError as error:
@@ -539,12 +539,11 @@ def _fits_in_memory(args):
             fixes.append("run the layers as one scan (--scan-layers: less memory a row, a "
                          "longer step)")
         fixes.append("or shard the model over more devices (--mesh fsdp=N)")
-        rows = args.batch_size // args.grad_accum
-        raise SystemExit(f"--batch-size {args.batch_size} x --seq-len {args.seq_len} "
-                         + (f"({rows} rows at once with --grad-accum {args.grad_accum}) "
-                            if args.grad_accum > 1 else "")
-                         + f"does not fit in the device's memory "
-                         f"({str(error).splitlines()[0][:160]}): " + "; ".join(fixes)) from None
+        at_once = (f" ({args.batch_size // args.grad_accum} rows at once with --grad-accum "
+                   f"{args.grad_accum})" if args.grad_accum > 1 else "")
+        raise SystemExit(f"--batch-size {args.batch_size} x --seq-len {args.seq_len}{at_once} "
+                         f"does not fit in the device's memory "
+                         f"({str(error).splitlines()[0][:160]}): {'; '.join(fixes)}") from None
 
 
 if __name__ == "__main__":

@@ -59,6 +59,16 @@ class Shapes:
         """The conv's output channels: x, B, C."""
         return (self.h * self.p, self.g * self.n, self.g * self.n)
 
+    @property
+    def xBC_start(self):
+        """zxbcdt's first column of xBC (after z's h*p)."""
+        return self.h * self.p
+
+    @property
+    def dt_start(self):
+        """zxbcdt's first column of dt (after z and xBC)."""
+        return self.xBC_start + sum(self.parts)
+
 
 def mamba2_mixer(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state,
                  seq_idx, shapes: Shapes):
@@ -74,7 +84,7 @@ def _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc):
     """The conv's x [b, l, h, p], B, C [b, l, g, n], from zxbcdt's xBC columns in place."""
     b, l, _ = zxbcdt.shape
     x, B, C = conv.forward(zxbcdt, conv_w, conv_b, doc, l, shapes.parts, config=conv.Config(),
-                           interpret=off_gpu(), x_start=shapes.h * shapes.p)
+                           interpret=off_gpu(), x_start=shapes.xBC_start)
     return (x.reshape(b, l, shapes.h, shapes.p), B.reshape(b, l, shapes.g, shapes.n),
             C.reshape(b, l, shapes.g, shapes.n))
 
@@ -89,7 +99,7 @@ def _scan(shapes, x, B, C, dt, A_log, D, dt_bias, initial_state, seq_idx):
 
 def _dt(shapes, zxbcdt):
     """dt [b, l, h] float32 (before its bias and softplus): zxbcdt's last h columns."""
-    return zxbcdt[..., shapes.h * shapes.p + sum(shapes.parts):].astype(jnp.float32)
+    return zxbcdt[..., shapes.dt_start:].astype(jnp.float32)
 
 
 def _normed(shapes, y, zxbcdt, norm_w):
@@ -150,9 +160,8 @@ def _mixer_bwd(shapes, residuals, cotangents):
     flat = lambda a: a.reshape(*a.shape[:2], -1)
     dzxbcdt, dconv_w, dconv_b = conv.backward(
         zxbcdt, conv_w, conv_b, doc, (flat(dx), flat(dB), flat(dC)), config=conv.Config(),
-        interpret=off_gpu(), x_start=shapes.h * shapes.p, dx_into=dzxbcdt)
-    dzxbcdt = dzxbcdt.at[..., shapes.h * shapes.p + sum(shapes.parts):].set(
-        ddt.astype(dzxbcdt.dtype))
+        interpret=off_gpu(), x_start=shapes.xBC_start, dx_into=dzxbcdt)
+    dzxbcdt = dzxbcdt.at[..., shapes.dt_start:].set(ddt.astype(dzxbcdt.dtype))
     dseq = None if seq_idx is None else jnp.zeros(seq_idx.shape, jax.dtypes.float0)
     return (dzxbcdt, dconv_w.astype(conv_w.dtype),
             None if conv_b is None else dconv_b.astype(conv_b.dtype), ddt_bias, dA_log, dD,

@@ -47,10 +47,15 @@ def loss_and_grads(cfg, mesh_spec=None):
 
 def take_the_kernels(monkeypatch):
     """The layer on the SSD's, the conv's and the norm's kernels from here on (their "auto"
-    takes them on a GPU only)."""
+    takes them on a GPU only) -> a list that gains an entry at each call of the fused mixer
+    (pallas_kernels.mamba2_mixer)."""
     monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
     monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
     monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+    calls = []
+    fused = mamba2.mamba2_mixer
+    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
+    return calls
 
 
 @pytest.mark.parametrize("ngroups,mesh_spec", [
@@ -63,10 +68,7 @@ def take_the_kernels(monkeypatch):
 def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
     cfg = mamba_config(ngroups=ngroups).replace(n_layer=1)
     value, grads = loss_and_grads(cfg)
-    take_the_kernels(monkeypatch)
-    calls = []
-    fused = mamba2.mamba2_mixer
-    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
+    calls = take_the_kernels(monkeypatch)
     kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
     # one custom_vjp on the kernels where each rank holds whole groups on one cp device
     assert bool(calls) == (mesh_spec is None or ngroups % 4 == 0 and "cp" not in mesh_spec)
@@ -120,10 +122,7 @@ def test_kernel_path_returns_the_states_of_the_xla_path(monkeypatch):
     graphdef, params, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
     hidden = lambda p: nnx.merge(graphdef, p).hidden(ids, seq_idx, return_states=True)
     value, states = jax.jit(hidden)(params)
-    take_the_kernels(monkeypatch)
-    calls = []
-    fused = mamba2.mamba2_mixer
-    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
+    calls = take_the_kernels(monkeypatch)
     kernel_value, kernel_states = jax.jit(lambda p: hidden(p))(params)
     assert calls
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)

@@ -249,13 +249,13 @@ class Mamba2Mixer(Mixer):
         below, its reference."""
         before = self.window_before(initial_state)
         entering = self.entering_state(u.shape[0], initial_state)
-        if self.mixer_kernels_run(u, ctx, before):
+        shapes = self._mixer_shapes(ctx)
+        if self.mixer_kernels_run(u, ctx, before, shapes):
             zxbcdt = self.project_packed(u)
             out, ssm_state = mamba2_mixer(
                 zxbcdt, *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...],
-                self.norm[...], self.out_proj[...], entering, seq_idx, self._mixer_shapes(ctx))
-            hp, e = self._local_widths()
-            xBC = zxbcdt[..., hp:hp + e]
+                self.norm[...], self.out_proj[...], entering, seq_idx, shapes)
+            xBC = zxbcdt[..., shapes.xBC_start:shapes.dt_start]
             doc = None if seq_idx is None else document_ids(seq_idx)
         else:
             z, xBC_in, dt = self.project(u)
@@ -267,31 +267,25 @@ class Mamba2Mixer(Mixer):
             return out, None
         return out, MambaCache(self.final_window(xBC, doc, ctx), ctx.from_last_cp(ssm_state))
 
-    def _local_widths(self):
-        """(h*p, e) of this rank's heads and groups."""
-        hp, gn = math.prod(self.x_conv.shape[1:]), math.prod(self.B_conv.shape[1:])
-        return hp, hp + 2 * gn
-
-    def mixer_kernels_run(self, u, ctx: ParallelContext, before) -> bool:
+    def mixer_kernels_run(self, u, ctx: ParallelContext, before, shapes: MixerShapes) -> bool:
         """Whether the mixer runs as pallas_kernels.mamba2_mixer: where the conv's, the gated
         norm's and the SSD's kernels each run ("auto"'s choices, which log a fallback on a
         GPU they were measured on), on one cp device (the conv reads no other device's
         inputs), with no conv window before the first token and whole groups on each tp
-        rank."""
+        rank. shapes: this rank's (`_mixer_shapes`)."""
         m = self.cfg.mamba2
         if ctx.cp > 1 or before is not None or m.ngroups % ctx.tp:
             return False
         b, l = u.shape[:2]
-        h, p = self.x_conv.shape[1:]
-        g, n = self.B_conv.shape[1:]
-        hp, e = self._local_widths()
+        s, e = shapes, sum(shapes.parts)
         like = lambda *shape: jax.ShapeDtypeStruct(shape, self.dtype)
-        return (ssd_kernels.kernels_are_faster(like(b, l, h, p), like(b, l, g, n))
+        return (ssd_kernels.kernels_are_faster(like(b, l, s.h, s.p), like(b, l, s.g, s.n))
                 and conv_kernels.kernels_run(like(b, l, e), like(m.d_conv, e), m.d_conv - 1, l,
-                                             (hp, g * n, g * n))
-                and norm_kernels.kernels_run(like(b, l, h, p), m.ngroups // ctx.tp))
+                                             s.parts)
+                and norm_kernels.kernels_run(like(b, l, s.h, s.p), s.norm_groups))
 
     def _mixer_shapes(self, ctx: ParallelContext) -> MixerShapes:
+        """pallas_kernels.mamba2_mixer's sizes of this rank's heads and groups."""
         m = self.cfg.mamba2
         h, p = self.x_conv.shape[1:]
         g, n = self.B_conv.shape[1:]
