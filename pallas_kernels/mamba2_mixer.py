@@ -13,7 +13,8 @@ and ddt into the in-projection's gradient. Here:
 - the forward reads z (the norm kernel) and xBC (the conv kernel) as column ranges of
   zxbcdt, and keeps zxbcdt, the scan's output y and the weights: nothing else;
 - the backward recomputes x, B, C (the conv kernel) and the norm's output (for
-  out_proj's weight gradient), runs the SSD's backward (pallas_kernels.ssd's own vjp: its
+  out_proj's weight gradient, in the norm's backward kernel, which reads y and z once for
+  both), runs the SSD's backward (pallas_kernels.ssd's own vjp: its
   forward kernel's outputs are unused there, and XLA drops the kernel), and assembles
   dzxbcdt in one buffer: the norm's backward kernel writes dz into its first h*p columns, the
   conv's backward kernel writes dxBC into the next e in place (input_output_aliases), and
@@ -43,7 +44,9 @@ from pallas_kernels.triton_call import off_gpu
 class Shapes:
     """The mixer's static sizes and options (legend above): heads, headdim, groups, d_state;
     chunk_size, dt_limit and the norm's eps and groups (this rank's); dtype, the compute
-    dtype of out_proj's matmuls."""
+    dtype of out_proj's matmuls; out_dtype, their output's: the compute dtype where the
+    caller rounds the output to it anyway (the matmul then writes half the bytes, and its
+    cotangent arrives in it), else float32."""
     h: int
     p: int
     g: int
@@ -53,6 +56,7 @@ class Shapes:
     eps: float
     norm_groups: int
     dtype: str
+    out_dtype: str
 
     @property
     def parts(self):
@@ -74,7 +78,7 @@ def mamba2_mixer(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, in
                  seq_idx, shapes: Shapes):
     """zxbcdt [b, l, W] (the compute dtype), conv_w [k, e] and conv_b [e] or None float32,
     dt_bias, A_log, D [h], norm_w [h, p], out_proj [h, p, d] float32, initial_state [b, h, p,
-    n] float32 or None, seq_idx [b, l] int or None -> (out_proj's output [b, l, d] float32,
+    n] float32 or None, seq_idx [b, l] int or None -> (out_proj's output [b, l, d] in shapes.out_dtype,
     without its bias; the final state [b, h, p, n] float32)."""
     return _mixer(shapes, zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
                   initial_state, seq_idx)
@@ -110,7 +114,7 @@ def _normed(shapes, y, zxbcdt, norm_w):
 
 def _out_proj(shapes, normed, out_proj):
     return jnp.einsum("blhp,hpd->bld", normed, out_proj.astype(shapes.dtype),
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.dtype(shapes.out_dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -136,19 +140,19 @@ def _mixer_bwd(shapes, residuals, cotangents):
      y) = residuals
     dout, dfinal = cotangents
     dtype = shapes.dtype
-    # out_proj: its weight's gradient from the norm's output, recomputed
-    normed = _normed(shapes, y, zxbcdt, norm_w)
+    # out_proj's input gradient, in the compute dtype straight from the matmul (its
+    # accumulation is float32 either way): a float32 product and its conversion were two
+    # more passes over [b, l, h, p]
     dout = dout.astype(dtype)
-    dout_proj = jnp.einsum("blhp,bld->hpd", normed, dout, preferred_element_type=jnp.float32)
-    # in the compute dtype straight from the matmul (its accumulation is float32 either way):
-    # a float32 product and its conversion were two more passes over [b, l, h, p]
     dnormed = jnp.einsum("bld,hpd->blhp", dout, out_proj.astype(dtype),
                          preferred_element_type=dtype)
-    # the norm: dy, and dz into the first h*p columns of the in-projection's gradient
-    dy, dzxbcdt, dnorm_w = norm.backward(y, zxbcdt, norm_w, dnormed, shapes.eps,
-                                         shapes.norm_groups, config=norm.Config(),
-                                         interpret=off_gpu())
+    # the norm: dy, dz into the first h*p columns of the in-projection's gradient, and its
+    # output recomputed in the same pass for out_proj's weight gradient
+    dy, dzxbcdt, dnorm_w, normed = norm.backward(y, zxbcdt, norm_w, dnormed, shapes.eps,
+                                                 shapes.norm_groups, config=norm.Config(),
+                                                 interpret=off_gpu(), with_out=True)
     dzxbcdt = dzxbcdt.reshape(zxbcdt.shape)
+    dout_proj = jnp.einsum("blhp,bld->hpd", normed, dout, preferred_element_type=jnp.float32)
     # the scan's backward over x, B, C recomputed
     doc = None if seq_idx is None else document_ids(seq_idx)
     x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc)

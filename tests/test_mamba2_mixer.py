@@ -43,7 +43,7 @@ def composed(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initia
     normed = gated_rms_norm_reference(y, zxbcdt[..., :hp].reshape(y.shape), norm_w, s.eps,
                                       s.norm_groups)
     out = jnp.einsum("blhp,hpd->bld", normed, out_proj.astype(s.dtype),
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=jnp.dtype(s.out_dtype))
     return out, final_state
 
 
@@ -58,7 +58,7 @@ CASES = {  # name: (b, l, h, p, g, n, documents, initial state, conv bias)
 def test_the_mixer_on_the_kernels_matches_its_composed_form(case, dtype):
     b, l, h, p, g, n, documents, initial, bias = CASES[case]
     s = Shapes(h=h, p=p, g=g, n=n, chunk_size=16, dt_limit=(0.0, float("inf")), eps=1e-5,
-               norm_groups=g, dtype=dtype)
+               norm_groups=g, dtype=dtype, out_dtype=dtype)
     e, d = h * p + 2 * g * n, 32
     seed = np.random.SeedSequence().entropy % 2**31
     keys = jax.random.split(jax.random.PRNGKey(seed), 12)
@@ -73,7 +73,7 @@ def test_the_mixer_on_the_kernels_matches_its_composed_form(case, dtype):
             jax.random.normal(keys[8], (b, h, p, n)) * 0.3 if initial else None)
     seq_idx = (jnp.cumsum(jax.random.uniform(keys[9], (b, l)) < 0.08, axis=1).astype(jnp.int32)
                if documents else None)
-    cotangents = (jax.random.normal(keys[10], (b, l, d)),
+    cotangents = (jax.random.normal(keys[10], (b, l, d)).astype(dtype),
                   jax.random.normal(keys[11], (b, h, p, n)))
 
     def values_and_gradients(f):

@@ -13,7 +13,8 @@ cotangent dout in y's dtype) by the largest error relative to the largest value:
 NaN fails every comparison. Cases: one group and two, an odd row count (3 x 37 rows, a
 ragged last block), a group of 24 entries (no power of two: masked 32-wide blocks, the
 last group's block reaching past the row's end), with the default tiles and with small
-ones that make every backward program loop over several blocks. Then the dispatch: "auto"
+ones that make every backward program loop over several blocks; the backward's recomputed
+output (with_out). Then the dispatch: "auto"
 is the XLA path on a CPU, the kernels on a patched-in Hopper GPU, where an unsupported case
 is logged once; and the comparison does fail for a wrong result.
 """
@@ -101,6 +102,21 @@ def test_backward_programs_loop_over_several_blocks(case):
     assert_matches_reference(
         lambda y, z, w, g: triton.gated_rms_norm(y, z, w, EPS, g, SMALL_TILES, True),
         CASES[case], jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_the_backward_recomputes_the_output_on_request(dtype):
+    """backward(with_out=True), as the fused mixer calls it for out_proj's weight gradient:
+    the forward's output from the same pass, beside the same gradients, over blocks that
+    each program loops over (the last past the rows' end)."""
+    lead, h, p, ngroups = CASES["group_of_24_not_a_power_of_two"]
+    y, z, weight, dout = make_inputs(np.random.default_rng(), lead, h, p, dtype)
+    ours = dict(zip(("dy", "dz", "dweight", "out"), triton.backward(
+        y, z, weight, dout, EPS, ngroups, config=SMALL_TILES, interpret=True, with_out=True)))
+    assert ours["out"].dtype == y.dtype and ours["out"].shape == y.shape
+    assert not errors_over_tolerance(ours, reference_float64(y, z, weight, dout, ngroups))
+    assert len(triton.backward(y, z, weight, dout, EPS, ngroups, config=SMALL_TILES,
+                               interpret=True)) == 3
 
 
 def test_the_comparison_fails_for_a_wrong_result():

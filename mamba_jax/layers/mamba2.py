@@ -255,6 +255,7 @@ class Mamba2Mixer(Mixer):
             out, ssm_state = mamba2_mixer(
                 zxbcdt, *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...],
                 self.norm[...], self.out_proj[...], entering, seq_idx, shapes)
+            out = out.astype(jnp.float32)  # Mixer.__call__'s dtype (XLA may fuse it into the add)
             xBC = zxbcdt[..., shapes.xBC_start:shapes.dt_start]
             doc = None if seq_idx is None else document_ids(seq_idx)
         else:
@@ -289,9 +290,12 @@ class Mamba2Mixer(Mixer):
         m = self.cfg.mamba2
         h, p = self.x_conv.shape[1:]
         g, n = self.B_conv.shape[1:]
+        # Block._add rounds the output to the compute dtype after the bias: without a bias,
+        # the matmul may round it
         return MixerShapes(h=h, p=p, g=g, n=n, chunk_size=m.chunk_size, dt_limit=m.dt_limit,
                            eps=self.cfg.norm_eps, norm_groups=m.ngroups // ctx.tp,
-                           dtype=jnp.dtype(self.dtype).name)
+                           dtype=jnp.dtype(self.dtype).name,
+                           out_dtype="float32" if m.bias else jnp.dtype(self.dtype).name)
 
     def window_before(self, initial_state: MambaCache | None):
         """The conv inputs before the first token [b, k - 1, e] from a cache's window (its

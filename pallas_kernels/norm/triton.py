@@ -107,11 +107,14 @@ def forward(y, z, weight, eps, ngroups, *, config, interpret=False):
     return out.reshape(y.shape)
 
 
-def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False):
+def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False, with_out=False):
     """The backward kernel: forward's inputs and the cotangent dout (y's shape) -> (dy, dz,
     dweight) in y's, z's and weight's dtypes; dweight summed here from the kernel's float32
     partials [programs, h * p]. With a wider z (forward), dz has z's shape and only its
-    first h * p entries a row are written: the caller writes the rest."""
+    first h * p entries a row are written: the caller writes the rest. with_out: also the
+    forward's output, recomputed in the same pass (y's shape and dtype, appended), for a
+    following matmul's weight gradient (mamba_ssm's recompute_output): y and z are read
+    once for both."""
     rows, width, group = _sizes(y, ngroups)
     br, bg = _tiles(config, rows, group)
     blocks = pl.cdiv(rows, br)
@@ -122,16 +125,18 @@ def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False):
                                per_program=per_program,
                                ragged_rows=programs * per_program * br != rows)
     flat = lambda a: a.reshape(rows, -1)
-    dy, dz, dweight = call(
+    dy, dz, dweight, *out = call(
         kernel, (programs, ngroups),
         [jax.ShapeDtypeStruct((rows, width), y.dtype),
          jax.ShapeDtypeStruct((rows, math.prod(z.shape) // rows), z.dtype),
-         jax.ShapeDtypeStruct((programs, width), jnp.float32)],
+         jax.ShapeDtypeStruct((programs, width), jnp.float32)]
+        + [jax.ShapeDtypeStruct((rows, width), y.dtype)] * with_out,
         config.backward_warps or _warps(config, br, bg), config.backward_stages, interpret,
         "gated_rms_norm_backward",
     )(flat(y), flat(z), weight.reshape(width), flat(dout))
     return (dy.reshape(y.shape), dz.reshape(z.shape),
-            dweight.sum(0).reshape(weight.shape).astype(weight.dtype))
+            dweight.sum(0).reshape(weight.shape).astype(weight.dtype),
+            *(o.reshape(y.shape) for o in out))
 
 
 def _forward_kernel(y_ref, z_ref, w_ref, out_ref, *, eps, rows, group, br, bg, ragged_rows):
@@ -147,8 +152,8 @@ def _forward_kernel(y_ref, z_ref, w_ref, out_ref, *, eps, rows, group, br, bg, r
     plgpu.store(out_ref.at[block], (x * rstd * w[None, :]).astype(out_ref.dtype), mask=mask)
 
 
-def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *, eps, rows, group,
-                     br, bg, per_program, ragged_rows):
+def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *out_ref, eps, rows,
+                     group, br, bg, per_program, ragged_rows):
     pi = pl.program_id(0)
     c0 = pl.program_id(1) * group
     col_mask = _block(0, c0, rows=rows, group=group, br=br, bg=bg, ragged_rows=False)[2]
@@ -165,6 +170,8 @@ def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *, e
         x = y * silu
         rstd = _rstd(x, group, eps)
         xhat = x * rstd
+        if out_ref:  # the forward's product order: (x * rstd) * weight
+            plgpu.store(out_ref[0].at[block], (xhat * w).astype(out_ref[0].dtype), mask=mask)
         wdout = dout * w
         dx = (wdout - xhat * (jnp.sum(xhat * wdout, axis=1, keepdims=True) / group)) * rstd
         plgpu.store(dy_ref.at[block], (dx * silu).astype(dy_ref.dtype), mask=mask)
