@@ -70,5 +70,5 @@ class Mamba2Encoder(nnx.Module):
                                  f"[batch, seqlen, d_model={self.config.d_model}] floats or "
                                  "[batch, seqlen] token ids")
             residual = ctx.sequence_shard(inputs.astype(self.residual_dtype))
-        residual, _ = self._layers(residual, seq_idx, ctx, remat, scan=scan_layers)
-        return self._final(residual, ctx)
+        stream, _ = self._layers(residual, seq_idx, ctx, remat, scan=scan_layers)
+        return self._final(stream, ctx)

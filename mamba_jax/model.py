@@ -5,7 +5,9 @@ Legend: b batch, l sequence, d d_model, v padded vocabulary.
 
 The residual stream follows mamba_ssm's Block(fused_add_norm, prenorm): r = embedding;
 r = r + mixer(norm(r)) per layer; logits = lm_head(norm_f(r)); r is float32 when
-`residual_in_fp32`, else the compute dtype. A layer's mixer is the registered kind of its
+`residual_in_fp32`, else the compute dtype. As in mamba_ssm, a layer's output is added to
+the stream by the next norm (`Stream`, pallas_kernels.norm.add_rms_norm: one pass that reads
+both and writes the sum and its norm), not by the layer. A layer's mixer is the registered kind of its
 symbol in `cfg.layers` (mamba_jax.layers.registry); every layer keeps the names
 `layers.{i}.norm` and `layers.{i}.mixer`, as Megatron and NemotronH name them. mamba_ssm's
 Block of mixer + MLP (r += mixer(norm(r)); r += mlp(norm2(r))) is two such layers.
@@ -74,6 +76,25 @@ def _runs(layers: str):
     return list(zip(starts, starts[1:] + [len(layers)]))
 
 
+class Stream(NamedTuple):
+    """The residual stream between layers as mamba_ssm's fused add and norm carries it: its
+    value is residual + delta. residual [b, l, d] ([b, l/tp, d] under sequence parallel) in
+    the residual dtype; delta, the same shape in the compute dtype: the last layer's output,
+    which the next norm adds as it reads the residual (zeros before the first layer)."""
+
+    residual: jax.Array
+    delta: jax.Array
+
+    @classmethod
+    def start(cls, residual, dtype):
+        """The stream before the first layer: residual, and a zero delta in dtype."""
+        return cls(residual, jnp.zeros(residual.shape, dtype))
+
+    def value(self):
+        """residual + delta [b, l, d] in the residual dtype."""
+        return self.residual + self.delta.astype(self.residual.dtype)
+
+
 class Block(nnx.Module):
     """norm -> mixer (the registered kind of `symbol`), added to the residual stream."""
 
@@ -81,23 +102,25 @@ class Block(nnx.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = KINDS[symbol](cfg, rngs=rngs, dtype=dtype)
 
-    def __call__(self, residual, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
+    def __call__(self, stream: Stream, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
                  cache_len=None, initial_state=None):
-        """residual [b, l, d] ([b, l/tp, d] under sequence parallel) -> (the same shape, the
-        layer's cache: None unless cache_len; Mixer.__call__). initial_state: the cache the
-        sequence continues from, for a kind that takes_initial_state."""
-        hidden = ctx.layer_input(self.norm(residual).astype(self.mixer.dtype))
+        """stream -> (the stream after this layer, the layer's cache: None unless cache_len;
+        Mixer.__call__). The norm adds the stream's delta to its residual as it reads it;
+        this layer's output is the new delta. initial_state: the cache the sequence
+        continues from, for a kind that takes_initial_state."""
+        residual, normed = self.norm.add(*stream)
         state = {} if initial_state is None else {"initial_state": initial_state}
-        out, cache = self.mixer(hidden, seq_idx, ctx=ctx, cache_len=cache_len, **state)
-        return self._add(residual, ctx.layer_output(out, self.mixer.dtype)), cache
+        out, cache = self.mixer(ctx.layer_input(normed), seq_idx, ctx=ctx, cache_len=cache_len,
+                                **state)
+        return Stream(residual, self._delta(ctx.layer_output(out, self.mixer.dtype))), cache
 
-    def _add(self, residual, out):
-        """residual + the mixer's output (float32, or under tp its ranks' shares summed in
-        the compute dtype) with its bias, rounded to the compute dtype."""
+    def _delta(self, out):
+        """The mixer's output (float32, or under tp its ranks' shares summed in the compute
+        dtype) with its bias, rounded to the compute dtype: what the residual stream adds."""
         bias = self.mixer.output_bias()
         if bias is not None:
             out = out + bias
-        return residual + out.astype(self.mixer.dtype).astype(residual.dtype)
+        return out.astype(self.mixer.dtype)
 
     def step(self, residual, cache, weights=None, how="xla"):
         """One token: residual [b, d] -> (residual [b, d], the layer's updated cache).
@@ -111,7 +134,7 @@ class Block(nnx.Module):
                                          weights)
         hidden = self.norm(residual).astype(self.mixer.dtype)
         out, cache = self.mixer.step(hidden, cache, weights, how)
-        return self._add(residual, out), cache
+        return Stream(residual, self._delta(out)).value(), cache
 
 
 class DecodeWeights(NamedTuple):
@@ -187,10 +210,10 @@ class Mamba2LM(nnx.Module):
         states a previous call returned; gradients flow into it. return_states: also return
         each layer's state after the last token (its decoding cache; under cp every device
         gets the end of the whole sequence): (hidden, states)."""
-        residual, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
-                                        cache_len=input_ids.shape[1] if return_states else None,
-                                        scan=scan_layers, initial_states=initial_states)
-        hidden = self._final(residual, ctx)
+        stream, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
+                                      cache_len=input_ids.shape[1] if return_states else None,
+                                      scan=scan_layers, initial_states=initial_states)
+        hidden = self._final(stream, ctx)
         return (hidden, states) if return_states else hidden
 
     def loss(self, input_ids, targets, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
@@ -244,8 +267,9 @@ class Mamba2LM(nnx.Module):
 
     def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None, scan=True,
                 initial_states=None):
-        """Every layer: residual [b, l(/tp), d] -> (residual, per layer its cache or None).
-        initial_states: per layer the cache it continues from, or None (`hidden`).
+        """Every layer: residual [b, l(/tp), d] -> (the Stream after the last layer, per
+        layer its cache or None). initial_states: per layer the cache it continues from, or
+        None (`hidden`).
 
         scan: one scan per run of consecutive layers of one kind, not a copy of the layer per
         layer: compile time and program size stay those of one layer per run. An all-Mamba
@@ -258,14 +282,15 @@ class Mamba2LM(nnx.Module):
         holds a copy of the layer per layer (a prefill; training without --scan-layers)."""
         policy = remat_policy(remat, ctx.fsdp > 1)
         initial_states = self._check_initial_states(initial_states)
+        stream = Stream.start(residual, self.dtype)
         caches = []
         for first, end in _runs(self.config.layers):
             graphdef = nnx.graphdef(self.layers[first])  # the same in the whole run
 
-            def layer(residual, xs, seq_idx, graphdef=graphdef):
+            def layer(stream, xs, seq_idx, graphdef=graphdef):
                 state, initial_state = xs
                 block = nnx.merge(graphdef, ctx.gather_params(state))
-                return block(residual, seq_idx, ctx=ctx, cache_len=cache_len,
+                return block(stream, seq_idx, ctx=ctx, cache_len=cache_len,
                              initial_state=initial_state)
             if policy is not None:
                 layer = jax.checkpoint(layer, policy=policy)
@@ -276,15 +301,15 @@ class Mamba2LM(nnx.Module):
                 # call, which XLA inlines.
                 call = layer if len(states) == 1 else jax.jit(layer)
                 for state in states:
-                    residual, cache = call(residual, state, seq_idx)
+                    stream, cache = call(stream, state, seq_idx)
                     caches.append(cache)
             else:
-                residual, stacked = layer_scan.scan(
-                    functools.partial(layer, seq_idx=seq_idx), residual,
+                stream, stacked = layer_scan.scan(
+                    functools.partial(layer, seq_idx=seq_idx), stream,
                     jax.tree.map(lambda *ws: jnp.stack(ws), *states))
                 caches.extend(jax.tree.map(lambda c, i=i: c[i], stacked)
                               for i in range(end - first))
-        return residual, tuple(caches)
+        return stream, tuple(caches)
 
     def _check_initial_states(self, initial_states) -> tuple:
         """initial_states (None, or one entry per layer) -> one per layer; a ValueError where
@@ -310,9 +335,11 @@ class Mamba2LM(nnx.Module):
                                  "for all of them or for none")
         return tuple(initial_states)
 
-    def _final(self, residual, ctx: ParallelContext = SINGLE_DEVICE):
-        """residual [b, l(/tp), d] -> norm_f's output [b, l, d] in the compute dtype."""
-        return ctx.layer_input(ctx.gathered(self.norm_f)(residual).astype(self.dtype))
+    def _final(self, stream: Stream, ctx: ParallelContext = SINGLE_DEVICE):
+        """The Stream after the last layer -> norm_f's output [b, l, d] in the compute
+        dtype (the last layer's output added as norm_f reads the stream)."""
+        _, normed = ctx.gathered(self.norm_f).add(stream.residual, stream.delta)
+        return ctx.layer_input(normed)
 
     def _vocab(self, hidden, head):
         """hidden [..., d] -> float32 logits [..., v] through head [v, d]."""
@@ -341,9 +368,9 @@ class Mamba2LM(nnx.Module):
         given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
         that grow with the tokens (the prompt and every token to come; default l)."""
         cache_len = cache_len or input_ids.shape[1]
-        residual, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
-                                       cache_len=cache_len, scan=False, initial_states=cache)
-        return self._vocab(self._final(residual), self.head_weight()), cache
+        stream, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
+                                     cache_len=cache_len, scan=False, initial_states=cache)
+        return self._vocab(self._final(stream), self.head_weight()), cache
 
     def cache_for_decoding(self, cache, steps, ssm_state_dtype="float32") -> tuple:
         """The prefill's cache as the decode loop carries it (Mixer.cache_for_decoding), for
@@ -374,4 +401,4 @@ class Mamba2LM(nnx.Module):
                                                           steps):
             residual, layer_cache = layer.step(residual, layer_cache, layer_weights, how)
             new_cache.append(layer_cache)
-        return self._vocab(self._final(residual), weights.head), tuple(new_cache)
+        return self._vocab(self.norm_f(residual).astype(self.dtype), weights.head), tuple(new_cache)

@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import sharding
-from mamba_jax.model import Mamba2LM
+from mamba_jax.model import Mamba2LM, Stream
 from mamba_jax.sharding import AxisNames, ParallelContext
 
 AXES = ("dp", "fsdp", "cp", "tp")
@@ -237,7 +237,7 @@ def make_block_fn(graphdef, specs, mesh, *, sequence_parallel=True,
 
     def body(params, residual, seq_idx):
         block = nnx.merge(graphdef, ctx.gather_params(params))
-        return block(residual, seq_idx, ctx=ctx)[0]
+        return block(Stream.start(residual, block.mixer.dtype), seq_idx, ctx=ctx)[0].value()
 
     def block(params, residual, seq_idx=None):
         return jax.shard_map(body, mesh=mesh, check_vma=False,

@@ -13,7 +13,7 @@ from pallas_kernels.conv import causal_conv1d
 from flax import nnx
 
 from mamba_jax import Mamba2Config
-from mamba_jax.model import Block, remat_policy
+from mamba_jax.model import Block, Stream, remat_policy
 
 
 def test_causal_conv1d_matches_direct_convolution():
@@ -161,7 +161,8 @@ def test_a_mamba2_layer_on_the_kernels_keeps_neither_chunk_states_nor_the_gated_
     b, l = 2, 64
 
     def loss(state, residual):
-        return nnx.merge(graphdef, state)(residual)[0].astype(jnp.float32).sum()
+        stream = Stream.start(residual, jnp.bfloat16)
+        return nnx.merge(graphdef, state)(stream)[0].value().sum()
     lines = saved_residuals(loss, state, jnp.zeros((b, l, 64), jnp.float32))
     assert any("pallas_call" in line for line in lines), lines  # the kernels' y
     assert not any("gated_rms_norm" in line for line in lines), lines
@@ -183,7 +184,8 @@ def test_a_mamba3_layer_on_the_kernels_keeps_no_rotated_per_head_terms(monkeypat
     b, l, h, n = 2, 64, 8, 32
 
     def loss(state, residual):
-        return nnx.merge(graphdef, state)(residual)[0].astype(jnp.float32).sum()
+        stream = Stream.start(residual, jnp.bfloat16)
+        return nnx.merge(graphdef, state)(stream)[0].value().sum()
     lines = saved_residuals(loss, state, jnp.zeros((b, l, 64), jnp.float32))
     assert any("ssd_weighted" in line for line in lines), lines  # the kernels' weights
     assert not any(f"[{b},{l},1,{h},{n}]" in line for line in lines), lines

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fallback, hardware
-from pallas_kernels.norm import gated_rms_norm, triton
-from pallas_kernels.norm.reference import gated_rms_norm_reference
+from pallas_kernels.norm import add_rms_norm, gated_rms_norm, triton
+from pallas_kernels.norm.reference import add_rms_norm_reference, gated_rms_norm_reference
 
 EPS = 1e-5
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2.0 ** -7}
@@ -165,3 +165,110 @@ def test_supports():
     assert triton.supports((2, 8, 160, 64), jnp.float32, 1) is False  # G 10240
     assert triton.supports((2, 8, 4, 16), jnp.float16, 1) is False
     assert triton.supports((0, 4, 16), jnp.float32, 1) is False
+
+
+# ---- add_rms_norm: the residual stream's add and RMSNorm at each layer's start ----
+
+ADD_CASES = {  # name: (leading axes, d)
+    "odd_rows_d_40_not_a_power_of_two": ((3, 37), 40),
+    "d_64": ((2, 16), 64),
+}
+ADD_NAMES = ("summed", "normed", "dresidual", "ddelta", "dweight")
+
+
+def add_inputs(rng, lead, d, residual_dtype, delta_dtype):
+    """residual, delta, weight, dsummed, dnormed: the cotangents in summed's and normed's
+    dtypes (residual's and delta's)."""
+    arr = lambda dtype, *shape, scale=1.0: jnp.asarray(scale * rng.standard_normal(shape), dtype)
+    return (arr(residual_dtype, *lead, d, scale=3.0), arr(delta_dtype, *lead, d),
+            arr(jnp.float32, d, scale=0.5) + 1.0, arr(residual_dtype, *lead, d),
+            arr(delta_dtype, *lead, d))
+
+
+def add_values_and_grads(fn, residual, delta, weight, dsummed, dnormed):
+    out, vjp = jax.vjp(fn, residual, delta, weight)
+    return dict(zip(ADD_NAMES, (*out, *vjp((dsummed, dnormed)))))
+
+
+def add_reference_float64(residual, delta, weight, dsummed, dnormed):
+    with jax.enable_x64(True):
+        up = [jnp.asarray(np.asarray(a, np.float64))
+              for a in (residual, delta, weight, dsummed, dnormed)]
+        ref = add_values_and_grads(lambda r, x, w: add_rms_norm_reference(r, x, w, EPS), *up)
+        return {k: np.asarray(v) for k, v in ref.items()}
+
+
+@pytest.mark.parametrize("delta_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [triton.Config(), SMALL_TILES], ids=["default", "small"])
+@pytest.mark.parametrize("case", ADD_CASES, ids=list(ADD_CASES))
+def test_add_kernels_match_the_float64_reference(case, config, delta_dtype):
+    """A float32 residual (residual_in_fp32) and delta in the compute dtype: summed, normed
+    and the gradients of <summed, dsummed> + <normed, dnormed> (dresidual float32, ddelta in
+    delta's dtype, both the gradient of summed) against the float64 reference, with the
+    default tiles and with blocks of 64 entries and 7 backward programs (each walks several
+    blocks, the last past the rows' end, and dweight sums 7 partials)."""
+    lead, d = ADD_CASES[case]
+    inputs = add_inputs(np.random.default_rng(), lead, d, jnp.float32, delta_dtype)
+    ours = add_values_and_grads(
+        lambda r, x, w: triton.add_rms_norm(r, x, w, EPS, config, True), *inputs)
+    residual, delta, weight = inputs[:3]
+    for k, like in zip(ADD_NAMES, (residual, delta, residual, delta, weight)):
+        assert ours[k].shape == like.shape and ours[k].dtype == like.dtype, k
+        assert np.all(np.isfinite(np.asarray(ours[k], np.float32))), k
+    bad = errors_over_tolerance(ours, add_reference_float64(*inputs))
+    assert not bad, bad
+
+
+def test_add_kernels_with_a_bfloat16_residual_match_the_xla_path():
+    """residual_in_fp32=False: residual and delta in bf16. Both paths round summed to bf16
+    once (the same value), then compute in float32; the XLA path rounds the norm's dx to
+    bf16 before adding dsummed where the kernel adds in float32: the gradients differ by up
+    to two bf16 roundings, 2**-7 of a value, so the bound is 2**-6 of the largest."""
+    lead, d = ADD_CASES["odd_rows_d_40_not_a_power_of_two"]
+    inputs = add_inputs(np.random.default_rng(), lead, d, jnp.bfloat16, jnp.bfloat16)
+    ours = add_values_and_grads(
+        lambda r, x, w: add_rms_norm(r, x, w, EPS, implementation="triton"), *inputs)
+    xla = add_values_and_grads(
+        lambda r, x, w: add_rms_norm(r, x, w, EPS, implementation="xla"), *inputs)
+    np.testing.assert_array_equal(ours["summed"], xla["summed"])
+    for k in ADD_NAMES:
+        a, b = (np.asarray(v[k], np.float64) for v in (ours, xla))
+        assert ours[k].dtype == xla[k].dtype and np.all(np.isfinite(a)), k
+        assert np.max(np.abs(a - b)) < 2.0 ** -6 * np.max(np.abs(b)), k
+
+
+def test_the_add_comparison_fails_for_a_wrong_result():
+    """The check is not vacuous: a norm of the residual alone (delta not added) and the two
+    input gradients each other's fail it."""
+    lead, d = ADD_CASES["d_64"]
+    inputs = add_inputs(np.random.default_rng(), lead, d, jnp.float32, jnp.float32)
+    reference = add_reference_float64(*inputs)
+    kernels = lambda r, x, w: triton.add_rms_norm(r, x, w, EPS, triton.Config(), True)
+    right = add_values_and_grads(kernels, *inputs)
+    assert not errors_over_tolerance(right, reference)
+    no_delta = add_values_and_grads(lambda r, x, w: kernels(r, 0 * x, w), *inputs)
+    assert {"summed", "normed"} <= set(errors_over_tolerance(no_delta, reference))
+    # dsummed and dnormed swapped: the gradients of summed take the other cotangent.
+    swapped = add_values_and_grads(kernels, *inputs[:3], inputs[4], inputs[3])
+    assert {"dresidual", "ddelta", "dweight"} <= set(errors_over_tolerance(swapped, reference))
+
+
+def test_add_auto_on_hopper_takes_the_kernels_and_says_when_it_does_not(monkeypatch, caplog):
+    """"auto": the XLA path on a CPU; on an H200 (patched in) the kernels for a float32
+    residual and bf16 delta, the XLA path for float16, logged once."""
+    residual, delta, weight = add_inputs(np.random.default_rng(), (2, 3), 40, jnp.float32,
+                                         jnp.bfloat16)[:3]
+    traced = lambda delta: str(jax.make_jaxpr(
+        lambda r, x, w: add_rms_norm(r, x, w, EPS))(residual, delta, weight))
+    assert "pallas_call" not in traced(delta)
+    monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
+    assert "pallas_call" in traced(delta)
+    monkeypatch.setattr(fallback, "_said", set())
+    with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
+        assert "pallas_call" not in traced(delta.astype(jnp.float16))
+        assert "pallas_call" not in traced(delta.astype(jnp.float16))
+    said = [r.getMessage() for r in caplog.records if r.name == "pallas_kernels.fallback"]
+    assert len(said) == 1 and "float16" in said[0], said
+    assert triton.supports_add((20, 2048, 2048), jnp.float32, jnp.bfloat16)
+    assert not triton.supports_add((2, 8, 10240), jnp.float32, jnp.bfloat16)
+    assert not triton.supports_add((0, 64), jnp.float32, jnp.float32)

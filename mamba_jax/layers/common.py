@@ -112,14 +112,8 @@ def param(value, *axes: str, decay: bool = True) -> nnx.Param:
     return nnx.Param(value, axes=axes, decay=decay)
 
 
-def rms_norm(x, weight, eps):
-    """x [..., d], weight [d] -> x / rms(x) * weight, in float32, cast back to x.dtype."""
-    @jax.checkpoint
-    def norm(x, weight):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return (y * weight.astype(jnp.float32)).astype(x.dtype)
-    return norm(x, weight)
+# x [..., d], weight [d] -> x / rms(x) * weight, in float32, cast back to x.dtype.
+rms_norm = norm_kernels.rms_norm_reference
 
 
 def gated_rms_norm(y, z, weight, eps, ngroups, ctx: ParallelContext = SINGLE_DEVICE,
@@ -231,6 +225,12 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
+
+    def add(self, residual, delta):
+        """The residual stream's add and this norm in one pass (mamba_ssm's fused_add_norm):
+        residual, delta [..., d] -> (residual + delta in residual's dtype, its norm in
+        delta's dtype); pallas_kernels.norm.add_rms_norm."""
+        return norm_kernels.add_rms_norm(residual, delta, self.weight[...], self.eps)
 
 
 class Mixer(nnx.Module):

@@ -1,6 +1,6 @@
-"""The gated grouped RMSNorm in plain JAX: the oracle of the kernels and the "xla" path.
+"""The norms in plain JAX: the oracles of the kernels and the "xla" path.
 
-Legend: h heads, p headdim, "..." leading axes (e.g. b l).
+Legend: h heads, p headdim, d the normed axis, "..." leading axes (e.g. b l).
 """
 
 from __future__ import annotations
@@ -29,3 +29,22 @@ def gated_rms_norm_reference(y, z, weight, eps, ngroups):
     inv_rms = jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True) + eps)
     normed = (grouped * inv_rms).reshape(*lead, h, p)
     return (normed * weight.astype(compute)).astype(y.dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def rms_norm_reference(x, weight, eps):
+    """x [..., d], weight [d] -> x * rsqrt(mean(x**2) + eps) * weight in x's dtype, computed
+    in float32 (float64 for float64 x). Rematerialised: the backward pass recomputes it from
+    x rather than keep a float32 copy."""
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    x32 = x.astype(compute)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(compute)).astype(x.dtype)
+
+
+def add_rms_norm_reference(residual, delta, weight, eps):
+    """mamba_ssm's fused add and RMSNorm (layer_norm_fn with a residual, prenorm, as its
+    Blocks call it): residual, delta [..., d], weight [d] -> (summed = residual + delta in
+    residual's dtype, rms_norm_reference(summed) in delta's dtype)."""
+    summed = residual + delta.astype(residual.dtype)
+    return summed, rms_norm_reference(summed, weight, eps).astype(delta.dtype)

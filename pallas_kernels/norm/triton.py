@@ -1,5 +1,6 @@
-"""The gated grouped RMSNorm's forward and backward kernels in Pallas, lowered through Triton
-(`pl.pallas_call`), and the custom_vjp that joins them.
+"""The norms' forward and backward kernels in Pallas, lowered through Triton
+(`pl.pallas_call`), and the custom_vjps that join them: the gated grouped RMSNorm, and the
+residual stream's add and RMSNorm (`add_rms_norm`, at the end of this docstring).
 
 Legend: N rows (the product of the leading axes), D = h * p entries a row, ngroups groups a
 row of G = D / ngroups contiguous entries, br rows a block, bg = G rounded up to a power of
@@ -20,6 +21,16 @@ The kernels see y, z and the cotangent flattened to [N, D] (a free reshape) and 
 With w = weight, r = rstd, x = gated, dx = r * (dout*w - x * r**2 * mean_G(dout*w*x)), dy =
 dx * silu(z), dz = dx * y * sigmoid(z) * (1 + z * (1 - sigmoid(z))), dweight = sum_rows dout
 * x * r.
+
+add_rms_norm's kernels, on residual and delta flattened to [N, d] (one group of d entries
+a row, the same blocks):
+- `_add_forward_kernel`, grid (N / br, 1): summed = residual + delta (rounded to residual's
+  dtype, as stored), normed = summed * rstd * weight; reads two arrays and writes two.
+- `_add_backward_kernel`, grid (programs, 1): as the gated backward, recomputing rstd from
+  summed; the gradient of summed, dsummed + dx (dx as above with x = summed), written in
+  summed's dtype and, where delta's differs, in delta's: the previous layer's out_proj
+  reads that one. XLA's same backward took three passes (the norm's statistics, the
+  bfloat16 cotangent made float32, then the sums).
 """
 
 from __future__ import annotations
@@ -117,10 +128,7 @@ def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False, with_
     once for both."""
     rows, width, group = _sizes(y, ngroups)
     br, bg = _tiles(config, rows, group)
-    blocks = pl.cdiv(rows, br)
-    target = config.backward_programs or hardware.two_waves()
-    per_program = pl.cdiv(blocks, max(1, min(target // ngroups, blocks)))
-    programs = pl.cdiv(blocks, per_program)  # none left with no block of its own
+    programs, per_program = _programs(config, pl.cdiv(rows, br), ngroups)
     kernel = functools.partial(_backward_kernel, eps=eps, rows=rows, group=group, br=br, bg=bg,
                                per_program=per_program,
                                ragged_rows=programs * per_program * br != rows)
@@ -154,15 +162,7 @@ def _forward_kernel(y_ref, z_ref, w_ref, out_ref, *, eps, rows, group, br, bg, r
 
 def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *out_ref, eps, rows,
                      group, br, bg, per_program, ragged_rows):
-    pi = pl.program_id(0)
-    c0 = pl.program_id(1) * group
-    col_mask = _block(0, c0, rows=rows, group=group, br=br, bg=bg, ragged_rows=False)[2]
-    w = _load(w_ref, pl.ds(c0, bg), col_mask)[None, :]
-
-    def body(j, dw):  # dw [br, bg]: this program's sum of dout * x * rstd so far, by row slot
-        r0 = pl.multiple_of((pi * per_program + j) * br, br)
-        block, mask, _ = _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
-                                ragged_rows=ragged_rows)
+    def step(block, mask, w):
         y, z = _load(y_ref, block, mask), _load(z_ref, block, mask)
         dout = _load(dout_ref, block, mask)
         sig = jax.nn.sigmoid(z)
@@ -172,15 +172,154 @@ def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *out
         xhat = x * rstd
         if out_ref:  # the forward's product order: (x * rstd) * weight
             plgpu.store(out_ref[0].at[block], (xhat * w).astype(out_ref[0].dtype), mask=mask)
-        wdout = dout * w
-        dx = (wdout - xhat * (jnp.sum(xhat * wdout, axis=1, keepdims=True) / group)) * rstd
+        dx = _dx(xhat, rstd, dout * w, group)
         plgpu.store(dy_ref.at[block], (dx * silu).astype(dy_ref.dtype), mask=mask)
         dz = dx * y * sig * (1.0 + z * (1.0 - sig))
         plgpu.store(dz_ref.at[block], dz.astype(dz_ref.dtype), mask=mask)
-        return dw + dout * xhat  # masked entries are zeros: they add nothing
+        return dout * xhat
+
+    _backward_loop(step, w_ref, dw_ref, c0=pl.program_id(1) * group, rows=rows, group=group,
+                   br=br, bg=bg, per_program=per_program, ragged_rows=ragged_rows)
+
+
+def _backward_loop(step, w_ref, dw_ref, *, c0, rows, group, br, bg, per_program, ragged_rows):
+    """A backward program's walk over its share of the blocks of the group at entry c0:
+    step(block, mask, weight [1, bg]) -> dout * x * rstd [br, bg] for one block, summed over
+    the blocks into the program's float32 partial of dweight, dw_ref[program]."""
+    pi = pl.program_id(0)
+    col_mask = _block(0, c0, rows=rows, group=group, br=br, bg=bg, ragged_rows=False)[2]
+    w = _load(w_ref, pl.ds(c0, bg), col_mask)[None, :]
+
+    def body(j, dw):  # dw [br, bg]: the sum so far, by row slot
+        r0 = pl.multiple_of((pi * per_program + j) * br, br)
+        block, mask, _ = _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
+                                ragged_rows=ragged_rows)
+        return dw + step(block, mask, w)  # masked entries are zeros: they add nothing
 
     dw = jax.lax.fori_loop(0, per_program, body, jnp.zeros((br, bg), jnp.float32))
     plgpu.store(dw_ref.at[pi, pl.ds(c0, bg)], jnp.sum(dw, axis=0), mask=col_mask)
+
+
+def _dx(xhat, rstd, wdout, group):
+    """The norm's input gradient [br, bg] from xhat = x * rstd and wdout = dout * weight:
+    rstd * (wdout - xhat * mean_G(xhat * wdout))."""
+    return (wdout - xhat * (jnp.sum(xhat * wdout, axis=1, keepdims=True) / group)) * rstd
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def add_rms_norm(residual, delta, weight, eps, config=Config(), interpret=False):
+    """residual, delta [..., d] (float32 or bfloat16, `supports_add`), weight [d] -> (summed,
+    normed): reference.add_rms_norm_reference by the kernels. Its VJP keeps summed (an output
+    the caller keeps anyway: the next layer's residual) and weight, and returns dresidual,
+    ddelta and dweight in their dtypes."""
+    return add_forward(residual, delta, weight, eps, config=config, interpret=interpret)
+
+
+def _add_rms_norm_fwd(residual, delta, weight, eps, config, interpret):
+    summed, normed = add_forward(residual, delta, weight, eps, config=config,
+                                 interpret=interpret)
+    return (summed, normed), (summed, weight)
+
+
+def _add_rms_norm_bwd(eps, config, interpret, residuals, cotangents):
+    summed, weight = residuals
+    dsummed, dnormed = cotangents
+    return add_backward(summed, weight, dsummed, dnormed, eps, config=config,
+                        interpret=interpret)
+
+
+add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
+
+
+def add_forward(residual, delta, weight, eps, *, config, interpret=False):
+    """The forward kernel: residual, delta [..., d], weight [d] -> (summed in residual's
+    dtype, normed in delta's dtype), each [..., d]."""
+    d = residual.shape[-1]
+    rows = math.prod(residual.shape[:-1])
+    br, bg = _tiles(config, rows, d)
+    blocks = pl.cdiv(rows, br)
+    kernel = functools.partial(_add_forward_kernel, eps=eps, rows=rows, width=d, br=br, bg=bg,
+                               ragged_rows=blocks * br != rows)
+    summed, normed = call(
+        kernel, (blocks, 1), [jax.ShapeDtypeStruct((rows, d), residual.dtype),
+                            jax.ShapeDtypeStruct((rows, d), delta.dtype)],
+        _warps(config, br, bg), 1, interpret, "add_rms_norm_forward")(
+        residual.reshape(rows, d), delta.reshape(rows, d), weight)
+    return summed.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+def add_backward(summed, weight, dsummed, dnormed, eps, *, config, interpret=False):
+    """The backward kernel: the forward's summed and weight, the cotangents of summed and
+    normed -> (dresidual in summed's dtype, ddelta in dnormed's, dweight in weight's), both
+    the gradient of summed (dsummed plus the norm's part): written once a dtype. dweight is
+    summed here from the kernel's float32 partials [programs, d]."""
+    d = summed.shape[-1]
+    rows = math.prod(summed.shape[:-1])
+    br, bg = _tiles(config, rows, d)
+    programs, per_program = _programs(config, pl.cdiv(rows, br), 1)
+    kernel = functools.partial(_add_backward_kernel, eps=eps, rows=rows, width=d, br=br, bg=bg,
+                               per_program=per_program,
+                               ragged_rows=programs * per_program * br != rows)
+    one = jnp.dtype(dnormed.dtype) == jnp.dtype(summed.dtype)
+    flat = lambda a: a.reshape(rows, d)
+    dresidual, dweight, *ddelta = call(
+        kernel, (programs, 1),
+        [jax.ShapeDtypeStruct((rows, d), summed.dtype),
+         jax.ShapeDtypeStruct((programs, d), jnp.float32)]
+        + [jax.ShapeDtypeStruct((rows, d), dnormed.dtype)] * (not one),
+        config.backward_warps or _warps(config, br, bg), config.backward_stages, interpret,
+        "add_rms_norm_backward",
+    )(flat(summed), weight, flat(dsummed), flat(dnormed))
+    dresidual = dresidual.reshape(summed.shape)
+    ddelta = dresidual if one else ddelta[0].reshape(summed.shape)
+    return dresidual, ddelta, dweight.sum(0).astype(weight.dtype)
+
+
+def _add_forward_kernel(res_ref, delta_ref, w_ref, sum_ref, out_ref, *, eps, rows, width, br,
+                        bg, ragged_rows):
+    r0 = pl.multiple_of(pl.program_id(0) * br, br)
+    c0 = _first_entry(width)
+    block, mask, col_mask = _block(r0, c0, rows=rows, group=width, br=br, bg=bg,
+                                   ragged_rows=ragged_rows)
+    w = _load(w_ref, pl.ds(c0, bg), col_mask)
+    summed = (_load(res_ref, block, mask) + _load(delta_ref, block, mask)).astype(sum_ref.dtype)
+    plgpu.store(sum_ref.at[block], summed, mask=mask)
+    x = summed.astype(jnp.float32)  # the stored sum, rounded to the residual's dtype
+    # The reference's order of products: (x * rstd) * weight.
+    plgpu.store(out_ref.at[block], (x * _rstd(x, width, eps) * w[None, :]).astype(out_ref.dtype),
+                mask=mask)
+
+
+def _add_backward_kernel(sum_ref, w_ref, dsum_ref, dout_ref, dres_ref, dw_ref, *ddelta_ref, eps,
+                         rows, width, br, bg, per_program, ragged_rows):
+    def step(block, mask, w):
+        x, dout = _load(sum_ref, block, mask), _load(dout_ref, block, mask)
+        rstd = _rstd(x, width, eps)
+        xhat = x * rstd
+        dsummed = _dx(xhat, rstd, dout * w, width) + _load(dsum_ref, block, mask)
+        plgpu.store(dres_ref.at[block], dsummed.astype(dres_ref.dtype), mask=mask)
+        if ddelta_ref:
+            plgpu.store(ddelta_ref[0].at[block], dsummed.astype(ddelta_ref[0].dtype), mask=mask)
+        return dout * xhat
+
+    _backward_loop(step, w_ref, dw_ref, c0=_first_entry(width), rows=rows, group=width, br=br,
+                   bg=bg, per_program=per_program, ragged_rows=ragged_rows)
+
+
+def _first_entry(width):
+    """0, the first entry of a row, from the grid's axis of one group (the add kernels'
+    grids end in 1): a traced start, which Pallas does not check against the row's end
+    where a block of bg entries is wider than the row's d (masked off past it)."""
+    return pl.program_id(1) * width
+
+
+def _programs(config, blocks, ngroups):
+    """(programs, blocks a program) of a backward kernel over `blocks` blocks of each of
+    ngroups groups: about config.backward_programs (default hardware.two_waves()) programs in
+    all, none left with no block of its own."""
+    target = config.backward_programs or hardware.two_waves()
+    per_program = pl.cdiv(blocks, max(1, min(target // ngroups, blocks)))
+    return pl.cdiv(blocks, per_program), per_program
 
 
 def _rstd(x, group, eps):
@@ -207,6 +346,13 @@ def _load(ref, index, mask):
     """ref[index] in float32; zeros where mask (None: all true) is false."""
     return plgpu.load(ref.at[index], mask=mask, other=None if mask is None else 0.0).astype(
         jnp.float32)
+
+
+def supports_add(shape, residual_dtype, delta_dtype) -> bool:
+    """Whether the add-and-norm kernels take residual and delta of this shape [..., d] and
+    these dtypes: float32 or bfloat16, at least one row, d at most MAX_GROUP."""
+    return (len(shape) >= 1 and math.prod(shape[:-1]) > 0 and 0 < shape[-1] <= MAX_GROUP
+            and jnp.dtype(residual_dtype) in DTYPES and jnp.dtype(delta_dtype) in DTYPES)
 
 
 def _sizes(y, ngroups):
