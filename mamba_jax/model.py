@@ -43,9 +43,10 @@ def remat_policy(remat: str, fsdp: bool):
     """The jax.checkpoint policy around each layer, or None for no checkpoint.
 
     "block" keeps the layer's matmul outputs and recomputes the rest (norms, conv, scan)
-    in the backward pass; "full" keeps only the layer's input. Gathered FSDP weights are
-    never kept: the backward pass gathers them again, so that a device holds one layer's
-    full weights at a time."""
+    in the backward pass; "full" keeps only the layer's input (its Stream: the residual and
+    the previous layer's output, 6 bytes an entry with a float32 residual and bf16 compute).
+    Gathered FSDP weights are never kept: the backward pass gathers them again, so that a
+    device holds one layer's full weights at a time."""
     if remat not in REMAT:
         raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
     if remat == "full":
