@@ -7,8 +7,8 @@ The residual stream follows mamba_ssm's Block(fused_add_norm, prenorm): r = embe
 r = r + mixer(norm(r)) per layer; logits = lm_head(norm_f(r)); r is float32 when
 `residual_in_fp32`, else the compute dtype. As in mamba_ssm, a layer's output is added to
 the stream by the next norm (`Stream`, pallas_kernels.norm.add_rms_norm: one pass that reads
-both and writes the sum and its norm), not by the layer. A layer's mixer is the registered kind of its
-symbol in `cfg.layers` (mamba_jax.layers.registry); every layer keeps the names
+both and writes the sum and its norm), not by the layer. A layer's mixer is the registered
+kind of its symbol in `cfg.layers` (mamba_jax.layers.registry); every layer keeps the names
 `layers.{i}.norm` and `layers.{i}.mixer`, as Megatron and NemotronH name them. mamba_ssm's
 Block of mixer + MLP (r += mixer(norm(r)); r += mlp(norm2(r))) is two such layers.
 

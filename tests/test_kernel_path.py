@@ -3,7 +3,8 @@ chunked scan, the norm and out_proj, differentiated by JAX): logits, loss and ev
 of a float32 model, on one device and under tp and tp x cp meshes (8 fake CPU devices), on
 an odd length over packed documents, and continued from the states of the sequence before it
 (the conv's window and the SSM's state, gradients into both) under each --remat choice;
-and a prefill's returned states. On
+and a prefill's returned states. The residual stream's add and norm run on their kernels
+too (pallas_kernels.norm.add_rms_norm, every layer's norm and norm_f). On
 the kernels the layer runs as one custom_vjp (pallas_kernels.mamba2_mixer) where each rank
 holds whole groups on one cp device, ngroups 1 and 8, else composed, the conv inside the
 scan's custom_vjp (a tp rank reading groups that tp does not divide; cp). The kernels run in
@@ -46,12 +47,13 @@ def loss_and_grads(cfg, mesh_spec=None):
 
 
 def take_the_kernels(monkeypatch):
-    """The layer on the SSD's, the conv's and the norm's kernels from here on (their "auto"
-    takes them on a GPU only) -> a list that gains an entry at each call of the fused mixer
+    """The layer on the SSD's, the conv's and the norms' kernels (the gated norm's and the
+    residual add and norm's) from here on (their "auto" takes them on a GPU only) -> a list that gains an entry at each call of the fused mixer
     (pallas_kernels.mamba2_mixer)."""
     monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
     monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
     monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+    monkeypatch.setattr(norm, "add_kernels_run", lambda *args: True)
     calls = []
     fused = mamba2.mamba2_mixer
     monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
