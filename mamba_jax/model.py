@@ -339,7 +339,7 @@ class Mamba2LM(nnx.Module):
     def _final(self, stream: Stream, ctx: ParallelContext = SINGLE_DEVICE):
         """The Stream after the last layer -> norm_f's output [b, l, d] in the compute
         dtype (the last layer's output added as norm_f reads the stream)."""
-        _, normed = ctx.gathered(self.norm_f).add(stream.residual, stream.delta)
+        _, normed = ctx.gathered(self.norm_f).add(*stream)
         return ctx.layer_input(normed)
 
     def _vocab(self, hidden, head):

@@ -74,14 +74,15 @@ class Shapes:
         return self.xBC_start + sum(self.parts)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
 def mamba2_mixer(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state,
                  seq_idx, shapes: Shapes):
     """zxbcdt [b, l, W] (the compute dtype), conv_w [k, e] and conv_b [e] or None float32,
     dt_bias, A_log, D [h], norm_w [h, p], out_proj [h, p, d] float32, initial_state [b, h, p,
-    n] float32 or None, seq_idx [b, l] int or None -> (out_proj's output [b, l, d] in shapes.out_dtype,
-    without its bias; the final state [b, h, p, n] float32)."""
-    return _mixer(shapes, zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-                  initial_state, seq_idx)
+    n] float32 or None, seq_idx [b, l] int or None -> (out_proj's output [b, l, d] in
+    shapes.out_dtype, without its bias; the final state [b, h, p, n] float32)."""
+    return _mixer_fwd(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
+                      initial_state, seq_idx, shapes)[0]
 
 
 def _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc):
@@ -117,15 +118,8 @@ def _out_proj(shapes, normed, out_proj):
                       preferred_element_type=jnp.dtype(shapes.out_dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mixer(shapes, zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-           initial_state, seq_idx):
-    return _mixer_fwd(shapes, zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-                      initial_state, seq_idx)[0]
-
-
-def _mixer_fwd(shapes, zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-               initial_state, seq_idx):
+def _mixer_fwd(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state,
+               seq_idx, shapes):
     doc = None if seq_idx is None else document_ids(seq_idx)
     x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc)
     y, final_state = _scan(shapes, x, B, C, _dt(shapes, zxbcdt), A_log, D, dt_bias,
@@ -172,4 +166,4 @@ def _mixer_bwd(shapes, residuals, cotangents):
             dnorm_w, dout_proj.astype(out_proj.dtype), dinitial, dseq)
 
 
-_mixer.defvjp(_mixer_fwd, _mixer_bwd)
+mamba2_mixer.defvjp(_mixer_fwd, _mixer_bwd)

@@ -290,8 +290,8 @@ class Mamba2Mixer(Mixer):
         m = self.cfg.mamba2
         h, p = self.x_conv.shape[1:]
         g, n = self.B_conv.shape[1:]
-        # Block._add rounds the output to the compute dtype after the bias: without a bias,
-        # the matmul may round it
+        # The block rounds the output to the compute dtype after the bias (Block._delta):
+        # without a bias, the matmul may round it.
         return MixerShapes(h=h, p=p, g=g, n=n, chunk_size=m.chunk_size, dt_limit=m.dt_limit,
                            eps=self.cfg.norm_eps, norm_groups=m.ngroups // ctx.tp,
                            dtype=jnp.dtype(self.dtype).name,
