@@ -64,10 +64,12 @@ def cross_entropy(logits, targets, ctx: ParallelContext = SINGLE_DEVICE):
     # The max only steadies exp; its gradient cancels, so it stays out of the graph.
     top = ctx.pmax_tp(lax.stop_gradient(logits.max(-1)))
     sum_exp = ctx.psum_tp(jnp.exp(logits - top[..., None]).sum(-1))
-    local = targets - ctx.tp_index() * v_loc
-    mine = (local >= 0) & (local < v_loc)
-    picked = jnp.take_along_axis(logits, jnp.where(mine, local, 0)[..., None], -1)[..., 0]
-    target_logit = ctx.psum_tp(jnp.where(mine, picked, 0.0))
+    local = targets - ctx.tp_index() * v_loc  # outside [0, v_loc): another rank's
+    # The target's logit as a masked sum over this rank's vocabulary, not a gather: its
+    # gradient is then a select that XLA can fuse with the softmax's, where a gather's is a
+    # scatter into a float32 buffer of its own, converted to bf16 in another pass.
+    hit = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == local[..., None]
+    target_logit = ctx.psum_tp(jnp.where(hit, logits, 0.0).sum(-1))
     return jnp.log(sum_exp) + top - target_logit
 
 
