@@ -37,9 +37,10 @@ fusion"); no HLO ops.
 
 --decode NEW: `mamba_jax.generate` of NEW tokens after a --seq-len prompt for --batch rows
 (random bf16 weights, greedy), compiled by one call and traced in a second; the kernels of
-the decode loop's program (not the prefill's) per decode step (NEW - 1 of them). The loop is
-compiled with XLA's default command buffers, not generate's (a loop run as a CUDA graph
-hides its kernels from the profiler).
+the decode loop's program (not the prefill's) per decode step (NEW - 1 of them), each fusion
+with what it computes from the loop's compiled HLO (DIR/decode.hlo.txt, which XLA writes as
+it compiles: --xla_dump_to). The loop is compiled with XLA's default command buffers, not
+generate's (a loop run as a CUDA graph hides its kernels from the profiler).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 
@@ -228,6 +230,11 @@ def profile_decode(args):
     from mamba_jax import Mamba2Config, Mamba2LM
     from mamba_jax.generate import decode, prefill, prepare
 
+    # XLA writes the decode loop's optimised HLO as it compiles it (a flag read when jax starts
+    # its backends, which the first array below does): the loop's jit is generate's own
+    dump = os.path.join(args.out, "xla_dump")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                               " --xla_dump_hlo_module_re=.*decode_loop.*")
     cfg = Mamba2Config.preset(args.preset)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size,
@@ -243,6 +250,7 @@ def profile_decode(args):
         return jax.block_until_ready(decode(model, first, cache, prepared,
                                             compiler_options={}))
     run()  # compiles the prefill and the decode loop
+    hlo = decode_hlo(dump, os.path.join(args.out, "decode.hlo.txt"))
     times, trace = traced(run, args.out, 1)
     steps = args.decode - 1
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
@@ -251,7 +259,21 @@ def profile_decode(args):
           f"{args.ssm_state_dtype} SSM states; "
           f"the whole call {times[0] * 1e3:.1f} ms")
     summarize(device_events(trace, module="decode"), steps, times[0] / args.decode, args.top,
-              what="decode step")
+              what="decode step", contents=fusion_contents(hlo))
+
+
+def decode_hlo(dump: str, keep: str) -> str:
+    """The decode loop's optimised HLO text from XLA's dump folder (--xla_dump_to; the last
+    written, were it compiled more than once), kept as `keep`; the folder removed."""
+    found = glob.glob(os.path.join(dump, "*decode_loop*after_optimizations.txt"))
+    if not found:
+        raise SystemExit(f"XLA dumped no optimised HLO of the decode loop into {dump}")
+    with open(max(found, key=os.path.getmtime)) as f:
+        hlo = f.read()
+    with open(keep, "w") as f:
+        f.write(hlo)
+    shutil.rmtree(dump)
+    return hlo
 
 
 def profile_scan(args):

@@ -376,6 +376,29 @@ def test_our_decode_timing_compiles_one_decode_loop():
     assert t_prefill > 0 and t_decode > 0 and tokens.shape == (2, 16)
 
 
+def test_the_decode_profile_keeps_the_decode_loops_hlo(tmp_path):
+    """bench.profile_step --decode reads what each fusion computes from the decode loop's HLO
+    that XLA dumps: decode_hlo keeps the last one written, removes the dump, and says so when
+    there is none."""
+    import os
+
+    from bench.profile_step import decode_hlo
+    dump = tmp_path / "xla_dump"
+    dump.mkdir()
+    (dump / "module_0001.jit_prefill.after_optimizations.txt").write_text("prefill")
+    older = dump / "module_0002.jit__decode_loop.after_optimizations.txt"
+    older.write_text("older")
+    os.utime(older, (1, 1))
+    (dump / "module_0003.jit__decode_loop.after_optimizations.txt").write_text("loop")
+    (dump / "module_0003.jit__decode_loop.before_optimizations.txt").write_text("before")
+    keep = tmp_path / "decode.hlo.txt"
+    assert decode_hlo(str(dump), str(keep)) == "loop"
+    assert keep.read_text() == "loop" and not dump.exists()
+    dump.mkdir()
+    with pytest.raises(SystemExit, match="no optimised HLO of the decode loop"):
+        decode_hlo(str(dump), str(keep))
+
+
 def test_the_profile_says_what_each_fusion_computes(capsys):
     """bench.profile_step.fusion_contents reads a compiled program's HLO: each fusion, by the
     kernel name the profiler gives it, with its output's and operands' shapes, its
