@@ -48,8 +48,8 @@ def loss_and_grads(cfg, mesh_spec=None):
 
 def take_the_kernels(monkeypatch):
     """The layer on the SSD's, the conv's and the norms' kernels (the gated norm's and the
-    residual add and norm's) from here on (their "auto" takes them on a GPU only) -> a list that gains an entry at each call of the fused mixer
-    (pallas_kernels.mamba2_mixer)."""
+    residual add and norm's) from here on (their "auto" takes them on a GPU only) -> a list
+    that gains an entry at each call of the fused mixer (pallas_kernels.mamba2_mixer)."""
     monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
     monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
     monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
@@ -125,6 +125,7 @@ def test_kernel_path_returns_the_states_of_the_xla_path(monkeypatch):
     hidden = lambda p: nnx.merge(graphdef, p).hidden(ids, seq_idx, return_states=True)
     value, states = jax.jit(hidden)(params)
     calls = take_the_kernels(monkeypatch)
+    # a new function, so that jit traces it anew rather than reuse the XLA path's trace
     kernel_value, kernel_states = jax.jit(lambda p: hidden(p))(params)
     assert calls
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)

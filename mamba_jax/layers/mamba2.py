@@ -255,7 +255,9 @@ class Mamba2Mixer(Mixer):
             out, ssm_state = mamba2_mixer(
                 zxbcdt, *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...],
                 self.norm[...], self.out_proj[...], entering, seq_idx, shapes)
-            out = out.astype(jnp.float32)  # Mixer.__call__'s dtype (XLA may fuse it into the add)
+            # Mixer.__call__'s float32; Block._delta rounds it back to the compute dtype, a
+            # pair of converts that XLA removes
+            out = out.astype(jnp.float32)
             xBC = zxbcdt[..., shapes.xBC_start:shapes.dt_start]
             doc = None if seq_idx is None else document_ids(seq_idx)
         else:
