@@ -4,17 +4,22 @@ On CPU the Pallas kernels run in Pallas's interpreter (the kernels' own code, no
 reference). Each case draws fresh random inputs, runs the backend and the float64 naive
 recurrence on the same (dtype-rounded) inputs, and compares y, final_state and the
 gradients of <y, wy> + <final_state, ws> with respect to x, dt, A, B, C, D, dt_bias and
-initial_state by relative Frobenius error:
+initial_state by relative Frobenius error. wy is rounded to y's dtype too: the backend
+receives y's cotangent in that dtype, so the reference gets the same one.
 - float32 inputs: below 1e-4 (float32 arithmetic with IEEE float32 dots; seen ~2e-6),
-  except dA below 1e-3: each of its h entries sums b*l*p*n products of both signs, and the
-  cancellation amplifies float32 rounding (over 12 seeds of packed_documents_with_state its
-  error ranged 7.5e-7 to 2.7e-5 for the kernels and 7.6e-7 to 1.4e-5 for the XLA path; once
-  in CI it reached 1.3e-4);
-- bfloat16 inputs: below 3e-2 (bf16 matmul operands, float32 accumulation, as the XLA path).
-The gradients of A, D and dt_bias are h sums of products of both signs, which can cancel
-toward zero and so read a large relative error; the norm over h entries makes that unlikely
-only when h is not tiny. With 2 heads in the shortest case a bf16 CI run read dD at 3.4e-2,
-and 40 seeds gave dA up to 2.8e-2; with 8 heads the worst of 40 seeds was 6.3e-3.
+  except dA below 1e-3: the kernels give A its gradient through the transpose of the
+  cumulative log decay's sum, a reverse cumulative sum of terms of both signs, whose
+  cancellation amplifies float32 rounding (over 58 seeds each of ngroups_2_initial_state and
+  packed_documents_with_state it reached 3e-5, median 2e-6; once in CI, 1.3e-4);
+- bfloat16 inputs: below 3e-2 (bf16 matmul operands, float32 accumulation, as the XLA path;
+  seen up to 3e-3, dA up to 4e-3).
+The gradients of A and dt_bias are h sums, each of b * l positions' terms. A sum of terms of
+both signs can cancel toward zero while its terms' rounding does not, so their error is
+taken relative to the larger of their norm and their terms' norm (summed_terms). Relative
+to their own norm alone, over 163 seeds of seqlen_not_a_chunk_multiple_g1 in bf16 ddt_bias
+read up to 1.6e-2 (median 1.7e-3). D's gradient sums x dy in float32, products of bf16
+values: exact but for the sum's rounding, now that wy is rounded as the backend rounds it
+(an unrounded wy put dD's error above 3e-2 in CI runs).
 NaN fails every comparison.
 
 A new backend subclasses `BackendCases` with its module and a small config.
@@ -74,12 +79,35 @@ def values_and_grads(fn, args, wy, ws):
     return {"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
 
 
-def relative_errors(ours, reference):
+def relative_errors(ours, reference, scales=None):
+    """{name: ||ours - reference|| / max(||reference||, scales[name])} (scales default 0)."""
     out = {}
     for k, ref in reference.items():
         a, r = np.asarray(ours[k], np.float64), np.asarray(ref, np.float64)
-        out[k] = float(np.linalg.norm(a - r) / np.linalg.norm(r))
+        scale = max(np.linalg.norm(r), (scales or {}).get(k, 0.0))
+        out[k] = float(np.linalg.norm(a - r) / scale)
     return out
+
+
+def summed_terms(args, wy, ws, reference):
+    """{"dA": norm, "ddt_bias": norm} of the [b, l, h] terms whose sums over b and l are
+    those gradients of reference (values_and_grads'), from float64 args. dt_bias meets dt
+    before the softplus, so ddt_bias's terms are ddt itself. A meets dt only in the decay
+    exp(A dt), so dA's terms are dt times the gradient with respect to the log decay
+    a = A dt: the recurrence run on s = -a with A = -1 and input x dt / s, in which only the
+    decay depends on s (s cancels from the input dt x). Checked: they sum to reference's dA."""
+    dt = jax.nn.softplus(args["dt"] + args["dt_bias"])
+    u = dt[..., None] * args["x"]
+    rest = {k: args[k] for k in ("B", "C", "initial_state", "seq_idx") if k in args}
+
+    def loss(s):
+        y, final = ssd_naive(u / s[..., None], s, -jnp.ones_like(args["A"]), **rest)
+        return jnp.vdot(y, wy) + jnp.vdot(final, ws)
+
+    dA_terms = -dt * jax.grad(loss)(-args["A"] * dt)
+    np.testing.assert_allclose(dA_terms.sum((0, 1)), reference["dA"], rtol=1e-9, atol=1e-12)
+    return {"dA": float(jnp.linalg.norm(dA_terms)),
+            "ddt_bias": float(jnp.linalg.norm(reference["ddt"]))}
 
 
 class BackendCases:
@@ -104,7 +132,7 @@ def assert_matches_naive(run, case, dtype, D_per_channel=False):
     args = make_inputs(rng, b, l, h, p, g, n, dtype, with_state, docs)
     if D_per_channel:
         args["D"] = jnp.asarray(rng.standard_normal((h, p)), jnp.float32)
-    wy = rng.standard_normal((b, l, h, p))
+    wy = np.asarray(jnp.asarray(rng.standard_normal((b, l, h, p)), dtype), np.float64)
     ws = rng.standard_normal((b, h, p, n))
     ours = values_and_grads(run, args, jnp.asarray(wy, jnp.float32),
                             jnp.asarray(ws, jnp.float32))
@@ -114,10 +142,11 @@ def assert_matches_naive(run, case, dtype, D_per_channel=False):
         reference = values_and_grads(
             lambda **a: ssd_naive(**a, dt_softplus=True), up, jnp.asarray(wy),
             jnp.asarray(ws))
-    errors = relative_errors(ours, reference)
+        scales = summed_terms(up, jnp.asarray(wy), jnp.asarray(ws), reference)
+    errors = relative_errors(ours, reference, scales)
     dA = errors.pop("dA")
     assert dA < DA_TOLERANCE[dtype], (dA, errors)
-    assert max(errors.values()) < TOLERANCE[dtype], errors
+    assert all(e < TOLERANCE[dtype] for e in errors.values()), errors  # NaN fails too
 
 
 class TestTriton(BackendCases):
@@ -161,7 +190,7 @@ def test_headdims_96_and_192_run_in_power_of_two_blocks(p):
               for k, v in args.items()}
         y_ref, s_ref = ssd_naive(**up, dt_softplus=True)
     errors = relative_errors({"y": y, "s": s}, {"y": y_ref, "s": s_ref})
-    assert max(errors.values()) < TOLERANCE[jnp.float32], errors
+    assert all(e < TOLERANCE[jnp.float32] for e in errors.values()), errors
 
 
 def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
@@ -172,7 +201,7 @@ def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
     y_ref, s_ref = ssd(**args, chunk_size=32, dt_softplus=True, return_final_state=True,
                        implementation="xla")
     errors = relative_errors({"y": y, "s": s}, {"y": y_ref, "s": s_ref})
-    assert max(errors.values()) < 1e-5, errors
+    assert all(e < 1e-5 for e in errors.values()), errors
 
 
 def test_auto_uses_xla_without_a_gpu():
