@@ -268,12 +268,10 @@ def decode_hlo(dump: str, keep: str) -> str:
     found = glob.glob(os.path.join(dump, "*decode_loop*after_optimizations.txt"))
     if not found:
         raise SystemExit(f"XLA dumped no optimised HLO of the decode loop into {dump}")
-    with open(max(found, key=os.path.getmtime)) as f:
-        hlo = f.read()
-    with open(keep, "w") as f:
-        f.write(hlo)
+    shutil.move(max(found, key=os.path.getmtime), keep)
     shutil.rmtree(dump)
-    return hlo
+    with open(keep) as f:
+        return f.read()
 
 
 def profile_scan(args):

@@ -32,7 +32,7 @@ import pytest
 
 from pallas_kernels import fallback, hardware
 from pallas_kernels.ssd import ssd, triton, vjp
-from pallas_kernels.ssd.reference import ssd_naive, weighted_state
+from pallas_kernels.ssd.reference import process_dt, ssd_naive, weighted_state
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 DA_TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 3e-2}  # see the module docstring
@@ -96,7 +96,7 @@ def summed_terms(args, wy, ws, reference):
     exp(A dt), so dA's terms are dt times the gradient with respect to the log decay
     a = A dt: the recurrence run on s = -a with A = -1 and input x dt / s, in which only the
     decay depends on s (s cancels from the input dt x). Checked: they sum to reference's dA."""
-    dt = jax.nn.softplus(args["dt"] + args["dt_bias"])
+    dt = process_dt(args["dt"], args["dt_bias"], dt_softplus=True)
     u = dt[..., None] * args["x"]
     rest = {k: args[k] for k in ("B", "C", "initial_state", "seq_idx") if k in args}
 
