@@ -261,6 +261,51 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_backward_kernels_that_turn_b_and_c_give_the_turned_copies_gradients(dtype):
+    # The SSD's backward kernels with a rotation (Mamba-3's), turning the group's B and C as
+    # they load them (Config.backward_turns), against the same kernels reading XLA's
+    # per-head turned copies (the default, which the kernel test above checks against the
+    # recurrence), on fresh inputs over three kernel chunks of 16 with packed documents, an
+    # initial state, D, rank-2 biases and 2 heads a group: every input's gradient within
+    # 1e-5 of its largest in float32 (seen 2e-7: the two turns round apart in float32), and
+    # in bf16 within 1e-2 (seen equal: a turned value whose two float32 turns round to
+    # different bf16 values, about 1 in 65,000, moves a gradient by a bf16 rounding of one
+    # term).
+    from pallas_kernels.ssd import triton
+    from pallas_kernels.ssd.vjp import ssd_weighted
+    b, l, h, p, g, n, a, rank = 2, 40, 4, 16, 2, 16, 4, 2
+    rng = np.random.default_rng()
+    arr = lambda *shape, dt=jnp.float32: jnp.asarray(rng.standard_normal(shape), dt)
+    args = dict(x=arr(b, l, h, p, dt=dtype), B=arr(b, l, g, n, dt=dtype),
+                C=arr(b, l, g, n, dt=dtype),
+                weights=jnp.asarray(rng.uniform(0, 1, (b, l, h)), jnp.float32),
+                log_decay=-jnp.asarray(rng.uniform(0, 1, (b, l, h)), jnp.float32),
+                theta=jnp.asarray(rng.uniform(-3, 3, (b, l, h, a)), jnp.float32),
+                C_bias=arr(h, rank, n), B_bias=arr(h, rank, n), D=arr(h),
+                initial_state=arr(b, h, p, n))
+    seq_idx = jnp.asarray(np.cumsum(rng.random((b, l)) < 0.1, axis=1))
+    wy, ws = arr(b, l, h, p), arr(b, h, p, n)
+
+    def gradients(backward_turns):
+        config = triton.Config(chunk=16, backward_turns=backward_turns)
+
+        def loss(a):
+            y, s = ssd_weighted(a["x"], a["weights"], a["log_decay"], a["B"], a["C"],
+                                backend=triton, config=config, D=a["D"],
+                                initial_state=a["initial_state"], seq_idx=seq_idx,
+                                rotation=(a["theta"], a["C_bias"], a["B_bias"]))
+            return jnp.vdot(y.astype(jnp.float32), wy) + jnp.vdot(s, ws)
+        return jax.jit(jax.grad(loss))(args)
+
+    got, want = gradients(True), gradients(False)
+    for name in args:
+        w = np.asarray(want[name], np.float64)
+        assert np.all(np.isfinite(w)), name
+        assert relative(np.asarray(got[name], np.float64), w) < (
+            1e-5 if dtype == jnp.float32 else 1e-2), name
+
+
 def test_the_backward_copies_gradients_are_rounded_once():
     # The per-head turned B and C the backward kernels read (pallas_kernels.ssd.triton.
     # turned), from bf16 B and C, against the same turn in float64 on the same values:
