@@ -28,10 +28,11 @@ Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py)
   dB, dC per group are summed after the kernel.
 
 With `rotation` (Mamba-3's rotary embedding), the forward kernel reads the group's B and C
-and, per head, adds its biases and turns them by its angles as it loads each chunk; the
-backward kernels do the same with `Config.backward_turns`, and otherwise read per-head turned
-copies that XLA makes (`turned`). Either way their dB and dC are per head, turned, and
-`turned`'s vjp carries them back to the group's B and C, the angles and the biases.
+and, per head, adds its biases and turns them by its angles as it loads each chunk. The
+backward kernels read per-head turned copies that XLA makes (`turned`), or turn as the
+forward does (`Config.backward_rotation`); either way their dB and dC are per head, of the
+turned values, and `turned`'s vjp (XLA's, or the kernel `turned_back`) carries them back to
+the group's B and C, the angles and the biases.
 
 The kernel chunk t is this module's own tile, independent of the caller's chunk_size: the
 chunked algorithm is exact for any chunk, only rounding differs. Matmul operands are x's
@@ -82,11 +83,23 @@ class Config:
     # (BENCHMARKS.md): forward+backward 0.70x the float32 states' time at 8 x 2048, 0.73x at
     # 8 x 8192, with the same error against mamba_ssm. float32 inputs keep float32 states.
     states_in_input_dtype: bool = True
-    # With `rotation`: the backward kernels turn the group's B and C as they load them, as
-    # the forward does (True), or read per-head turned copies that XLA writes (`turned`):
-    # at 8 x 2048 with 64 heads and d_state 128 those are 268 MB each in bf16, written once
-    # and read by three kernels, where turning costs each kernel the forward's turn a chunk.
-    backward_turns: bool = False
+    # With `rotation`, the backward's B and C and their gradients: "copies", the backward
+    # kernels read per-head turned copies that XLA writes (`turned`) and XLA's vjp of that
+    # turn takes their per-head gradients back; "turns", the kernels turn the group's B and
+    # C as they load them, as the forward does; "kernels", that and a kernel turning the
+    # gradients back (`turned_back`). At 8 x 2048 with 64 heads and d_state 128 each copy
+    # and each gradient is 268 MB in bf16: the copies are written once and read by three
+    # kernels, where turning costs each kernel the forward's turn a chunk.
+    backward_rotation: str = "copies"
+    turned_back_rows: int = 16  # the positions (rows) of one turned_back program
+
+    def __post_init__(self):
+        if self.backward_rotation not in BACKWARD_ROTATIONS:
+            raise ValueError(f"ssd: Config.backward_rotation={self.backward_rotation!r}: one "
+                             f"of {', '.join(BACKWARD_ROTATIONS)}")
+
+
+BACKWARD_ROTATIONS = ("copies", "turns", "kernels")
 
 
 def supports(x, B):
@@ -192,11 +205,11 @@ def turned(B, C, rotation):
     """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l, h, a],
     C_bias, B_bias [h, rank, n]; l a multiple of rank), in XLA: per head, [b, l, h, n] each
     in B's dtype. The backward pass's kernels read these copies unless they turn B and C
-    themselves (Config.backward_turns); either way this function's vjp turns their per-head
-    gradients back: inside the dB/dC kernel, with the angles' gradients, that bound its
-    registers (3.7 ms where the copies and the per-head kernels take about 1.4, at 8 x 2048
-    with 64 heads on an H200). The turn as XLA fuses it best: each pair's angle on both its entries and the
-    pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin), where the kernels' split and
+    themselves (Config.backward_rotation); this function's vjp, or `turned_back`, turns
+    their per-head gradients back (inside the dB/dC kernel, with the angles' gradients, that
+    bound its registers: 3.7 ms where the copies and the per-head kernels take about 1.4, at
+    8 x 2048 with 64 heads on an H200). The turn as XLA fuses it best: each pair's angle on
+    both its entries and the pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin), where the kernels' split and
     join of the pairs (_turned) became concatenations that kept the gradient's per-head
     copies apart from their sum over the group's heads."""
     theta, C_bias, B_bias = rotation
@@ -435,6 +448,46 @@ def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r, bs):
         out_ref[bi, hi, ps, :] = acc
 
 
+def _turned_back_kernel(dB_ref, dC_ref, B_ref, C_ref, theta_ref, C_bias_ref, B_bias_ref,
+                        dBg_ref, dCg_ref, dtheta_ref, dC_bias_ref, dB_bias_ref, *, r, rank):
+    """One group's rows [T] (T = the biases' rows): per head, the gradients of the turned B
+    and C turned back, summed over the group's heads and over the rows by rank (the biases'
+    partials), and the angles' gradients."""
+    bi, li, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    T, n = B_bias_ref.shape[1:]
+    a = theta_ref.shape[-1]
+    ts = pl.ds(pl.multiple_of(li * T, T), T)
+    Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+    row_rank = jax.lax.broadcasted_iota(jnp.int32, (T, n), 0) % rank
+
+    def back(v, bias, d, cos, sin):
+        """The gradient of v + bias [T, n] float32 from that of its turn d, and the turn's
+        angle's gradient per pair [T, n / 2]: out0 = v0 cos - v1 sin, out1 = v0 sin + v1 cos."""
+        v0, v1 = (u.astype(jnp.float32) for u in _pairs(_biased(v, bias)))
+        d0, d1 = (u.astype(jnp.float32) for u in _pairs(d))
+        dv = _joined(d0 * cos + d1 * sin, d1 * cos - d0 * sin)
+        return dv, d1 * (v0 * cos - v1 * sin) - d0 * (v0 * sin + v1 * cos)
+
+    def head(j, sums):
+        hi = gi * r + j
+        cos, sin = _cos_sin(theta_ref[bi, ts, hi, :], n)
+        dB, dB_angle = back(Bk, B_bias_ref[hi], dB_ref[bi, ts, hi, :], cos, sin)
+        dC, dC_angle = back(Ck, C_bias_ref[hi], dC_ref[bi, ts, hi, :], cos, sin)
+        dangle = dB_angle + dC_angle
+        while dangle.shape[-1] > a:  # the turned pairs' (_cos_sin's spread, undone)
+            dangle = _pairs(dangle)[0]
+        dtheta_ref[bi, ts, hi, :] = dangle
+        for k in range(rank):  # the biases' rows of rank k
+            dB_bias_ref[bi, li, hi, k, :] = jnp.sum(jnp.where(row_rank == k, dB, 0.0), axis=0)
+            dC_bias_ref[bi, li, hi, k, :] = jnp.sum(jnp.where(row_rank == k, dC, 0.0), axis=0)
+        return sums[0] + dB, sums[1] + dC
+
+    zeros = jnp.zeros((T, n), jnp.float32)
+    dB, dC = jax.lax.fori_loop(0, r, head, (zeros, zeros))
+    dBg_ref[bi, ts, gi, :] = dB.astype(dBg_ref.dtype)
+    dCg_ref[bi, ts, gi, :] = dC.astype(dCg_ref.dtype)
+
+
 def _sub_blocks(start, width, bs):
     """The headdim columns [start, start + width) as slices of bs (a power of two dividing
     width): a headdim that is no power of two (80, 96, 192) is handled as several
@@ -565,6 +618,37 @@ def weighted_state(x, B, weights, *, config, interpret=False):
     return call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
                 config.forward_warps, config.forward_stages, interpret,
                 "ssd_weighted_state")(x, B, weights)[0]
+
+
+def turned_back(grads, B, C, rotation, *, config, interpret=False):
+    """`turned`'s vjp in one kernel: grads (dB, dC [b, l, h, n]), the gradients of the
+    per-head turned B and C (in B's dtype; l a multiple of config.chunk) -> (dB, dC [b, l, g, n] in B's
+    dtype, (dtheta [b, l, h, a], dC_bias, dB_bias [h, rank, n]) in theta's and the biases'
+    dtypes). The same arithmetic as XLA's vjp of `turned`: float32 from the bf16 values on,
+    the turned-back gradients summed over a group's heads and the biases' over the rows in
+    float32, rounded once. Grid (b, l / T, g), T = config.turned_back_rows: each program
+    loops over a group's heads with that group's sums in registers, so each gradient is
+    read once, where XLA's vjp reduced it over heads, over rows and over pairs in separate
+    passes."""
+    theta, C_bias, B_bias = rotation
+    dB, dC = grads
+    b, l, h, n = dB.shape
+    g = B.shape[2]
+    rank, a, T = C_bias.shape[1], theta.shape[-1], config.turned_back_rows
+    if l % T or T % rank:
+        raise ValueError(f"ssd: Config.turned_back_rows={T} must divide the rows {l} and be "
+                         f"a multiple of the rank {rank}")
+    kernel = functools.partial(_turned_back_kernel, r=h // g, rank=rank)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    dBg, dCg, dtheta, dC_bias, dB_bias = call(
+        kernel, (b, l // T, g),
+        [jax.ShapeDtypeStruct(B.shape, B.dtype), jax.ShapeDtypeStruct(C.shape, C.dtype),
+         f32(b, l, h, a), f32(b, l // T, h, rank, n), f32(b, l // T, h, rank, n)],
+        config.forward_warps, 1, interpret, "ssd_turned_back",
+    )(dB, dC, B, C, theta.astype(jnp.float32), _bias_rows(C_bias, T, B.dtype),
+      _bias_rows(B_bias, T, B.dtype))
+    return dBg, dCg, (dtheta.astype(theta.dtype), dC_bias.sum((0, 1)).astype(C_bias.dtype),
+                      dB_bias.sum((0, 1)).astype(B_bias.dtype))
 
 
 def _rotation_args(rotation, config, B):
