@@ -209,9 +209,9 @@ def turned(B, C, rotation):
     their per-head gradients back (inside the dB/dC kernel, with the angles' gradients, that
     bound its registers: 3.7 ms where the copies and the per-head kernels take about 1.4, at
     8 x 2048 with 64 heads on an H200). The turn as XLA fuses it best: each pair's angle on
-    both its entries and the pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin), where the kernels' split and
-    join of the pairs (_turned) became concatenations that kept the gradient's per-head
-    copies apart from their sum over the group's heads."""
+    both its entries and the pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin),
+    where the kernels' split and join of the pairs (_turned) became concatenations that kept
+    the gradient's per-head copies apart from their sum over the group's heads."""
     theta, C_bias, B_bias = rotation
     h, rank, n = C_bias.shape
     a = theta.shape[-1]
@@ -371,9 +371,9 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
-                        *rest, t, r, heads, bs, has_doc, has_rotation):
-    """r: the heads of one dB/dC output, a group's, or 1 with `rotation` (the turned B and C
-    differ per head, and so do their gradients)."""
+                        *rest, t, r, group_heads, heads, bs, has_doc, has_rotation):
+    """r: the heads of one dB/dC output, a group's (group_heads), or 1 with `rotation` (the
+    turned B and C differ per head, and so do their gradients)."""
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (dB_ref, dC_ref, dcs_ref) = _split_rotation(rest, has_rotation)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -382,10 +382,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     dtype = x_ref.dtype
     t0 = pl.multiple_of(k * t, t)
     ts = pl.ds(t0, t)
-    head0 = gi * r + qi * heads  # the program's first head, read from its group of B and C
-    # (a group of h / g heads; with a rotation an output's r is 1)
-    Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts,
-                       head0 // (dy_ref.shape[2] // B_ref.shape[2]), head0)
+    head0 = gi * r + qi * heads  # the program's first head
+    Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts, head0 // group_heads, head0)
     CB = _dot(Ck, Bk, (1, 1))  # [t, s]
     within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
@@ -583,14 +581,16 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, rotati
          f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
     )(x, dt, cs, B, C, dy, dfinal, *present(D, doc), *turning)
+    group_heads = r
     if rotation is not None:  # a dB/dC output a head
         r, g = 1, h
     heads = r if config.backward_bc_heads is None else min(config.backward_bc_heads, r)
     if r % heads:
         raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
                          f"group, {r}")
-    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, heads=heads, bs=_sub_block(p),
-                               has_doc=doc is not None, has_rotation=rotation is not None)
+    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, group_heads=group_heads,
+                               heads=heads, bs=_sub_block(p), has_doc=doc is not None,
+                               has_rotation=rotation is not None)
     # One program a group: its sum is whole, so it is rounded to B's dtype in the kernel (as
     # the caller would round it after a float32 pass over it: with a head a group, Mamba-3's
     # per-head copies, that pass read 1 GB at 8 x 2048); partial sums stay float32.
@@ -621,15 +621,15 @@ def weighted_state(x, B, weights, *, config, interpret=False):
 
 
 def turned_back(grads, B, C, rotation, *, config, interpret=False):
-    """`turned`'s vjp in one kernel: grads (dB, dC [b, l, h, n]), the gradients of the
-    per-head turned B and C (in B's dtype; l a multiple of config.chunk) -> (dB, dC [b, l, g, n] in B's
-    dtype, (dtheta [b, l, h, a], dC_bias, dB_bias [h, rank, n]) in theta's and the biases'
-    dtypes). The same arithmetic as XLA's vjp of `turned`: float32 from the bf16 values on,
-    the turned-back gradients summed over a group's heads and the biases' over the rows in
-    float32, rounded once. Grid (b, l / T, g), T = config.turned_back_rows: each program
-    loops over a group's heads with that group's sums in registers, so each gradient is
-    read once, where XLA's vjp reduced it over heads, over rows and over pairs in separate
-    passes."""
+    """`turned`'s vjp in one kernel: grads (dB, dC [b, l, h, n]), the gradients of the per-head
+    turned B and C (in B's dtype; l a multiple of config.chunk) -> (dB, dC [b, l, g, n]
+    in B's dtype, (dtheta [b, l, h, a], dC_bias, dB_bias [h, rank, n]) in theta's and
+    the biases' dtypes). The same arithmetic as XLA's vjp of `turned`: float32 from the
+    bf16 values on, the turned-back gradients summed over a group's heads and the
+    biases' over the rows in float32, rounded once. Grid (b, l / T, g), T =
+    config.turned_back_rows: each program loops over a group's heads with that group's
+    sums in registers, so each gradient is read once, where XLA's vjp reduced it over
+    heads, over rows and over pairs in separate passes."""
     theta, C_bias, B_bias = rotation
     dB, dC = grads
     b, l, h, n = dB.shape
