@@ -261,6 +261,55 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("rotation", ["turns", "kernels"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_backward_rotations_give_the_turned_copies_gradients(dtype, rotation):
+    # The SSD's backward with a rotation (Mamba-3's), the kernels turning the group's B and
+    # C as they load them ("turns") and a kernel turning their gradients back too
+    # ("kernels", triton.turned_back, over two programs' rows of 16), against the kernels
+    # reading XLA's per-head turned copies and XLA's vjp of that turn ("copies", the default,
+    # which the kernel test above checks against the recurrence), on fresh inputs over three
+    # kernel chunks of 16 with packed documents, an initial state, D, rank-2 biases, 2 heads
+    # a group and 2 groups: every input's gradient within 1e-5 of its largest in float32
+    # and within 1e-2 in bf16 (seen at most 2e-7 in either: float32 turns and sums in
+    # another order; a value whose two float32 computations round to different bf16 values
+    # would move a gradient by a bf16 rounding of one term).
+    from pallas_kernels.ssd import triton
+    from pallas_kernels.ssd.vjp import ssd_weighted
+    b, l, h, p, g, n, a, rank = 2, 40, 4, 16, 2, 16, 4, 2
+    rng = np.random.default_rng()
+    arr = lambda *shape, dt=jnp.float32: jnp.asarray(rng.standard_normal(shape), dt)
+    args = dict(x=arr(b, l, h, p, dt=dtype), B=arr(b, l, g, n, dt=dtype),
+                C=arr(b, l, g, n, dt=dtype),
+                weights=jnp.asarray(rng.uniform(0, 1, (b, l, h)), jnp.float32),
+                log_decay=-jnp.asarray(rng.uniform(0, 1, (b, l, h)), jnp.float32),
+                theta=jnp.asarray(rng.uniform(-3, 3, (b, l, h, a)), jnp.float32),
+                C_bias=arr(h, rank, n), B_bias=arr(h, rank, n), D=arr(h),
+                initial_state=arr(b, h, p, n))
+    seq_idx = jnp.asarray(np.cumsum(rng.random((b, l)) < 0.1, axis=1))
+    wy, ws = arr(b, l, h, p), arr(b, h, p, n)
+
+    def gradients(backward_rotation):
+        config = triton.Config(chunk=16, backward_rotation=backward_rotation,
+                               turned_back_rows=16)
+
+        def loss(a):
+            y, s = ssd_weighted(a["x"], a["weights"], a["log_decay"], a["B"], a["C"],
+                                backend=triton, config=config, D=a["D"],
+                                initial_state=a["initial_state"], seq_idx=seq_idx,
+                                rotation=(a["theta"], a["C_bias"], a["B_bias"]))
+            return jnp.vdot(y.astype(jnp.float32), wy) + jnp.vdot(s, ws)
+        return jax.jit(jax.grad(loss))(args)
+
+    got, want = gradients(rotation), gradients("copies")
+    for name in args:
+        w = np.asarray(want[name], np.float64)
+        assert got[name].dtype == want[name].dtype, name
+        assert np.all(np.isfinite(w)), name
+        assert relative(np.asarray(got[name], np.float64), w) < (
+            1e-5 if dtype == jnp.float32 else 1e-2), name
+
+
 def test_the_backward_copies_gradients_are_rounded_once():
     # The per-head turned B and C the backward kernels read (pallas_kernels.ssd.triton.
     # turned), from bf16 B and C, against the same turn in float64 on the same values:

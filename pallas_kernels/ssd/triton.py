@@ -28,8 +28,11 @@ Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py)
   dB, dC per group are summed after the kernel.
 
 With `rotation` (Mamba-3's rotary embedding), the forward kernel reads the group's B and C
-and, per head, adds its biases and turns them by its angles as it loads each chunk; the
-backward kernels read per-head turned copies that XLA makes (`turned`).
+and, per head, adds its biases and turns them by its angles as it loads each chunk. The
+backward kernels read per-head turned copies that XLA makes (`turned`), or turn as the
+forward does (`Config.backward_rotation`); either way their dB and dC are per head, of the
+turned values, and `turned`'s vjp (XLA's, or the kernel `turned_back`) carries them back to
+the group's B and C, the angles and the biases.
 
 The kernel chunk t is this module's own tile, independent of the caller's chunk_size: the
 chunked algorithm is exact for any chunk, only rounding differs. Matmul operands are x's
@@ -80,6 +83,23 @@ class Config:
     # (BENCHMARKS.md): forward+backward 0.70x the float32 states' time at 8 x 2048, 0.73x at
     # 8 x 8192, with the same error against mamba_ssm. float32 inputs keep float32 states.
     states_in_input_dtype: bool = True
+    # With `rotation`, the backward's B and C and their gradients: "copies", the backward
+    # kernels read per-head turned copies that XLA writes (`turned`) and XLA's vjp of that
+    # turn takes their per-head gradients back; "turns", the kernels turn the group's B and
+    # C as they load them, as the forward does; "kernels", that and a kernel turning the
+    # gradients back (`turned_back`). At 8 x 2048 with 64 heads and d_state 128 each copy
+    # and each gradient is 268 MB in bf16: the copies are written once and read by three
+    # kernels, where turning costs each kernel the forward's turn a chunk.
+    backward_rotation: str = "copies"
+    turned_back_rows: int = 16  # the positions (rows) of one turned_back program
+
+    def __post_init__(self):
+        if self.backward_rotation not in BACKWARD_ROTATIONS:
+            raise ValueError(f"ssd: Config.backward_rotation={self.backward_rotation!r}: one "
+                             f"of {', '.join(BACKWARD_ROTATIONS)}")
+
+
+BACKWARD_ROTATIONS = ("copies", "turns", "kernels")
 
 
 def supports(x, B):
@@ -184,13 +204,14 @@ def _biased(v, bias):
 def turned(B, C, rotation):
     """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l, h, a],
     C_bias, B_bias [h, rank, n]; l a multiple of rank), in XLA: per head, [b, l, h, n] each
-    in B's dtype. The backward pass's kernels read these copies: turning the gradients back
-    inside the dB/dC kernel, with the angles' gradients, bound its registers (3.7 ms where
-    the copies and the per-head kernels take about 1.4, at 8 x 2048 with 64 heads on an
-    H200). The turn as XLA fuses it best: each pair's angle on both its entries and the
-    pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin), where the kernels' split and
-    join of the pairs (_turned) became concatenations that kept the gradient's per-head
-    copies apart from their sum over the group's heads."""
+    in B's dtype. The backward pass's kernels read these copies unless they turn B and C
+    themselves (Config.backward_rotation); this function's vjp, or `turned_back`, turns
+    their per-head gradients back (inside the dB/dC kernel, with the angles' gradients, that
+    bound its registers: 3.7 ms where the copies and the per-head kernels take about 1.4, at
+    8 x 2048 with 64 heads on an H200). The turn as XLA fuses it best: each pair's angle on
+    both its entries and the pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin),
+    where the kernels' split and join of the pairs (_turned) became concatenations that kept
+    the gradient's per-head copies apart from their sum over the group's heads."""
     theta, C_bias, B_bias = rotation
     h, rank, n = C_bias.shape
     a = theta.shape[-1]
@@ -242,10 +263,12 @@ def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, 
                  t=t, r=r, bp=bp, bs=bs, read_out=(C_ref, D_ref, y_ref))
 
 
-def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc):
-    doc_ref, (final_ref, states_ref) = split_optional(rest, has_doc)
-    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, None, final_ref, states_ref,
-                 t=t, r=r, bp=bp, bs=bs, read_out=None)
+def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc,
+                         has_rotation):
+    doc_ref, rest = split_optional(rest, has_doc)
+    rotation, (final_ref, states_ref) = _split_rotation(rest, has_rotation)
+    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref,
+                 states_ref, t=t, r=r, bp=bp, bs=bs, read_out=None)
 
 
 def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref,
@@ -292,10 +315,11 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
 
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
-                           r, bp, bs, has_doc, has_D):
+                           r, bp, bs, has_doc, has_D, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
-    doc_ref, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = split_optional(
-        rest, has_doc)
+    doc_ref, rest = split_optional(rest, has_doc)
+    rotation, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = _split_rotation(
+        rest, has_rotation)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -308,7 +332,7 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         k = nchunks - 1 - i
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
-        Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+        Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi)
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
         within_decay, from_entry, to_end, across = _decays(
@@ -347,15 +371,19 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
-                        *rest, t, r, heads, bs, has_doc):
-    doc_ref, (dB_ref, dC_ref, dcs_ref) = split_optional(rest, has_doc)
+                        *rest, t, r, group_heads, heads, bs, has_doc, has_rotation):
+    """r: the heads of one dB/dC output, a group's (group_heads), or 1 with `rotation` (the
+    turned B and C differ per head, and so do their gradients)."""
+    doc_ref, rest = split_optional(rest, has_doc)
+    rotation, (dB_ref, dC_ref, dcs_ref) = _split_rotation(rest, has_rotation)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q = r // heads  # programs per group
+    q = r // heads  # programs per output
     gi, qi = gq // q, gq % q
     dtype = x_ref.dtype
     t0 = pl.multiple_of(k * t, t)
     ts = pl.ds(t0, t)
-    Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+    head0 = gi * r + qi * heads  # the program's first head
+    Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts, head0 // group_heads, head0)
     CB = _dot(Ck, Bk, (1, 1))  # [t, s]
     within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
@@ -418,6 +446,46 @@ def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r, bs):
         out_ref[bi, hi, ps, :] = acc
 
 
+def _turned_back_kernel(dB_ref, dC_ref, B_ref, C_ref, theta_ref, C_bias_ref, B_bias_ref,
+                        dBg_ref, dCg_ref, dtheta_ref, dC_bias_ref, dB_bias_ref, *, r, rank):
+    """One group's rows [T] (T = the biases' rows): per head, the gradients of the turned B
+    and C turned back, summed over the group's heads and over the rows by rank (the biases'
+    partials), and the angles' gradients."""
+    bi, li, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    T, n = B_bias_ref.shape[1:]
+    a = theta_ref.shape[-1]
+    ts = pl.ds(pl.multiple_of(li * T, T), T)
+    Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
+    row_rank = jax.lax.broadcasted_iota(jnp.int32, (T, n), 0) % rank
+
+    def back(v, bias, d, cos, sin):
+        """The gradient of v + bias [T, n] float32 from that of its turn d, and the turn's
+        angle's gradient per pair [T, n / 2]: out0 = v0 cos - v1 sin, out1 = v0 sin + v1 cos."""
+        v0, v1 = (u.astype(jnp.float32) for u in _pairs(_biased(v, bias)))
+        d0, d1 = (u.astype(jnp.float32) for u in _pairs(d))
+        dv = _joined(d0 * cos + d1 * sin, d1 * cos - d0 * sin)
+        return dv, d1 * (v0 * cos - v1 * sin) - d0 * (v0 * sin + v1 * cos)
+
+    def head(j, sums):
+        hi = gi * r + j
+        cos, sin = _cos_sin(theta_ref[bi, ts, hi, :], n)
+        dB, dB_angle = back(Bk, B_bias_ref[hi], dB_ref[bi, ts, hi, :], cos, sin)
+        dC, dC_angle = back(Ck, C_bias_ref[hi], dC_ref[bi, ts, hi, :], cos, sin)
+        dangle = dB_angle + dC_angle
+        while dangle.shape[-1] > a:  # the turned pairs' (_cos_sin's spread, undone)
+            dangle = _pairs(dangle)[0]
+        dtheta_ref[bi, ts, hi, :] = dangle
+        for k in range(rank):  # the biases' rows of rank k
+            dB_bias_ref[bi, li, hi, k, :] = jnp.sum(jnp.where(row_rank == k, dB, 0.0), axis=0)
+            dC_bias_ref[bi, li, hi, k, :] = jnp.sum(jnp.where(row_rank == k, dC, 0.0), axis=0)
+        return sums[0] + dB, sums[1] + dC
+
+    zeros = jnp.zeros((T, n), jnp.float32)
+    dB, dC = jax.lax.fori_loop(0, r, head, (zeros, zeros))
+    dBg_ref[bi, ts, gi, :] = dB.astype(dBg_ref.dtype)
+    dCg_ref[bi, ts, gi, :] = dC.astype(dCg_ref.dtype)
+
+
 def _sub_blocks(start, width, bs):
     """The headdim columns [start, start + width) as slices of bs (a power of two dividing
     width): a headdim that is no power of two (80, 96, 192) is handled as several
@@ -467,61 +535,72 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, rotation=Non
                 "ssd_forward")(*args)
 
 
-def chunk_states(x, dt, cs, B, initial_state, doc, *, config, interpret=False):
+def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, interpret=False):
     """The state entering every chunk [b, c, h, p, n] (forward's saved states, in the same
     dtype) from forward's chunk-padded inputs, without y: the backward's recomputation,
     which reads x and B once and skips the intra-chunk scores, instead of keeping the
-    states between the passes (at t = 64 and n = 128 they are twice x's bytes)."""
+    states between the passes (at t = 64 and n = 128 they are twice x's bytes). rotation:
+    as forward's, B turned as it is loaded."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
     bp = _block_p(config, b, h, p)
     kernel = functools.partial(_chunk_states_kernel, t=t, r=h // g, bp=bp, bs=_sub_block(bp),
-                               has_doc=doc is not None)
+                               has_doc=doc is not None, has_rotation=rotation is not None)
     out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
                  jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x))]
-    return call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
-                config.forward_stages, interpret, "ssd_chunk_states")(
-        x, dt, cs, B, initial_state, *present(doc))[1]
+    stages = config.forward_stages if rotation is None else config.rotation_forward_stages
+    return call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
+                "ssd_chunk_states")(
+        x, dt, cs, B, initial_state, *present(doc), *_rotation_args(rotation, config, B))[1]
 
 
-def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, interpret=False):
+def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, rotation=None,
+             interpret=False):
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
     dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
     float32 or None for D None), where ddt is the gradient through dt's direct use only;
     cs's own gradient is dcs. dB and dC are in B's dtype where one program sums a group's
-    heads (the default), float32 partial sums otherwise, summed here."""
+    heads (the default), float32 partial sums otherwise, summed here. rotation: as
+    forward's, B and C turned as they are loaded; dB and dC are then each head's, of its
+    turned B and C [b, l, h, n]."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
     r = h // g
     bp = _block_p(config, b, h, p)
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    turning = _rotation_args(rotation, config, B)
     kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
-                               has_doc=doc is not None, has_D=D is not None)
+                               has_doc=doc is not None, has_D=D is not None,
+                               has_rotation=rotation is not None)
     dx, ddt, dcs_end, dstates, dinit, *dD = call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
          f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
-    )(x, dt, cs, B, C, dy, dfinal, *present(D, doc))
+    )(x, dt, cs, B, C, dy, dfinal, *present(D, doc), *turning)
+    group_heads = r
+    if rotation is not None:  # a dB/dC output a head
+        r, g = 1, h
     heads = r if config.backward_bc_heads is None else min(config.backward_bc_heads, r)
     if r % heads:
         raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
                          f"group, {r}")
-    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, heads=heads, bs=_sub_block(p),
-                               has_doc=doc is not None)
+    kernel = functools.partial(_backward_bc_kernel, t=t, r=r, group_heads=group_heads,
+                               heads=heads, bs=_sub_block(p), has_doc=doc is not None,
+                               has_rotation=rotation is not None)
     # One program a group: its sum is whole, so it is rounded to B's dtype in the kernel (as
     # the caller would round it after a float32 pass over it: with a head a group, Mamba-3's
     # per-head copies, that pass read 1 GB at 8 x 2048); partial sums stay float32.
     partials = r // heads
-    grads = lambda a: jax.ShapeDtypeStruct((partials,) + a.shape,
+    grads = lambda a: jax.ShapeDtypeStruct((partials, b, l, g, n),
                                            a.dtype if partials == 1 else jnp.float32)
     dB, dC, dcs = call(
         kernel, (b, l // t, g * partials), [grads(B), grads(C), f32((b, h, l))],
         config.backward_bc_warps, config.backward_stages, interpret, "ssd_backward_bc",
-    )(x, dt, cs, B, C, dy, states, dstates, *present(doc))
+    )(x, dt, cs, B, C, dy, states, dstates, *present(doc), *turning)
     return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
             dD[0].sum(0) if dD else None)
 
@@ -539,6 +618,37 @@ def weighted_state(x, B, weights, *, config, interpret=False):
     return call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
                 config.forward_warps, config.forward_stages, interpret,
                 "ssd_weighted_state")(x, B, weights)[0]
+
+
+def turned_back(grads, B, C, rotation, *, config, interpret=False):
+    """`turned`'s vjp in one kernel: grads (dB, dC [b, l, h, n]), the gradients of the per-head
+    turned B and C (in B's dtype; l a multiple of config.chunk) -> (dB, dC [b, l, g, n]
+    in B's dtype, (dtheta [b, l, h, a], dC_bias, dB_bias [h, rank, n]) in theta's and
+    the biases' dtypes). The same arithmetic as XLA's vjp of `turned`: float32 from the
+    bf16 values on, the turned-back gradients summed over a group's heads and the
+    biases' over the rows in float32, rounded once. Grid (b, l / T, g), T =
+    config.turned_back_rows: each program loops over a group's heads with that group's
+    sums in registers, so each gradient is read once, where XLA's vjp reduced it over
+    heads, over rows and over pairs in separate passes."""
+    theta, C_bias, B_bias = rotation
+    dB, dC = grads
+    b, l, h, n = dB.shape
+    g = B.shape[2]
+    rank, a, T = C_bias.shape[1], theta.shape[-1], config.turned_back_rows
+    if l % T or T % rank:
+        raise ValueError(f"ssd: Config.turned_back_rows={T} must divide the rows {l} and be "
+                         f"a multiple of the rank {rank}")
+    kernel = functools.partial(_turned_back_kernel, r=h // g, rank=rank)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    dBg, dCg, dtheta, dC_bias, dB_bias = call(
+        kernel, (b, l // T, g),
+        [jax.ShapeDtypeStruct(B.shape, B.dtype), jax.ShapeDtypeStruct(C.shape, C.dtype),
+         f32(b, l, h, a), f32(b, l // T, h, rank, n), f32(b, l // T, h, rank, n)],
+        config.forward_warps, 1, interpret, "ssd_turned_back",
+    )(dB, dC, B, C, theta.astype(jnp.float32), _bias_rows(C_bias, T, B.dtype),
+      _bias_rows(B_bias, T, B.dtype))
+    return dBg, dCg, (dtheta.astype(theta.dtype), dC_bias.sum((0, 1)).astype(C_bias.dtype),
+                      dB_bias.sum((0, 1)).astype(B_bias.dtype))
 
 
 def _rotation_args(rotation, config, B):

@@ -28,12 +28,14 @@ forward+backward, BENCHMARKS.md).
 
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
 config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *,
-config, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D,
-interpret)`, `weighted_state(x, B, weights, *, config, interpret)` and `turned(B, C,
-rotation)` as in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward
-turns each head's B and C itself; the backward kernels take the per-head turned copies
-`turned` makes, and its vjp carries their gradients to the group's B and C, the angles and
-the biases.
+config, rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *,
+config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, interpret)` and
+`turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config, interpret)` as in
+`triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each head's B
+and C itself; by `config.backward_rotation` the backward kernels take the per-head turned
+copies `turned` makes ("copies") or turn B and C too ("turns", "kernels"). Their dB and dC
+are per head, of the turned values, and `turned`'s vjp ("kernels": `turned_back`) carries
+them to the group's B and C, the angles and the biases.
 
 What the backward recomputes rather than the forward keeps: the per-chunk states, with
 `chunk_states` (at t = 64 and d_state 128 they are twice x's bytes), and, given `inputs`,
@@ -90,10 +92,19 @@ def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_sta
 def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangents):
     inputs, dt, cs, initial_state, doc, D, decays, ends, rotation = residuals
     (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
-    if rotation is not None:  # the backward kernels read per-head turned copies
-        (B, C), turned_vjp = jax.vjp(backend.turned, B, C, rotation)
+    turning = None  # the rotation the kernels apply as they load B and C
+    if rotation is not None:  # the kernels' dB and dC are per head, of the turned B and C
+        if config.backward_rotation == "kernels":
+            turned_vjp = functools.partial(backend.turned_back, B=B, C=C, rotation=rotation,
+                                           config=config, interpret=interpret)
+        else:
+            turned_BC, turned_vjp = jax.vjp(backend.turned, B, C, rotation)
+        if config.backward_rotation == "copies":  # the kernels read per-head turned copies
+            B, C = turned_BC
+        else:
+            turning = rotation
     states = backend.chunk_states(x, dt, cs, B, _zeros_if_none(initial_state, x, B), doc,
-                                  config=config, interpret=interpret)
+                                  config=config, rotation=turning, interpret=interpret)
     dy, dfinal = cotangents
     dy, dfinal = dy.astype(x.dtype), dfinal.astype(jnp.float32)
     if segments > 1:
@@ -103,7 +114,8 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
         read_out = backend.weighted_state(dy, C, from_start, config=config, interpret=interpret)
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
     dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
-        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, interpret=interpret)
+        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, rotation=turning,
+        interpret=interpret)
     dB, dC = dB.astype(B.dtype), dC.astype(C.dtype)
     drotation = None
     if rotation is not None:
@@ -185,8 +197,8 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     other arguments (inputs too) and the result as `ssd`. rotation: None, or (theta
     [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B and C with its biases,
     turned by its angles (Mamba-3's rotary embedding): the forward kernel turns them as it
-    loads them (triton.forward's `rotation`), the backward reads per-head copies
-    (`turned`); segments 1 only."""
+    loads them (triton.forward's `rotation`), the backward too or from per-head copies
+    (Config.backward_rotation); segments 1 only."""
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = off_gpu()
