@@ -261,19 +261,18 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("rotation", ["turns", "kernels"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_backward_rotations_give_the_turned_copies_gradients(dtype, rotation):
+def test_backward_turning_gives_the_turned_copies_gradients(dtype):
     # The SSD's backward with a rotation (Mamba-3's), the kernels turning the group's B and
-    # C as they load them ("turns") and a kernel turning their gradients back too
-    # ("kernels", triton.turned_back, over two programs' rows of 16), against the kernels
-    # reading XLA's per-head turned copies and XLA's vjp of that turn ("copies", the default,
-    # which the kernel test above checks against the recurrence), on fresh inputs over three
-    # kernel chunks of 16 with packed documents, an initial state, D, rank-2 biases, 2 heads
-    # a group and 2 groups: every input's gradient within 1e-5 of its largest in float32
-    # and within 1e-2 in bf16 (seen at most 2e-7 in either: float32 turns and sums in
-    # another order; a value whose two float32 computations round to different bf16 values
-    # would move a gradient by a bf16 rounding of one term).
+    # C as they load them and a kernel turning their gradients back (triton.turned_back,
+    # over two programs' rows of 16), against the kernels reading XLA's per-head turned
+    # copies and XLA's vjp of that turn (which the kernel test above checks against the
+    # recurrence: the CPU's default at these few heads), on fresh inputs over three kernel
+    # chunks of 16 with packed documents, an initial state, D, rank-2 biases, 2 heads a
+    # group and 2 groups: every input's gradient within 1e-5 of its largest in float32 and
+    # within 1e-2 in bf16 (seen at most 2e-7 in either: float32 turns and sums in another
+    # order; a value whose two float32 computations round to different bf16 values would
+    # move a gradient by a bf16 rounding of one term).
     from pallas_kernels.ssd import triton
     from pallas_kernels.ssd.vjp import ssd_weighted
     b, l, h, p, g, n, a, rank = 2, 40, 4, 16, 2, 16, 4, 2
@@ -289,9 +288,8 @@ def test_backward_rotations_give_the_turned_copies_gradients(dtype, rotation):
     seq_idx = jnp.asarray(np.cumsum(rng.random((b, l)) < 0.1, axis=1))
     wy, ws = arr(b, l, h, p), arr(b, h, p, n)
 
-    def gradients(backward_rotation):
-        config = triton.Config(chunk=16, backward_rotation=backward_rotation,
-                               turned_back_rows=16)
+    def gradients(backward_turns):
+        config = triton.Config(chunk=16, backward_turns=backward_turns, turned_back_rows=16)
 
         def loss(a):
             y, s = ssd_weighted(a["x"], a["weights"], a["log_decay"], a["B"], a["C"],
@@ -301,13 +299,24 @@ def test_backward_rotations_give_the_turned_copies_gradients(dtype, rotation):
             return jnp.vdot(y.astype(jnp.float32), wy) + jnp.vdot(s, ws)
         return jax.jit(jax.grad(loss))(args)
 
-    got, want = gradients(rotation), gradients("copies")
+    got, want = gradients(True), gradients(False)
     for name in args:
         w = np.asarray(want[name], np.float64)
         assert got[name].dtype == want[name].dtype, name
         assert np.all(np.isfinite(w)), name
         assert relative(np.asarray(got[name], np.float64), w) < (
             1e-5 if dtype == jnp.float32 else 1e-2), name
+
+
+def test_the_backward_turns_where_the_chunk_walks_have_two_waves_of_programs():
+    # Config.backward_turns=None decides by the walking kernels' (batch, head) programs
+    # against two waves of an H200's 132 multiprocessors (the CPU's stand-in): mamba3-1.3b's
+    # 64 heads turn from batch 5 on; an explicit True or False holds at any batch.
+    from pallas_kernels.ssd import triton
+    assert [triton.Config().turns_in_backward(b, 64) for b in (1, 4, 5, 8)] == [
+        False, False, True, True]
+    assert triton.Config(backward_turns=True).turns_in_backward(1, 64)
+    assert not triton.Config(backward_turns=False).turns_in_backward(8, 64)
 
 
 def test_the_backward_copies_gradients_are_rounded_once():

@@ -22,9 +22,10 @@ and B and, per head, adds its biases and turns them by its angles theta as it lo
 chunk (`to_kernel_order` puts the pairs the rotary turns where the kernels turn them), so the
 forward has no per-head q or k in memory: written out by XLA, with the turn's cos and sin,
 they were 1.2 of the 1.5 ms of GPU time of a forward at 8 x 2048 on an H200 (64 heads, one
-group; docs/kernels.md). The backward kernels read per-head turned copies that XLA makes
-inside the custom_vjp (triton.turned): turning the gradients back inside the dB/dC kernel
-bound its registers.
+group; docs/kernels.md). The backward kernels turn them too, with a kernel of their own
+turning the gradients back (triton.turned_back), where the batch gives their chunk walks
+enough programs; else they read per-head turned copies that XLA makes inside the
+custom_vjp (triton.turned; triton.Config.backward_turns says where and why).
 
 Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, theta, the biases,
 the initial state and D; automatic differentiation carries them through the angles' sum

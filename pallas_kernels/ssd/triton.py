@@ -30,7 +30,7 @@ Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py)
 With `rotation` (Mamba-3's rotary embedding), the forward kernel reads the group's B and C
 and, per head, adds its biases and turns them by its angles as it loads each chunk. The
 backward kernels read per-head turned copies that XLA makes (`turned`), or turn as the
-forward does (`Config.backward_rotation`); either way their dB and dC are per head, of the
+forward does (`Config.backward_turns`); either way their dB and dC are per head, of the
 turned values, and `turned`'s vjp (XLA's, or the kernel `turned_back`) carries them back to
 the group's B and C, the angles and the biases.
 
@@ -83,23 +83,25 @@ class Config:
     # (BENCHMARKS.md): forward+backward 0.70x the float32 states' time at 8 x 2048, 0.73x at
     # 8 x 8192, with the same error against mamba_ssm. float32 inputs keep float32 states.
     states_in_input_dtype: bool = True
-    # With `rotation`, the backward's B and C and their gradients: "copies", the backward
-    # kernels read per-head turned copies that XLA writes (`turned`) and XLA's vjp of that
-    # turn takes their per-head gradients back; "turns", the kernels turn the group's B and
-    # C as they load them, as the forward does; "kernels", that and a kernel turning the
-    # gradients back (`turned_back`). At 8 x 2048 with 64 heads and d_state 128 each copy
-    # and each gradient is 268 MB in bf16: the copies are written once and read by three
-    # kernels, where turning costs each kernel the forward's turn a chunk.
-    backward_rotation: str = "copies"
+    # With `rotation`, the backward's B and C and their gradients: True, its kernels turn the
+    # group's B and C as they load them, as the forward does, and a kernel turns their
+    # gradients back (`turned_back`); False, its kernels read per-head turned copies that
+    # XLA writes (`turned`) and XLA's vjp of that turn takes their gradients back (at 8 x
+    # 2048 with 64 heads and d_state 128 each copy and each gradient is 268 MB in bf16).
+    # None: True where the kernels that walk the chunks (grid (b, h, p / bp)) have at least
+    # two waves of (batch, head) programs (`turns_in_backward`). Measured on an H200 (scan
+    # forward+backward, 64 heads of 64, d_state 128, bf16): turning took 0.90-0.95x the
+    # copies' time at 8 x 2048 and 8 x 8192, and 1.22x at 1 x 65536, where each of the 128
+    # programs walks 1,024 chunks and the turn lengthens every step of the walk.
+    backward_turns: bool | None = None
     turned_back_rows: int = 16  # the positions (rows) of one turned_back program
 
-    def __post_init__(self):
-        if self.backward_rotation not in BACKWARD_ROTATIONS:
-            raise ValueError(f"ssd: Config.backward_rotation={self.backward_rotation!r}: one "
-                             f"of {', '.join(BACKWARD_ROTATIONS)}")
-
-
-BACKWARD_ROTATIONS = ("copies", "turns", "kernels")
+    def turns_in_backward(self, b, h):
+        """Whether the backward kernels turn B and C themselves (`backward_turns`) for x
+        [b, l, h, p]."""
+        if self.backward_turns is not None:
+            return self.backward_turns
+        return b * h >= hardware.two_waves()
 
 
 def supports(x, B):
@@ -205,7 +207,7 @@ def turned(B, C, rotation):
     """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l, h, a],
     C_bias, B_bias [h, rank, n]; l a multiple of rank), in XLA: per head, [b, l, h, n] each
     in B's dtype. The backward pass's kernels read these copies unless they turn B and C
-    themselves (Config.backward_rotation); this function's vjp, or `turned_back`, turns
+    themselves (Config.backward_turns); this function's vjp, or `turned_back`, turns
     their per-head gradients back (inside the dB/dC kernel, with the angles' gradients, that
     bound its registers: 3.7 ms where the copies and the per-head kernels take about 1.4, at
     8 x 2048 with 64 heads on an H200). The turn as XLA fuses it best: each pair's angle on

@@ -32,10 +32,10 @@ config, rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfina
 config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, interpret)` and
 `turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config, interpret)` as in
 `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each head's B
-and C itself; by `config.backward_rotation` the backward kernels take the per-head turned
-copies `turned` makes ("copies") or turn B and C too ("turns", "kernels"). Their dB and dC
-are per head, of the turned values, and `turned`'s vjp ("kernels": `turned_back`) carries
-them to the group's B and C, the angles and the biases.
+and C itself; by `config.turns_in_backward` the backward kernels turn B and C too, or take
+the per-head turned copies `turned` makes. Their dB and dC are per head, of the turned
+values, and `turned_back` (or `turned`'s vjp) carries them to the group's B and C, the
+angles and the biases.
 
 What the backward recomputes rather than the forward keeps: the per-chunk states, with
 `chunk_states` (at t = 64 and d_state 128 they are twice x's bytes), and, given `inputs`,
@@ -94,15 +94,12 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
     (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
     turning = None  # the rotation the kernels apply as they load B and C
     if rotation is not None:  # the kernels' dB and dC are per head, of the turned B and C
-        if config.backward_rotation == "kernels":
+        if config.turns_in_backward(x.shape[0], x.shape[2]):
+            turning = rotation
             turned_vjp = functools.partial(backend.turned_back, B=B, C=C, rotation=rotation,
                                            config=config, interpret=interpret)
-        else:
-            turned_BC, turned_vjp = jax.vjp(backend.turned, B, C, rotation)
-        if config.backward_rotation == "copies":  # the kernels read per-head turned copies
-            B, C = turned_BC
-        else:
-            turning = rotation
+        else:  # the kernels read per-head turned copies
+            (B, C), turned_vjp = jax.vjp(backend.turned, B, C, rotation)
     states = backend.chunk_states(x, dt, cs, B, _zeros_if_none(initial_state, x, B), doc,
                                   config=config, rotation=turning, interpret=interpret)
     dy, dfinal = cotangents
@@ -198,7 +195,7 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B and C with its biases,
     turned by its angles (Mamba-3's rotary embedding): the forward kernel turns them as it
     loads them (triton.forward's `rotation`), the backward too or from per-head copies
-    (Config.backward_rotation); segments 1 only."""
+    (Config.backward_turns); segments 1 only."""
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = off_gpu()
