@@ -244,7 +244,8 @@ def check_mamba3_kernel(preset, cfg, batch, int8=False):
     and batch) on the GPU against its XLA step on the CPU, on random inputs, over a float32
     state and, with int8, an Int8State (compared dequantised: a value may round to its
     neighbour); the gated y is rounded to bf16 twice (after the step and after the gate), so
-    two bf16 roundings; exits on a miss."""
+    two bf16 roundings; where the plan fuses, the fused block's norm_matmul kernels too;
+    exits on a miss."""
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     _, h, p, g, r, n, a = mamba3.dims(cfg)
@@ -259,6 +260,17 @@ def check_mamba3_kernel(preset, cfg, batch, int8=False):
                   rotary=mamba3.rotary_layout(cfg))
     check_kernel(f"{preset} batch {batch} mamba3 decode_step", decode_step, kwargs,
                  tolerance=2.0 ** -7)
+    if batch <= FUSED_STEP_MAX_BATCH:  # the fused block's (Mamba3Mixer.fused_step)
+        d = cfg.d_model
+        matrix = lambda n, k: (arr(n, k) / k ** 0.5).astype(jnp.bfloat16)  # a w [n, k]
+        check_kernel(f"{preset} batch {batch} rms_norm_matmul (mamba3 in_proj)",
+                     rms_norm_matmul, dict(x=arr(batch, d), weight=arr(d),
+                                           w=matrix(zxbcdt.shape[1], d), eps=cfg.norm_eps,
+                                           w_transposed=True))
+        check_kernel(f"{preset} batch {batch} rms_norm_matmul (mamba3 out_proj)",
+                     rms_norm_matmul, dict(x=arr(batch, h * p).astype(jnp.bfloat16),
+                                           weight=None, w=matrix(d, h * p), eps=None,
+                                           residual=arr(batch, d), w_transposed=True))
     if int8:
         def step_int8(**kw):  # the new state dequantised: the values it stands for
             y, new = decode_step(**kw)

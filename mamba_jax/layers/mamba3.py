@@ -40,6 +40,7 @@ from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_init,
                                      groups_of_local_heads, matmul, param, split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
 from pallas_kernels.mamba3.reference import gate, projected
 from pallas_kernels.mamba3.step import StepParams, decode_step
@@ -122,7 +123,7 @@ class Mamba3Mixer(Mixer):
     name = "mamba3"
     Config = Mamba3Section
     checkpoint_keys = {"mamba_ssm": _KEYS}
-    step_kernels = ("kernel",)
+    step_kernels = ("kernel", "fused")
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d, h, p, g, r, n, a = dims(cfg)
@@ -254,8 +255,10 @@ class Mamba3Mixer(Mixer):
                            cache.k.astype(jnp.float32), cache.x.astype(jnp.float32))
 
     def step_weights(self, how: str = "xla") -> Mamba3Weights:
-        out = self.out_proj[...]
-        return Mamba3Weights(self.in_proj().astype(self.dtype),
+        """The Mamba3Weights of the current parameters (build them outside the decode loop),
+        the in-projection transposed for `fused_step` if how is "fused"."""
+        w, out = self.in_proj(), self.out_proj[...]
+        return Mamba3Weights((w.T if how == "fused" else w).astype(self.dtype),
                              out.reshape(-1, out.shape[-1]).T.astype(self.dtype))
 
     def step(self, u, cache: Mamba3State, weights: Mamba3Weights, how="xla"):
@@ -266,14 +269,36 @@ class Mamba3Mixer(Mixer):
         one Pallas kernel that reads the in-projection's output in place ("kernel";
         pallas_kernels.mamba3.step)."""
         zxbcdt = dense(u, weights.in_proj, self.dtype, out_dtype=self.dtype)
+        y, new = self._decode_step(cache, zxbcdt, "triton" if how == "kernel" else "xla")
+        return self.out_proj_partial(y, weights.out_proj), new
+
+    def fused_step(self, residual, norm_weight, norm_eps, cache: Mamba3State,
+                   weights: Mamba3Weights):
+        """A whole Mamba-3 block for one token in three Pallas kernels: residual [b, d] ->
+        (residual + mixer(rms_norm(residual)), the updated Mamba3State). The block's RMSNorm
+        (norm_weight [d], norm_eps) with the in-projection, one
+        pallas_kernels.decode.norm_matmul kernel; the step kernel, which reads that row in
+        place; out_proj with the residual add, a norm_matmul without a norm. The arithmetic
+        of Block.step over `step` but for where the norm's operand is rounded
+        (pallas_kernels.decode.norm_matmul), for a decoding step at small batch, which is
+        bound by its kernel count. weights: step_weights("fused")."""
+        zxbcdt = rms_norm_matmul(residual, norm_weight, weights.in_proj, eps=norm_eps,
+                                 w_transposed=True, implementation="triton")
+        y, new = self._decode_step(cache, zxbcdt, "triton")
+        return rms_norm_matmul(y.reshape(y.shape[0], -1), None, weights.out_proj, eps=None,
+                               bias=self.output_bias(), residual=residual, w_transposed=True,
+                               implementation="triton"), new
+
+    def _decode_step(self, cache: Mamba3State, zxbcdt, implementation):
+        """pallas_kernels.mamba3.step.decode_step over this layer's parameters: zxbcdt [b, N]
+        -> (the gated y [b, h, p] in the compute dtype, the new Mamba3State)."""
         m = self.cfg.mamba3
         params = StepParams(self.dt_bias[...], self.B_norm[...], self.C_norm[...],
                             self.C_bias[...], self.B_bias[...], self.D[...],
                             self._mimo("mimo_x"), self._mimo("mimo_z"), self._mimo("mimo_o"),
                             self.norm[...] if m.is_outproj_norm else None)
-        y, new = decode_step(cache, zxbcdt, params, A_floor=m.A_floor, rotary=self.rotary,
-                             implementation="triton" if how == "kernel" else "xla")
-        return self.out_proj_partial(y, weights.out_proj), new
+        return decode_step(cache, zxbcdt, params, A_floor=m.A_floor, rotary=self.rotary,
+                           implementation=implementation)
 
     # ------------------------------------------------------------ the kind
 
