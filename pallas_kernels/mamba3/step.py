@@ -14,8 +14,8 @@ float32); zxbcdt [b, N]: the in-projection's output in mamba_ssm's order [z (h*p
 B (r*g*n), C (r*g*n), dd_dt (h), dd_A (h), trap (h), angles (a)] in the compute dtype;
 params: `StepParams`. As reference.projected, then reference.mamba3_step without `start` (a
 decoding step continues its row), its y rounded to the compute dtype, then reference.gate.
-Returns the gated y [b, h, p] in zxbcdt's dtype, ready
-for out_proj, and the new Mamba3State, stored as state is, all computed in float32.
+Returns the gated y [b, h, p] in zxbcdt's dtype, ready for out_proj, and the new
+Mamba3State, stored as state is, all computed in float32.
 `implementation`: "xla" (those reference functions over the state loaded as float32, the
 new one stored back as the state was) or "triton" (the kernel below; on a machine without
 a GPU it runs in Pallas's interpreter).
