@@ -80,7 +80,7 @@ from mamba_jax.layers import mamba1, mamba2, mamba3
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.mamba3 import Mamba3State
-from pallas_kernels.mamba3.step import decode_step
+from pallas_kernels.mamba3.step import StepParams, decode_step
 from pallas_kernels.ssd.step import dequantize, mamba_step, mamba_step_shifted, quantize
 
 
@@ -243,20 +243,34 @@ def check_mamba3_kernel(preset, cfg, batch, int8=False):
     """Mamba-3's step kernel (pallas_kernels.mamba3.step.decode_step, at this preset's shapes
     and batch) on the GPU against its XLA step on the CPU, on random inputs, over a float32
     state and, with int8, an Int8State (compared dequantised: a value may round to its
-    neighbour); exits on a miss."""
+    neighbour); the gated y is rounded to bf16 twice (after the step and after the gate), so
+    two bf16 roundings; where the plan fuses, the fused block's norm_matmul kernels too;
+    exits on a miss."""
     rng = np.random.default_rng(0)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     _, h, p, g, r, n, a = mamba3.dims(cfg)
-    dt = jax.nn.softplus(arr(batch, h))
     state = Mamba3State(jnp.asarray(rng.uniform(0, 6, (batch, h, a)), jnp.float32),
                         arr(batch, h, p, n), arr(batch, r, h, n), arr(batch, h, p))
-    bf16 = lambda t: t.astype(jnp.bfloat16)
-    kwargs = dict(state=state, C=bf16(arr(batch, r, g, n)), B=bf16(arr(batch, r, g, n)),
-                  x=bf16(arr(batch, h, p)), adt=-dt, dt=dt, trap=arr(batch, h),
-                  angles=bf16(arr(batch, a)), C_bias=arr(h, r, n), B_bias=arr(h, r, n),
-                  D=arr(h), mimo_x=arr(h, r, p) if cfg.mamba3.is_mimo else None,
+    m = cfg.mamba3
+    mimo = [arr(h, r, p) for _ in range(3)] if m.is_mimo else [None] * 3
+    params = StepParams(arr(h), 1 + arr(n) / 4, 1 + arr(n) / 4, arr(h, r, n), arr(h, r, n),
+                        arr(h), *mimo, 1 + arr(h, p) / 4 if m.is_outproj_norm else None)
+    zxbcdt = arr(batch, 2 * h * p + 2 * r * g * n + 3 * h + a).astype(jnp.bfloat16)
+    kwargs = dict(state=state, zxbcdt=zxbcdt, params=params, A_floor=m.A_floor,
                   rotary=mamba3.rotary_layout(cfg))
-    check_kernel(f"{preset} batch {batch} mamba3 decode_step", decode_step, kwargs)
+    check_kernel(f"{preset} batch {batch} mamba3 decode_step", decode_step, kwargs,
+                 tolerance=2.0 ** -7)
+    if batch <= FUSED_STEP_MAX_BATCH:  # the fused block's (Mamba3Mixer.fused_step)
+        d = cfg.d_model
+        matrix = lambda n, k: (arr(n, k) / k ** 0.5).astype(jnp.bfloat16)  # a w [n, k]
+        check_kernel(f"{preset} batch {batch} rms_norm_matmul (mamba3 in_proj)",
+                     rms_norm_matmul, dict(x=arr(batch, d), weight=arr(d),
+                                           w=matrix(zxbcdt.shape[1], d), eps=cfg.norm_eps,
+                                           w_transposed=True))
+        check_kernel(f"{preset} batch {batch} rms_norm_matmul (mamba3 out_proj)",
+                     rms_norm_matmul, dict(x=arr(batch, h * p).astype(jnp.bfloat16),
+                                           weight=None, w=matrix(d, h * p), eps=None,
+                                           residual=arr(batch, d), w_transposed=True))
     if int8:
         def step_int8(**kw):  # the new state dequantised: the values it stands for
             y, new = decode_step(**kw)

@@ -21,8 +21,7 @@ from mamba_jax import Mamba2Config
 from mamba_jax.convert import load_config
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
 from pallas_kernels.mamba3.context_parallel import entering_states, zero_state_finals
-from pallas_kernels.mamba3.reference import (cumulative_angles, mamba3_chunked, mamba3_naive,
-                                             mamba3_step)
+from pallas_kernels.mamba3.reference import cumulative_angles, mamba3_chunked, mamba3_naive
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ARGS = ("C", "B", "x", "adt", "dt", "trap", "angles", "C_bias", "B_bias")
@@ -366,39 +365,46 @@ def test_the_backward_copies_gradients_are_rounded_once():
         assert relative(np.asarray(v, np.float64), w) < tolerances[name], name
 
 
-STEP_CASES = [  # (b, h, p, r, g, n, a, rotary, ssm_state dtype)
-    (2, 4, 32, 1, 1, 32, 8, "pairwise", "float32"),  # rope over half of n: unturned entries
-    (1, 4, 32, 2, 2, 16, 8, "halves", "float32"),    # MIMO over 2 groups, rope over all of n
-    (2, 4, 32, 1, 1, 32, 8, "halves", "bfloat16"),
-    (2, 2, 32, 2, 1, 32, 8, "pairwise", "int8"),
+STEP_CASES = [  # (b, h, p, r, g, n, a, rotary, ssm_state dtype, out-projection norm)
+    (2, 4, 32, 1, 1, 32, 8, "pairwise", "float32", False),  # rope over half of n
+    (1, 4, 32, 2, 2, 16, 8, "halves", "float32", True),     # MIMO over 2 groups, rope over n
+    (2, 4, 32, 1, 1, 32, 8, "halves", "bfloat16", False),
+    (2, 2, 32, 2, 1, 32, 8, "pairwise", "int8", True),
 ]
 
 
 @pytest.mark.parametrize("case", STEP_CASES)
 def test_the_step_kernel_equals_the_xla_step(case):
-    # pallas_kernels.mamba3.step (in the interpreter without a GPU) against the recurrence's
-    # step, reference.mamba3_step, on the same float32 state: y, the angle, k and x within
-    # float32 sums in another order (1e-5 of the largest), the SSM state too where it is
-    # float32, and where it is stored as bf16 or int8, what the kernel stores is the
-    # reference's new state rounded to it (within one bf16 rounding; within one int8 level,
-    # scale / 2 ... 1 step, of each row). Headdim split over two programs (block_p 16): every
-    # program of a head reads the old k and angle that its first program replaces.
-    from pallas_kernels.mamba3.step import decode_step
+    # pallas_kernels.mamba3.step (in the interpreter without a GPU) against its XLA form
+    # (reference.projected, mamba3_step and gate) from the same in-projection row and the
+    # same float32 state: the angle, k and x within float32 sums in another order (1e-5 of
+    # the largest), the SSM state too where it is float32, and where it is stored as bf16 or
+    # int8, what the kernel stores is the reference's new state rounded to it (within one
+    # bf16 rounding; within one int8 level, scale / 2 ... 1 step, of each row); the gated y,
+    # rounded to bf16 after the step and after the gate, within two bf16 roundings of the
+    # largest. Headdim split over two programs (block_p 16) without the out-projection norm:
+    # every program of a head reads the old k and angle that its first program replaces;
+    # with it, one program a head (its RMS spans the headdim).
+    from pallas_kernels.mamba3.step import StepParams, decode_step
     from pallas_kernels.ssd.step import Blocks, dequantize, state_in
-    b, h, p, r, g, n, a, rotary, dtype = case
+    b, h, p, r, g, n, a, rotary, dtype, norm = case
     rng = np.random.default_rng(8)
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    dt = jax.nn.softplus(arr(b, h))
-    args = (arr(b, r, g, n), arr(b, r, g, n), arr(b, h, p), -dt * 0.7, dt, arr(b, h),
-            arr(b, a), arr(h, r, n), arr(h, r, n))
-    options = dict(D=arr(h), mimo_x=arr(h, r, p) if r > 1 else None, rotary=rotary)
+    zxbcdt = jnp.asarray(rng.standard_normal((b, 2 * h * p + 2 * r * g * n + 3 * h + a)),
+                         jnp.bfloat16)
+    mimo = [arr(h, r, p) for _ in range(3)] if r > 1 else [None] * 3
+    params = StepParams(arr(h), 1 + arr(n) / 4, 1 + arr(n) / 4, arr(h, r, n), arr(h, r, n),
+                        arr(h), *mimo, 1 + arr(h, p) / 4 if norm else None)
     state = Mamba3State(jnp.asarray(rng.uniform(0, 6, (b, h, a)), jnp.float32),
                         state_in(arr(b, h, p, n), dtype), arr(b, r, h, n), arr(b, h, p))
     stored = dequantize(state.ssm) if dtype == "int8" else state.ssm.astype(jnp.float32)
-    y_ref, ref = mamba3_step(state._replace(ssm=stored), *args, **options)
-    y, got = jax.jit(lambda s, args: decode_step(s, *args, **options, implementation="triton",
-                                                 blocks=Blocks(block_p=16)))(state, args)
-    assert relative(y, y_ref) < 1e-5
+    step = lambda state, implementation, **kw: jax.jit(lambda s, zx, params: decode_step(
+        s, zx, params, A_floor=1e-4, rotary=rotary, implementation=implementation, **kw))(
+        state, zxbcdt, params)
+    y_ref, ref = step(state._replace(ssm=stored), "xla")
+    y, got = step(state, "triton", blocks=Blocks(block_p=16))
+    assert y.dtype == y_ref.dtype == jnp.bfloat16 and y.shape == (b, h, p)
+    assert relative(np.asarray(y, np.float32), np.asarray(y_ref, np.float32)) < 2 ** -7
     for name in ("angle", "k", "x"):
         assert relative(getattr(got, name), getattr(ref, name)) < 1e-5, name
     if dtype == "float32":

@@ -38,15 +38,15 @@ from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_init,
-                                     groups_of_local_heads, matmul, param, rms_norm, split_last,
-                                     uniform)
+                                     groups_of_local_heads, matmul, param, split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
-from pallas_kernels.mamba3.step import decode_step
+from pallas_kernels.mamba3.reference import gate, projected
+from pallas_kernels.mamba3.step import StepParams, decode_step
 from pallas_kernels.mamba3.step import supports as step_supports
 from pallas_kernels.ssd.step import state_in
 
-BC_NORM_EPS = 1e-5  # mamba_ssm's B_norm, C_norm and out-projection norm eps (fixed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +97,6 @@ def rotary_layout(cfg) -> str:
     return "halves" if cfg.mamba3.is_mimo else "pairwise"
 
 
-def heavy_tail(x):
-    """mamba_ssm's heavy_tail_activation: 1 + x for x >= 0, 1 / (1 - x) for x < 0."""
-    return jnp.maximum(x, 0) + 1 / (1 - jnp.minimum(x, 0))
-
-
 class Mamba3Weights(NamedTuple):
     """What the one-token step reads that derives from the parameters: in_proj [d, N] in
     the compute dtype (this rank's projections side by side, mamba_ssm's order) and out_proj
@@ -128,7 +123,7 @@ class Mamba3Mixer(Mixer):
     name = "mamba3"
     Config = Mamba3Section
     checkpoint_keys = {"mamba_ssm": _KEYS}
-    step_kernels = ("kernel",)
+    step_kernels = ("kernel", "fused")
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         d, h, p, g, r, n, a = dims(cfg)
@@ -212,14 +207,12 @@ class Mamba3Mixer(Mixer):
         z, x, B, C, dd_dt, dd_A, trap, angles = split_last(out, sizes)
         lead = out.shape[:-1]
         z, x = z.reshape(*lead, h, p), x.reshape(*lead, h, p)
-        B, C = (rms_norm(t.reshape(*lead, r, g, n), norm[...], BC_NORM_EPS)
-                for t, norm in ((B, self.B_norm), (C, self.C_norm)))
+        B, C, dt, adt = projected(B.reshape(*lead, r, g, n), C.reshape(*lead, r, g, n), dd_dt,
+                                  dd_A, self.B_norm[...], self.C_norm[...], self.dt_bias[...],
+                                  self.cfg.mamba3.A_floor)
         if self.cfg.mamba3.ngroups % ctx.tp:  # every group on every rank: take our heads'
             B, C = (self._local_groups(t, ctx) for t in (B, C))
-        m = self.cfg.mamba3
-        A = jnp.minimum(-heavy_tail(dd_A.astype(jnp.float32)), -m.A_floor)
-        dt = jax.nn.softplus(dd_dt.astype(jnp.float32) + self.dt_bias[...])
-        return z, x, B, C, dt, A * dt, trap.astype(jnp.float32), angles.astype(jnp.float32)
+        return z, x, B, C, dt, adt, trap.astype(jnp.float32), angles.astype(jnp.float32)
 
     def _local_groups(self, t, ctx):
         """t [..., r, g, n], every group -> [..., r, g', n], the groups this rank's heads
@@ -231,22 +224,11 @@ class Mamba3Mixer(Mixer):
         return jnp.moveaxis(local, -2, -3)
 
     def gate(self, y, z):
-        """The scan's y [..., r, h, p] and z [..., h, p] -> [..., h, p] in the compute dtype:
-        per rank y * silu(z_r) (or, with is_outproj_norm, RMSNorm of y per head times its
-        weight times silu(z_r)), z_r = z * mimo_z_r, summed over ranks through mimo_o
-        (SISO: z_r = z, one rank). In float32."""
-        y = y.astype(jnp.float32)
-        z = z.astype(jnp.float32)[..., None, :, :]
-        if self.cfg.mamba3.is_mimo:
-            z = z * jnp.swapaxes(self.mimo_z[...], 0, 1)
-        if self.cfg.mamba3.is_outproj_norm:
-            y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + BC_NORM_EPS)
-            y = y * self.norm[...]
-        y = y * jax.nn.silu(z)
-        if self.cfg.mamba3.is_mimo:
-            return jnp.einsum("...rhp,rhp->...hp", y,
-                              jnp.swapaxes(self.mimo_o[...], 0, 1)).astype(self.dtype)
-        return y[..., 0, :, :].astype(self.dtype)
+        """The scan's y [..., r, h, p] and z [..., h, p] -> [..., h, p] in the compute dtype
+        (reference.gate over this layer's mimo_z, mimo_o and out-projection norm), computed
+        in float32."""
+        norm = self.norm[...] if self.cfg.mamba3.is_outproj_norm else None
+        return gate(y, z, self._mimo("mimo_z"), self._mimo("mimo_o"), norm).astype(self.dtype)
 
     def out_proj_partial(self, y, out_proj=None):
         """y [..., h, p] -> [..., d] float32: over a shard of the heads, this tp rank's
@@ -273,21 +255,50 @@ class Mamba3Mixer(Mixer):
                            cache.k.astype(jnp.float32), cache.x.astype(jnp.float32))
 
     def step_weights(self, how: str = "xla") -> Mamba3Weights:
-        out = self.out_proj[...]
-        return Mamba3Weights(self.in_proj().astype(self.dtype),
+        """The Mamba3Weights of the current parameters (build them outside the decode loop),
+        the in-projection transposed for `fused_step` if how is "fused"."""
+        w, out = self.in_proj(), self.out_proj[...]
+        return Mamba3Weights((w.T if how == "fused" else w).astype(self.dtype),
                              out.reshape(-1, out.shape[-1]).T.astype(self.dtype))
 
     def step(self, u, cache: Mamba3State, weights: Mamba3Weights, how="xla"):
         """One token: u [b, d] -> (out_proj's output [b, d] float32, the updated
         Mamba3State): the recurrence's step in float32, the SSM state stored back as the
-        cache's is (its dtype, or an Int8State). how: the step as XLA fusions ("xla") or as
-        one Pallas kernel ("kernel") between the projections (pallas_kernels.mamba3.step)."""
-        z, x, B, C, dt, adt, trap, angles = self.project(u, in_proj=weights.in_proj)
-        y, new = decode_step(cache, C, B, x, adt, dt, trap, angles, self.C_bias[...],
-                             self.B_bias[...], D=self.D[...], mimo_x=self._mimo("mimo_x"),
-                             rotary=self.rotary,
-                             implementation="triton" if how == "kernel" else "xla")
-        return self.out_proj_partial(self.gate(y.astype(self.dtype), z), weights.out_proj), new
+        cache's is (its dtype, or an Int8State). how: what comes between the projections
+        (the norms of B and C, dt, A, the step and the gate) as XLA fusions ("xla") or as
+        one Pallas kernel that reads the in-projection's output in place ("kernel";
+        pallas_kernels.mamba3.step)."""
+        zxbcdt = dense(u, weights.in_proj, self.dtype, out_dtype=self.dtype)
+        y, new = self._decode_step(cache, zxbcdt, "triton" if how == "kernel" else "xla")
+        return self.out_proj_partial(y, weights.out_proj), new
+
+    def fused_step(self, residual, norm_weight, norm_eps, cache: Mamba3State,
+                   weights: Mamba3Weights):
+        """A whole Mamba-3 block for one token in three Pallas kernels: residual [b, d] ->
+        (residual + mixer(rms_norm(residual)), the updated Mamba3State). The block's RMSNorm
+        (norm_weight [d], norm_eps) with the in-projection, one
+        pallas_kernels.decode.norm_matmul kernel; the step kernel, which reads that row in
+        place; out_proj with the residual add, a norm_matmul without a norm. The arithmetic
+        of Block.step over `step` but for where the norm's operand is rounded
+        (pallas_kernels.decode.norm_matmul), for a decoding step at small batch, which is
+        bound by its kernel count. weights: step_weights("fused")."""
+        zxbcdt = rms_norm_matmul(residual, norm_weight, weights.in_proj, eps=norm_eps,
+                                 w_transposed=True, implementation="triton")
+        y, new = self._decode_step(cache, zxbcdt, "triton")
+        return rms_norm_matmul(y.reshape(y.shape[0], -1), None, weights.out_proj, eps=None,
+                               bias=self.output_bias(), residual=residual, w_transposed=True,
+                               implementation="triton"), new
+
+    def _decode_step(self, cache: Mamba3State, zxbcdt, implementation):
+        """pallas_kernels.mamba3.step.decode_step over this layer's parameters: zxbcdt [b, N]
+        -> (the gated y [b, h, p] in the compute dtype, the new Mamba3State)."""
+        m = self.cfg.mamba3
+        params = StepParams(self.dt_bias[...], self.B_norm[...], self.C_norm[...],
+                            self.C_bias[...], self.B_bias[...], self.D[...],
+                            self._mimo("mimo_x"), self._mimo("mimo_z"), self._mimo("mimo_o"),
+                            self.norm[...] if m.is_outproj_norm else None)
+        return decode_step(cache, zxbcdt, params, A_floor=m.A_floor, rotary=self.rotary,
+                           implementation=implementation)
 
     # ------------------------------------------------------------ the kind
 
@@ -308,7 +319,8 @@ class Mamba3Mixer(Mixer):
     @classmethod
     def kernels_support(cls, cfg) -> bool:
         _, _, p, _, _, n, a = dims(cfg)
-        return step_supports(p, n, a)
+        # The out-projection norm's RMS spans the headdim, which the kernel then holds whole
+        return step_supports(p, n, a) and not (cfg.mamba3.is_outproj_norm and p & (p - 1))
 
     @classmethod
     def flops_per_token(cls, cfg, seq_len: int) -> float:

@@ -38,9 +38,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.norm.reference import rms_norm_reference
 from pallas_kernels.ssd.reference import accumulation_dtype, document_ids
 
 ROTARY = ("pairwise", "halves")
+BC_NORM_EPS = 1e-5  # mamba_ssm's B_norm, C_norm and out-projection norm eps (fixed)
 
 
 class Mamba3State(NamedTuple):
@@ -137,6 +139,40 @@ def _document_starts(seq_idx, b, l):
     if seq_idx is None:
         return jnp.zeros((b, l), bool)
     return jnp.pad(seq_idx[:, 1:] != seq_idx[:, :-1], ((0, 0), (1, 0)))
+
+
+def heavy_tail(x):
+    """mamba_ssm's heavy_tail_activation: 1 + x for x >= 0, 1 / (1 - x) for x < 0."""
+    return jnp.maximum(x, 0) + 1 / (1 - jnp.minimum(x, 0))
+
+
+def projected(B, C, dd_dt, dd_A, B_norm, C_norm, dt_bias, A_floor):
+    """The scan's B, C and decays from the in-projection's B, C [..., r, g, n] and dd_dt, dd_A
+    [..., h] (mamba_ssm's Mamba3): B and C RMS-normed over n (B_norm, C_norm [n]) in their
+    dtype; dt = softplus(dd_dt + dt_bias) and adt = A dt with A = min(-heavy_tail(dd_A),
+    -A_floor), [..., h] float32. -> (B, C, dt, adt)."""
+    B, C = (rms_norm_reference(t, norm, BC_NORM_EPS) for t, norm in ((B, B_norm), (C, C_norm)))
+    A = jnp.minimum(-heavy_tail(dd_A.astype(jnp.float32)), -A_floor)
+    dt = jax.nn.softplus(dd_dt.astype(jnp.float32) + dt_bias)
+    return B, C, dt, A * dt
+
+
+def gate(y, z, mimo_z=None, mimo_o=None, norm=None):
+    """The scan's y [..., r, h, p] and z [..., h, p] -> [..., h, p] float32: per rank
+    y * silu(z_r) (with norm [h, p], mamba_ssm's is_outproj_norm: RMSNorm of y per head
+    times norm times silu(z_r)), z_r = z * mimo_z_r, summed over ranks through mimo_o [h, r,
+    p] (SISO, mimo_z and mimo_o None: z_r = z, one rank)."""
+    y = y.astype(jnp.float32)
+    z = z.astype(jnp.float32)[..., None, :, :]
+    if mimo_z is not None:
+        z = z * jnp.swapaxes(mimo_z, 0, 1)
+    if norm is not None:
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + BC_NORM_EPS)
+        y = y * norm
+    y = y * jax.nn.silu(z)
+    if mimo_o is not None:
+        return jnp.einsum("...rhp,rhp->...hp", y, jnp.swapaxes(mimo_o, 0, 1))
+    return y[..., 0, :, :]
 
 
 def _by_head(t, h):

@@ -1,46 +1,52 @@
-"""One decoding step of a Mamba-3 layer between its projections as one Pallas kernel: the
+"""One decoding step of a Mamba-3 layer between its projections as one Pallas kernel: from
+the in-projection's output row, the B/C norms, dt's softplus and the heavy-tail A, the
 recurrence's token (reference.mamba3_step) for every head, with the angle state's update,
-the rotary turn of B and C, the trapezoid's previous-token term, the SSM update and its
-read-out in one launch, where XLA makes about a dozen small fusions of them (12 in its CPU
-compile of a mamba3-1.3b layer's step).
+the rotary turn of B and C, the trapezoid's previous-token term, the SSM update, its
+read-out and the gate, in one launch, where XLA makes about a dozen small fusions of them.
 
-    y, state = decode_step(state, C, B, x, adt, dt, trap, angles, C_bias, B_bias, D=D,
-                           mimo_x=None, rotary="pairwise", implementation="triton")
+    y, state = decode_step(state, zxbcdt, params, A_floor=A_floor, rotary="pairwise",
+                           implementation="triton")
 
 Legend: b batch, h heads, p headdim, g groups, r MIMO rank (1 for SISO), n d_state, a
-rotary angles. As reference.mamba3_step without `start` (a decoding step continues its
-row): state a Mamba3State (angle [b, h, a] float32, ssm [b, h, p, n] float32, bfloat16 or
-an Int8State (pallas_kernels.ssd.step), k [b, r, h, n] and x [b, h, p] float32), C, B
-[b, r, g, n] (normed, before their biases), x [b, h, p], adt, dt, trap [b, h], angles
-[b, a] (before tanh), C_bias, B_bias [h, r, n], D [h] or None, mimo_x [h, r, p] or None.
-Returns y [b, r, h, p] float32 and the new Mamba3State, stored as state is, all computed in
-float32. `implementation`: "xla" (reference.mamba3_step over the state loaded as float32,
-the new one stored back as the state was) or "triton" (the kernel below; on a machine
-without a GPU it runs in Pallas's interpreter).
+rotary angles. state: a Mamba3State (angle [b, h, a] float32, ssm [b, h, p, n] float32,
+bfloat16 or an Int8State (pallas_kernels.ssd.step), k [b, r, h, n] and x [b, h, p]
+float32); zxbcdt [b, N]: the in-projection's output in mamba_ssm's order [z (h*p), x (h*p),
+B (r*g*n), C (r*g*n), dd_dt (h), dd_A (h), trap (h), angles (a)] in the compute dtype;
+params: `StepParams`. As reference.projected, then reference.mamba3_step without `start` (a
+decoding step continues its row), its y rounded to the compute dtype, then reference.gate.
+Returns the gated y [b, h, p] in zxbcdt's dtype, ready for out_proj, and the new
+Mamba3State, stored as state is, all computed in float32.
+`implementation`: "xla" (those reference functions over the state loaded as float32, the
+new one stored back as the state was) or "triton" (the kernel below; on a machine without
+a GPU it runs in Pallas's interpreter).
 
-Grid (b, h, p / bp), as pallas_kernels.ssd.step's (`filled_blocks`): each program turns its
-head's q and k itself (its group's C and B plus the head's biases, by the head's angles),
-reads its [bp, n] rows of the state once and writes them in place (an Int8State's values
-and scale too), and the same rows of x. A head's new angle and k are new buffers written
-by its first program, since every program of the head reads the old ones. The rotary's
-pairs are never gathered: d_state is read as power-of-two slices (`pieces`), the pairs'
-first entries, their second entries and the unturned rest, each a strided slice ("pairwise":
-entries 2i and 2i + 1) or a contiguous one ("halves": i and n/2 + i), and every product over
-n is a sum over the pieces.
+Grid (b, h, p / bp), as pallas_kernels.ssd.step's (`filled_blocks`): each program reads its
+head's scalars (dd_dt, dd_A, trap) and the angles from the row, norms its group's C and B
+and turns them by the head's angles with the head's biases, reads its [bp, n] rows of the
+state once and writes them in place (an Int8State's values and scale too), and the same
+rows of x, and writes its rows of the gated y. A head's new angle and k are new buffers
+written by its first program, since every program of the head reads the old ones. The
+rotary's pairs are never gathered: d_state is read as power-of-two slices (`pieces`), the
+pairs' first entries, their second entries and the unturned rest, each a strided slice
+("pairwise": entries 2i and 2i + 1) or a contiguous one ("halves": i and n/2 + i), and every
+product or sum over n is a sum over the pieces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mamba3.reference import Mamba3State, mamba3_step, wrap
+from pallas_kernels.mamba3.reference import (BC_NORM_EPS, Mamba3State, gate, heavy_tail,
+                                             mamba3_step, projected, wrap)
 from pallas_kernels.ssd.step import (INT8_LEVELS, Blocks, Int8State, filled_blocks, load_state,
-                                     quantized_values, store_state)
+                                     quantized_values, softplus, store_state)
 from pallas_kernels.triton_call import call, off_gpu
 
 IMPLEMENTATIONS = ("xla", "triton")
@@ -54,19 +60,69 @@ def supports(p, n, a) -> bool:
     return p % 16 == 0 and powers(n, a) and (2 * a == n or 2 * a < n and powers(n - 2 * a))
 
 
-def decode_step(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, *,
-                D=None, mimo_x=None, rotary="pairwise", implementation="xla",
-                blocks=Blocks()):
+class StepParams(NamedTuple):
+    """What a step reads of a layer's parameters: dt_bias [h], B_norm, C_norm [n], C_bias,
+    B_bias [h, r, n], D [h] or None, for MIMO mimo_x, mimo_z, mimo_o [h, r, p] (None for
+    SISO), and the out-projection norm [h, p] or None (is_outproj_norm; the kernel then
+    takes a head a program, and a headdim that is a power of two)."""
+
+    dt_bias: jax.Array
+    B_norm: jax.Array
+    C_norm: jax.Array
+    C_bias: jax.Array
+    B_bias: jax.Array
+    D: jax.Array | None = None
+    mimo_x: jax.Array | None = None
+    mimo_z: jax.Array | None = None
+    mimo_o: jax.Array | None = None
+    norm: jax.Array | None = None
+
+
+def columns(h, p, r, g, n):
+    """The first column of each part of the in-projection's row (module docstring)."""
+    at = dict(z=0, x=h * p, B=2 * h * p, C=2 * h * p + r * g * n)
+    at.update(dd_dt=at["C"] + r * g * n, dd_A=at["C"] + r * g * n + h,
+              trap=at["C"] + r * g * n + 2 * h, angles=at["C"] + r * g * n + 3 * h)
+    return at
+
+
+def _sizes(state: Mamba3State, zxbcdt, params: StepParams):
+    """(h, p, r, g, n, a) of a step's arguments, g from the row's width."""
+    h, p = state.x.shape[1:]
+    r, n = params.C_bias.shape[1:]
+    a = state.angle.shape[-1]
+    g, left = divmod(zxbcdt.shape[-1] - 2 * h * p - 3 * h - a, 2 * r * n)
+    if left or g < 1 or h % g:
+        raise ValueError(f"mamba3 decode_step: a row of {zxbcdt.shape[-1]} columns does not "
+                         f"hold {h} heads of {p}, rank {r}, d_state {n} and {a} angles")
+    return h, p, r, g, n, a
+
+
+def decode_step(state: Mamba3State, zxbcdt, params: StepParams, *, A_floor, rotary="pairwise",
+                implementation="xla", blocks=Blocks()):
     """See the module docstring for shapes and dtypes."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"mamba3 decode_step: implementation={implementation!r} is not one "
                          f"of {IMPLEMENTATIONS}")
-    args = (C, B, x, adt, dt, trap, angles, C_bias, B_bias)
-    options = dict(D=D, mimo_x=mimo_x, rotary=rotary)
+    sizes = _sizes(state, zxbcdt, params)
     if implementation == "triton":
-        return _triton(state, *args, **options, blocks=blocks)
-    y, new = mamba3_step(state._replace(ssm=load_state(state.ssm)), *args, **options)
-    return y.astype(jnp.float32), new._replace(ssm=store_state(new.ssm, state.ssm))
+        return _triton(state, zxbcdt, params, sizes, A_floor=A_floor, rotary=rotary,
+                       blocks=blocks)
+    h, p, r, g, n, a = sizes
+    at = columns(h, p, r, g, n)
+    part = lambda name, width, *shape: zxbcdt[:, at[name]:at[name] + width].reshape(
+        zxbcdt.shape[:1] + shape)
+    B, C, dt, adt = projected(part("B", r * g * n, r, g, n), part("C", r * g * n, r, g, n),
+                              part("dd_dt", h, h), part("dd_A", h, h), params.B_norm,
+                              params.C_norm, params.dt_bias, A_floor)
+    f32 = lambda v: v.astype(jnp.float32)
+    y, new = mamba3_step(state._replace(ssm=load_state(state.ssm)), C, B,
+                         part("x", h * p, h, p), adt, dt, f32(part("trap", h, h)),
+                         f32(part("angles", a, a)), params.C_bias, params.B_bias, D=params.D,
+                         mimo_x=params.mimo_x, rotary=rotary)
+    y = gate(y.astype(zxbcdt.dtype), part("z", h * p, h, p), params.mimo_z, params.mimo_o,
+             params.norm)
+    return y.astype(zxbcdt.dtype), new._replace(ssm=store_state(new.ssm, state.ssm))
 
 
 def pieces(n, a, rotary):
@@ -86,18 +142,24 @@ def _at(*indices):
     return tuple(pl.ds(i, 1) if not isinstance(i, pl.Slice) else i for i in indices)
 
 
-def _step_kernel(*refs, r, g, bp, slices, int8, has_D, mimo):
+def _step_kernel(*refs, r, g, bp, slices, at, A_floor, int8, has_D, mimo, has_norm):
     refs = list(refs)
     take = lambda present=True: refs.pop(0) if present else None
     angle_ref, ssm_ref, scale_ref = take(), take(), take(int8)
-    k_ref, xprev_ref, C_ref, B_ref, x_ref = take(), take(), take(), take(), take()
-    adt_ref, dt_ref, trap_ref, angles_ref, C_bias_ref, B_bias_ref = (take() for _ in range(6))
-    D_ref, mimo_ref = take(has_D), take(mimo)
+    k_ref, xprev_ref, zx_ref = take(), take(), take()
+    dt_bias_ref, B_norm_ref, C_norm_ref, C_bias_ref, B_bias_ref = (take() for _ in range(5))
+    D_ref = take(has_D)
+    mimo_x_ref, mimo_z_ref, mimo_o_ref = (take(mimo) for _ in range(3))
+    norm_ref = take(has_norm)
     y_ref, angle_out, ssm_out, scale_out = take(), take(), take(), take(int8)
     k_out, x_out = take(), take()
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gi = hi // (ssm_ref.shape[1] // g)
-    rows = pl.ds(pl.multiple_of(pi * bp, bp), bp)
+    h, p = xprev_ref.shape[1:]
+    n, a = B_norm_ref.shape[0], angle_ref.shape[-1]
+    gi = hi // (h // g)
+    start = pl.multiple_of(pi * bp, bp)
+    rows = pl.ds(start, bp)
+    dtype = zx_ref.dtype
     f32 = lambda v: v.astype(jnp.float32)
 
     # The state first: its load, the largest, is then in flight during the rest.
@@ -105,29 +167,34 @@ def _step_kernel(*refs, r, g, bp, slices, int8, has_D, mimo):
     if int8:
         scale = scale_ref[bi, hi, rows]
         old = [v * scale[:, None] for v in old]
-    dt, adt = f32(dt_ref[bi, hi]), f32(adt_ref[bi, hi])
-    sigma = jax.nn.sigmoid(f32(trap_ref[bi, hi]))
-    theta = angle_ref[bi, hi, :] + math.pi * jnp.tanh(f32(angles_ref[bi, :])) * dt
-    theta = wrap(theta)
+    # reference.projected's dt and adt, and the head's trapezoid weight and angles
+    dt = softplus(f32(zx_ref[bi, at["dd_dt"] + hi]) + dt_bias_ref[hi])
+    adt = jnp.minimum(-heavy_tail(f32(zx_ref[bi, at["dd_A"] + hi])), -A_floor) * dt
+    sigma = jax.nn.sigmoid(f32(zx_ref[bi, at["trap"] + hi]))
+    angles = f32(zx_ref[_at(bi, pl.ds(at["angles"], a))].reshape(a))
+    theta = wrap(angle_ref[bi, hi, :] + math.pi * jnp.tanh(angles) * dt)
     cos, sin = jnp.cos(theta), jnp.sin(theta)
 
-    def row(ref, ri, ref_head, bias_ref):
-        """The group's (or the state's) vector of rank ri in pieces, plus the head's bias
-        and turned, where bias_ref is given; else as stored."""
-        v = [f32(ref[_at(bi, ri, ref_head, s)].reshape(s.size)) for s in slices]
-        if bias_ref is None:
-            return v
-        v = [u + f32(bias_ref[_at(hi, ri, s)].reshape(s.size)) for u, s in zip(v, slices)]
+    def turned(part, norm_ref, bias_ref, ri):
+        """The group's B or C of rank ri in pieces: RMS-normed over n and rounded to the
+        compute dtype (reference.projected), plus the head's bias, turned."""
+        col = at[part] + (ri * g + gi) * n
+        v = [f32(zx_ref[_at(bi, pl.ds(col + s.start, s.size, s.stride))].reshape(s.size))
+             for s in slices]
+        rstd = jax.lax.rsqrt(sum(jnp.sum(u * u) for u in v) / n + BC_NORM_EPS)
+        v = [f32((u * rstd * norm_ref[s]).astype(dtype)) + bias_ref[_at(hi, ri, s)].reshape(
+            s.size) for u, s in zip(v, slices)]
         first, second, *rest = v
         return [first * cos - second * sin, first * sin + second * cos, *rest]
 
     def values(x_rows, ri):
-        return x_rows * f32(mimo_ref[hi, ri, rows]) if mimo else x_rows
-    x_rows, xprev_rows = f32(x_ref[bi, hi, rows]), f32(xprev_ref[bi, hi, rows])
+        return x_rows * mimo_x_ref[hi, ri, rows] if mimo else x_rows
+    x_rows = f32(zx_ref[bi, pl.ds(at["x"] + hi * p + start, bp)])
+    xprev_rows = f32(xprev_ref[bi, hi, rows])
     ranks = range(r)
-    q = [row(C_ref, ri, gi, C_bias_ref) for ri in ranks]
-    k = [row(B_ref, ri, gi, B_bias_ref) for ri in ranks]
-    k_prev = [row(k_ref, ri, hi, None) for ri in ranks]
+    q = [turned("C", C_norm_ref, C_bias_ref, ri) for ri in ranks]
+    k = [turned("B", B_norm_ref, B_bias_ref, ri) for ri in ranks]
+    k_prev = [[f32(k_ref[_at(bi, ri, hi, s)].reshape(s.size)) for s in slices] for ri in ranks]
     v = [values(x_rows, ri) for ri in ranks]
     v_prev = [values(xprev_rows, ri) for ri in ranks]
     decay, w_prev, w_now = jnp.exp(adt), (1 - sigma) * dt, sigma * dt
@@ -135,11 +202,22 @@ def _step_kernel(*refs, r, g, bp, slices, int8, has_D, mimo):
                                      for vp, kp in zip(v_prev, k_prev)))
            + w_now * sum(vr[:, None] * kr[j][None, :] for vr, kr in zip(v, k))
            for j, o in enumerate(old)]
+    # Each rank's y, rounded to the compute dtype, then reference.gate: y (RMS-normed over
+    # the headdim, which the program holds whole, with the out-projection norm) times
+    # silu(z_r), z_r = z * mimo_z_r, summed through mimo_o.
+    z_rows = f32(zx_ref[bi, pl.ds(at["z"] + hi * p + start, bp)])
+    gated = 0.0
     for ri in ranks:
         y = sum(jnp.sum(s * qj[None, :], axis=1) for s, qj in zip(new, q[ri]))
         if has_D:
             y = y + D_ref[hi] * v[ri]
-        y_ref[bi, ri, hi, rows] = y
+        z = z_rows * mimo_z_ref[hi, ri, rows] if mimo else z_rows
+        y = f32(y.astype(dtype))
+        if has_norm:
+            y = y * jax.lax.rsqrt(jnp.mean(y * y) + BC_NORM_EPS) * norm_ref[hi, rows]
+        y = y * jax.nn.silu(z)
+        gated = gated + (y * mimo_o_ref[hi, ri, rows] if mimo else y)
+    y_ref[bi, hi, rows] = gated.astype(y_ref.dtype)
     if int8:  # the row's peak over its pieces, then each piece against it
         peak = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(s), axis=1) for s in new])
         new = [quantized_values(s, peak) for s in new]
@@ -156,28 +234,35 @@ def _step_kernel(*refs, r, g, bp, slices, int8, has_D, mimo):
                 k_out[_at(bi, ri, hi, s)] = piece.reshape(1, 1, 1, s.size).astype(k_out.dtype)
 
 
-def _triton(state: Mamba3State, C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D, mimo_x,
-            rotary, blocks):
+def _triton(state: Mamba3State, zxbcdt, params: StepParams, sizes, *, A_floor, rotary, blocks):
     """decode_step's kernel."""
-    b, h, p = x.shape
-    r, g, n = C.shape[1:]
-    a = state.angle.shape[-1]
+    b = zxbcdt.shape[0]
+    h, p, r, g, n, a = sizes
     if not supports(p, n, a):
         raise ValueError(f"mamba3 step kernel: needs headdim a multiple of 16 and d_state, "
                          f"the angles and d_state - 2 x angles powers of two; got headdim {p}, "
                          f"d_state {n}, {a} angles: use the XLA step")
+    if params.norm is not None:  # its RMS spans the headdim: one program a head
+        if p & (p - 1):
+            raise ValueError(f"mamba3 step kernel: the out-projection norm needs a headdim "
+                             f"that is a power of two, got {p}: use the XLA step")
+        blocks = dataclasses.replace(blocks, block_p=p)
+    mimo = params.mimo_x is not None
+    if any((v is None) == mimo for v in (params.mimo_z, params.mimo_o)):
+        raise ValueError("mamba3 step kernel: mimo_x, mimo_z and mimo_o go together")
     bp, warps = filled_blocks(blocks, b, h, p, n)
     int8 = isinstance(state.ssm, Int8State)
     f32 = lambda v: v.astype(jnp.float32)
     ssm = list(state.ssm) if int8 else [state.ssm]
-    args = [f32(state.angle), *ssm, state.k, state.x, C, B, x, adt, dt, trap, angles,
-            f32(C_bias), f32(B_bias)] + ([] if D is None else [f32(D)]) + (
-        [] if mimo_x is None else [f32(mimo_x)])
+    args = [f32(state.angle), *ssm, state.k, state.x, zxbcdt] + [
+        f32(v) for v in params if v is not None]
     like = lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype)
-    out_shape = [jax.ShapeDtypeStruct((b, r, h, p), jnp.float32), like(args[0]),
+    out_shape = [jax.ShapeDtypeStruct((b, h, p), zxbcdt.dtype), like(args[0]),
                  *map(like, ssm), like(state.k), like(state.x)]
     kernel = functools.partial(_step_kernel, r=r, g=g, bp=bp, slices=pieces(n, a, rotary),
-                               int8=int8, has_D=D is not None, mimo=mimo_x is not None)
+                               at=columns(h, p, r, g, n), A_floor=float(A_floor), int8=int8,
+                               has_D=params.D is not None, mimo=mimo,
+                               has_norm=params.norm is not None)
     # The state (an Int8State's values and scale) and x are updated in place; the angle and
     # k are new buffers (module docstring).
     aliases = {1 + i: 2 + i for i in range(len(ssm))}

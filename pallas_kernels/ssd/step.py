@@ -232,9 +232,9 @@ def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     return y, store_state(new, state)
 
 
-def _softplus(v):
-    # jax.nn.softplus's values (log(1 + e^v), v itself past 20 where they agree in float32),
-    # in operations the Triton lowering has.
+def softplus(v):
+    """jax.nn.softplus's values (log(1 + e^v), v itself past 20 where they agree in float32)
+    in operations the Triton lowering has, for the step kernels."""
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
@@ -301,7 +301,7 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     first = (hi % r == 0) & (pi == 0)
     B = conv(h_p + gi * n, n, first)
     C = conv(h_p + g * n + gi * n, n, first)
-    dt = _softplus(dt_ref[bi, dt_at + hi].astype(jnp.float32) + dt_bias_ref[hi])
+    dt = softplus(dt_ref[bi, dt_at + hi].astype(jnp.float32) + dt_bias_ref[hi])
     lo, hi_limit = dt_limit
     if lo > 0.0 or hi_limit < math.inf:
         dt = jnp.clip(dt, lo, hi_limit)
