@@ -265,6 +265,18 @@ def test_auto_takes_the_step_kernels_on_a_gpu_only(monkeypatch, caplog):
     assert decode_plan(model, 1, "auto", backend="cpu").steps == ("xla", "xla")
 
 
+def test_the_plan_takes_a_kinds_step_kernel_up_to_its_batch_only():
+    # Mamba-3's step kernel was slower than XLA's step above batch 8 on an H200
+    # (Mamba3Mixer.step_kernel_max_batch): its layers take XLA's step there, where a Mamba-2
+    # layer of the same model keeps its kernel.
+    model = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("mamba3-tiny",
+                                                                 layer_pattern="3M"),
+                                            rngs=nnx.Rngs(0)))
+    assert decode_plan(model, 1, "triton").steps == ("fused", "fused")
+    assert decode_plan(model, 8, "triton").steps == ("kernel", "kernel")
+    assert decode_plan(model, 9, "triton").steps == ("xla", "kernel")
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(top_k=-1), "top_k=-1"), (dict(top_p=1.5), "top_p=1.5"),

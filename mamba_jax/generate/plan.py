@@ -7,8 +7,9 @@ batch size and a device. The one place that decides it; generate and the server 
 "xla": the step as XLA fusions. "kernel": the layer's step kernel between XLA's projections
 (a Mamba layer's conv and SSM update, pallas_kernels.ssd.step). "fused": the whole layer, its
 norm and projections included, as fused kernels (pallas_kernels.decode), for a few rows.
-A layer kind says which it has (Mixer.step_kernels) and whether its kernels take the model's
-shapes (Mixer.kernels_support).
+A layer kind says which it has (Mixer.step_kernels), up to which batch its step kernel beats
+XLA's (Mixer.step_kernel_max_batch) and whether its kernels take the model's shapes
+(Mixer.kernels_support).
 """
 
 from __future__ import annotations
@@ -68,15 +69,16 @@ def decode_plan(model, batch_size: int, implementation: str = "auto",
     STEP_IMPLEMENTATIONS and the SSM states stored in ssm_state_dtype: under "triton", each
     layer "fused" where its kind has it, the batch is at most FUSED_STEP_MAX_BATCH and the
     states' dtype is one of FUSED_STATE_DTYPES (so an int8 cache takes "kernel" at batch 1
-    too), else "kernel" where its kind has one, else "xla"; under "xla", every layer
-    "xla"."""
+    too), else "kernel" where its kind has one for this batch (Mixer.step_kernel_max_batch),
+    else "xla"; under "xla", every layer "xla"."""
     kernels = resolve_implementation(implementation, model, backend) == "triton"
     fused = batch_size <= FUSED_STEP_MAX_BATCH and ssm_state_dtype in FUSED_STATE_DTYPES
 
     def step(mixer):
         if kernels and fused and "fused" in mixer.step_kernels:
             return "fused"
-        if kernels and "kernel" in mixer.step_kernels:
+        limit = mixer.step_kernel_max_batch
+        if kernels and "kernel" in mixer.step_kernels and (limit is None or batch_size <= limit):
             return "kernel"
         return "xla"
     return DecodePlan(tuple(step(layer.mixer) for layer in model.layers))

@@ -243,7 +243,9 @@ class Mixer(nnx.Module):
     `checkpoint_keys` (per checkpoint format, its torch tensors as
     mamba_jax.layers.checkpoint_keys entries over its parameters), `step_kernels` (the
     decode step implementations it has beside "xla": "kernel", a kernel between XLA's
-    projections, and "fused", the whole layer as fused kernels), `cache_grows` (its
+    projections, and "fused", the whole layer as fused kernels), `step_kernel_max_batch`
+    (the largest batch whose step runs "kernel", XLA's step being faster above it; None:
+    any batch), `cache_grows` (its
     cache holds a slot per token, sized by cache_len), `takes_initial_state` (its
     __call__ takes `initial_state=`, a cache the sequence continues from, differentiably:
     the recurrent kinds) and `causal` (False: a token's output reads later tokens, so the
@@ -278,6 +280,7 @@ class Mixer(nnx.Module):
     Config: ClassVar[type]
     checkpoint_keys: ClassVar[dict[str, dict[str, Any]]]
     step_kernels: ClassVar[tuple[str, ...]] = ()
+    step_kernel_max_batch: ClassVar[int | None] = None
     cache_grows: ClassVar[bool] = False
     takes_initial_state: ClassVar[bool] = False
     causal: ClassVar[bool] = True
