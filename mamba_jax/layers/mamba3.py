@@ -324,8 +324,7 @@ class Mamba3Mixer(Mixer):
     @classmethod
     def kernels_support(cls, cfg) -> bool:
         _, _, p, _, _, n, a = dims(cfg)
-        # The out-projection norm's RMS spans the headdim, which the kernel then holds whole
-        return step_supports(p, n, a) and not (cfg.mamba3.is_outproj_norm and p & (p - 1))
+        return step_supports(p, n, a, cfg.mamba3.is_outproj_norm)
 
     @classmethod
     def flops_per_token(cls, cfg, seq_len: int) -> float:

@@ -52,12 +52,14 @@ from pallas_kernels.triton_call import call, off_gpu
 IMPLEMENTATIONS = ("xla", "triton")
 
 
-def supports(p, n, a) -> bool:
+def supports(p, n, a, outproj_norm=False) -> bool:
     """Whether the kernel takes headdim p, d_state n and a rotary angles: its slices are
     powers of two (p's largest dividing power of two, at least 16; n, a and n - 2a where
-    not 0)."""
+    not 0); with the out-projection norm, whose RMS spans the headdim (one program a head),
+    p itself a power of two."""
     powers = lambda *v: all(x > 0 and x & (x - 1) == 0 for x in v)
-    return p % 16 == 0 and powers(n, a) and (2 * a == n or 2 * a < n and powers(n - 2 * a))
+    return (p % 16 == 0 and powers(n, a) and (2 * a == n or 2 * a < n and powers(n - 2 * a))
+            and not (outproj_norm and not powers(p)))
 
 
 class StepParams(NamedTuple):
@@ -238,14 +240,12 @@ def _triton(state: Mamba3State, zxbcdt, params: StepParams, sizes, *, A_floor, r
     """decode_step's kernel."""
     b = zxbcdt.shape[0]
     h, p, r, g, n, a = sizes
-    if not supports(p, n, a):
-        raise ValueError(f"mamba3 step kernel: needs headdim a multiple of 16 and d_state, "
-                         f"the angles and d_state - 2 x angles powers of two; got headdim {p}, "
-                         f"d_state {n}, {a} angles: use the XLA step")
+    if not supports(p, n, a, params.norm is not None):
+        raise ValueError(f"mamba3 step kernel: needs headdim a multiple of 16 (a power of two "
+                         f"with the out-projection norm) and d_state, the angles and d_state "
+                         f"- 2 x angles powers of two; got headdim {p}, d_state {n}, {a} "
+                         "angles: use the XLA step")
     if params.norm is not None:  # its RMS spans the headdim: one program a head
-        if p & (p - 1):
-            raise ValueError(f"mamba3 step kernel: the out-projection norm needs a headdim "
-                             f"that is a power of two, got {p}: use the XLA step")
         blocks = dataclasses.replace(blocks, block_p=p)
     mimo = params.mimo_x is not None
     if any((v is None) == mimo for v in (params.mimo_z, params.mimo_o)):
