@@ -102,9 +102,15 @@ def cumulative_angles(increments, starts, initial=None, block=64):
     inc = inc.reshape(b, c, block, h, a)
     # The sums within each block as a product with a triangle of ones, in full float32: a
     # cumulative sum is a reduce-window on a GPU, which took 0.29 ms of a mamba3-1.3b-sized
-    # forward at 8 x 2048 on an H200 (docs/kernels.md), and its transpose 0.86 ms.
-    triangle = jnp.tril(jnp.ones((block, block), inc.dtype))
-    cs = jnp.einsum("ts,bcsha->bctha", triangle, inc, precision=jax.lax.Precision.HIGHEST)
+    # forward at 8 x 2048 on an H200 (docs/kernels.md), and its transpose 0.86 ms. One
+    # triangle a block, as a batched product [t, s] x [s, h * a] whose result is already in
+    # [b, c, t, h * a] order: with one shared triangle the product's free axes came out
+    # [t, b, c, h, a], and XLA transposed the increments in and the sums out.
+    triangle = jnp.broadcast_to(jnp.tril(jnp.ones((block, block), inc.dtype)),
+                                (b, c, block, block))
+    cs = jax.lax.dot_general(triangle, inc.reshape(b, c, block, h * a),
+                             (((3,), (2,)), ((0, 1), (0, 1))),
+                             precision=jax.lax.Precision.HIGHEST).reshape(b, c, block, h, a)
     if starts is None:
         local, inside = cs, jnp.zeros((b, c, block, 1, 1), bool)
     else:
