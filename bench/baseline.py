@@ -211,6 +211,8 @@ def lacks_mamba3(baseline) -> str:
     """Why the copy at `baseline` cannot build a MambaLMHeadModel of Mamba3 layers ('' where
     it can): its ssm_cfg layer "Mamba3" came after v2.3.2.post1, on mamba_ssm's main."""
     path = os.path.join(baseline, "mamba_ssm", "models", "mixer_seq_simple.py")
+    if not os.path.isfile(path):
+        return f"no mamba_ssm copy at {baseline} ({path} is missing)"
     with open(path) as f:
         if '"Mamba3"' in f.read():
             return ""

@@ -75,7 +75,7 @@ from bench.harness import (check_kernel, copy_bandwidth, median_time, result, ru
                            table_header, table_row)
 from mamba_jax import Mamba2Config, Mamba2LM, generate
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
-from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, resolve_implementation
+from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, decode_plan, resolve_implementation
 from mamba_jax.layers import mamba1, mamba2, mamba3
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.decode.step_out import mamba_step_out
@@ -239,6 +239,15 @@ def check_kernels(preset, cfg, batch, int8=False):
         check_kernel(f"{preset} batch {batch} {name}", f, kwargs)
 
 
+def step_label(model, batch, implementation, ssm_state_dtype):
+    """A row's step column: the implementation asked for and, in brackets, what the decode
+    plan runs at this batch ("fused", "kernel" or "xla"; several for a hybrid's kinds),
+    e.g. "auto (xla)" for Mamba-3 above its step kernel's batch."""
+    steps = decode_plan(model, batch, implementation,
+                        ssm_state_dtype=ssm_state_dtype).steps
+    return f"{implementation} ({'/'.join(dict.fromkeys(steps))})"
+
+
 def check_mamba3_kernel(preset, cfg, batch, int8=False):
     """Mamba-3's step kernel (pallas_kernels.mamba3.step.decode_step, at this preset's shapes
     and batch) on the GPU against its XLA step on the CPU, on random inputs, over a float32
@@ -393,7 +402,7 @@ def main(argv=None):
     for preset in presets:
         cfg = Mamba2Config.preset(preset)
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-        # "auto" as generate resolves it, named in the rows as "auto (triton)"
+        # "auto" as generate resolves it (the rows name each layer's step: step_label)
         resolved = {impl: resolve_implementation(impl, model) for impl in implementations}
         why = _theirs_not_run(cfg, args.baseline)
         for batch in (int(b) for b in args.batches.split(",")):
@@ -424,7 +433,7 @@ def main(argv=None):
                         p_ours, d_ours, tokens[impl, graphs] = ours(
                             model, batch, args.prompt, args.new, args.reps, dtype,
                             graphs == "on", resolved[impl])
-                        label = impl if impl == resolved[impl] else f"{impl} ({resolved[impl]})"
+                        label = step_label(model, batch, impl, dtype)
                         row = _row(cfg, preset, batch, dtype, label, graphs, p_ours, d_ours,
                                    p_theirs, d_theirs, args.prompt, steps, bandwidth, ratio)
                         print(table_row(row), flush=True)
