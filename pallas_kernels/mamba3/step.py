@@ -59,7 +59,7 @@ def supports(p, n, a, outproj_norm=False) -> bool:
     p itself a power of two."""
     powers = lambda *v: all(x > 0 and x & (x - 1) == 0 for x in v)
     return (p % 16 == 0 and powers(n, a) and (2 * a == n or 2 * a < n and powers(n - 2 * a))
-            and not (outproj_norm and not powers(p)))
+            and (not outproj_norm or powers(p)))
 
 
 class StepParams(NamedTuple):

@@ -647,15 +647,15 @@ def turned_back(grads, B, C, rotation, *, config, interpret=False):
         [jax.ShapeDtypeStruct(B.shape, B.dtype), jax.ShapeDtypeStruct(C.shape, C.dtype),
          f32(b, l, h, a), f32(b, l // T, h, rank, n), f32(b, l // T, h, rank, n)],
         config.forward_warps, 1, interpret, "ssd_turned_back",
-    )(dB, dC, B, C, theta.astype(jnp.float32), _bias_rows(C_bias, T, B.dtype),
-      _bias_rows(B_bias, T, B.dtype))
+    )(dB, dC, B, C, *_rotation_args(rotation, config, B, rows=T))
     return dBg, dCg, (dtheta.astype(theta.dtype), dC_bias.sum((0, 1)).astype(C_bias.dtype),
                       dB_bias.sum((0, 1)).astype(B_bias.dtype))
 
 
-def _rotation_args(rotation, config, B):
+def _rotation_args(rotation, config, B, rows=None):
     """The kernels' rotation inputs: theta [b, l, h, a] float32, and C's and B's biases as
-    one chunk's rows [h, t, n] in B's dtype (position s has rank s % rank's), or none.
+    the rows [h, rows, n] (default one chunk's) in B's dtype (position s has rank s %
+    rank's), or none.
 
     The turn's layout: B's and C's n entries in adjacent pairs (2j, 2j + 1), pair j turned
     by theta[.., j / s] where s = n / (2a) (a power of two) divides j and not turned
@@ -670,8 +670,9 @@ def _rotation_args(rotation, config, B):
         raise ValueError(f"ssd: a rotation of rank {rank} over {a} angles of d_state {n} "
                          f"needs rank dividing the chunk {t} and n / (2 * angles) a power "
                          "of two")
-    return (theta.astype(jnp.float32), _bias_rows(C_bias, t, B.dtype),
-            _bias_rows(B_bias, t, B.dtype))
+    rows = t if rows is None else rows
+    return (theta.astype(jnp.float32), _bias_rows(C_bias, rows, B.dtype),
+            _bias_rows(B_bias, rows, B.dtype))
 
 
 def takes_rotation(n, a, rank, chunk):
