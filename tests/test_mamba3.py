@@ -260,6 +260,46 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("turns", [True, False], ids=["turning", "copies"])
+@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[0]], ids=["siso", "mimo"])
+def test_a_row_in_parts_equals_it_whole(case, turns, monkeypatch):
+    # The kernels scanning each row as 4 parts at once (kernels.mamba3_kernels' segments,
+    # joined in the turned values: ssd.vjp's weighted_state with a rotation), against the
+    # row whole, over 96 tokens with documents starting at random, inside a part and
+    # exactly at two parts' boundaries (24, 48), from an initial state, with the backward's
+    # kernels turning B and C or reading per-head copies: values, final states and every
+    # gradient within float32 sums in another order.
+    from pallas_kernels.mamba3.kernels import mamba3_kernels
+    from pallas_kernels.ssd import triton
+    monkeypatch.setattr(triton.Config, "turns_in_backward", lambda self, b, h: turns)
+    b, _, *shape, docs, state = case
+    kw = make_inputs(6, b, 96, *shape, jnp.float32, docs, state)
+    starts = np.diff(np.asarray(kw["seq_idx"]), prepend=0, axis=1) > 0
+    starts[:, [24, 48]] = True
+    kw["seq_idx"] = jnp.asarray(np.cumsum(starts, axis=1))
+    y_cot = jnp.asarray(np.random.default_rng(7).standard_normal(
+        kw["x"].shape[:2] + (case[4],) + kw["x"].shape[2:]), jnp.float32)
+
+    def run(segments):
+        def loss(kw):
+            y, s = mamba3_kernels(**kw, segments=segments)
+            return (jnp.sum(y * y_cot) + jnp.sum(s.ssm ** 2) + jnp.sum(s.k)
+                    + jnp.sum(jnp.sin(s.angle))), (y, s)
+        differentiable = {k: v for k, v in kw.items() if k not in ("seq_idx", "rotary")}
+        fixed = {k: kw[k] for k in ("seq_idx", "rotary")}
+        return jax.jit(jax.value_and_grad(lambda d: loss({**d, **fixed}), has_aux=True))(
+            differentiable)
+    (_, (y, s)), got = run(4)
+    (_, (y_ref, s_ref)), ref = run(1)
+    assert relative(y, y_ref) < 1e-5
+    for name, a, b in zip(Mamba3State._fields, s, s_ref):
+        assert relative(a, b) < 1e-5, name
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        want = dict(jax.tree_util.tree_leaves_with_path(ref))[path]
+        assert np.all(np.isfinite(want)), jax.tree_util.keystr(path)
+        assert relative(g, want) < 1e-5, jax.tree_util.keystr(path)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_backward_turning_gives_the_turned_copies_gradients(dtype):
     # The SSD's backward with a rotation (Mamba-3's), the kernels turning the group's B and

@@ -27,6 +27,13 @@ turning the gradients back (triton.turned_back), where the batch gives their chu
 enough programs; else they read per-head turned copies that XLA makes inside the
 custom_vjp (triton.turned; triton.Config.backward_turns says where and why).
 
+A long row with few (row, head) programs is scanned in parts at once (`segments`, as
+pallas_kernels.ssd's): the angles are per token, so a part reads its own, and the state
+entering each part is joined from the parts' zero-state final states in the turned values
+(ssd.vjp, `weighted_state` turning B as the forward kernel does, and C with C's biases for
+the backward's read-out). On an H200 at 1 x 65536 with 64 heads, 8 parts took 0.57x the
+whole row's time forward and 0.73x forward and backward (BENCHMARKS.md).
+
 Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, theta, the biases,
 the initial state and D; automatic differentiation carries them through the angles' sum
 and the trapezoid weights to every input. The token's own-ranks term takes q . k from the
@@ -42,7 +49,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
                                              first_weight, rotated, token_terms, values)
-from pallas_kernels.ssd import triton
+from pallas_kernels.ssd import auto_segments, triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
 
@@ -80,11 +87,21 @@ def from_kernel_order(t, a, rotary):
 
 
 def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mimo_x=None,
-                   rotary="pairwise", initial_state=None, seq_idx=None, interpret=None):
+                   rotary="pairwise", initial_state=None, seq_idx=None, segments="auto",
+                   interpret=None):
     """Arguments and results as reference.mamba3_chunked (its chunk is the kernels' own);
-    interpret=None runs Pallas's interpreter where there is no GPU."""
+    interpret=None runs Pallas's interpreter where there is no GPU. segments: each row's
+    l * r positions scanned as this many parts at once, joined by their states (as
+    pallas_kernels.ssd's `segments`, in the turned values; an int dividing l); "auto":
+    `auto_segments`' choice for the positions, where the parts are whole tokens."""
     b, l, h, p = x.shape
     r, _, n = C.shape[2:]
+    if segments == "auto":
+        segments = auto_segments(b, l * r, h, "triton")
+        segments = segments if l % segments == 0 else 1
+    if not isinstance(segments, int) or segments < 1 or l % segments:
+        raise ValueError(f"mamba3 scan: segments={segments!r} must be a positive int dividing "
+                         f"the sequence length {l}, or 'auto'")
     if not kernels_take(C, angles):
         raise ValueError(f"mamba3 scan: the kernels take a MIMO rank dividing "
                          f"{triton.Config().chunk} and d_state / (2 * angles) a power of two; "
@@ -111,7 +128,7 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
         None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
-        None, None, backend=triton, interpret=interpret, D=D,
+        None, None, backend=triton, interpret=interpret, D=D, segments=segments,
         initial_state=None if h0 is None else turnable(h0),
         seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
         inputs=(vBC, args),

@@ -431,14 +431,20 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     dC_ref[qi, bi, ts, gi, :] = (dC + _dot(dS, Bk)).astype(dC_ref.dtype)
 
 
-def _weighted_state_kernel(x_ref, B_ref, weights_ref, out_ref, *, t, r, bs):
+def _weighted_state_kernel(x_ref, B_ref, weights_ref, *rest, t, r, bs, has_rotation):
+    if has_rotation:  # (theta, bias): B turned as _chunk_BC turns it, with that bias
+        (theta_ref, bias_ref), (out_ref,) = rest[:2], rest[2:]
+        rotation = (theta_ref, None, bias_ref)
+    else:
+        rotation, (out_ref,) = None, rest
     bi, hi = pl.program_id(0), pl.program_id(1)
     gi = hi // r
     cols = _sub_blocks(0, x_ref.shape[-1], bs)
 
     def body(k, accs):  # per sub-block [bs, n]
         ts = pl.ds(pl.multiple_of(k * t, t), t)
-        Bk, weights = B_ref[bi, ts, gi, :], weights_ref[bi, hi, ts]
+        Bk, _ = _chunk_BC(B_ref, None, rotation, bi, ts, gi, hi)
+        weights = weights_ref[bi, hi, ts]
         return tuple(acc + _dot(_weighted(x_ref[bi, ts, hi, ps], weights), Bk, (0, 0))
                      for ps, acc in zip(cols, accs))
 
@@ -607,19 +613,24 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, rotati
             dD[0].sum(0) if dD else None)
 
 
-def weighted_state(x, B, weights, *, config, interpret=False):
+def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):
     """sum_s weights_s x_s B_s^T over each row's positions, per head: x [rows, l, h, p], B
     [rows, l, g, n], weights [rows, h, l] float32, l a multiple of config.chunk ->
     [rows, h, p, n] float32. reference.weighted_state's arithmetic (x weighted in float32,
     rounded to its dtype, float32 accumulation) in one kernel, grid (rows, h), the weighted x
-    never in memory: in XLA it was a pass writing it, then the matmul reading it back."""
+    never in memory: in XLA it was a pass writing it, then the matmul reading it back.
+    rotation: None, or (theta [rows, l, h, a], bias [h, rank, n]): each head's B biased and
+    turned as forward's rotation turns B (C with C's bias: the backward's read-out)."""
     rows, _, h, p = x.shape
     g, n = B.shape[2:]
+    turning = () if rotation is None else _rotation_args(
+        (rotation[0], rotation[1], rotation[1]), config, B)[::2]  # theta and the bias's rows
     kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g,
-                               bs=_sub_block(p))
+                               bs=_sub_block(p), has_rotation=rotation is not None)
+    stages = config.forward_stages if rotation is None else config.rotation_forward_stages
     return call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
-                config.forward_warps, config.forward_stages, interpret,
-                "ssd_weighted_state")(x, B, weights)[0]
+                config.forward_warps, stages, interpret,
+                "ssd_weighted_state")(x, B, weights, *turning)[0]
 
 
 def turned_back(grads, B, C, rotation, *, config, interpret=False):

@@ -29,7 +29,8 @@ forward+backward, BENCHMARKS.md).
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
 config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *,
 config, rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *,
-config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, interpret)` and
+config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, rotation,
+interpret)` and
 `turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config, interpret)` as in
 `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each head's B
 and C itself; by `config.turns_in_backward` the backward kernels turn B and C too, or take
@@ -78,7 +79,9 @@ def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_sta
         if doc is not None:  # as the kernels' final state
             in_last, survives = last_document(doc)
             to_end, decays = to_end * in_last[:, None], decays * survives
-        finals = backend.weighted_state(x, B, to_end * dt, config=config, interpret=interpret)
+        finals = backend.weighted_state(
+            x, B, to_end * dt, config=config, interpret=interpret,
+            rotation=None if rotation is None else (rotation[0], rotation[2]))  # B's bias
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     entering = _zeros_if_none(initial_state, x, B)
     y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
@@ -108,7 +111,9 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
         _, from_start, _ = _part_decays(cs, config.chunk)
         if doc is not None:  # the entering state reaches the part's first document only
             from_start = from_start * (doc == 0)[:, None]
-        read_out = backend.weighted_state(dy, C, from_start, config=config, interpret=interpret)
+        read_out = backend.weighted_state(  # C as the kernels read it: turned, or the copies
+            dy, C, from_start, config=config, interpret=interpret,
+            rotation=None if turning is None else (turning[0], turning[1]))  # C's bias
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
     dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
         x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, rotation=turning,
@@ -195,7 +200,8 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B and C with its biases,
     turned by its angles (Mamba-3's rotary embedding): the forward kernel turns them as it
     loads them (triton.forward's `rotation`), the backward too or from per-head copies
-    (Config.backward_turns); segments 1 only."""
+    (Config.backward_turns); with segments, the parts' states are joined in the turned
+    values too (`weighted_state`'s rotation)."""
     config = backend.Config() if config is None else config
     if interpret is None:
         interpret = off_gpu()
@@ -222,10 +228,8 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     if D is not None:  # [h] or [h, p]
         D = jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(jnp.float32), (h, p))
     if rotation is not None:
-        if segments != 1:
-            raise ValueError(f"ssd: segments={segments} with a rotation: only 1 is supported")
         theta, C_bias, B_bias = rotation
-        rotation = (pad_l(theta.astype(jnp.float32)), C_bias, B_bias)
+        rotation = (pad_l(rows(theta.astype(jnp.float32))), C_bias, B_bias)
     y, final_state = _core(backend, config, interpret, segments, prepare, dt, cs, state, doc,
                            D, ends, rotation, *args)
     return y[:, :l].reshape(b, l_row, h, p), final_state
