@@ -34,8 +34,9 @@ stay there for the next), installed with `pip install --no-deps --target /tmp/si
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
 gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,
 exiting on a miss: ours against the token-by-token recurrence in float64 at a tiny shape; at
-one small shape of the timed layout (1 x --check-len tokens) our kernels against our XLA
-form, values and every gradient (checked there only: the XLA form is the slower to compile
+two small shapes of the timed layout (8 and 1 x --check-len tokens, the backward's
+kernels turning B and C at 8 rows and reading per-head copies at 1) our kernels against
+our XLA form, values and every gradient (checked there only: the XLA form is the slower to compile
 and run at long rows), and for MIMO ours against mamba_ssm's reference. Then for SISO, at
 every timed shape, mamba_ssm's output and every gradient (C, B, x, adt, dt, trap, angles,
 the biases, D) against ours on the same bf16 inputs; a miss there is printed and marks its
@@ -299,11 +300,15 @@ def main(argv=None):
                                        *baseline.causal_conv1d_version(), bound={})
             print(baseline.guard(install, "mamba3", allow_slow=False).line, flush=True)
 
-    # The small shape: kernels against the XLA form, MIMO against mamba_ssm's reference.
-    small = make_inputs(rng, 1, args.check_len, h, p, n, r, jnp.bfloat16)
-    small_dy = jnp.asarray(rng.standard_normal((1, args.check_len, r, h, p)), jnp.bfloat16)
-    label = f"b=1 l={args.check_len}"
-    check_kernels_against_xla(small, small_dy, args.chunk, rotary, label)
+    # The small shapes: kernels against the XLA form at 1 and 8 rows (at 64 heads the
+    # backward reads per-head copies of B and C at 1 row and turns them in its kernels at 8:
+    # triton.Config.backward_turns), MIMO against mamba_ssm's reference at 1 row.
+    for rows in (8, 1):
+        small = make_inputs(rng, rows, args.check_len, h, p, n, r, jnp.bfloat16)
+        small_dy = jnp.asarray(rng.standard_normal((rows, args.check_len, r, h, p)),
+                               jnp.bfloat16)
+        label = f"b={rows} l={args.check_len}"
+        check_kernels_against_xla(small, small_dy, args.chunk, rotary, label)
     if mimo and not args.only_ours:
         chunk = max(args.chunk // r, 1)
         y_theirs, leaves = theirs_mimo_reference(

@@ -293,8 +293,8 @@ def test_mamba3_floor_counts_each_parameter_once_and_the_state_per_row():
 
 def test_mamba3_bench_checks_and_times_our_mimo_scan_on_a_cpu(capsys):
     """bench.mamba3 --only-ours at a tiny MIMO shape: the float64 recurrence check, the
-    kernels (Pallas interpreter) against the XLA form, values and every gradient, then a
-    row of times; --mimo-rank alone is mamba_ssm's default rank. A fixed seed: at shapes
+    kernels (Pallas interpreter) against the XLA form at 8 rows and 1, values and every
+    gradient, then a row of times; --mimo-rank alone is mamba_ssm's default rank. A fixed seed: at shapes
     this small, bf16 roundings in another order reach 3.5e-2 of the largest gradient for
     some seeds (dD, over 2 heads), over the bench's 3e-2."""
     from bench import mamba3
@@ -306,10 +306,11 @@ def test_mamba3_bench_checks_and_times_our_mimo_scan_on_a_cpu(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "MIMO rank 2" in lines[0] and lines[0].endswith("seed 0")
     assert lines[1].startswith("check ours (XLA form) against the recurrence, float64: y ")
-    assert lines[2].startswith("check b=1 l=16: kernels against the XLA form: y ")
-    assert "dmimo_x" in lines[2] and "dangles" in lines[2] and "dtrap" in lines[2]
-    assert lines[3] == "| b x l | triton fwd ms | triton fwd+bwd ms |"
-    cells = [c.strip() for c in lines[5].strip("|").split("|")]
+    for line, rows in zip(lines[2:4], (8, 1)):
+        assert line.startswith(f"check b={rows} l=16: kernels against the XLA form: y ")
+        assert "dmimo_x" in line and "dangles" in line and "dtrap" in line
+    assert lines[4] == "| b x l | triton fwd ms | triton fwd+bwd ms |"
+    cells = [c.strip() for c in lines[6].strip("|").split("|")]
     assert cells[0] == "1x16" and all(float(c) > 0 for c in cells[1:]) and len(cells) == 3
 
 
