@@ -14,7 +14,7 @@ What is computed is reference.py's recurrence.
 
 `implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked), "triton"
 (the SSD's Pallas kernels, turning B and C by the angles themselves, with XLA elementwise
-work around them, kernels.py; without a GPU they run in Pallas's interpreter) or "auto"
+work around them, a long row scanned in parts at once, kernels.py; without a GPU they run in Pallas's interpreter) or "auto"
 (the default: "triton" where the SSD's own "auto" takes its kernels,
 pallas_kernels.ssd.kernels_are_faster, and kernels.kernels_take the rank and rotary, "xla"
 elsewhere; measured

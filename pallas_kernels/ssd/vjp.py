@@ -30,9 +30,8 @@ A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, do
 config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *,
 config, rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *,
 config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, rotation,
-interpret)` and
-`turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config, interpret)` as in
-`triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each head's B
+interpret)`, `turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config,
+interpret)` as in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each head's B
 and C itself; by `config.turns_in_backward` the backward kernels turn B and C too, or take
 the per-head turned copies `turned` makes. Their dB and dC are per head, of the turned
 values, and `turned_back` (or `turned`'s vjp) carries them to the group's B and C, the
