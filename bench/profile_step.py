@@ -18,7 +18,8 @@ Kernel times are the trace's device events (CUPTI); kernels on different streams
 overlap, so their sum can exceed the step time.
 
 --scan KIND: a scan alone, its forward and its forward+backward (the output returned with the
-gradients, harness.forward_and_backward) each traced --steps times, at --batch x --seq-len
+gradients, harness.forward_and_backward) each traced --steps times, each fusion with what it
+computes (DIR/forward.hlo.txt and DIR/forward+backward.hlo.txt keep their compiled HLO), at --batch x --seq-len
 with bench.ssd's ("ssd": 64 heads of 64, d_state 128, --groups, chunk 256) or
 bench.mamba3's ("mamba3", "mamba3-mimo": the same head layout, one group, rank 4 for MIMO)
 inputs, bf16, on the kernels.
@@ -300,13 +301,17 @@ def profile_scan(args):
     forward, both = jax.jit(scan), forward_and_backward(scan)
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.scan} scan on the kernels, {b}x{l}, bf16")
-    for what, fn in (("forward", lambda: jax.block_until_ready(forward(*args_in))),
-                     ("forward+backward", lambda: jax.block_until_ready(both(*args_in, dy)))):
-        fn()  # compiles
+    for what, jitted, call_args in (("forward", forward, args_in),
+                                    ("forward+backward", both, (*args_in, dy))):
+        compiled = jitted.lower(*call_args).compile()
+        hlo = compiled.as_text()
+        with open(os.path.join(args.out, f"{what}.hlo.txt"), "w") as f:
+            f.write(hlo)
+        fn = lambda: jax.block_until_ready(compiled(*call_args))  # noqa: E731
         fn()
         times, trace = traced(fn, args.out, args.steps)
         summarize(device_events(trace), args.steps, sorted(times)[len(times) // 2], args.top,
-                  what=what)
+                  what=what, contents=fusion_contents(hlo))
 
 
 def main(argv=None):
