@@ -34,9 +34,9 @@ stay there for the next), installed with `pip install --no-deps --target /tmp/si
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
 gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,
 exiting on a miss: ours against the token-by-token recurrence in float64 at a tiny shape; at
-two small shapes of the timed layout (8 and 1 x --check-len tokens, the backward's
-kernels turning B and C at 8 rows and reading per-head copies at 1) our kernels against
-our XLA form, values and every gradient (checked there only: the XLA form is the slower to compile
+two small shapes of the timed layout (8 and 1 x --check-len tokens, the backward's kernels
+turning B and C at 8 rows and reading per-head copies at 1) our kernels against our XLA
+form, values and every gradient (checked there only: the XLA form is the slower to compile
 and run at long rows), and for MIMO ours against mamba_ssm's reference. Then for SISO, at
 every timed shape, mamba_ssm's output and every gradient (C, B, x, adt, dt, trap, angles,
 the biases, D) against ours on the same bf16 inputs; a miss there is printed and marks its

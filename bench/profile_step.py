@@ -17,12 +17,12 @@ command buffers the trace names only the buffer). DIR keeps the trace
 Kernel times are the trace's device events (CUPTI); kernels on different streams may
 overlap, so their sum can exceed the step time.
 
---scan KIND: a scan alone, its forward and its forward+backward (the output returned with the
-gradients, harness.forward_and_backward) each traced --steps times, each fusion with what it
-computes (DIR/forward.hlo.txt and DIR/forward+backward.hlo.txt keep their compiled HLO), at --batch x --seq-len
-with bench.ssd's ("ssd": 64 heads of 64, d_state 128, --groups, chunk 256) or
-bench.mamba3's ("mamba3", "mamba3-mimo": the same head layout, one group, rank 4 for MIMO)
-inputs, bf16, on the kernels.
+--scan KIND: a scan alone, its forward and its forward+backward (the output returned with
+the gradients, harness.forward_and_backward) each traced --steps times, each fusion with
+what it computes (DIR/forward.hlo.txt and DIR/forward+backward.hlo.txt keep their compiled
+HLO), at --batch x --seq-len with bench.ssd's ("ssd": 64 heads of 64, d_state 128, --groups,
+chunk 256) or bench.mamba3's ("mamba3", "mamba3-mimo": the same head layout, one group, rank
+4 for MIMO) inputs, bf16, on the kernels.
 
     python3 -m bench.profile_step --scan mamba3 --batch 8 --seq-len 2048 --out DIR
 

@@ -292,11 +292,11 @@ def test_mamba3_floor_counts_each_parameter_once_and_the_state_per_row():
 
 
 def test_mamba3_bench_checks_and_times_our_mimo_scan_on_a_cpu(capsys):
-    """bench.mamba3 --only-ours at a tiny MIMO shape: the float64 recurrence check, the
-    kernels (Pallas interpreter) against the XLA form at 8 rows and 1, values and every
-    gradient, then a row of times; --mimo-rank alone is mamba_ssm's default rank. A fixed seed: at shapes
-    this small, bf16 roundings in another order reach 3.5e-2 of the largest gradient for
-    some seeds (dD, over 2 heads), over the bench's 3e-2."""
+    """bench.mamba3 --only-ours at a tiny MIMO shape: the float64 recurrence check, the kernels
+    (Pallas interpreter) against the XLA form at 8 rows and 1, values and every gradient,
+    then a row of times; --mimo-rank alone is mamba_ssm's default rank. A fixed seed: at
+    shapes this small, bf16 roundings in another order reach 3.5e-2 of the largest gradient
+    for some seeds (dD, over 2 heads), over the bench's 3e-2."""
     from bench import mamba3
     assert mamba3.parse_args(["--mimo-rank"]).mimo_rank == 4
     assert mamba3.parse_args([]).mimo_rank is None

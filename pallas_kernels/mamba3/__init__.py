@@ -12,13 +12,12 @@ mimo_x [h, r, p] (None for SISO, r = 1), initial_state a Mamba3State, seq_idx [b
 (before the gate and, for MIMO, the out-projection over ranks); final_state a Mamba3State.
 What is computed is reference.py's recurrence.
 
-`implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked), "triton"
-(the SSD's Pallas kernels, turning B and C by the angles themselves, with XLA elementwise
-work around them, a long row scanned in parts at once, kernels.py; without a GPU they run in Pallas's interpreter) or "auto"
-(the default: "triton" where the SSD's own "auto" takes its kernels,
-pallas_kernels.ssd.kernels_are_faster, and kernels.kernels_take the rank and rotary, "xla"
-elsewhere; measured
-against each other and mamba_ssm by bench/mamba3.py).
+`implementation`: "xla" (the chunked pure-JAX form, reference.mamba3_chunked), "triton" (the
+SSD's Pallas kernels, turning B and C by the angles themselves, with XLA elementwise work
+around them, a long row scanned in parts at once, kernels.py; without a GPU they run in
+Pallas's interpreter) or "auto" (the default: "triton" where the SSD's own "auto" takes its
+kernels, pallas_kernels.ssd.kernels_are_faster, and kernels.kernels_take the rank and
+rotary, "xla" elsewhere; measured against each other and mamba_ssm by bench/mamba3.py).
 
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
 (context parallelism), each device passes its part and the scan carries the state (angle,

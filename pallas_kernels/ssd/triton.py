@@ -432,11 +432,7 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
 
 
 def _weighted_state_kernel(x_ref, B_ref, weights_ref, *rest, t, r, bs, has_rotation):
-    if has_rotation:  # (theta, bias): B turned as _chunk_BC turns it, with that bias
-        (theta_ref, bias_ref), (out_ref,) = rest[:2], rest[2:]
-        rotation = (theta_ref, None, bias_ref)
-    else:
-        rotation, (out_ref,) = None, rest
+    rotation, (out_ref,) = _split_rotation(rest, has_rotation)
     bi, hi = pl.program_id(0), pl.program_id(1)
     gi = hi // r
     cols = _sub_blocks(0, x_ref.shape[-1], bs)
@@ -619,18 +615,16 @@ def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):
     [rows, h, p, n] float32. reference.weighted_state's arithmetic (x weighted in float32,
     rounded to its dtype, float32 accumulation) in one kernel, grid (rows, h), the weighted x
     never in memory: in XLA it was a pass writing it, then the matmul reading it back.
-    rotation: None, or (theta [rows, l, h, a], bias [h, rank, n]): each head's B biased and
-    turned as forward's rotation turns B (C with C's bias: the backward's read-out)."""
+    rotation: None, or forward's: each head's B biased and turned as forward turns B (for
+    the backward's read-out of C, C is passed as B with the biases swapped)."""
     rows, _, h, p = x.shape
     g, n = B.shape[2:]
-    turning = () if rotation is None else _rotation_args(
-        (rotation[0], rotation[1], rotation[1]), config, B)[::2]  # theta and the bias's rows
     kernel = functools.partial(_weighted_state_kernel, t=config.chunk, r=h // g,
                                bs=_sub_block(p), has_rotation=rotation is not None)
     stages = config.forward_stages if rotation is None else config.rotation_forward_stages
     return call(kernel, (rows, h), [jax.ShapeDtypeStruct((rows, h, p, n), jnp.float32)],
                 config.forward_warps, stages, interpret,
-                "ssd_weighted_state")(x, B, weights, *turning)[0]
+                "ssd_weighted_state")(x, B, weights, *_rotation_args(rotation, config, B))[0]
 
 
 def turned_back(grads, B, C, rotation, *, config, interpret=False):

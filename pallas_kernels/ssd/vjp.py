@@ -27,15 +27,15 @@ gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (at 
 forward+backward, BENCHMARKS.md).
 
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
-config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *,
-config, rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *,
-config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, rotation,
-interpret)`, `turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config,
-interpret)` as in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each head's B
-and C itself; by `config.turns_in_backward` the backward kernels turn B and C too, or take
-the per-head turned copies `turned` makes. Their dB and dC are per head, of the turned
-values, and `turned_back` (or `turned`'s vjp) carries them to the group's B and C, the
-angles and the biases.
+config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *, config,
+rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D,
+rotation, interpret)`, `weighted_state(x, B, weights, *, config, rotation, interpret)`,
+`turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config, interpret)` as
+in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each
+head's B and C itself; by `config.turns_in_backward` the backward kernels turn B and C too,
+or take the per-head turned copies `turned` makes. Their dB and dC are per head, of the
+turned values, and `turned_back` (or `turned`'s vjp) carries them to the group's B and C,
+the angles and the biases.
 
 What the backward recomputes rather than the forward keeps: the per-chunk states, with
 `chunk_states` (at t = 64 and d_state 128 they are twice x's bytes), and, given `inputs`,
@@ -78,9 +78,8 @@ def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_sta
         if doc is not None:  # as the kernels' final state
             in_last, survives = last_document(doc)
             to_end, decays = to_end * in_last[:, None], decays * survives
-        finals = backend.weighted_state(
-            x, B, to_end * dt, config=config, interpret=interpret,
-            rotation=None if rotation is None else (rotation[0], rotation[2]))  # B's bias
+        finals = backend.weighted_state(x, B, to_end * dt, config=config, rotation=rotation,
+                                        interpret=interpret)
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     entering = _zeros_if_none(initial_state, x, B)
     y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
@@ -110,9 +109,10 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
         _, from_start, _ = _part_decays(cs, config.chunk)
         if doc is not None:  # the entering state reaches the part's first document only
             from_start = from_start * (doc == 0)[:, None]
-        read_out = backend.weighted_state(  # C as the kernels read it: turned, or the copies
-            dy, C, from_start, config=config, interpret=interpret,
-            rotation=None if turning is None else (turning[0], turning[1]))  # C's bias
+        # C as the kernels read it: turned with C's biases (in B's place), or the copies.
+        swapped = None if turning is None else (turning[0], turning[2], turning[1])
+        read_out = backend.weighted_state(dy, C, from_start, config=config, rotation=swapped,
+                                          interpret=interpret)
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
     dx, ddt, dcs, dB, dC, dinit, dD = backend.backward(
         x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, rotation=turning,
