@@ -137,6 +137,57 @@ def test_the_angle_state_stays_exact_over_long_rows(packed):
     assert np.abs(diff).max() < 2e-4
 
 
+@pytest.mark.parametrize("b, l, h, a, block, docs, state", [
+    (2, 150, 3, 3, 16, True, True),     # odd length over several blocks, angles padded to 16
+    (1, 96, 2, 32, 32, False, False),   # whole blocks, mamba3-1.3b's 32 angles, from zero
+    (2, 37, 2, 16, 64, True, False),    # one padded block
+])
+def test_the_angle_kernel_equals_the_angle_sums_in_float64(b, l, h, a, block, docs, state):
+    # angles.angle_sums (in the interpreter without a GPU) against cumulative_angles of
+    # angle_increments in float64 and its automatic gradient, on documents starting at
+    # random and at a block's first token (16), from an initial angle or zero: each angle
+    # within 2e-5 rad mod 2 pi and in [0, 2 pi), the gradients of the angles, dt and the
+    # initial angle within 1e-5 of the largest.
+    from pallas_kernels.mamba3.angles import angle_sums
+    from pallas_kernels.mamba3.reference import angle_increments
+    rng = np.random.default_rng()
+    angles = jnp.asarray(rng.standard_normal((b, l, a)), jnp.float32)
+    dt = jnp.asarray(rng.uniform(0, 2, (b, l, h)), jnp.float32)
+    starts = rng.random((b, l)) < 0.1
+    starts[:, [16, l - 1]], starts[:, 0] = True, False
+    starts = jnp.asarray(starts) if docs else None
+    initial = jnp.asarray(rng.uniform(0, 2 * np.pi, (b, h, a)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((b, l, h, a)), jnp.float32)
+
+    def ref(angles, dt, initial):
+        return cumulative_angles(angle_increments(angles, dt), starts, initial, 16)
+
+    def kernel(angles, dt, initial):
+        return angle_sums(angles, dt, starts, initial, block=block)
+    args = (angles, dt) + ((initial,) if state else ())
+    loss = lambda sums: lambda *a: jnp.sum(sums(*a[:2], a[2] if state else None) * cot)
+    wide = [x.astype(jnp.float64) for x in args]
+    with jax.enable_x64(True):
+        want = np.asarray(jax.jit(ref)(*wide[:2], wide[2] if state else None))
+        want_grads = jax.jit(jax.grad(loss(ref), argnums=tuple(range(len(args)))))(*wide)
+        want_grads = [np.asarray(g) for g in want_grads]
+    got = np.asarray(jax.jit(kernel)(*args[:2], initial if state else None))
+    assert np.all((got >= 0) & (got < 2 * np.pi))
+    assert np.abs(np.angle(np.exp(1j * (got - want)))).max() < 2e-5
+    got_grads = jax.jit(jax.grad(loss(kernel), argnums=tuple(range(len(args)))))(*args)
+    for name, g, w in zip(("angles", "dt", "initial"), got_grads, want_grads):
+        assert np.all(np.isfinite(g)), name
+        assert relative(np.asarray(g, np.float64), w) < 1e-5, name
+
+
+def test_the_angle_kernel_takes_rows_with_two_waves_of_programs():
+    # Each of angle_sums' programs walks one (row, head) through the row: it is taken where
+    # there are two waves of them on an H200's 132 multiprocessors (the CPU's stand-in), so
+    # mamba3-1.3b's 64 heads take it from 5 rows on and a single long row keeps XLA's sums.
+    from pallas_kernels.mamba3.angles import takes
+    assert [takes(b, 64) for b in (1, 4, 5, 8)] == [False, False, True, True]
+
+
 def test_parts_entered_by_the_passed_state_scan_the_whole_row():
     # Context parallelism's fold (context_parallel.py), the parts of a row side by side as
     # devices hold them: 3 parts of 12 tokens, documents starting inside and on their edges
@@ -228,14 +279,19 @@ KERNEL_CASES = [  # (b, l, h, p, r, g, n, a, docs, state): each over several ker
 ]
 
 
+@pytest.mark.parametrize("angle_kernel", [True, False], ids=["angle-kernel", "angles-xla"])
 @pytest.mark.parametrize("case", KERNEL_CASES)
-def test_kernels_values_states_and_every_gradient_match_the_recurrence(case):
+def test_kernels_values_states_and_every_gradient_match_the_recurrence(case, angle_kernel,
+                                                                       monkeypatch):
     # The SSD's Pallas kernels (in the interpreter without a GPU), turning each head's B and
-    # C by its angles as they load them, with the work around them (kernels.py), over
-    # odd lengths of several kernel chunks (64 positions), packed documents, from an initial
-    # state: values and final states within 1e-5 of the largest, and every input's gradient
-    # (the angles', trap's, the biases', mimo_x's and the initial state's included) within
-    # float32 sums in another order.
+    # C by its angles as they load them, with the work around them (kernels.py) and the
+    # angle state summed by its kernel (angles.py) or by XLA, over odd lengths of several
+    # kernel chunks (64 positions), packed documents, from an initial state: values and
+    # final states within 1e-5 of the largest, and every input's gradient (the angles',
+    # trap's, the biases', mimo_x's and the initial state's included) within float32 sums
+    # in another order.
+    from pallas_kernels.mamba3 import kernels
+    monkeypatch.setattr(kernels, "angles_take", lambda b, h: angle_kernel)
     kw = make_inputs(4, *case[:8], jnp.float32, *case[8:])
     seq_idx, rotary = kw.pop("seq_idx", None), kw.pop("rotary")
     y_cot = jnp.asarray(np.random.default_rng(5).standard_normal(

@@ -34,19 +34,27 @@ entering each part is joined from the parts' zero-state final states in the turn
 the backward's read-out). On an H200 at 1 x 65536 with 64 heads, 8 parts took 0.57x the
 whole row's time forward and 0.73x forward and backward (BENCHMARKS.md).
 
+The angle state theta is summed by a kernel of its own each way (angles.py) where its walks,
+one (row, head) a program, have two waves of programs (`angles.takes`), else by XLA
+(reference.cumulative_angles, checkpointed).
+
 Gradients: the kernels' custom_vjp for x, the weights, the decays, B, C, theta, the biases,
-the initial state and D; automatic differentiation carries them through the angles' sum
-and the trapezoid weights to every input. The token's own-ranks term takes q . k from the
-unrotated C and B (`token_products`). With the gate and the angles' sum checkpointed too
-(mamba_jax.layers.mamba3, reference.token_terms), a mamba3-1.3b layer on the kernels keeps
-no per-head copy of B or C for the backward pass.
+the initial state and D; the angle sums' custom_vjp (or XLA's) and automatic
+differentiation carry them through the angles' sum and the trapezoid weights to every
+input. The token's own-ranks term takes q . k from the unrotated C and B
+(`token_products`). With the gate checkpointed too (mamba_jax.layers.mamba3), a mamba3-1.3b
+layer on the kernels keeps no per-head copy of B or C for the backward pass.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.mamba3.angles import angle_sums
+from pallas_kernels.mamba3.angles import takes as angles_take
 from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
                                              first_weight, rotated, token_terms, values)
 from pallas_kernels.ssd import auto_segments, triton
@@ -110,8 +118,10 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
     acc = accumulation_dtype(x)
     init = None if initial_state is None else Mamba3State(*(s.astype(acc)
                                                             for s in initial_state))
-    theta, sigma, w, eta = token_terms(x, dt, trap, angles, seq_idx=seq_idx,
-                                       initial_angle=None if init is None else init.angle)
+    theta, sigma, w, eta = token_terms(
+        x, dt, trap, angles, seq_idx=seq_idx, initial_angle=None if init is None else init.angle,
+        angle_sums=functools.partial(angle_sums, interpret=interpret) if angles_take(b, h)
+        else None)
     h0 = None if init is None else entering_ssm(init, first_weight(sigma, dt), mimo_x)
 
     turnable = lambda t: to_kernel_order(t, angles.shape[-1], rotary)

@@ -313,17 +313,22 @@ def prepare(C, B, x, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, seq_id
     return theta, q, k, v, sigma, w, eta
 
 
-def token_terms(x, dt, trap, angles, *, seq_idx, initial_angle=None, block=64):
-    """prepare's theta, sigma, w and eta (x [b, l, h, p] gives the shapes and dtype)."""
+def token_terms(x, dt, trap, angles, *, seq_idx, initial_angle=None, block=64,
+                angle_sums=None):
+    """prepare's theta, sigma, w and eta (x [b, l, h, p] gives the shapes and dtype).
+    angle_sums(angles, dt, starts or None, initial_angle) -> theta: the angle state's sums
+    (pallas_kernels.mamba3.angles'), or None for cumulative_angles'."""
     b, l, h, _ = x.shape
     acc = accumulation_dtype(x)
     dt = dt.astype(acc)
     starts = _document_starts(seq_idx, b, l)
-    # Checkpointed: the backward pass recomputes the sum's wrapped and masked terms (36 MB
-    # a mamba3-1.3b layer per 2048-token row) from angles and dt rather than keep them.
-    theta = jax.checkpoint(cumulative_angles, static_argnums=(3,))(
-        angle_increments(angles, dt), None if seq_idx is None else starts, initial_angle,
-        block)
+    if angle_sums is None:
+        # Checkpointed: the backward pass recomputes the sum's wrapped and masked terms (36 MB
+        # a mamba3-1.3b layer per 2048-token row) from angles and dt rather than keep them.
+        angle_sums = lambda angles, dt, starts, initial: jax.checkpoint(
+            cumulative_angles, static_argnums=(3,))(
+                angle_increments(angles, dt), starts, initial, block)
+    theta = angle_sums(angles, dt, None if seq_idx is None else starts, initial_angle)
     sigma = jax.nn.sigmoid(trap.astype(acc))
     # The next token's trapezoid weight on this token, where the next token continues its
     # document in this row (the last token's goes through the state's k and x instead).
