@@ -85,9 +85,10 @@ GIB = 2**30
 # ---- one process: our step on the devices it sees ----
 
 class Steps:
-    """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len)."""
+    """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len);
+    scan_layers as the trainer's --scan-layers (default: the layers one after the other)."""
 
-    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=True):
+    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=False):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
