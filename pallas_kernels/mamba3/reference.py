@@ -316,8 +316,8 @@ def prepare(C, B, x, dt, trap, angles, C_bias, B_bias, *, mimo_x, rotary, seq_id
 def token_terms(x, dt, trap, angles, *, seq_idx, initial_angle=None, block=64,
                 angle_sums=None):
     """prepare's theta, sigma, w and eta (x [b, l, h, p] gives the shapes and dtype).
-    angle_sums(angles, dt, starts or None, initial_angle) -> theta: the angle state's sums
-    (pallas_kernels.mamba3.angles'), or None for cumulative_angles'."""
+    angle_sums(angles, dt, starts or None, initial_angle) -> theta sums the angle state
+    (pallas_kernels.mamba3.angles.angle_sums, its kernels); None: cumulative_angles."""
     b, l, h, _ = x.shape
     acc = accumulation_dtype(x)
     dt = dt.astype(acc)
