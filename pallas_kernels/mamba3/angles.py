@@ -54,12 +54,16 @@ def takes(b, h) -> bool:
     return b * h >= hardware.two_waves()
 
 
-def _block(starts_ref, bi, c, T):
+def _block(starts_ref, bi, c, T, *, transposed=False):
     """Block c's tokens (a slice), their document index within the block [T] (0: the
-    document entering it), and whether tokens t and s are in one document [T (t), T (s)]."""
+    document entering it), and its sums as a [T, T] matrix of ones where [t, s] has s <= t
+    in one document (transposed: [s, t], the sums over the rest of each document)."""
     ts = pl.ds(pl.multiple_of(c * T, T), T)
     doc = jnp.cumsum(starts_ref[bi, ts], axis=0)
-    return ts, doc, doc[:, None] == doc[None, :]
+    i = jax.lax.broadcasted_iota(jnp.int32, (T, T), 0)  # the product's row
+    j = jax.lax.broadcasted_iota(jnp.int32, (T, T), 1)  # and column
+    ordered = j >= i if transposed else j <= i
+    return ts, doc, jnp.where(ordered & (doc[:, None] == doc[None, :]), 1.0, 0.0)
 
 
 def _row(tile, rows, i):
@@ -72,13 +76,10 @@ def _sums_kernel(angles_ref, dt_ref, starts_ref, initial_ref, theta_ref, *, T):
     each block entering the next."""
     bi, hi = pl.program_id(0), pl.program_id(1)
     L, A = angles_ref.shape[1:]
-    i = jax.lax.broadcasted_iota(jnp.int32, (T, T), 0)  # the product's row
-    j = jax.lax.broadcasted_iota(jnp.int32, (T, T), 1)  # and column
     rows = jax.lax.broadcasted_iota(jnp.int32, (T, A), 0)
 
     def block(c, entering):
-        ts, doc, same = _block(starts_ref, bi, c, T)
-        within = jnp.where((j <= i) & same, 1.0, 0.0)  # [t, s]: s <= t, one document
+        ts, doc, within = _block(starts_ref, bi, c, T)
         inc = math.pi * jnp.tanh(angles_ref[bi, ts, :]) * dt_ref[bi, ts, hi][:, None]
         local = jnp.dot(within, inc, precision=_HIGHEST)  # [T, A]
         theta = wrap(local + jnp.where((doc == 0)[:, None], entering[None, :], 0.0))
@@ -93,8 +94,6 @@ def _sums_backward_kernel(angles_ref, dt_ref, starts_ref, g_ref, ddt_ref, dangle
     angles' [L, A] of this head, and the initial angle's [A] (the first document's sum)."""
     bi, hi = pl.program_id(0), pl.program_id(1)
     L, A = angles_ref.shape[1:]
-    i = jax.lax.broadcasted_iota(jnp.int32, (T, T), 0)  # the product's row
-    j = jax.lax.broadcasted_iota(jnp.int32, (T, T), 1)  # and column
     rows = jax.lax.broadcasted_iota(jnp.int32, (T, A), 0)
     first = jax.lax.broadcasted_iota(jnp.int32, (T,), 0) == 0
     n = L // T
@@ -102,8 +101,7 @@ def _sums_backward_kernel(angles_ref, dt_ref, starts_ref, g_ref, ddt_ref, dangle
     def block(k, later):
         """later [A]: the cotangents summed over the tokens after this block in the document
         its last token is in."""
-        ts, doc, same = _block(starts_ref, bi, n - 1 - k, T)
-        after = jnp.where((j >= i) & same, 1.0, 0.0)  # [s, t]: t >= s, one document
+        ts, doc, after = _block(starts_ref, bi, n - 1 - k, T, transposed=True)
         G = jnp.dot(after, g_ref[bi, ts, hi, :], precision=_HIGHEST)
         G = G + jnp.where((doc == jnp.max(doc))[:, None], later[None, :], 0.0)
         tanh = jnp.tanh(angles_ref[bi, ts, :])

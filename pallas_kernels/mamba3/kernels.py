@@ -53,8 +53,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mamba3.angles import angle_sums
-from pallas_kernels.mamba3.angles import takes as angles_take
+from pallas_kernels.mamba3.angles import angle_sums, takes as angles_take
 from pallas_kernels.mamba3.reference import (Mamba3State, accumulation_dtype, entering_ssm,
                                              first_weight, rotated, token_terms, values)
 from pallas_kernels.ssd import auto_segments, triton
