@@ -261,9 +261,9 @@ def child_environment(env: dict | None = None) -> dict:
 
 def with_cublas_gemms(flags: str) -> str:
     """XLA flags with `--xla_gpu_enable_triton_gemm=false` added unless they name that flag:
-    the autotuning of XLA's Triton GEMMs made the mamba2-1.3b step's compile exceed 150 s on
-    an H200, 32 s without it (docs/performance.md), so the training benchmarks, and the
-    profiles of what they time, run cuBLAS's GEMMs."""
+    for a script's XLA programs, cuBLAS's GEMMs as the train step compiles with
+    (mamba_jax.optim.TRAIN_COMPILER_OPTIONS; the autotuning of XLA's Triton GEMMs dominated
+    compile times)."""
     if "xla_gpu_enable_triton_gemm" in flags:
         return flags
     return (flags + " --xla_gpu_enable_triton_gemm=false").strip()

@@ -54,8 +54,7 @@ three default shapes on an H200 (468 s), 343 s were its autotuning; TRITON_CACHE
 keeps the choices in Triton's cache for later processes. --implementations: the columns of
 ours, default the kernels alone; "xla" adds the chunked form's. XLA_FLAGS gets
 `--xla_gpu_enable_triton_gemm=false` unless it names that flag (harness.use_cublas_gemms, as
-bench.train_step and bench.profile_step do: the autotuning of XLA's Triton GEMMs dominated
-compile times).
+the train step compiles: the autotuning of XLA's Triton GEMMs dominated compile times).
 """
 
 from __future__ import annotations

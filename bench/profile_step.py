@@ -6,7 +6,7 @@ device kernels summed by name and by kind. With --decode NEW, the same for gener
         [--step-implementation triton] [--ssm-state-dtype bfloat16] --out DIR
 
 Builds and compiles the step as bench.train_step does (Steps: same mesh, remat and
-parameters; cuBLAS's GEMMs, harness.use_cublas_gemms), runs two warm-up steps, traces
+parameters; the trainer's XLA options, cuBLAS's GEMMs), runs two warm-up steps, traces
 --steps steps, and prints the step time, GPU time per step by kind (matmul, SSD Pallas
 kernels, collectives, copies, other fusions) and the --top kernels by GPU time per step,
 each with the HLO ops that launched it (the trace's `hlo_op`, by time) and, for an XLA
@@ -58,7 +58,6 @@ import tempfile
 import time
 
 from bench import baseline
-from bench.harness import use_cublas_gemms
 from bench.train_step import (Steps, add_scan_layers_argument, layers_note, not_comparable,
                               their_step, their_use)
 
@@ -349,7 +348,6 @@ def main(argv=None):
 
     import jax
 
-    use_cublas_gemms()  # as bench.train_step's steps run
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk,
                   scan_layers=args.scan_layers)
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "

@@ -48,10 +48,8 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
 
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
-its own; ours with `--xla_gpu_enable_triton_gemm=false` added to XLA_FLAGS unless they set
-it (see in_process). A hybrid with MLP layers (megatron-hybrid-800m) then also needs
-`XLA_FLAGS=--xla_gpu_enable_cublaslt=false`: without it jax 0.11.2's compile failed on an
-H200 ("BlasLt is unavailable"; BENCHMARKS.md). Progress (compile, build and step times) goes
+its own; ours compiled with the trainer's XLA options (cuBLAS's GEMMs, no cuBLASLt:
+mamba_jax.optim.TRAIN_COMPILER_OPTIONS) but where XLA_FLAGS sets them. Progress (compile, build and step times) goes
 to stderr. The parameters are one layer's init per layer kind, repeated
 (Steps.init_params), which builds in seconds. MFU:
 mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones included,
@@ -77,7 +75,7 @@ import numpy as np
 
 from bench import baseline
 from bench.harness import (ROOT, gpu_count, gpus, median_time, result, run_module,
-                           table_header, table_row, with_cublas_gemms)
+                           table_header, table_row)
 
 GIB = 2**30
 
@@ -215,13 +213,28 @@ class Steps:
         self.state = None
         tokens = self.tokens(batch, seq_len)
         times = []
-        for _ in range(steps + 2):
-            start = time.perf_counter()
-            params, opt_state, loss, _ = exe(params, opt_state, tokens)
+
+        def timed(loss, start):
+            """Waits for loss; -> when it was read, the next step's start."""
             loss.block_until_ready()
-            times.append(time.perf_counter() - start)
+            now = time.perf_counter()
+            times.append(now - start)
             log(f"  {self.mesh_spec} {batch}x{seq_len}: step {len(times)} {times[-1]:.3f} s, "
                 f"loss {float(loss):.3f}")
+            return now
+
+        for _ in range(2):  # warm-up, each step read before the next is dispatched
+            start = time.perf_counter()
+            params, opt_state, loss, _ = exe(params, opt_state, tokens)
+            timed(loss, start)
+        # Then as the trainer runs them: each step dispatched before the loss of the one
+        # before it is read, a step's time from one loss read to the next.
+        start = time.perf_counter()
+        params, opt_state, pending, _ = exe(params, opt_state, tokens)
+        for _ in range(steps):
+            params, opt_state, loss, _ = exe(params, opt_state, tokens)
+            start, pending = timed(pending, start), loss
+        loss.block_until_ready()
         step_s = float(np.median(times[2:]))
         parts = {}
         if breakdown:
@@ -306,7 +319,7 @@ def child(args):
 def in_process(gpus: str, argv: list[str], timeout: float, xla_flags: str = "") -> list[dict]:
     """This script's child (argv) run pinned to gpus, with xla_flags added to XLA_FLAGS; what
     it reported (harness.run_module)."""
-    flags = with_cublas_gemms(os.environ.get("XLA_FLAGS", "") + " " + xla_flags)
+    flags = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
     return run_module("train_step", argv, visible=gpus, timeout=timeout,
                       env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "XLA_FLAGS": flags})
 

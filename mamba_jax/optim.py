@@ -7,6 +7,8 @@ clipping, and no weight decay where a parameter was created with decay=False
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -14,6 +16,21 @@ import optax
 from mamba_jax.sharding import is_param
 
 SCHEDULES = ("cosine", "wsd")
+
+# XLA's options for the training and evaluation steps on a GPU (ignored on a CPU): cuBLAS's
+# GEMMs rather than XLA's Triton GEMM fusions, whose autotuning kept mamba2-1.3b's first
+# compile past 150 s on an H200, against about 32 s without (docs/performance.md), and no
+# cuBLASLt, without which jax 0.11.2's compile of a hybrid with MLP layers failed there
+# ("BlasLt is unavailable"). The speeds in BENCHMARKS.md were measured with both.
+TRAIN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
+                          "xla_gpu_enable_cublaslt": False}
+
+
+def train_compiler_options() -> dict:
+    """TRAIN_COMPILER_OPTIONS but those that the XLA_FLAGS environment variable sets, which
+    are left to it."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in TRAIN_COMPILER_OPTIONS.items() if name not in flags}
 
 
 def weight_decay_mask(params):
@@ -68,7 +85,8 @@ def make_train_step(loss_fn, tx):
 
     batch = (inputs, targets) or (inputs, targets, seq_idx), each [micro-batches, b, l]: the
     gradient is the mean over the micro-batches, accumulated in a scan (--grad-accum).
-    Shardings ride on the arrays; params and opt_state are donated.
+    Shardings ride on the arrays; params and opt_state are donated. Compiled with
+    train_compiler_options().
     """
     def step(params, opt_state, batch):
         n = batch[0].shape[0]
@@ -83,4 +101,4 @@ def make_train_step(loss_fn, tx):
             loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=train_compiler_options())

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shlex
 import signal
 import sys
@@ -51,7 +52,8 @@ from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM
-from mamba_jax.optim import SCHEDULES, init_opt_state, make_optimizer, make_train_step
+from mamba_jax.optim import (SCHEDULES, init_opt_state, make_optimizer, make_train_step,
+                             train_compiler_options)
 from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
 
 
@@ -345,6 +347,11 @@ def _check_out(args) -> None:
 
 @command("python -m mamba_jax.train")
 def main(argv=None):
+    # The trainer is its GPUs' one process: it may take 95% of their memory rather than
+    # jax's default 75%, so that the batches in BENCHMARKS.md fit (mamba2-1.3b's 20 rows of
+    # 2048 tokens plan 116 GiB of an H200's 140). Read when jax first uses a GPU, so set
+    # before; an XLA_PYTHON_CLIENT_MEM_FRACTION the user gives is kept.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     with contextlib.ExitStack() as held:  # the --checkpoint-dir lock, to the end
         _train(argv, held)
 
@@ -434,7 +441,7 @@ def _train(argv, held: contextlib.ExitStack):
     loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=args.remat,
                                     sequence_parallel=args.sequence_parallel,
                                     loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
-    eval_loss = jax.jit(loss_fn)
+    eval_loss = jax.jit(loss_fn, compiler_options=train_compiler_options())
     train_step = make_train_step(loss_fn, tx)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
     rows = NamedSharding(mesh, parallel.TOKENS)
@@ -464,43 +471,70 @@ def _train(argv, held: contextlib.ExitStack):
     metrics = (MetricsWriter(args.metrics_file, args.tensorboard, resumed_from) if lead
                else MetricsWriter())
     progress = Progress(args.steps, first=start)
+    # Each step's learning rate for its record, computed once: the schedule's jnp, run on
+    # the device at each step, would wait there behind the step dispatched after it.
+    lrs = np.asarray(jax.vmap(lr_at)(jnp.arange(args.steps)))
+
+    def finished(step, loss, grad_norm, began) -> dict:
+        """The metrics record of a dispatched step whose time began at `began`; reading its
+        loss waits for it."""
+        loss = float(loss)
+        if not math.isfinite(loss):
+            raise SystemExit(f"step {step}: the loss is {loss}; stopping without saving "
+                             "(the last checkpoint is the last good state). Lower --lr, "
+                             "raise --warmup or use --dtype float32")
+        elapsed = time.perf_counter() - began
+        tokens_per_s = args.batch_size * args.seq_len / elapsed
+        return {"step": step, "loss": loss, "lr": float(lrs[step - 1]),
+                "grad_norm": float(grad_norm), "step_time_s": elapsed,
+                "tokens_per_s": tokens_per_s,
+                "mfu": None if peak is None else flops * tokens_per_s / peak,
+                "peak_memory_gib": peak_memory_gib()}
+
+    def log(record):
+        metrics.write(record)
+        if lead:
+            progress.update(record["step"], record)
+
+    # Each step is dispatched before the loss of the step before it is read, so that the
+    # device does not wait between steps while the host dispatches (about 2% of
+    # mamba2-1.3b's step on an H200, docs/performance.md). A step that saves or evaluates,
+    # the last step and a step after a stop request are read at once: a state is checked
+    # before it is kept.
     step = start
+    pending = None  # (step, loss, grad_norm, when its time began): dispatched, not yet read
+    stopping = False  # a stop request seen after a step, which then saves and ends the run
     with _StopRequest() as stop, contextlib.ExitStack() as cleanup, _fits_in_memory(args):
         cleanup.callback(metrics.close)
         if ckpt:
             cleanup.callback(ckpt.close)  # saves in flight are committed before we go on
-        while step < args.steps and stop.signal is None:
+        while step < args.steps and not stopping:
             tic = time.perf_counter()
             batch = dataset.train_batch(step, args.batch_size, args.seq_len, args.seed,
                                         jax.process_index(), n_proc)
             params, opt_state, loss, grad_norm = train_step(
                 params, opt_state, _batch_arrays(batch, args, micro_rows))
             step += 1
-            loss = float(loss)  # waits for the step
-            if not math.isfinite(loss):
-                raise SystemExit(f"step {step}: the loss is {loss}; stopping without saving "
-                                 "(the last checkpoint is the last good state). Lower --lr, "
-                                 "raise --warmup or use --dtype float32")
-            elapsed = time.perf_counter() - tic
-            tokens_per_s = args.batch_size * args.seq_len / elapsed
-            record = {"step": step, "loss": loss, "lr": float(lr_at(step - 1)),
-                      "grad_norm": float(grad_norm), "step_time_s": elapsed,
-                      "tokens_per_s": tokens_per_s,
-                      "mfu": None if peak is None else flops * tokens_per_s / peak,
-                      "peak_memory_gib": peak_memory_gib()}
+            if pending is not None:
+                log(finished(*pending))
+                tic = time.perf_counter()  # this step has the device from here on
             if ckpt:
                 ckpt.check()  # a save that failed in the background stops the run now
-                # Saved before evaluating: the checkpoint never waits on an evaluation.
-                if step % args.save_every == 0 or step == args.steps or stop.signal:
-                    ckpt.save(step, {"params": params, "opt_state": opt_state},
-                              {"step": step, "config": effective})
-            if evaluating and (step % args.eval_every == 0 or step == args.steps):
+            stopping = stop.signal is not None
+            saving = ckpt and (step % args.save_every == 0 or step == args.steps or stopping)
+            scoring = evaluating and (step % args.eval_every == 0 or step == args.steps)
+            pending = (step, loss, grad_norm, tic)
+            if not (saving or scoring or step == args.steps or stopping):
+                continue
+            record, pending = finished(*pending), None
+            if saving:  # before evaluating: the checkpoint never waits on an evaluation
+                ckpt.save(step, {"params": params, "opt_state": opt_state},
+                          {"step": step, "config": effective})
+            if scoring:
                 record["eval_loss"] = evaluate(params)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
-            metrics.write(record)
-            if lead:
-                progress.update(step, record)
-    if stop.signal:
+            log(record)
+    if stopping:
         if lead:
             print(f"{stop.signal}: stopped after step {step}"
                   + (f"; checkpoint saved in {args.checkpoint_dir}" if ckpt else ""),

@@ -331,7 +331,7 @@ def test_forward_and_backward_computes_the_output_with_the_gradients():
     assert jnp.array_equal(dx, 2 * x * dy)
 
 
-def test_training_benchmarks_run_cublas_gemms_unless_the_flags_name_triton_gemms():
+def test_the_scan_benchmark_runs_cublas_gemms_unless_the_flags_name_triton_gemms():
     assert harness.with_cublas_gemms("") == "--xla_gpu_enable_triton_gemm=false"
     assert (harness.with_cublas_gemms("--xla_gpu_enable_cublaslt=false")
             == "--xla_gpu_enable_cublaslt=false --xla_gpu_enable_triton_gemm=false")

@@ -248,3 +248,55 @@ def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, lay
     assert "layers unrolled" in capsys.readouterr().err
     assert np.all(np.isfinite(unrolled)) and unrolled[-1] < unrolled[0]
     np.testing.assert_allclose(unrolled, scanned, rtol=1e-5)
+
+
+def test_each_step_is_dispatched_before_the_loss_before_it_is_read(tmp_path, monkeypatch):
+    # The host reads a step's loss only once the next step is on its way, but for the steps
+    # that save, evaluate or end the run, which it reads at once.
+    import mamba_jax.train as train
+
+    make_train_step, events = train.make_train_step, []
+
+    class Loss:
+        def __init__(self, value, step):
+            self.value, self.step = value, step
+
+        def __float__(self):
+            events.append(("read", self.step))
+            return float(self.value)
+
+    def recording(loss_fn, tx):
+        step = make_train_step(loss_fn, tx)
+
+        def run(params, opt_state, batch):
+            params, opt_state, loss, grad_norm = step(params, opt_state, batch)
+            n = 1 + sum(kind == "dispatch" for kind, _ in events)
+            events.append(("dispatch", n))
+            return params, opt_state, Loss(loss, n), grad_norm
+        return run
+
+    monkeypatch.setattr(train, "make_train_step", recording)
+    metrics = tmp_path / "m.jsonl"
+    main(["--steps", "7", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=1",
+          "--warmup", "2", "--lr", "1e-3", "--save-every", "3", "--checkpoint-dir", str(tmp_path / "ck"),
+          "--eval-every", "1000", "--metrics-file", str(metrics), "--out", "none"])
+    assert events == [("dispatch", 1), ("dispatch", 2), ("read", 1), ("dispatch", 3),
+                      ("read", 2), ("read", 3),  # saved at 3
+                      ("dispatch", 4), ("dispatch", 5), ("read", 4), ("dispatch", 6),
+                      ("read", 5), ("read", 6),  # saved at 6
+                      ("dispatch", 7), ("read", 7)]  # the last
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert all(np.isfinite(r["loss"]) and r["step_time_s"] > 0 for r in records)
+    lr_at = make_schedule(1e-3, 7, 2)  # each record the rate its step applied
+    np.testing.assert_allclose([r["lr"] for r in records], [lr_at(s) for s in range(7)],
+                               rtol=1e-6)
+
+
+def test_the_steps_compile_with_cublas_gemms_unless_xla_flags_choose(monkeypatch):
+    from mamba_jax.optim import train_compiler_options
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert train_compiler_options() == {"xla_gpu_enable_triton_gemm": False,
+                                        "xla_gpu_enable_cublaslt": False}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/d")
+    assert train_compiler_options() == {"xla_gpu_enable_cublaslt": False}
