@@ -49,9 +49,9 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
 its own; ours compiled with the trainer's XLA options (cuBLAS's GEMMs, no cuBLASLt:
-mamba_jax.optim.TRAIN_COMPILER_OPTIONS) but where XLA_FLAGS sets them. Progress (compile, build and step times) goes
-to stderr. The parameters are one layer's init per layer kind, repeated
-(Steps.init_params), which builds in seconds. MFU:
+mamba_jax.optim.TRAIN_COMPILER_OPTIONS) but where XLA_FLAGS sets them. Progress (compile,
+build and step times) goes to stderr. The parameters are one layer's init per layer kind,
+repeated (Steps.init_params), which builds in seconds. MFU:
 mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones included,
 forward x3; recomputation not counted) over the dense bf16 peak of the devices used
 (mamba_jax.metrics.device_peak_flops: 989 TFLOP/s per H200, NVIDIA's datasheet).

@@ -278,8 +278,9 @@ def test_each_step_is_dispatched_before_the_loss_before_it_is_read(tmp_path, mon
     monkeypatch.setattr(train, "make_train_step", recording)
     metrics = tmp_path / "m.jsonl"
     main(["--steps", "7", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=1",
-          "--warmup", "2", "--lr", "1e-3", "--save-every", "3", "--checkpoint-dir", str(tmp_path / "ck"),
-          "--eval-every", "1000", "--metrics-file", str(metrics), "--out", "none"])
+          "--warmup", "2", "--lr", "1e-3", "--save-every", "3", "--eval-every", "1000",
+          "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-file", str(metrics),
+          "--out", "none"])
     assert events == [("dispatch", 1), ("dispatch", 2), ("read", 1), ("dispatch", 3),
                       ("read", 2), ("read", 3),  # saved at 3
                       ("dispatch", 4), ("dispatch", 5), ("read", 4), ("dispatch", 6),
