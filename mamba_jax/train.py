@@ -473,7 +473,7 @@ def _train(argv, held: contextlib.ExitStack):
     progress = Progress(args.steps, first=start)
     # Each step's learning rate for its record, computed once: the schedule's jnp, run on
     # the device at each step, would wait there behind the step dispatched after it.
-    lrs = np.asarray(jax.vmap(lr_at)(jnp.arange(args.steps)))
+    lrs = np.asarray(lr_at(np.arange(args.steps)))
 
     def finished(step, loss, grad_norm, began) -> dict:
         """The metrics record of a dispatched step whose time began at `began`; reading its
