@@ -534,7 +534,7 @@ def _train(argv, held: contextlib.ExitStack):
                 record["eval_loss"] = evaluate(params)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
             log(record)
-    if stopping:
+    if stop.signal:
         if lead:
             print(f"{stop.signal}: stopped after step {step}"
                   + (f"; checkpoint saved in {args.checkpoint_dir}" if ckpt else ""),
