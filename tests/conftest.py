@@ -4,6 +4,9 @@ layer_scans fixture.
 XLA reads XLA_FLAGS when jax initialises its backends, so this runs before any test module
 imports jax. Compiling dominates the suite's time and optimization level 0 about halves it;
 every side of every comparison is compiled the same way. Subprocesses inherit both flags.
+A test runs a model or a kernel's values and gradients under jax.jit (nnx.jit): run
+operation by operation, each operation compiles a program of its own, which took a kernel
+test about twice as long.
 """
 
 import os

@@ -123,8 +123,8 @@ def test_the_angle_state_stays_exact_over_long_rows(packed):
     inc = rng.uniform(0, 0.3, (b, l, h, a)).astype(np.float32)
     starts = rng.random((b, l)) < (1e-3 if packed else 0.0)
     initial = rng.uniform(0, 2 * np.pi, (b, h, a)).astype(np.float32)
-    theta = np.asarray(cumulative_angles(jnp.asarray(inc), jnp.asarray(starts) if packed
-                                         else None, jnp.asarray(initial)))
+    theta = np.asarray(jax.jit(cumulative_angles)(jnp.asarray(inc), jnp.asarray(starts)
+                                                  if packed else None, jnp.asarray(initial)))
     expected = np.empty(inc.shape)
     for row in range(b):
         doc = np.cumsum(starts[row])

@@ -215,12 +215,15 @@ def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation, attent
             bias = getattr(attention, name)
             bias[...] = jnp.asarray(0.1 * rng.standard_normal(bias.shape), jnp.float32)
     ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 9)))
-    _, cache = model.prefill(ids[:, :8], cache_len=12)
-    step = lambda implementation: model.step(
+    # jitted: one compile each, not one an operation
+    _, cache = nnx.jit(lambda model, ids: model.prefill(ids, cache_len=12))(model, ids[:, :8])
+    step = lambda model, implementation: model.step(
         ids[:, 8], cache, steps=decode_plan(model, 1, implementation).steps)
     # three kernels a Mamba block, two an MLP or attention block
-    assert str(jax.make_jaxpr(lambda: step("triton"))()).count("pallas_call") == 2 * 3 + 3 * 2
-    (logits, new), (logits_k, new_k) = step("xla"), step("triton")
+    assert str(jax.make_jaxpr(lambda: step(model, "triton"))()).count("pallas_call") == (
+        2 * 3 + 3 * 2)
+    step = nnx.jit(step, static_argnums=1)
+    (logits, new), (logits_k, new_k) = step(model, "xla"), step(model, "triton")
     assert np.all(np.isfinite(logits_k))
     # As in the Mamba-only step above: the same arithmetic, float32 sums in another order.
     np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-2)

@@ -67,8 +67,8 @@ def test_chunked_gradients_equal_naive_gradients(case):
     chunked = lambda **kw: ssd(**kw, chunk_size=chunk, return_final_state=True)
     args = {**inputs, **{k: v for k, v in options.items() if k != "dt_softplus"}}
     fixed = {"dt_softplus": True}
-    g_ref = jax.grad(lambda a: loss(naive, {**a, **fixed}))(args)
-    g = jax.grad(lambda a: loss(chunked, {**a, **fixed}))(args)
+    g_ref = jax.jit(jax.grad(lambda a: loss(naive, {**a, **fixed})))(args)
+    g = jax.jit(jax.grad(lambda a: loss(chunked, {**a, **fixed})))(args)
     for name in args:
         assert np.all(np.isfinite(g[name])), name
         # float32: relative to the largest entry, well under float32 accumulation error.

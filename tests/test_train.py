@@ -238,7 +238,7 @@ def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, lay
     # (--scan-layers; float32; XLA may fuse the two programs apart: 1e-5 relative).
     def losses(*flags):
         metrics = tmp_path / f"m{len(flags)}.jsonl"
-        main(["--steps", "4", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=3",
+        main(["--steps", "4", "--batch-size", "8", "--seq-len", "32",
               "--warmup", "1", "--metrics-file", str(metrics), "--out", "none", *flags])
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     unrolled = losses()
