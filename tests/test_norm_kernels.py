@@ -49,8 +49,11 @@ def make_inputs(rng, lead, h, p, dtype):
 
 
 def values_and_grads(fn, y, z, weight, dout):
-    out, vjp = jax.vjp(fn, y, z, weight)
-    return dict(zip(("out", "dy", "dz", "dweight"), (out, *vjp(dout))))
+    @jax.jit  # one compile, not one an operation
+    def run(y, z, weight, dout):
+        out, vjp = jax.vjp(fn, y, z, weight)
+        return out, *vjp(dout)
+    return dict(zip(("out", "dy", "dz", "dweight"), run(y, z, weight, dout)))
 
 
 def reference_float64(y, z, weight, dout, ngroups):
@@ -186,8 +189,11 @@ def add_inputs(rng, lead, d, residual_dtype, delta_dtype):
 
 
 def add_values_and_grads(fn, residual, delta, weight, dsummed, dnormed):
-    out, vjp = jax.vjp(fn, residual, delta, weight)
-    return dict(zip(ADD_NAMES, (*out, *vjp((dsummed, dnormed)))))
+    @jax.jit  # one compile, not one an operation
+    def run(residual, delta, weight, dsummed, dnormed):
+        out, vjp = jax.vjp(fn, residual, delta, weight)
+        return *out, *vjp((dsummed, dnormed))
+    return dict(zip(ADD_NAMES, run(residual, delta, weight, dsummed, dnormed)))
 
 
 def add_reference_float64(residual, delta, weight, dsummed, dnormed):
