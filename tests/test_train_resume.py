@@ -40,8 +40,11 @@ def losses(metrics: Path) -> list[float]:
 
 
 def launch(args, devices=8, **kwargs):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    """The trainer in a process of its own with `devices` CPU devices; the rest of
+    conftest's XLA flags (its quick compiles) kept, so that it shares the tests' cache."""
+    flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8",
+                                            f"--xla_force_host_platform_device_count={devices}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     return subprocess.Popen([sys.executable, "-m", "mamba_jax.train", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, **kwargs)
