@@ -11,6 +11,7 @@ unless both sides are NaN, and the single-device side is checked finite).
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,14 @@ from mamba_jax.parallel import global_array
 # comparison is compiled the same way.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 LOGIT_ATOL, GRAD_ATOL, GRAD_RTOL, LOSS_RTOL = 1e-5, 1e-5, 1e-4, 1e-5
+
+
+def xla_flags(devices: int) -> str:
+    """conftest's XLA_FLAGS for a process of its own with `devices` CPU devices: its other
+    flags (the quick compiles) kept, so that the process shares the tests' compilation
+    cache."""
+    return os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8",
+                                           f"--xla_force_host_platform_device_count={devices}")
 BATCH, SEQ = 4, 32
 
 

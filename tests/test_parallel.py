@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mamba_jax import parallel
 from mesh_check import (BATCH, FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, SEQ,
                         assert_matches_single_device, mamba_config, model_and_batch,
-                        single_device_train_losses, tiny_config, train_losses)
+                        single_device_train_losses, tiny_config, train_losses, xla_flags)
 
 MESHES = ["tp=2,dp=4", "tp=4,dp=2", "tp=8", "dp=2,tp=4", "fsdp=2,tp=2,dp=2"]
 
@@ -123,10 +123,8 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
     args = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--mesh", "dp=2,tp=4",
             "--eval-every", "1000", "--set", "d_model=64", "--set", "d_state=16",
             "--set", "headdim=16", "--set", "chunk_size=16"]
-    # Four devices a process; the rest of conftest's flags (its quick compiles) kept.
-    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
-        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=4"),
-        JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.getcwd())  # four devices a process
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "mamba_jax.train", *args, "--out", str(tmp_path / "ck"),

@@ -28,6 +28,7 @@ from mamba_jax.files import locked
 from mamba_jax.generate import load_for_generation
 from mamba_jax.tokenizer import load_tokenizer
 from mamba_jax.train import main
+from mesh_check import xla_flags
 
 ROOT = Path(__file__).parents[1]
 SMALL = ["--batch-size", "8", "--seq-len", "32", "--set", "d_model=64", "--set", "n_layer=1",
@@ -40,11 +41,9 @@ def losses(metrics: Path) -> list[float]:
 
 
 def launch(args, devices=8, **kwargs):
-    """The trainer in a process of its own with `devices` CPU devices; the rest of
-    conftest's XLA flags (its quick compiles) kept, so that it shares the tests' cache."""
-    flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8",
-                                            f"--xla_force_host_platform_device_count={devices}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    """The trainer in a process of its own with `devices` CPU devices."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": xla_flags(devices)}
     return subprocess.Popen([sys.executable, "-m", "mamba_jax.train", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, **kwargs)
