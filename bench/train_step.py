@@ -50,8 +50,7 @@ Each mesh or framework runs in its own process, pinned to its GPUs (the first of
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
 its own; ours compiled with the trainer's XLA options (cuBLAS's GEMMs, no cuBLASLt:
 mamba_jax.optim.TRAIN_COMPILER_OPTIONS) but where XLA_FLAGS sets them. Progress (compile,
-build and step times) goes to stderr. The parameters are one layer's init per layer kind,
-repeated (Steps.init_params), which builds in seconds. MFU:
+build and step times) goes to stderr. MFU:
 mamba_jax.metrics.train_flops_per_token (every matmul, the SSD's chunked ones included,
 forward x3; recomputation not counted) over the dense bf16 peak of the devices used
 (mamba_jax.metrics.device_peak_flops: 989 TFLOP/s per H200, NVIDIA's datasheet).
@@ -106,7 +105,6 @@ class Steps:
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
         self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)
         graphdef, abstract = nnx.split(nnx.eval_shape(self.build))
-        self.abstract = abstract  # the parameters' shapes, filled by init_params
         specs = parallel.param_specs(abstract, mesh)
         self.param_shardings = parallel.shardings(mesh, specs)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
@@ -126,30 +124,12 @@ class Steps:
         self.state = None  # (params, opt_state) on the devices, once measure() built them
 
     def init_params(self):
-        """The parameters on the mesh: those of a model with one layer of each kind (Mamba,
-        attention, MLP) that the preset has, each layer repeated wherever the preset has its
-        kind. Each tensor has Mamba2LM's init distribution (only the layers of a kind are
-        equal), and the init compiles in seconds: the whole model's jitted init took 129 s
-        to compile for the 1.3b preset on a CPU, per process and mesh."""
+        """The parameters on the mesh, created there by Mamba2LM's jitted init."""
         import jax
         from flax import nnx
 
-        from mamba_jax.model import Mamba2LM
-
-        cfg = self.cfg
-        kinds = "".join(dict.fromkeys(cfg.layers))  # each kind once, in order
-        one = cfg.replace(n_layer=len(kinds), layer_pattern=kinds, attn_layer_idx=(),
-                          hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0)
-
-        def build():
-            pure = nnx.to_pure_dict(nnx.split(Mamba2LM(one, rngs=nnx.Rngs(0)))[1])
-            pure["layers"] = {i: pure["layers"][kinds.index(kind)]
-                              for i, kind in enumerate(cfg.layers)}
-            state = jax.tree.map(lambda a: a, self.abstract)  # filled in place: a copy
-            nnx.replace_by_pure_dict(state, pure)
-            return state
-
-        return jax.jit(build, out_shardings=self.param_shardings)()
+        return jax.jit(lambda: nnx.split(self.build())[1],
+                       out_shardings=self.param_shardings)()
 
     def compile(self, batch, seq_len):
         """(compiled step, seconds to compile, device bytes XLA plans for it: arguments +

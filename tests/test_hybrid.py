@@ -42,6 +42,32 @@ def test_layer_pattern_gives_one_layer_per_symbol_named_as_megatron():
     assert Mamba2Config(n_layer=3).layers == "MMM"  # the default: all Mamba
 
 
+def test_each_layer_is_drawn_from_its_own_key_and_each_kind_is_built_once(monkeypatch):
+    """init_layers draws each kind's layers together (vmapped): layer i equals the Block
+    built alone from fold_in(key, i), layers of one kind differ, and a jitted init of the
+    whole model builds (traces, so compiles) one Block per kind, not one per layer."""
+    import jax
+    from mamba_jax import model as model_module
+
+    cfg = hybrid_config(layer_pattern="M*-M-*M")
+    key = jax.random.key(7)
+    layers = model_module.init_layers(cfg, key, jnp.float32)
+    for i, symbol in enumerate(cfg.layers):
+        rngs = nnx.Rngs(params=jax.random.fold_in(key, i))
+        alone = model_module.Block(cfg, symbol, rngs=rngs)
+        assert layers[i].mixer.name == alone.mixer.name
+        jax.tree.map(np.testing.assert_array_equal, nnx.state(layers[i]), nnx.state(alone))
+    assert not np.array_equal(layers[0].mixer.x_proj[...], layers[3].mixer.x_proj[...])
+
+    built = []
+    block_init = model_module.Block.__init__
+    monkeypatch.setattr(model_module.Block, "__init__",
+                        lambda self, c, symbol, **k: built.append(symbol)
+                        or block_init(self, c, symbol, **k))
+    jax.jit(lambda: nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))[1]).lower()
+    assert sorted(built) == sorted("M*-")
+
+
 def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
     cfg = Mamba2Config(n_layer=3, attn_layer_idx=[1], d_intermediate=64)
     assert cfg.layers == "M-*-M-"
