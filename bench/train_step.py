@@ -123,14 +123,6 @@ class Steps:
         self.compiled = {}
         self.state = None  # (params, opt_state) on the devices, once measure() built them
 
-    def init_params(self):
-        """The parameters on the mesh, created there by Mamba2LM's jitted init."""
-        import jax
-        from flax import nnx
-
-        return jax.jit(lambda: nnx.split(self.build())[1],
-                       out_shardings=self.param_shardings)()
-
     def compile(self, batch, seq_len):
         """(compiled step, seconds to compile, device bytes XLA plans for it: arguments +
         outputs - donated + temporaries, per device)."""
@@ -177,13 +169,14 @@ class Steps:
         gradient (forward + backward), the rest of the step being the optimizer update."""
         import jax
 
+        from mamba_jax import parallel
         from mamba_jax.metrics import train_flops_per_token
         from mamba_jax.optim import init_opt_state
 
         exe, compile_s, planned = self.compile(batch, seq_len)
         if self.state is None:  # built once per process; each step donates and returns it
             start = time.perf_counter()
-            params = self.init_params()
+            params = parallel.init_params(self.build, self.param_shardings)
             self.state = (params, init_opt_state(self.tx, params, self.param_shardings,
                                                  self.replicated))
             jax.block_until_ready(self.state)

@@ -115,6 +115,13 @@ def shardings(mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
+def init_params(build, param_shardings):
+    """The parameters (an nnx.State) of the module build() makes, created in place on
+    param_shardings by one jit: no device holds the whole model first, and every process
+    computes the same values from build's seed."""
+    return jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings)()
+
+
 def global_array(array, sharding):
     """A host array (the same on every process) -> a jax.Array placed as sharding; each
     process supplies only its own devices' pieces."""

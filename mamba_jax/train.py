@@ -405,13 +405,11 @@ def _train(argv, held: contextlib.ExitStack):
               file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
 
-    # Parameters are created in place, already sharded: no device holds the whole model
-    # first, and every process builds the same values from the seed.
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
     specs = parallel.param_specs(abstract_params, mesh)
     param_shardings = parallel.shardings(mesh, specs)
-    params = jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings)()
+    params = parallel.init_params(build, param_shardings)
     tx, lr_at = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
                                args.clip, args.schedule)
     opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
