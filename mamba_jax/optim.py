@@ -24,13 +24,20 @@ SCHEDULES = ("cosine", "wsd")
 # ("BlasLt is unavailable"). The speeds in BENCHMARKS.md were measured with both.
 TRAIN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
                           "xla_gpu_enable_cublaslt": False}
+# Bitwise-reproducible GPU steps (the trainer's --deterministic): XLA's scatter-adds (the
+# embedding's gradient) and reductions in a fixed order instead of by atomics. On an H200 two
+# runs of the same 30 tiny steps gave losses that differed from step 3 without it and were
+# identical with it, and mamba2-1.3b's step at 20 x 2048 took 857.8 ms against 787.2 (+9%;
+# docs/performance.md). Our Pallas kernels use no atomics in training.
+DETERMINISTIC_OPTIONS = {"xla_gpu_deterministic_ops": True}
 
 
-def train_compiler_options() -> dict:
-    """TRAIN_COMPILER_OPTIONS but those that the XLA_FLAGS environment variable sets, which
-    are left to it."""
+def train_compiler_options(deterministic: bool = False) -> dict:
+    """TRAIN_COMPILER_OPTIONS (and DETERMINISTIC_OPTIONS if deterministic) but those that
+    the XLA_FLAGS environment variable sets, which are left to it."""
     flags = os.environ.get("XLA_FLAGS", "")
-    return {name: value for name, value in TRAIN_COMPILER_OPTIONS.items() if name not in flags}
+    options = {**TRAIN_COMPILER_OPTIONS, **(DETERMINISTIC_OPTIONS if deterministic else {})}
+    return {name: value for name, value in options.items() if name not in flags}
 
 
 def weight_decay_mask(params):
@@ -80,13 +87,13 @@ def init_opt_state(tx, params, param_shardings, replicated):
     return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
-def make_train_step(loss_fn, tx):
+def make_train_step(loss_fn, tx, *, deterministic=False):
     """step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), jitted.
 
     batch = (inputs, targets) or (inputs, targets, seq_idx), each [micro-batches, b, l]: the
     gradient is the mean over the micro-batches, accumulated in a scan (--grad-accum).
     Shardings ride on the arrays; params and opt_state are donated. Compiled with
-    train_compiler_options().
+    train_compiler_options(deterministic).
     """
     def step(params, opt_state, batch):
         n = batch[0].shape[0]
@@ -101,4 +108,5 @@ def make_train_step(loss_fn, tx):
             loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
-    return jax.jit(step, donate_argnums=(0, 1), compiler_options=train_compiler_options())
+    return jax.jit(step, donate_argnums=(0, 1),
+                   compiler_options=train_compiler_options(deterministic))

@@ -301,3 +301,25 @@ def test_the_steps_compile_with_cublas_gemms_unless_xla_flags_choose(monkeypatch
                                         "xla_gpu_enable_cublaslt": False}
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/d")
     assert train_compiler_options() == {"xla_gpu_enable_cublaslt": False}
+    assert train_compiler_options(deterministic=True) == {"xla_gpu_enable_cublaslt": False,
+                                                          "xla_gpu_deterministic_ops": True}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert "xla_gpu_deterministic_ops" not in train_compiler_options(deterministic=True)
+
+
+def test_deterministic_compiles_the_step_with_xla_deterministic_ops(tmp_path, monkeypatch):
+    """--deterministic reaches the step's compile (XLA takes the GPU option on a CPU too, so
+    the flag trains anywhere), and a run with it trains."""
+    from mamba_jax import optim, train
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    jit_options = []
+    jit = optim.jax.jit
+    monkeypatch.setattr(optim.jax, "jit", lambda *a, **k: jit_options.append(
+        k.get("compiler_options")) or jit(*a, **k))
+    metrics = tmp_path / "metrics.jsonl"
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=1",
+          "--deterministic", "--out", "none", "--metrics-file", str(metrics)])
+    assert {"xla_gpu_deterministic_ops": True, "xla_gpu_enable_triton_gemm": False,
+            "xla_gpu_enable_cublaslt": False} in jit_options
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 2 and np.all(np.isfinite(losses))

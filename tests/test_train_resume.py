@@ -318,8 +318,8 @@ def test_a_step_out_of_device_memory_names_the_batch_and_the_fixes(tmp_path, mon
     def failing(message, after):
         build = train.make_train_step
 
-        def make(loss_fn, tx):
-            step, calls = build(loss_fn, tx), []
+        def make(loss_fn, tx, **options):
+            step, calls = build(loss_fn, tx, **options), []
 
             def run(*args):
                 calls.append(1)
