@@ -169,7 +169,13 @@ def init_layers(cfg, key: jax.Array, dtype) -> list[Block]:
     are drawn together, as one init vmapped over their keys: a jitted init (the trainer's,
     which creates the parameters already sharded) then compiles each kind's init once, not
     once per layer (mamba2-1.3b's 48 layers one by one took 100 s to compile, on a CPU and
-    on an H200 alike, before the first step's compile began)."""
+    on an H200 alike, before the first step's compile began).
+
+    Each layer's tensors are then taken out of the stack at an offset known only at run time
+    (an optimization_barrier hides the offsets from XLA's constant folding), so that every
+    layer's copy of a tensor is the same kernel, which XLA's GPU compiler builds once: on an
+    H200 (2026-12-03) mamba2-1.3b's draw and split compiled in 13.5 s, against 24.8 s with a
+    static slice a layer (818 distinct copy kernels; on a CPU 7.6 against 6.7 s)."""
     blocks = [None] * len(cfg.layers)
     for symbol in dict.fromkeys(cfg.layers):
         index = [i for i, s in enumerate(cfg.layers) if s == symbol]
@@ -183,8 +189,10 @@ def init_layers(cfg, key: jax.Array, dtype) -> list[Block]:
 
         layer_keys = jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.asarray(index))
         stacked = jax.vmap(build)(layer_keys)
+        offsets = lax.optimization_barrier(jnp.arange(len(index)))
         for j, i in enumerate(index):
-            blocks[i] = nnx.merge(graphdefs[0], jax.tree.map(lambda a: a[j], stacked))
+            blocks[i] = nnx.merge(graphdefs[0], jax.tree.map(
+                lambda a: lax.dynamic_index_in_dim(a, offsets[j], keepdims=False), stacked))
     return blocks
 
 
