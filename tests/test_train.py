@@ -265,8 +265,8 @@ def test_each_step_is_dispatched_before_the_loss_before_it_is_read(tmp_path, mon
             events.append(("read", self.step))
             return float(self.value)
 
-    def recording(loss_fn, tx):
-        step = make_train_step(loss_fn, tx)
+    def recording(loss_fn, tx, **options):
+        step = make_train_step(loss_fn, tx, **options)
 
         def run(params, opt_state, batch):
             params, opt_state, loss, grad_norm = step(params, opt_state, batch)
