@@ -24,11 +24,11 @@ SCHEDULES = ("cosine", "wsd")
 # ("BlasLt is unavailable"). The speeds in BENCHMARKS.md were measured with both.
 TRAIN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
                           "xla_gpu_enable_cublaslt": False}
-# Bitwise-reproducible GPU steps (the trainer's --deterministic): XLA's scatter-adds (the
-# embedding's gradient) and reductions in a fixed order instead of by atomics. On an H200 two
-# runs of the same 30 tiny steps gave losses that differed from step 3 without it and were
-# identical with it, and mamba2-1.3b's step at 20 x 2048 took 857.8 ms against 787.2 (+9%;
-# docs/performance.md). Our Pallas kernels use no atomics in training.
+# Bitwise-reproducible GPU steps (the trainer's --deterministic): XLA's scatter-adds (such
+# as the embedding's gradient) and reductions in a fixed order instead of by atomics. On an
+# H200 two runs of the same 30 tiny steps gave losses that differed from step 3 without it
+# and were identical with it, and mamba2-1.3b's step at 20 x 2048 took 857.8 ms against
+# 787.2 (+9%; docs/performance.md). Our Pallas kernels use no atomics in training.
 DETERMINISTIC_OPTIONS = {"xla_gpu_deterministic_ops": True}
 
 
