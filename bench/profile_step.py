@@ -36,6 +36,13 @@ fusion"); no HLO ops.
     python3 -m bench.profile_step --theirs --preset mamba2-1.3b --seq-len 2048 --batch 16 \
         --baseline .baseline --out DIR
 
+--theirs --scan mamba3: mamba_ssm's Mamba-3 SISO scan (mamba3_siso_combined, its Triton
+kernels; its main's copy at --baseline) on the same inputs as ours, its forward and its
+forward+backward traced alike (DIR/mamba_ssm_forward.json, mamba_ssm_forward+backward.json).
+
+    python3 -m bench.profile_step --theirs --scan mamba3 --batch 8 --seq-len 2048 \
+        --baseline .baseline/e9594ce --out DIR
+
 --decode NEW: `mamba_jax.generate` of NEW tokens after a --seq-len prompt for --batch rows
 (random bf16 weights, greedy), compiled by one call and traced in a second; the kernels of
 the decode loop's program (not the prefill's) per decode step (NEW - 1 of them), each fusion
@@ -204,21 +211,76 @@ def profile_theirs(args):
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), device="cuda")
     for _ in range(2):  # its Triton autotuning, then a warm step
         step(ids).item()
-    times = []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            step(ids).item()  # waits for the step
-            times.append(time.perf_counter() - start)
-    trace = os.path.join(args.out, "mamba_ssm_trace.json")
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
-                  and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    times, events = torch_traced(lambda: step(ids).item(),  # .item() waits for the step
+                                 os.path.join(args.out, "mamba_ssm_trace.json"), args.steps)
     print(f"{time.strftime('%Y-%m-%d')} torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}; {compared.line}; {args.preset} "
           f"{args.batch}x{args.seq_len}")
     summarize(events, args.steps, sorted(times)[len(times) // 2], args.top)
+
+
+def profile_scan_theirs(args):
+    """mamba_ssm's Mamba-3 SISO scan (mamba3_siso_combined, its Triton kernels) on
+    bench.mamba3's inputs, as profile_scan traces ours: its forward (no gradients) and its
+    forward+backward, each after two calls (its autotuning)."""
+    if args.scan != "mamba3":
+        raise SystemExit(f"--theirs --scan {args.scan}: only --scan mamba3 is traced on "
+                         "mamba_ssm's side (its SISO Triton kernels); " + (
+                             "bench.ssd times its SSD kernels beside ours" if args.scan == "ssd"
+                             else "its MIMO kernels are TileLang's, which the GPU machine "
+                                  "does not have"))
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from bench import mamba3
+    from bench.harness import to_torch
+
+    kernels = baseline.import_mamba3_siso(args.baseline)
+    install = baseline.Install(baseline.version(args.baseline),
+                               *baseline.causal_conv1d_version(), bound={})
+    path = baseline.guard(install, "mamba3", allow_slow=False).line  # its one path, named
+    rng = np.random.default_rng(0)
+    b, l = args.batch, args.seq_len
+    inputs = mamba3.make_inputs(rng, b, l, 64, 64, 128, 1, jnp.bfloat16)
+    dy = to_torch(jnp.asarray(rng.standard_normal((b, l, 64, 64)), jnp.bfloat16))
+    run = mamba3.theirs_fn(kernels, {k: to_torch(v) for k, v in inputs.items()}, 64)
+
+    def forward():
+        with torch.no_grad():
+            run(False)
+        torch.cuda.synchronize()
+
+    def both():
+        run(True, dy)
+        torch.cuda.synchronize()
+
+    print(f"{time.strftime('%Y-%m-%d')} torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}; {path}; mamba3 scan, {b}x{l}, bf16")
+    for what, fn in (("forward", forward), ("forward+backward", both)):
+        for _ in range(2):
+            fn()
+        times, events = torch_traced(fn, os.path.join(args.out, f"mamba_ssm_{what}.json"),
+                                     args.steps)
+        summarize(events, args.steps, sorted(times)[len(times) // 2], args.top, what=what)
+
+
+def torch_traced(fn, trace, steps):
+    """Run fn (which waits for its GPU work) steps times under torch.profiler; (host seconds
+    of each run, the trace's kernel, memcpy and memset events). The trace is kept as the
+    file `trace` (Chrome's JSON, for ui.perfetto.dev)."""
+    import torch
+
+    times = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        return times, [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+                       and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
 def profile_decode(args):
@@ -335,12 +397,13 @@ def main(argv=None):
                    help="profile a scan alone (its forward, and forward+backward) instead")
     p.add_argument("--groups", type=int, default=1, help="with --scan ssd: B/C groups")
     p.add_argument("--theirs", action="store_true",
-                   help="profile mamba_ssm's training step (from --baseline) instead")
+                   help="profile mamba_ssm's training step (from --baseline) instead; with "
+                        "--scan mamba3, its Mamba-3 SISO scan")
     baseline.add_arguments(p, "train")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.theirs:
-        return profile_theirs(args)
+        return profile_scan_theirs(args) if args.scan else profile_theirs(args)
     if args.decode:
         return profile_decode(args)
     if args.scan:

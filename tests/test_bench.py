@@ -425,3 +425,14 @@ def test_the_profile_says_what_each_fusion_computes(capsys):
             if line.startswith("| ")}
     assert rows[name].rstrip().endswith(f"| {what} |")
     assert rows["ssd_forward"].rstrip().endswith("|  |")
+
+
+def test_profile_step_profiles_their_mamba3_scan_only(tmp_path):
+    """--theirs with --scan traces mamba_ssm's Mamba-3 SISO scan; another scan stops with
+    one line saying where else to look, before anything is imported or run."""
+    from bench import profile_step
+    with pytest.raises(SystemExit, match=r"--theirs --scan ssd: only --scan mamba3 .* "
+                                         r"bench.ssd times"):
+        profile_step.main(["--theirs", "--scan", "ssd", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--scan mamba3-mimo: .* TileLang"):
+        profile_step.main(["--theirs", "--scan", "mamba3-mimo", "--out", str(tmp_path)])
