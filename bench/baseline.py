@@ -103,6 +103,13 @@ def import_mamba3_siso(baseline):
     return mamba3_siso_combined
 
 
+def mamba3_siso_path(baseline) -> str:
+    """The line that names the path mamba_ssm's Mamba-3 SISO scan runs: its one path (its
+    kernels call no causal_conv1d), with the versions of the copy and of causal_conv1d."""
+    install = Install(version(baseline), *causal_conv1d_version(), bound={})
+    return guard(install, "mamba3", allow_slow=False).line
+
+
 def import_inference_params(baseline):
     """mamba_ssm's InferenceParams (its decoding cache's bookkeeping) from the copy."""
     _use_copy(baseline)

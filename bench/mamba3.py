@@ -294,10 +294,7 @@ def main(argv=None):
                   flush=True)
         else:
             mamba3_siso_combined = baseline.import_mamba3_siso(args.baseline)
-            # Its one path (the kernels call no causal_conv1d), named in the table's header.
-            install = baseline.Install(baseline.version(args.baseline),
-                                       *baseline.causal_conv1d_version(), bound={})
-            print(baseline.guard(install, "mamba3", allow_slow=False).line, flush=True)
+            print(baseline.mamba3_siso_path(args.baseline), flush=True)
 
     # The small shapes: kernels against the XLA form at 1 and 8 rows (at 64 heads the
     # backward reads per-head copies of B and C at 1 row and turns them in its kernels at 8:

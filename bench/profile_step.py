@@ -229,21 +229,16 @@ def profile_scan_theirs(args):
                              "bench.ssd times its SSD kernels beside ours" if args.scan == "ssd"
                              else "its MIMO kernels are TileLang's, which the GPU machine "
                                   "does not have"))
-    import jax.numpy as jnp
-    import numpy as np
     import torch
 
     from bench import mamba3
     from bench.harness import to_torch
 
     kernels = baseline.import_mamba3_siso(args.baseline)
-    install = baseline.Install(baseline.version(args.baseline),
-                               *baseline.causal_conv1d_version(), bound={})
-    path = baseline.guard(install, "mamba3", allow_slow=False).line  # its one path, named
-    rng = np.random.default_rng(0)
+    path = baseline.mamba3_siso_path(args.baseline)
     b, l = args.batch, args.seq_len
-    inputs = mamba3.make_inputs(rng, b, l, 64, 64, 128, 1, jnp.bfloat16)
-    dy = to_torch(jnp.asarray(rng.standard_normal((b, l, 64, 64)), jnp.bfloat16))
+    inputs, dy = mamba3_scan_inputs(b, l, 1)
+    dy = to_torch(dy[:, :, 0])  # its y has no rank axis
     run = mamba3.theirs_fn(kernels, {k: to_torch(v) for k, v in inputs.items()}, 64)
 
     def forward():
@@ -336,6 +331,20 @@ def decode_hlo(dump: str, keep: str) -> str:
         return f.read()
 
 
+def mamba3_scan_inputs(b, l, r):
+    """bench.mamba3's inputs of rank r (1: SISO) at mamba2-1.3b's head layout (64 heads of 64,
+    d_state 128) and a cotangent dy [b, l, r, 64, 64], bf16, drawn from seed 0: the same for
+    our scan and for mamba_ssm's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench import mamba3
+
+    rng = np.random.default_rng(0)
+    inputs = mamba3.make_inputs(rng, b, l, 64, 64, 128, r, jnp.bfloat16)
+    return inputs, jnp.asarray(rng.standard_normal((b, l, r, 64, 64)), jnp.bfloat16)
+
+
 def profile_scan(args):
     import jax
     import jax.numpy as jnp
@@ -345,20 +354,19 @@ def profile_scan(args):
     from bench.harness import forward_and_backward
     from pallas_kernels.ssd import ssd as ssd_scan
 
-    rng = np.random.default_rng(0)
     b, l = args.batch, args.seq_len
     if args.scan == "ssd":
+        rng = np.random.default_rng(0)
         inputs, options = ssd.make_inputs(rng, b, l, args.groups, jnp.bfloat16)
         args_in = ({**inputs, **options},)
         scan = lambda a: ssd_scan(**a, chunk_size=ssd.CHUNK, dt_softplus=True,
                                   implementation="triton")
-        out_shape = (b, l, ssd.H, ssd.P)
+        dy = jnp.asarray(rng.standard_normal((b, l, ssd.H, ssd.P)), jnp.bfloat16)
     else:
         r = 4 if args.scan == "mamba3-mimo" else 1
-        args_in = (mamba3.make_inputs(rng, b, l, 64, 64, 128, r, jnp.bfloat16),)
+        inputs, dy = mamba3_scan_inputs(b, l, r)
+        args_in = (inputs,)
         scan = mamba3.ours(64, "triton", "halves" if r > 1 else "pairwise")
-        out_shape = (b, l, r, 64, 64)
-    dy = jnp.asarray(rng.standard_normal(out_shape), jnp.bfloat16)
     forward, both = jax.jit(scan), forward_and_backward(scan)
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.scan} scan on the kernels, {b}x{l}, bf16")

@@ -232,6 +232,12 @@ def test_mamba3_training_needs_no_causal_conv1d(copy, monkeypatch):
     assert compared.marker == ""
 
 
+def test_the_mamba3_scan_names_its_one_path_without_causal_conv1d(copy, monkeypatch):
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    line = baseline.mamba3_siso_path(copy)
+    assert "mamba3_siso_combined" in line and "calls no causal_conv1d" in line
+
+
 MIMO_TEST_MODULE = """
 import pytest
 
