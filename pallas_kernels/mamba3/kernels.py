@@ -14,8 +14,11 @@ B), q (C) and v (x), the weight w_t, and the decay adt_t on the first rank of ea
 none on the others: the state at (t, R) then holds every token before t and ranks 0..R of
 t, so what the sum above needs beyond that, the ranks after R of token t, is added here with
 the next token's share of the diagonal (eta) taken off: an r x r product per token and
-head. SISO is r = 1. The initial state enters with its previous token's trapezoid term
-folded in, as in the chunked form.
+head. SISO is r = 1: there the term is -eta_t (q_t . k_t) v_t, a per-token skip that the
+kernels apply as they apply D (ssd_weighted's `skip`), so XLA makes no pass over y and x
+for it, nor over dy and x for its gradients (about 0.4 of 4.8 ms of kernel time at 8 x 2048
+with 64 heads on an H200, docs/kernels.md). The initial state enters with its previous
+token's trapezoid term folded in, as in the chunked form.
 
 The rotation is the forward kernel's own (ssd_weighted's `rotation`): it reads the group's C
 and B and, per head, adds its biases and turns them by its angles theta as it loads each
@@ -134,15 +137,19 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         v = values(x, mimo_x, acc).astype(x.dtype)
         return positions(v), positions(turnable(B)), positions(turnable(C))
 
+    # SISO's own-token term, -eta_t (q_t . k_t) x_t, is a per-token skip the kernels apply
+    # (no pass over y and x in XLA, nor over dy and x for its gradients); MIMO's mixes the
+    # token's ranks and is added below.
+    skip = -eta * token_products(C, B, C_bias, B_bias, h, acc)[:, :, 0, 0] if r == 1 else None
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
         None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
         None, None, backend=triton, interpret=interpret, D=D, segments=segments,
         initial_state=None if h0 is None else turnable(h0),
         seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
-        inputs=(vBC, args),
+        inputs=(vBC, args), skip=skip,
         rotation=(positions(per_rank(theta)), turnable(C_bias), turnable(B_bias)))
-    y = y.reshape(b, l, r, h, p).astype(acc)
+    y = y.reshape(b, l, r, h, p)
 
     @jax.checkpoint  # recomputes v in the backward pass rather than keep it
     def own_ranks(w, eta, C, B, x, C_bias, B_bias, mimo_x=None):
@@ -154,12 +161,14 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         v = values(x, mimo_x, acc).astype(x.dtype)
         return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
                           preferred_element_type=acc)
-    y = y + own_ranks(w, eta, C, B, x, C_bias, B_bias, *args[3:])
+    if r > 1:
+        y = (y.astype(acc) + own_ranks(w, eta, C, B, x, C_bias, B_bias, *args[3:])).astype(
+            x.dtype)
     _, k_last, _ = rotated(C[:, -1:], B[:, -1:], x[:, -1:], theta[:, -1:], C_bias, B_bias,
                            mimo_x, rotary=rotary)
     final = Mamba3State(theta[:, -1], from_kernel_order(final_ssm, angles.shape[-1], rotary),
                         k_last[:, 0], x[:, -1])
-    return y.astype(x.dtype), final
+    return y, final
 
 
 def token_products(C, B, C_bias, B_bias, h, acc):

@@ -263,12 +263,13 @@ def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
 
 
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, has_doc,
-                    has_D, has_rotation):
+                    has_D, has_skip, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
+    skip_ref, rest = split_optional(rest, has_skip)
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (y_ref, final_ref) = _split_rotation(rest, has_rotation)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref, None,
-                 t=t, r=r, bp=bp, bs=bs, read_out=(C_ref, D_ref, y_ref))
+                 t=t, r=r, bp=bp, bs=bs, read_out=(C_ref, D_ref, skip_ref, y_ref))
 
 
 def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc,
@@ -283,8 +284,8 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                  states_ref, *, t, r, bp, bs, read_out):
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
     [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
-    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, y_ref)
-    also computes y; without it the walk reads only x and B (the backward's recomputation
+    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, skip_ref
+    or None, y_ref) also computes y; without it the walk reads only x and B (the backward's recomputation
     of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
@@ -300,8 +301,9 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         if read_out is not None:  # C B^T once for all of the program's columns
-            _, D_ref, y_ref = read_out
+            _, D_ref, skip_ref, y_ref = read_out
             scores = (_dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]).astype(dtype)
+            skip = None if skip_ref is None else skip_ref[bi, hi, ts]
         leaving = []
         for ps, state in zip(cols, states):
             x = x_ref[bi, ts, hi, ps]
@@ -312,6 +314,8 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                 y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
                 if D_ref is not None:  # the skip, here rather than an XLA pass over y and x
                     y = y + D_ref[hi, ps][None, :] * x.astype(jnp.float32)
+                if skip is not None:  # the per-token skip, likewise
+                    y = y + skip[:, None] * x.astype(jnp.float32)
                 y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
             leaving.append(state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0)))
         return tuple(leaving)
@@ -323,11 +327,14 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
 
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
-                           r, bp, bs, has_doc, has_D, has_rotation):
+                           r, bp, bs, has_doc, has_D, has_skip, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
+    skip_ref, rest = split_optional(rest, has_skip)
     doc_ref, rest = split_optional(rest, has_doc)
-    rotation, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *dD_ref) = _split_rotation(
+    rotation, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *extra) = _split_rotation(
         rest, has_rotation)
+    dD_ref, extra = split_optional(extra, has_D)
+    dskip_ref, _ = split_optional(extra, has_skip)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -347,7 +354,8 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         # y_t = sum_s CB_ts decay_ts dt_s x_s + ...; leaving state = sum_s to_end_s dt_s x_s B_s^T
         scores = (_dot(Ck, Bk, (1, 1)) * within_decay).astype(dtype)  # [t, s]
-        ddt, via_end, entering, new_dD = 0.0, 0.0, [], []
+        skip = None if skip_ref is None else skip_ref[bi, hi, ts]
+        ddt, dskip, via_end, entering, new_dD = 0.0, 0.0, 0.0, [], []
         for ps, dstate, dD in zip(cols, dstates, dDs):
             dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
             x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
@@ -355,16 +363,21 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             dx_dt = _dot(scores, dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
             xf = x.astype(jnp.float32)
             dx = dx_dt * dt[:, None]
+            dyf = dy.astype(jnp.float32)
             if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
-                dyf = dy.astype(jnp.float32)
                 dx = dx + D_ref[hi, ps][None, :] * dyf
                 dD = dD + jnp.sum(xf * dyf, axis=0)
+            if has_skip:  # the per-token skip y_t += skip_t x_t
+                dx = dx + skip[:, None] * dyf
+                dskip = dskip + jnp.sum(xf * dyf, axis=1)
             dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
             ddt = ddt + jnp.sum(xf * dx_dt, axis=1)
             via_end = via_end + dt * jnp.sum(xf * dx_state, axis=1)
             entering.append(dstate * across + _dot(_weighted(dy, from_entry), Ck, (0, 0)))
             new_dD.append(dD)
         ddt_ref[pi, bi, hi, ts] = ddt
+        if has_skip:
+            dskip_ref[pi, bi, hi, ts] = dskip
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
         dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
         return tuple(entering), tuple(new_dD)
@@ -375,7 +388,7 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
     for ps, dinit, dD in zip(cols, dinits, dDs):
         dinit_ref[bi, hi, ps, :] = dinit
         if has_D:
-            dD_ref[0][bi, hi, ps] = dD
+            dD_ref[bi, hi, ps] = dD
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
@@ -520,11 +533,12 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
-def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, rotation=None,
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, rotation=None,
             interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
-    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
+    the skip y += D x; skip [b, h, l] float32 or None, a per-token skip y_t += skip_t x_t)
+    -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
 
     rotation: None, or (theta [b, l, h, a] float32, C_bias, B_bias [h, rank, n]) with rank
     dividing the chunk: then head i reads at position s C_s + C_bias[i, s % rank] (added in
@@ -537,8 +551,8 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, rotation=Non
                  jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
                                bs=_sub_block(bp), has_doc=doc is not None, has_D=D is not None,
-                               has_rotation=rotation is not None)
-    args = (x, dt, cs, B, C, initial_state) + present(D, doc) + _rotation_args(
+                               has_skip=skip is not None, has_rotation=rotation is not None)
+    args = (x, dt, cs, B, C, initial_state) + present(D, skip, doc) + _rotation_args(
         rotation, config, B)
     stages = config.forward_stages if rotation is None else config.rotation_forward_stages
     return call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
@@ -565,11 +579,11 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, int
         x, dt, cs, B, initial_state, *present(doc), *_rotation_args(rotation, config, B))[1]
 
 
-def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, rotation=None,
-             interpret=False):
+def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=None,
+             rotation=None, interpret=False):
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
     dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
-    float32 or None for D None), where ddt is the gradient through dt's direct use only;
+    float32 or None for D None, dskip [b, h, l] float32 or None for skip None), where ddt is the gradient through dt's direct use only;
     cs's own gradient is dcs. dB and dC are in B's dtype where one program sums a group's
     heads (the default), float32 partial sums otherwise, summed here. rotation: as
     forward's, B and C turned as they are loaded; dB and dC are then each head's, of its
@@ -583,14 +597,17 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, rotati
     turning = _rotation_args(rotation, config, B)
     kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
                                has_doc=doc is not None, has_D=D is not None,
-                               has_rotation=rotation is not None)
-    dx, ddt, dcs_end, dstates, dinit, *dD = call(
+                               has_skip=skip is not None, has_rotation=rotation is not None)
+    dx, ddt, dcs_end, dstates, dinit, *extra = call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
-         f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))]),
+         f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))])
+        + ([] if skip is None else [f32((p // bp, b, h, l))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
-    )(x, dt, cs, B, C, dy, dfinal, *present(D, doc), *turning)
+    )(x, dt, cs, B, C, dy, dfinal, *present(D, skip, doc), *turning)
+    dD, extra = split_optional(extra, D is not None)
+    dskip, _ = split_optional(extra, skip is not None)
     group_heads = r
     if rotation is not None:  # a dB/dC output a head
         r, g = 1, h
@@ -613,7 +630,7 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, rotati
         warps, config.backward_stages, interpret, "ssd_backward_bc",
     )(x, dt, cs, B, C, dy, states, dstates, *present(doc), *turning)
     return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
-            dD[0].sum(0) if dD else None)
+            None if dD is None else dD.sum(0), None if dskip is None else dskip.sum(0))
 
 
 def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):
