@@ -285,8 +285,8 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
     [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
     given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, skip_ref
-    or None, y_ref) also computes y; without it the walk reads only x and B (the backward's recomputation
-    of the states)."""
+    or None, y_ref) also computes y; without it the walk reads only x and B (the backward's
+    recomputation of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -583,11 +583,11 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
              rotation=None, interpret=False):
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
     dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
-    float32 or None for D None, dskip [b, h, l] float32 or None for skip None), where ddt is the gradient through dt's direct use only;
-    cs's own gradient is dcs. dB and dC are in B's dtype where one program sums a group's
-    heads (the default), float32 partial sums otherwise, summed here. rotation: as
-    forward's, B and C turned as they are loaded; dB and dC are then each head's, of its
-    turned B and C [b, l, h, n]."""
+    float32 or None for D None, dskip [b, h, l] float32 or None for skip None), where ddt is
+    the gradient through dt's direct use only; cs's own gradient is dcs. dB and dC are in B's
+    dtype where one program sums a group's heads (the default), float32 partial sums
+    otherwise, summed here. rotation: as forward's, B and C turned as they are loaded; dB and
+    dC are then each head's, of its turned B and C [b, l, h, n]."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
