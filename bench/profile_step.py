@@ -19,7 +19,7 @@ overlap, so their sum can exceed the step time.
 
 --scan KIND: a scan alone, its forward and its forward+backward (the output returned with
 the gradients, harness.forward_and_backward) each traced --steps times, each fusion with
-what it computes (DIR/forward.hlo.txt and DIR/forward+backward.hlo.txt keep their compiled
+what it computes (DIR/forward.hlo.txt and DIR/forward_backward.hlo.txt keep their compiled
 HLO), at --batch x --seq-len with bench.ssd's ("ssd": 64 heads of 64, d_state 128, --groups,
 chunk 256) or bench.mamba3's ("mamba3", "mamba3-mimo": the same head layout, one group, rank
 4 for MIMO) inputs, bf16, on the kernels.
@@ -38,7 +38,7 @@ fusion"); no HLO ops.
 
 --theirs --scan mamba3: mamba_ssm's Mamba-3 SISO scan (mamba3_siso_combined, its Triton
 kernels; its main's copy at --baseline) on the same inputs as ours, its forward and its
-forward+backward traced alike (DIR/mamba_ssm_forward.json, mamba_ssm_forward+backward.json).
+forward+backward traced alike (DIR/mamba_ssm_forward.json, mamba_ssm_forward_backward.json).
 
     python3 -m bench.profile_step --theirs --scan mamba3 --batch 8 --seq-len 2048 \
         --baseline .baseline/e9594ce --out DIR
@@ -255,9 +255,15 @@ def profile_scan_theirs(args):
     for what, fn in (("forward", forward), ("forward+backward", both)):
         for _ in range(2):
             fn()
-        times, events = torch_traced(fn, os.path.join(args.out, f"mamba_ssm_{what}.json"),
-                                     args.steps)
+        trace = os.path.join(args.out, f"mamba_ssm_{file_name(what)}.json")
+        times, events = torch_traced(fn, trace, args.steps)
         summarize(events, args.steps, sorted(times)[len(times) // 2], args.top, what=what)
+
+
+def file_name(what: str) -> str:
+    """A pass's name as a file name: "forward+backward" -> "forward_backward" (a "+" is
+    awkward in paths that tools copy)."""
+    return what.replace("+", "_")
 
 
 def torch_traced(fn, trace, steps):
@@ -374,7 +380,7 @@ def profile_scan(args):
                                     ("forward+backward", both, (*args_in, dy))):
         compiled = jitted.lower(*call_args).compile()
         hlo = compiled.as_text()
-        with open(os.path.join(args.out, f"{what}.hlo.txt"), "w") as f:
+        with open(os.path.join(args.out, f"{file_name(what)}.hlo.txt"), "w") as f:
             f.write(hlo)
         fn = lambda: jax.block_until_ready(compiled(*call_args))  # noqa: E731
         fn()
