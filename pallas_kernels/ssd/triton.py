@@ -364,12 +364,13 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             xf = x.astype(jnp.float32)
             dx = dx_dt * dt[:, None]
             dyf = dy.astype(jnp.float32)
+            x_dy = xf * dyf  # both skips' coefficient gradients sum it
             if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
                 dx = dx + D_ref[hi, ps][None, :] * dyf
-                dD = dD + jnp.sum(xf * dyf, axis=0)
-            if has_skip:  # the per-token skip y_t += skip_t x_t
+                dD = dD + jnp.sum(x_dy, axis=0)
+            if has_skip:  # the per-token skip y_t += skip_t x_t: dskip_t += sum_p x dy
                 dx = dx + skip[:, None] * dyf
-                dskip = dskip + jnp.sum(xf * dyf, axis=1)
+                dskip = dskip + jnp.sum(x_dy, axis=1)
             dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
             ddt = ddt + jnp.sum(xf * dx_dt, axis=1)
             via_end = via_end + dt * jnp.sum(xf * dx_state, axis=1)
