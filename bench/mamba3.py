@@ -106,6 +106,13 @@ def make_inputs(rng, b, l, h, p, n, r, dtype):
     return inputs
 
 
+def inputs_and_cotangent(rng, b, l, h, p, n, r):
+    """make_inputs in bf16, then a cotangent of the scan's y, dy [b, l, r, h, p] bf16, drawn
+    from rng after them."""
+    inputs = make_inputs(rng, b, l, h, p, n, r, jnp.bfloat16)
+    return inputs, jnp.asarray(rng.standard_normal((b, l, r, h, p)), jnp.bfloat16)
+
+
 def ours(chunk, implementation, rotary):
     """Our scan of the inputs -> y [b, l, r, h, p] (before the gate)."""
     def scan(inputs):
@@ -300,9 +307,7 @@ def main(argv=None):
     # backward reads per-head copies of B and C at 1 row and turns them in its kernels at 8:
     # triton.Config.backward_turns), MIMO against mamba_ssm's reference at 1 row.
     for rows in (8, 1):
-        small = make_inputs(rng, rows, args.check_len, h, p, n, r, jnp.bfloat16)
-        small_dy = jnp.asarray(rng.standard_normal((rows, args.check_len, r, h, p)),
-                               jnp.bfloat16)
+        small, small_dy = inputs_and_cotangent(rng, rows, args.check_len, h, p, n, r)
         label = f"b={rows} l={args.check_len}"
         check_kernels_against_xla(small, small_dy, args.chunk, rotary, label)
     if mimo and not args.only_ours:
@@ -325,8 +330,7 @@ def main(argv=None):
     failures = []
     for shape in args.shapes:
         b, l = (int(v) for v in shape.split("x"))
-        inputs = make_inputs(rng, b, l, h, p, n, r, jnp.bfloat16)
-        dy = jnp.asarray(rng.standard_normal((b, l, r, h, p)), jnp.bfloat16)
+        inputs, dy = inputs_and_cotangent(rng, b, l, h, p, n, r)
         impls = {impl: jitted(ours(args.chunk, impl, rotary)) for impl in args.implementations}
         times = []
         for f, fb in impls.values():

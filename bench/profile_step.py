@@ -229,6 +229,7 @@ def profile_scan_theirs(args):
                              "bench.ssd times its SSD kernels beside ours" if args.scan == "ssd"
                              else "its MIMO kernels are TileLang's, which the GPU machine "
                                   "does not have"))
+    import numpy as np
     import torch
 
     from bench import mamba3
@@ -237,7 +238,7 @@ def profile_scan_theirs(args):
     kernels = baseline.import_mamba3_siso(args.baseline)
     path = baseline.mamba3_siso_path(args.baseline)
     b, l = args.batch, args.seq_len
-    inputs, dy = mamba3_scan_inputs(b, l, 1)
+    inputs, dy = mamba3.inputs_and_cotangent(np.random.default_rng(0), b, l, 64, 64, 128, 1)
     dy = to_torch(dy[:, :, 0])  # its y has no rank axis
     run = mamba3.theirs_fn(kernels, {k: to_torch(v) for k, v in inputs.items()}, 64)
 
@@ -337,20 +338,6 @@ def decode_hlo(dump: str, keep: str) -> str:
         return f.read()
 
 
-def mamba3_scan_inputs(b, l, r):
-    """bench.mamba3's inputs of rank r (1: SISO) at mamba2-1.3b's head layout (64 heads of 64,
-    d_state 128) and a cotangent dy [b, l, r, 64, 64], bf16, drawn from seed 0: the same for
-    our scan and for mamba_ssm's."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from bench import mamba3
-
-    rng = np.random.default_rng(0)
-    inputs = mamba3.make_inputs(rng, b, l, 64, 64, 128, r, jnp.bfloat16)
-    return inputs, jnp.asarray(rng.standard_normal((b, l, r, 64, 64)), jnp.bfloat16)
-
-
 def profile_scan(args):
     import jax
     import jax.numpy as jnp
@@ -361,8 +348,8 @@ def profile_scan(args):
     from pallas_kernels.ssd import ssd as ssd_scan
 
     b, l = args.batch, args.seq_len
+    rng = np.random.default_rng(0)
     if args.scan == "ssd":
-        rng = np.random.default_rng(0)
         inputs, options = ssd.make_inputs(rng, b, l, args.groups, jnp.bfloat16)
         args_in = ({**inputs, **options},)
         scan = lambda a: ssd_scan(**a, chunk_size=ssd.CHUNK, dt_softplus=True,
@@ -370,7 +357,7 @@ def profile_scan(args):
         dy = jnp.asarray(rng.standard_normal((b, l, ssd.H, ssd.P)), jnp.bfloat16)
     else:
         r = 4 if args.scan == "mamba3-mimo" else 1
-        inputs, dy = mamba3_scan_inputs(b, l, r)
+        inputs, dy = mamba3.inputs_and_cotangent(rng, b, l, 64, 64, 128, r)
         args_in = (inputs,)
         scan = mamba3.ours(64, "triton", "halves" if r > 1 else "pairwise")
     forward, both = jax.jit(scan), forward_and_backward(scan)

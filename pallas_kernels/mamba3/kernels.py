@@ -151,18 +151,18 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         rotation=(positions(per_rank(theta)), turnable(C_bias), turnable(B_bias)))
     y = y.reshape(b, l, r, h, p)
 
-    @jax.checkpoint  # recomputes v in the backward pass rather than keep it
-    def own_ranks(w, eta, C, B, x, C_bias, B_bias, mimo_x=None):
-        """Each token's own ranks: those after R, not yet in the state at (t, R), and eta's
-        share."""
-        qk = token_products(C, B, C_bias, B_bias, h, acc)
-        later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
-        local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
-        v = values(x, mimo_x, acc).astype(x.dtype)
-        return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
-                          preferred_element_type=acc)
     if r > 1:
-        y = (y.astype(acc) + own_ranks(w, eta, C, B, x, C_bias, B_bias, *args[3:])).astype(
+        @jax.checkpoint  # recomputes v in the backward pass rather than keep it
+        def own_ranks(w, eta, C, B, x, C_bias, B_bias, mimo_x):
+            """Each token's own ranks: those after R, not yet in the state at (t, R), and
+            eta's share."""
+            qk = token_products(C, B, C_bias, B_bias, h, acc)
+            later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
+            local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
+            v = values(x, mimo_x, acc).astype(x.dtype)
+            return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
+                              preferred_element_type=acc)
+        y = (y.astype(acc) + own_ranks(w, eta, C, B, x, C_bias, B_bias, mimo_x)).astype(
             x.dtype)
     _, k_last, _ = rotated(C[:, -1:], B[:, -1:], x[:, -1:], theta[:, -1:], C_bias, B_bias,
                            mimo_x, rotary=rotary)
