@@ -185,15 +185,16 @@ def _cos_sin(theta, n):
     return cos, sin
 
 
-# pi / 2 in three parts, the first two with few enough bits that q times them is exact for
-# |q| < 2^15 (Cody and Waite's reduction; the constants are Cephes' pi / 4 ones doubled).
+# pi / 2 in three parts, the first two of 8 and 11 significant bits, so that q times them is
+# exact in float32 for |q| < 2^13, |theta| up to about 1.2e4 (Cody and Waite's reduction;
+# Cephes' pi / 4 constants doubled).
 _HALF_PI = (1.5703125, 4.837512969970703125e-4, 7.54978995489188216e-8)
 
 
 def cos_and_sin(theta):
     """cos and sin of float32 angles, together: one reduction by pi / 2 to [-pi / 4, pi / 4]
-    and Cephes' single-precision polynomials there (within 1e-7 of float64 for |theta| up to
-    1e4; the kernels' angles are wrapped to [0, 2 pi)). libdevice's cosf and sinf, which
+    and Cephes' single-precision polynomials there (about 1e-7 from float64 for |theta| up
+    to 1e4; the kernels' angles are wrapped to [0, 2 pi)). libdevice's cosf and sinf, which
     Pallas lowers jnp.cos and jnp.sin to, each reduce the argument on their own and guard
     a slow path for huge arguments: with them Mamba-3's scan, whose kernels turn B and C by
     each head's angles at every chunk, took 1.10x this function's time forward+backward on
