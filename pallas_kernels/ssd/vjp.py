@@ -204,7 +204,7 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     kernel turns them as it loads them (triton.forward's `rotation`), the backward too or
     from per-head copies (Config.backward_turns); with segments, the parts' states are
     joined in the turned values too (`weighted_state`'s rotation). The kernels' cos and sin
-    (triton.cos_and_sin) are exact to float32 for |theta| up to about 1e4: Mamba-3 passes its
+    (triton.cos_and_sin) are within about 1e-7 for |theta| up to about 1e4: Mamba-3 passes its
     angles wrapped to [0, 2 pi)."""
     config = backend.Config() if config is None else config
     if interpret is None:
