@@ -89,6 +89,10 @@ TOLERANCE = 3e-2
 TOLERANCES = {"dangles": 1e-1, "dC_bias": 1e-1, "dB_bias": 1e-1, "dD": 1e-1}
 
 
+# mamba2-1.3b's head layout, the benchmark's default (heads, headdim, d_state).
+LAYOUT = (64, 64, 128)
+
+
 def make_inputs(rng, b, l, h, p, n, r, dtype):
     """The scan's inputs as the mixer makes them, rank r (1: SISO): C, B [b, l, r, 1, n]
     normed-sized and x [b, l, h, p] in dtype; dt after softplus, adt = A dt with A from the
@@ -106,7 +110,7 @@ def make_inputs(rng, b, l, h, p, n, r, dtype):
     return inputs
 
 
-def inputs_and_cotangent(rng, b, l, h, p, n, r):
+def inputs_and_cotangent(rng, b, l, r, h=LAYOUT[0], p=LAYOUT[1], n=LAYOUT[2]):
     """make_inputs in bf16, then a cotangent of the scan's y, dy [b, l, r, h, p] bf16, drawn
     from rng after them."""
     inputs = make_inputs(rng, b, l, h, p, n, r, jnp.bfloat16)
@@ -257,9 +261,9 @@ def parse_args(argv):
                         help="MIMO of this rank (alone: mamba_ssm's default, "
                              f"{Mamba3Section.mimo_rank}); ours only, checked against "
                              "mamba_ssm's torch reference")
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--headdim", type=int, default=64)
-    parser.add_argument("--d-state", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=LAYOUT[0])
+    parser.add_argument("--headdim", type=int, default=LAYOUT[1])
+    parser.add_argument("--d-state", type=int, default=LAYOUT[2])
     parser.add_argument("--chunk", type=int, default=64,
                         help="the XLA form's chunk and mamba_ssm's SISO chunk (for MIMO its "
                              "reference takes chunk / rank, its recommendation)")
@@ -307,7 +311,7 @@ def main(argv=None):
     # backward reads per-head copies of B and C at 1 row and turns them in its kernels at 8:
     # triton.Config.backward_turns), MIMO against mamba_ssm's reference at 1 row.
     for rows in (8, 1):
-        small, small_dy = inputs_and_cotangent(rng, rows, args.check_len, h, p, n, r)
+        small, small_dy = inputs_and_cotangent(rng, rows, args.check_len, r, h, p, n)
         label = f"b={rows} l={args.check_len}"
         check_kernels_against_xla(small, small_dy, args.chunk, rotary, label)
     if mimo and not args.only_ours:
@@ -330,7 +334,7 @@ def main(argv=None):
     failures = []
     for shape in args.shapes:
         b, l = (int(v) for v in shape.split("x"))
-        inputs, dy = inputs_and_cotangent(rng, b, l, h, p, n, r)
+        inputs, dy = inputs_and_cotangent(rng, b, l, r, h, p, n)
         impls = {impl: jitted(ours(args.chunk, impl, rotary)) for impl in args.implementations}
         times = []
         for f, fb in impls.values():

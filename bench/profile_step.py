@@ -238,7 +238,7 @@ def profile_scan_theirs(args):
     kernels = baseline.import_mamba3_siso(args.baseline)
     path = baseline.mamba3_siso_path(args.baseline)
     b, l = args.batch, args.seq_len
-    inputs, dy = mamba3.inputs_and_cotangent(np.random.default_rng(0), b, l, 64, 64, 128, 1)
+    inputs, dy = mamba3.inputs_and_cotangent(np.random.default_rng(0), b, l, 1)
     dy = to_torch(dy[:, :, 0])  # its y has no rank axis
     run = mamba3.theirs_fn(kernels, {k: to_torch(v) for k, v in inputs.items()}, 64)
 
@@ -357,7 +357,7 @@ def profile_scan(args):
         dy = jnp.asarray(rng.standard_normal((b, l, ssd.H, ssd.P)), jnp.bfloat16)
     else:
         r = 4 if args.scan == "mamba3-mimo" else 1
-        inputs, dy = mamba3.inputs_and_cotangent(rng, b, l, 64, 64, 128, r)
+        inputs, dy = mamba3.inputs_and_cotangent(rng, b, l, r)
         args_in = (inputs,)
         scan = mamba3.ours(64, "triton", "halves" if r > 1 else "pairwise")
     forward, both = jax.jit(scan), forward_and_backward(scan)

@@ -205,12 +205,13 @@ def cos_and_sin(theta):
     s = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4))
     c = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3
                                                                 + r2 * 2.443315711809948e-5))
-    quadrant = q.astype(jnp.int32) & 3  # theta = r + quadrant pi / 2 (mod 2 pi)
-    cos = jnp.where(quadrant == 0, c, jnp.where(quadrant == 1, -s,
-                                                jnp.where(quadrant == 2, -c, s)))
-    sin = jnp.where(quadrant == 0, s, jnp.where(quadrant == 1, c,
-                                                jnp.where(quadrant == 2, -s, -c)))
-    return cos, sin
+    quadrant = q.astype(jnp.int32)  # theta = r + quadrant pi / 2 (mod 2 pi)
+    # Quadrants 0-3 give (cos, sin) = (c, s), (-s, c), (-c, -s), (s, -c): odd ones swap c and
+    # s; cos is negated in quadrants 1 and 2, sin in 2 and 3.
+    odd = (quadrant & 1) == 1
+    cos, sin = jnp.where(odd, s, c), jnp.where(odd, c, s)
+    return (jnp.where(((quadrant + 1) & 2) != 0, -cos, cos),
+            jnp.where((quadrant & 2) != 0, -sin, sin))
 
 
 def _pairs(v):
