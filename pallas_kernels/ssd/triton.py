@@ -54,6 +54,7 @@ from pallas_kernels import hardware
 from pallas_kernels.triton_call import call, present, split_optional
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots for float32 inputs (not TF32)
+_LOG2_E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +163,16 @@ def _chunk_masks(doc_ref, bi, t0, t):
 
 def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
     """Decays of one chunk: within [t, s], from entry to t [t], from s to the chunk's end [s],
-    and across the whole chunk (a scalar)."""
-    within_decay = jnp.exp(jnp.where(within, cs[:, None] - cs[None, :], -jnp.inf))
-    from_entry = jnp.exp(cs)
-    to_end = jnp.exp(cs_last - cs)
-    across = jnp.exp(cs_last)
+    and across the whole chunk (a scalar). As powers of two of cs log2(e), scaled once a
+    chunk: exp2 is one hardware instruction (ex2.approx, about 2 ulp), where libdevice's
+    expf, which jnp.exp lowers to, reduces its argument first (mamba_ssm's selective scan
+    scales A by log2(e) for the same reason); the t x t decays are as many exponentials a
+    chunk as the products have rows and columns."""
+    cs, cs_last = cs * _LOG2_E, cs_last * _LOG2_E
+    within_decay = jnp.exp2(jnp.where(within, cs[:, None] - cs[None, :], -jnp.inf))
+    from_entry = jnp.exp2(cs)
+    to_end = jnp.exp2(cs_last - cs)
+    across = jnp.exp2(cs_last)
     if doc is not None:
         from_entry = jnp.where(doc == doc_entry, from_entry, 0.0)
         to_end = jnp.where(doc == doc_last, to_end, 0.0)
