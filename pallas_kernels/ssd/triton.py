@@ -166,8 +166,7 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
     and across the whole chunk (a scalar). As powers of two of cs log2(e), scaled once a
     chunk: exp2 is one hardware instruction (ex2.approx, about 2 ulp), where libdevice's
     expf, which jnp.exp lowers to, reduces its argument first (mamba_ssm's selective scan
-    scales A by log2(e) for the same reason); the t x t decays are as many exponentials a
-    chunk as the products have rows and columns."""
+    scales A by log2(e) for the same reason), and each chunk of a walk takes t x t of them."""
     cs, cs_last = cs * _LOG2_E, cs_last * _LOG2_E
     within_decay = jnp.exp2(jnp.where(within, cs[:, None] - cs[None, :], -jnp.inf))
     from_entry = jnp.exp2(cs)
@@ -610,9 +609,11 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, int
                                has_doc=doc is not None, has_rotation=rotation is not None)
     out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
                  jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x))]
-    stages = config.forward_stages if rotation is None else config.rotation_forward_stages
-    return call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
-                "ssd_chunk_states")(
+    # forward_stages with or without the turn: without the read-out the walk has registers
+    # for a second stage (on an H200 at 8 x 8192, the Mamba-3 scan's forward+backward took
+    # 0.97-0.98x the time with it; the same at 8 x 2048)
+    return call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
+                config.forward_stages, interpret, "ssd_chunk_states")(
         x, dt, cs, B, initial_state, *present(doc), *_rotation_args(rotation, config, B))[1]
 
 
