@@ -26,10 +26,11 @@ kernels (mamba3_MIMO_chunk_ref in its tests/ops/tilelang/test_mamba3_mimo.py, im
 --baseline) at the check shape, then timed against its TileLang kernels (mamba3_mimo
 without the gate and the out-projection over ranks, so that its y is our scan's, at its
 recommended chunk of 64 / R tokens) where TileLang imports, else alone. TileLang is not on
-the GPU machine: its wheel (tilelang 0.1.15, 49.5 MB) and its dependencies (z3-solver
-4.15.4.0, 29 MB; apache-tvm-ffi 0.1.12; torch-c-dlpack-ext) are more than one call carries
-beside --baseline, so they go in two calls to a warm machine (ignored files a call carried
-stay there for the next), installed with `pip install --no-deps --target /tmp/site`.
+the GPU machine, and its wheel (tilelang 0.1.15, 49.5 MB) with its dependencies (z3-solver
+4.15.4.0, 29 MB; apache-tvm-ffi 0.1.12; torch-c-dlpack-ext) is more than a call carries:
+installed here for CPython 3.12 (`pip install --no-deps --only-binary=:all: --python-version
+3.12 --target DIR`), without z3's executable and its second copy of libz3, and packed as
+one xz tarball (37 MB), it travels in one call, unpacked there onto PYTHONPATH.
 
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
 gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,
@@ -96,14 +97,16 @@ LAYOUT = (64, 64, 128)
 def make_inputs(rng, b, l, h, p, n, r, dtype):
     """The scan's inputs as the mixer makes them, rank r (1: SISO): C, B [b, l, r, 1, n]
     normed-sized and x [b, l, h, p] in dtype; dt after softplus, adt = A dt with A from the
-    heavy-tail range, trap and angles [b, l, n/4] float32; biases [h, r, n], D [h]; for MIMO
-    mimo_x [h, r, p] near mamba_ssm's init 1/r."""
+    heavy-tail range, trap (values of dtype, as the in-projection makes them: mamba_ssm's
+    MIMO kernels take it in dtype) and angles [b, l, n/4] float32; biases [h, r, n], D [h];
+    for MIMO mimo_x [h, r, p] near mamba_ssm's init 1/r."""
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     dt = jax.nn.softplus(arr(b, l, h) - 3.0)
     inputs = dict(C=arr(b, l, r, 1, n).astype(dtype), B=arr(b, l, r, 1, n).astype(dtype),
                   x=arr(b, l, h, p).astype(dtype),
                   adt=-dt * jnp.asarray(rng.uniform(0.5, 2, (b, l, h)), jnp.float32), dt=dt,
-                  trap=arr(b, l, h), angles=arr(b, l, n // 4), C_bias=1 + arr(h, r, n) / 4,
+                  trap=arr(b, l, h).astype(dtype).astype(jnp.float32),
+                  angles=arr(b, l, n // 4), C_bias=1 + arr(h, r, n) / 4,
                   B_bias=1 + arr(h, r, n) / 4, D=arr(h))
     if r > 1:
         inputs["mimo_x"] = (1 + arr(h, r, p) / 4) / r
@@ -192,6 +195,7 @@ def theirs_fn(kernels, t_in, chunk):
                       Angles=leaves["angles"][:, :, None].expand(-1, -1, heads, -1))
         if isinstance(kernels, tuple):
             mamba3_mimo, rotary_dim_divisor = kernels
+            shared["Trap"] = shared["Trap"].to(torch.bfloat16)  # exact: make_inputs' values
             y = mamba3_mimo(Q=leaves["C"], K=leaves["B"], Q_bias=leaves["C_bias"],
                             K_bias=leaves["B_bias"], MIMO_V=leaves["mimo_x"], MIMO_Z=None,
                             MIMO_Out=None, rotary_dim_divisor=rotary_dim_divisor,
