@@ -164,9 +164,9 @@ def _chunk_masks(doc_ref, bi, t0, t):
 def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
     """Decays of one chunk: within [t, s], from entry to t [t], from s to the chunk's end [s],
     and across the whole chunk (a scalar). As powers of two of cs log2(e), scaled once a
-    chunk: exp2 is one hardware instruction (ex2.approx, about 2 ulp), where libdevice's
-    expf, which jnp.exp lowers to, reduces its argument first (mamba_ssm's selective scan
-    scales A by log2(e) for the same reason), and each chunk of a walk takes t x t of them."""
+    chunk: libdevice's exp2f, which jnp.exp2 lowers to, is the hardware's ex2.approx (about 2
+    ulp), where its expf, which jnp.exp lowers to, reduces the argument first (mamba_ssm's
+    selective scan scales A by log2(e) for the same reason); a chunk takes t x t of them."""
     cs, cs_last = cs * _LOG2_E, cs_last * _LOG2_E
     within_decay = jnp.exp2(jnp.where(within, cs[:, None] - cs[None, :], -jnp.inf))
     from_entry = jnp.exp2(cs)
