@@ -23,14 +23,15 @@ Mamba3 default chunk 64, on the same inputs (its angles per head: the module's e
 the shared ones). MIMO (--mimo-rank R; without a value mamba_ssm's Mamba3 default rank, 4):
 ours checked, values and every gradient, against mamba_ssm's float32 torch reference of its
 kernels (mamba3_MIMO_chunk_ref in its tests/ops/tilelang/test_mamba3_mimo.py, imported from
---baseline) at the check shape, then timed against its TileLang kernels (mamba3_mimo
-without the gate and the out-projection over ranks, so that its y is our scan's, at its
-recommended chunk of 64 / R tokens) where TileLang imports, else alone. TileLang is not on
-the GPU machine, and its wheel (tilelang 0.1.15, 49.5 MB) with its dependencies (z3-solver
-4.15.4.0, 29 MB; apache-tvm-ffi 0.1.12; torch-c-dlpack-ext) is more than a call carries:
-installed here for CPython 3.12 (`pip install --no-deps --only-binary=:all: --python-version
-3.12 --target DIR`), without z3's executable and its second copy of libz3, and packed as
-one xz tarball (37 MB), it travels in one call, unpacked there onto PYTHONPATH.
+--baseline) at the check shape, then timed against its TileLang kernels (mamba3_mimo without
+the gate and the out-projection over ranks, so that its y is our scan's, at its recommended
+chunk of 64 / R tokens) where TileLang imports, else alone. TileLang is not on the GPU
+machine, and the wheel of the version mamba_ssm pins (tilelang 0.1.8, 43.5 MB; 0.1.15 fails
+to compile its backward kernels) with its dependencies (z3-solver 4.15.4.0, 29 MB;
+apache-tvm-ffi 0.1.12; torch-c-dlpack-ext) is more than a call carries: installed here for
+CPython 3.12 (`pip install --no-deps --only-binary=:all: --python-version 3.12 --target
+DIR`), without z3's executable and its second copy of libz3, and packed as one xz tarball
+(32 MB), it travels in one call, unpacked there onto PYTHONPATH.
 
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
 gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,
