@@ -165,9 +165,11 @@ def import_mamba3_mimo(baseline):
     """(mamba_ssm's mamba3_mimo, its Mamba-3 MIMO TileLang kernels, from the copy, '') where
     TileLang imports, else (None, why not)."""
     _use_copy(baseline)
+    # OSError: a TileLang library that does not load; AttributeError: a TileLang that does
+    # not match its apache-tvm-ffi (tilelang 0.1.8 on 0.1.12, in tvm_ffi's registry)
     try:
         from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo import mamba3_mimo
-    except (ImportError, OSError) as error:  # OSError: a TileLang library that does not load
+    except (ImportError, OSError, AttributeError) as error:
         return None, f"{type(error).__name__}: {error}"
     return mamba3_mimo, ""
 

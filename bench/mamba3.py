@@ -28,10 +28,12 @@ the gate and the out-projection over ranks, so that its y is our scan's, at its 
 chunk of 64 / R tokens) where TileLang imports, else alone. TileLang is not on the GPU
 machine, and the wheel of the version mamba_ssm pins (tilelang 0.1.8, 43.5 MB; 0.1.15 fails
 to compile its backward kernels) with its dependencies (z3-solver 4.15.4.0, 29 MB;
-apache-tvm-ffi 0.1.12; torch-c-dlpack-ext) is more than a call carries: installed here for
-CPython 3.12 (`pip install --no-deps --only-binary=:all: --python-version 3.12 --target
-DIR`), without z3's executable and its second copy of libz3, and packed as one xz tarball
-(32 MB), it travels in one call, unpacked there onto PYTHONPATH.
+apache-tvm-ffi 0.1.8.post2, the release current when tilelang 0.1.8 was built: 0.1.12 stops
+its import with an AttributeError in tvm_ffi's registry; torch-c-dlpack-ext; cloudpickle)
+is more than a call carries: installed here for CPython 3.12 (`pip install --no-deps
+--only-binary=:all: --python-version 3.12 --target DIR`), without z3's executable and its
+second copy of libz3, and packed as one xz tarball (32 MB), it travels in one call,
+unpacked there onto PYTHONPATH.
 
 Checks, each the worst difference over the largest value, 3e-2 at most (1e-1 for the
 gradients summed over the whole row: the angles', the biases', D's; see TOLERANCES). First,

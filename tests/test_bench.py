@@ -271,6 +271,18 @@ def test_mimo_reference_loads_from_the_copys_tests(copy, monkeypatch, pytest_pre
     assert (reference.pytest is pytest) == pytest_present
 
 
+@pytest.mark.parametrize("failure", ["raise ImportError('no tilelang')",
+                                     "raise AttributeError('tvm_ffi registry')"])
+def test_mimo_kernels_that_do_not_import_are_named_not_raised(copy, monkeypatch, failure):
+    # A TileLang that is absent, or does not match its apache-tvm-ffi (an AttributeError at
+    # import), leaves our MIMO timed alone with the reason in the table's header.
+    monkeypatch.delitem(sys.modules, "mamba_ssm.ops.tilelang.mamba3.mamba3_mimo",
+                        raising=False)
+    write(Path(copy), {"mamba_ssm/ops/tilelang/mamba3/mamba3_mimo.py": failure + "\n"})
+    kernels, why = baseline.import_mamba3_mimo(copy)
+    assert kernels is None and why.startswith(failure.split()[1].split("(")[0])
+
+
 def test_mamba3_floor_counts_each_parameter_once_and_the_state_per_row():
     # Weights: in_proj and out_proj in bf16, the rest float32; per row the cache's four
     # states read and written, the SSM state in the given bytes an element, the rest float32.
