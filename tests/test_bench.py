@@ -454,3 +454,27 @@ def test_profile_step_profiles_their_mamba3_scan_only(tmp_path):
         profile_step.main(["--theirs", "--scan", "ssd", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--scan mamba3-mimo: .* TileLang"):
         profile_step.main(["--theirs", "--scan", "mamba3-mimo", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_the_step_benchmark_stores_its_states_as_generate_does(dtype):
+    # bench.step times the step kernel on states stored as a decoding cache stores them: an
+    # int8 cache as its values and per-row float32 scales, each within half a step of the
+    # float32 state it was made of.
+    import jax
+    import numpy as np
+
+    from bench.step import step_inputs
+    from mamba_jax import Mamba2Config
+    from pallas_kernels.ssd.step import Int8State, load_state
+    cfg = Mamba2Config.preset("tiny")
+    states = step_inputs(cfg, 2, dtype, 2, np.random.default_rng(0))["state"]
+    exact = step_inputs(cfg, 2, "float32", 2, np.random.default_rng(0))["state"]
+    assert len(states) == 2
+    for state, want in zip(states, exact):
+        assert isinstance(state, Int8State) == (dtype == "int8")
+        assert jax.tree.leaves(state)[0].dtype == {"int8": np.int8}.get(dtype, dtype)
+        step = (np.abs(np.asarray(want)).max(-1, keepdims=True) / 127 if dtype == "int8"
+                else np.abs(np.asarray(want)) * 2.0 ** -8)
+        assert np.all(np.abs(np.asarray(load_state(state)) - np.asarray(want))
+                      <= {"float32": 0, "bfloat16": 1, "int8": 0.5}[dtype] * step * 1.0001)
