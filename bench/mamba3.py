@@ -189,6 +189,9 @@ def theirs_fn(kernels, t_in, chunk):
     and mimo_x as ours). Both take decays and gates [b, h, l] and angles per head."""
     import torch
 
+    if isinstance(kernels, tuple):  # its MIMO kernels take trap in bf16: exact for
+        t_in = {**t_in, "trap": t_in["trap"].to(torch.bfloat16)}  # make_inputs' values
+
     def run(grad, dy=None):
         leaves = {k: v.detach().requires_grad_(grad) for k, v in t_in.items()}
         heads = leaves["x"].shape[2]
@@ -198,7 +201,6 @@ def theirs_fn(kernels, t_in, chunk):
                       Angles=leaves["angles"][:, :, None].expand(-1, -1, heads, -1))
         if isinstance(kernels, tuple):
             mamba3_mimo, rotary_dim_divisor = kernels
-            shared["Trap"] = shared["Trap"].to(torch.bfloat16)  # exact: make_inputs' values
             y = mamba3_mimo(Q=leaves["C"], K=leaves["B"], Q_bias=leaves["C_bias"],
                             K_bias=leaves["B_bias"], MIMO_V=leaves["mimo_x"], MIMO_Z=None,
                             MIMO_Out=None, rotary_dim_divisor=rotary_dim_divisor,

@@ -466,7 +466,7 @@ def test_the_step_benchmark_stores_its_states_as_generate_does(dtype):
 
     from bench.step import step_inputs
     from mamba_jax import Mamba2Config
-    from pallas_kernels.ssd.step import Int8State, load_state
+    from pallas_kernels.ssd.step import INT8_LEVELS, Int8State, load_state
     cfg = Mamba2Config.preset("tiny")
     states = step_inputs(cfg, 2, dtype, 2, np.random.default_rng(0))["state"]
     exact = step_inputs(cfg, 2, "float32", 2, np.random.default_rng(0))["state"]
@@ -474,7 +474,7 @@ def test_the_step_benchmark_stores_its_states_as_generate_does(dtype):
     for state, want in zip(states, exact):
         assert isinstance(state, Int8State) == (dtype == "int8")
         assert jax.tree.leaves(state)[0].dtype == {"int8": np.int8}.get(dtype, dtype)
-        step = (np.abs(np.asarray(want)).max(-1, keepdims=True) / 127 if dtype == "int8"
+        step = (np.abs(np.asarray(want)).max(-1, keepdims=True) / INT8_LEVELS if dtype == "int8"
                 else np.abs(np.asarray(want)) * 2.0 ** -8)
         assert np.all(np.abs(np.asarray(load_state(state)) - np.asarray(want))
                       <= {"float32": 0, "bfloat16": 1, "int8": 0.5}[dtype] * step * 1.0001)
