@@ -159,9 +159,11 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
             qk = token_products(C, B, C_bias, B_bias, h, acc)
             later = jnp.triu(jnp.ones((r, r), acc), 1)[None, None, :, :, None]  # [R, r]: r > R
             local = qk * (later * w[:, :, None, None] - eta[:, :, None, None])
-            v = values(x, mimo_x, acc).astype(x.dtype)
-            return jnp.einsum("blRrh,blrhp->blRhp", local.astype(v.dtype), v,
-                              preferred_element_type=acc)
+            v = values(x, mimo_x, acc).astype(x.dtype).astype(acc)
+            local = local.astype(x.dtype).astype(acc)
+            # r products summed, one elementwise fusion: as a dot_general this is a batch of
+            # b * l * h products of r x r by r x p, which XLA hands to a batched GEMM
+            return sum(local[:, :, :, j, :, None] * v[:, :, None, j] for j in range(r))
         y = (y.astype(acc) + own_ranks(w, eta, C, B, x, C_bias, B_bias, mimo_x)).astype(
             x.dtype)
     _, k_last, _ = rotated(C[:, -1:], B[:, -1:], x[:, -1:], theta[:, -1:], C_bias, B_bias,
@@ -181,7 +183,10 @@ def token_products(C, B, C_bias, B_bias, h, acc):
     per_group = lambda bias: bias.astype(C.dtype).astype(acc).reshape(g, h // g, r, n)
     C, B = C.astype(acc), B.astype(acc)
     C_bias, B_bias = per_group(C_bias), per_group(B_bias)
-    qk = (jnp.einsum("blRgn,blrgn->blRrg", C, B)[..., None]
+    # C . B of a token's r x r pairs as products and a sum over n (one fusion), not a
+    # dot_general: that would be a batch of b * l * g GEMMs of r rows and r columns
+    CB = jnp.sum(C[:, :, :, None] * B[:, :, None], axis=-1)  # [b, l, R, r, g]
+    qk = (CB[..., None]
           + jnp.einsum("blRgn,gGrn->blRrgG", C, B_bias)
           + jnp.einsum("gGRn,blrgn->blRrgG", C_bias, B)
           + jnp.einsum("gGRn,gGrn->RrgG", C_bias, B_bias))
