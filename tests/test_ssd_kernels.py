@@ -248,36 +248,64 @@ def test_weighted_state_kernel_matches_the_reference(dtype, p):
     assert errors["state"] < 1e-5, errors  # the same products, summed in another order
 
 
+@pytest.mark.parametrize("rank", [1, 4], ids=["rank1", "rank4"])
 @pytest.mark.parametrize("segments", [1, 3], ids=["whole", "3-parts"])
-def test_a_per_token_skip_adds_skip_times_x_and_its_gradients(segments):
-    # ssd_weighted's `skip` (Mamba-3 SISO's own-token term, applied in the forward kernel
-    # and the backward's state kernel) against the same scan without it plus skip_t x_t in
-    # XLA: 2 rows of 48 positions (3 kernel chunks of 16), 4 heads in 2 groups, documents,
-    # an initial state, D, the row whole or in 3 parts; values, the final state and every
-    # input's gradient, skip's own included, within float32 sums in another order.
+def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank, segments):
+    # ssd_weighted's `rank` and `eta` (Mamba-3's own-token terms, inside the kernels) against
+    # the same scan without them plus, in XLA, what they add to y at position (t, R) of token
+    # t: sum_{r > R} weights_t,r (C_t,R . B_t,r) x_t,r - sum_r eta_t,r (C_t,R . B_t,r) x_t,r
+    # (the decay on each token's first position, so none inside a token). 2 rows of 12
+    # tokens (48 positions, 3 kernel chunks of 16), 4 heads in 2 groups, documents that
+    # start at tokens, an initial state, D, the row whole or in 3 parts; values, the final
+    # state and every input's gradient, eta's included, within float32 sums in another order.
     rng = np.random.default_rng()
-    b, l, h, p, g, n = 2, 48, 4, 16, 2, 16
+    b, tokens, h, p, g, n = 2, 48 // rank, 4, 16, 2, 16
+    l = tokens * rank
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    weights = jax.nn.softplus(arr(b, l, h))
-    args = dict(x=arr(b, l, h, p), weights=weights, log_decay=-weights * rng.uniform(0.5, 2),
-                B=arr(b, l, g, n), C=arr(b, l, g, n), D=arr(h), initial_state=arr(b, h, p, n))
-    skip, seq_idx = arr(b, l, h), jnp.asarray(np.cumsum(document_starts(rng, b, l), axis=1))
+    positions = lambda a: a.reshape(b, l, *a.shape[3:])  # [b, tokens, rank, ...] -> [b, l, ...]
+    per_rank = lambda a: jnp.repeat(a, rank, axis=1)  # [b, tokens, ...] -> [b, l, ...]
+    first = (jnp.arange(rank) == 0)[None, None, :, None]
+    args = dict(x=arr(b, l, h, p), weights=jax.nn.softplus(arr(b, l, h)),
+                token_decay=-jax.nn.softplus(arr(b, tokens, h)), B=arr(b, l, g, n),
+                C=arr(b, l, g, n), D=arr(h), initial_state=arr(b, h, p, n),
+                eta=jax.nn.softplus(arr(b, l, h)))
+    seq_idx = per_rank(jnp.asarray(np.cumsum(document_starts(rng, b, tokens), axis=1)))
     wy, ws = arr(b, l, h, p), arr(b, h, p, n)
     scan = functools.partial(vjp.ssd_weighted, backend=triton, seq_idx=seq_idx,
                              segments=segments, config=triton.Config(chunk=16, block_p=8))
 
-    def loss(diff, with_skip):
-        kw = {k: v for k, v in diff.items() if k != "skip"}
-        if with_skip:
-            y, s = scan(**kw, skip=diff["skip"])
+    def own_token_terms(x, weights, B, C, eta):
+        by_token = lambda a: a.reshape(b, tokens, rank, *a.shape[2:])
+        by_head = lambda a: jnp.repeat(by_token(a), h // g, axis=3)  # [b, T, r, h, n]
+        CB = jnp.einsum("bTRhn,bTrhn->bTRrh", by_head(C), by_head(B),
+                        precision=jax.lax.Precision.HIGHEST)
+        later = jnp.triu(jnp.ones((rank, rank)), 1)[None, None, :, :, None]  # [R, r]: r > R
+        coefficient = CB * (later * by_token(weights)[:, :, None] - by_token(eta)[:, :, None])
+        return positions(jnp.einsum("bTRrh,bTrhp->bTRhp", coefficient, by_token(x),
+                                    precision=jax.lax.Precision.HIGHEST))
+
+    def loss(diff, in_kernels):
+        kw = {k: v for k, v in diff.items() if k not in ("eta", "token_decay")}
+        log_decay = positions(first * diff["token_decay"][:, :, None])
+        if in_kernels:
+            y, s = scan(**kw, log_decay=log_decay, rank=rank, eta=diff["eta"])
         else:
-            y, s = scan(**kw)
-            y = y + diff["skip"][..., None] * kw["x"]
+            y, s = scan(**kw, log_decay=log_decay)
+            y = y + own_token_terms(kw["x"], kw["weights"], kw["B"], kw["C"], diff["eta"])
         return jnp.vdot(y, wy) + jnp.vdot(s, ws), (y, s)
 
-    results = [jax.jit(jax.value_and_grad(functools.partial(loss, with_skip=w), has_aux=True))(
-        {**args, "skip": skip}) for w in (True, False)]
+    results = [jax.jit(jax.value_and_grad(functools.partial(loss, in_kernels=k),
+                                          has_aux=True))(args) for k in (True, False)]
     flat = [{"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
             for (_, (y, s)), grads in results]
     errors = relative_errors(*flat)
     assert all(e < 1e-5 for e in errors.values()), errors  # NaN fails too
+
+
+def test_tokens_must_divide_the_chunk():
+    # a token straddling two kernel chunks would be split between their products
+    x = jnp.zeros((1, 24, 2, 16))
+    B = jnp.zeros((1, 24, 1, 16))
+    with pytest.raises(ValueError, match="rank 3 must divide the kernels' chunk 16"):
+        vjp.ssd_weighted(x, jnp.ones((1, 24, 2)), jnp.zeros((1, 24, 2)), B, B, backend=triton,
+                         config=triton.Config(chunk=16), rank=3, eta=jnp.zeros((1, 24, 2)))

@@ -146,12 +146,20 @@ def _weighted(a, weights):
     return (a.astype(jnp.float32) * weights[:, None]).astype(a.dtype)
 
 
-def _chunk_masks(doc_ref, bi, t0, t):
-    """One chunk's document view: the [t, s] mask (causal, same document), the documents of
-    its positions [t], of its last position, and of the position before it (the document
-    whose state enters the chunk). Without documents only the causal mask."""
+def _tokens(t, rank):
+    """The [t, s] token of each position of a chunk, row-wise and column-wise: position s
+    belongs to token s // rank (`eta`'s tokens, forward's docstring)."""
     row = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+    return (row, col) if rank == 1 else (row // rank, col // rank)
+
+
+def _chunk_masks(doc_ref, bi, t0, t, rank=1):
+    """One chunk's document view: the [t, s] mask (causal by tokens of `rank` positions,
+    same document), the documents of its positions [t], of its last position, and of the
+    position before it (the document whose state enters the chunk). Without documents only
+    the causal mask."""
+    row, col = _tokens(t, rank)
     causal = col <= row
     if doc_ref is None:
         return causal, None, None, None
@@ -177,6 +185,12 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
         to_end = jnp.where(doc == doc_last, to_end, 0.0)
         across = jnp.where(doc_last == doc_entry, across, 0.0)
     return within_decay, from_entry, to_end, across
+
+
+def _pair_weights(dt, eta, same):
+    """The weight of position s in y_t [t, s] (or [1, s] without eta): dt_s, less eta_s where
+    s is in t's token (same [t, s])."""
+    return dt[None, :] if eta is None else dt[None, :] - jnp.where(same, eta[None, :], 0.0)
 
 
 def _cos_sin(theta, n):
@@ -297,14 +311,14 @@ def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
             None if Ck is None else _turned(Ck, C_bias_ref[hi], cos, sin))
 
 
-def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, has_doc,
-                    has_D, has_skip, has_rotation):
+def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, rank,
+                    has_doc, has_D, has_eta, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
-    skip_ref, rest = split_optional(rest, has_skip)
+    eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (y_ref, final_ref) = _split_rotation(rest, has_rotation)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref, None,
-                 t=t, r=r, bp=bp, bs=bs, read_out=(C_ref, D_ref, skip_ref, y_ref))
+                 t=t, r=r, bp=bp, bs=bs, rank=rank, read_out=(C_ref, D_ref, eta_ref, y_ref))
 
 
 def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc,
@@ -316,12 +330,12 @@ def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp
 
 
 def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref,
-                 states_ref, *, t, r, bp, bs, read_out):
+                 states_ref, *, t, r, bp, bs, read_out, rank=1):
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
     [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
-    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, skip_ref
-    or None, y_ref) also computes y; without it the walk reads only x and B (the backward's
-    recomputation of the states)."""
+    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, eta_ref
+    or None, y_ref) also computes y, over tokens of `rank` positions; without it the walk
+    reads only x and B (the backward's recomputation of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -332,13 +346,15 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
         Bk, Ck = _chunk_BC(B_ref, None if read_out is None else read_out[0], rotation, bi, ts,
                            gi, hi)
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
-        within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
+        within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t, rank)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         if read_out is not None:  # C B^T once for all of the program's columns
-            _, D_ref, skip_ref, y_ref = read_out
-            scores = (_dot(Ck, Bk, (1, 1)) * within_decay * dt[None, :]).astype(dtype)
-            skip = None if skip_ref is None else skip_ref[bi, hi, ts]
+            _, D_ref, eta_ref, y_ref = read_out
+            eta = None if eta_ref is None else eta_ref[bi, hi, ts]
+            row, col = _tokens(t, rank)
+            scores = (_dot(Ck, Bk, (1, 1)) * within_decay
+                      * _pair_weights(dt, eta, row == col)).astype(dtype)
         leaving = []
         for ps, state in zip(cols, states):
             x = x_ref[bi, ts, hi, ps]
@@ -349,8 +365,6 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                 y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
                 if D_ref is not None:  # the skip, here rather than an XLA pass over y and x
                     y = y + D_ref[hi, ps][None, :] * x.astype(jnp.float32)
-                if skip is not None:  # the per-token skip, likewise
-                    y = y + skip[:, None] * x.astype(jnp.float32)
                 y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
             leaving.append(state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0)))
         return tuple(leaving)
@@ -362,14 +376,14 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
 
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
-                           r, bp, bs, has_doc, has_D, has_skip, has_rotation):
+                           r, bp, bs, rank, has_doc, has_D, has_eta, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
-    skip_ref, rest = split_optional(rest, has_skip)
+    eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *extra) = _split_rotation(
         rest, has_rotation)
     dD_ref, extra = split_optional(extra, has_D)
-    dskip_ref, _ = split_optional(extra, has_skip)
+    deta_ref, _ = split_optional(extra, has_eta)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -384,13 +398,20 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         ts = pl.ds(t0, t)
         Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi)
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
-        within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
+        within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t, rank)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
-        # y_t = sum_s CB_ts decay_ts dt_s x_s + ...; leaving state = sum_s to_end_s dt_s x_s B_s^T
-        scores = (_dot(Ck, Bk, (1, 1)) * within_decay).astype(dtype)  # [t, s]
-        skip = None if skip_ref is None else skip_ref[bi, hi, ts]
-        ddt, dskip, via_end, entering, new_dD = 0.0, 0.0, 0.0, [], []
+        # y_t = sum_s CB_ts decay_ts (dt_s - eta_s [s in t's token]) x_s + ...; leaving state
+        # = sum_s to_end_s dt_s x_s B_s^T
+        scores = _dot(Ck, Bk, (1, 1)) * within_decay  # [t, s]
+        if has_eta:  # the token's own pairs, whose gradients eta's terms take
+            eta = eta_ref[bi, hi, ts]
+            row, col = _tokens(t, rank)
+            own = jnp.where(row == col, scores, 0.0)
+            # one position a token: the diagonal, a scale per position rather than a matmul
+            own = jnp.sum(own, axis=0) if rank == 1 else own.astype(dtype)
+        scores = scores.astype(dtype)
+        ddt, deta, via_end, entering, new_dD = 0.0, 0.0, 0.0, [], []
         for ps, dstate, dD in zip(cols, dstates, dDs):
             dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
             x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
@@ -399,21 +420,21 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             xf = x.astype(jnp.float32)
             dx = dx_dt * dt[:, None]
             dyf = dy.astype(jnp.float32)
-            x_dy = xf * dyf  # both skips' coefficient gradients sum it
             if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
                 dx = dx + D_ref[hi, ps][None, :] * dyf
-                dD = dD + jnp.sum(x_dy, axis=0)
-            if has_skip:  # the per-token skip y_t += skip_t x_t: dskip_t += sum_p x dy
-                dx = dx + skip[:, None] * dyf
-                dskip = dskip + jnp.sum(x_dy, axis=1)
+                dD = dD + jnp.sum(xf * dyf, axis=0)
+            if has_eta:  # y_t -= sum_{s in t's token} CB_ts eta_s x_s
+                dx_own = own[:, None] * dyf if rank == 1 else _dot(own, dy, (0, 0))  # [s, bs]
+                dx = dx - eta[:, None] * dx_own
+                deta = deta - jnp.sum(xf * dx_own, axis=1)
             dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
             ddt = ddt + jnp.sum(xf * dx_dt, axis=1)
             via_end = via_end + dt * jnp.sum(xf * dx_state, axis=1)
             entering.append(dstate * across + _dot(_weighted(dy, from_entry), Ck, (0, 0)))
             new_dD.append(dD)
         ddt_ref[pi, bi, hi, ts] = ddt
-        if has_skip:
-            dskip_ref[pi, bi, hi, ts] = dskip
+        if has_eta:
+            deta_ref[pi, bi, hi, ts] = deta
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
         dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
         return tuple(entering), tuple(new_dD)
@@ -428,9 +449,11 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
 
 
 def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref, dstates_ref,
-                        *rest, t, r, group_heads, heads, bs, has_doc, has_rotation):
+                        *rest, t, r, group_heads, heads, bs, rank, has_eta, has_doc,
+                        has_rotation):
     """r: the heads of one dB/dC output, a group's (group_heads), or 1 with `rotation` (the
     turned B and C differ per head, and so do their gradients)."""
+    eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (dB_ref, dC_ref, dcs_ref) = _split_rotation(rest, has_rotation)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -442,7 +465,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     head0 = gi * r + qi * heads  # the program's first head
     Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts, head0 // group_heads, head0)
     CB = _dot(Ck, Bk, (1, 1))  # [t, s]
-    within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t)
+    within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t, rank)
+    row, col = _tokens(t, rank)
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
     n = Bk.shape[-1]
     cols = _sub_blocks(0, x_ref.shape[-1], bs)
@@ -466,7 +490,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
             dy_state = dy_state + _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy state
             dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
             state_dstate = state_dstate + jnp.sum(dstate * state)
-        dscores = dy_x * within_decay * dt[None, :]
+        eta = eta_ref[bi, hi, ts] if has_eta else None
+        dscores = dy_x * within_decay * _pair_weights(dt, eta, row == col)
         dC = dC + from_entry[:, None] * dy_state
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
         # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
@@ -569,12 +594,18 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
-def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, rotation=None,
-            interpret=False):
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, eta=None, rank=1,
+            rotation=None, interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
-    the skip y += D x; skip [b, h, l] float32 or None, a per-token skip y_t += skip_t x_t)
-    -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
+    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
+
+    rank, eta [b, h, l] float32 or None: the positions form tokens of `rank` (dividing the
+    chunk; position s is token s // rank's), and y_t reads every position of t's own token,
+    those after t too, as it reads those before it, each with the decay exp(cs_t - cs_s)
+    (Mamba-3 puts a token's decay on its first position, making it 1 inside a token), and
+    with its weight dt_s less eta_s (Mamba-3's trapezoid: its MIMO ranks, and the part of a
+    token's weight that belongs to the next token). rank 1 and eta None: the SSD.
 
     rotation: None, or (theta [b, l, h, a] float32, C_bias, B_bias [h, rank, n]) with rank
     dividing the chunk: then head i reads at position s C_s + C_bias[i, s % rank] (added in
@@ -586,9 +617,10 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, r
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
-                               bs=_sub_block(bp), has_doc=doc is not None, has_D=D is not None,
-                               has_skip=skip is not None, has_rotation=rotation is not None)
-    args = (x, dt, cs, B, C, initial_state) + present(D, skip, doc) + _rotation_args(
+                               bs=_sub_block(bp), rank=rank, has_doc=doc is not None,
+                               has_D=D is not None, has_eta=eta is not None,
+                               has_rotation=rotation is not None)
+    args = (x, dt, cs, B, C, initial_state) + present(D, eta, doc) + _rotation_args(
         rotation, config, B)
     stages = config.forward_stages if rotation is None else config.rotation_forward_stages
     return call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
@@ -617,11 +649,11 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, int
         x, dt, cs, B, initial_state, *present(doc), *_rotation_args(rotation, config, B))[1]
 
 
-def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=None,
+def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, eta=None, rank=1,
              rotation=None, interpret=False):
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
     dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
-    float32 or None for D None, dskip [b, h, l] float32 or None for skip None), where ddt is
+    float32 or None for D None, deta [b, h, l] float32 or None for eta None), where ddt is
     the gradient through dt's direct use only; cs's own gradient is dcs. dB and dC are in B's
     dtype where one program sums a group's heads (the default), float32 partial sums
     otherwise, summed here. rotation: as forward's, B and C turned as they are loaded; dB and
@@ -634,18 +666,18 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     turning = _rotation_args(rotation, config, B)
     kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
-                               has_doc=doc is not None, has_D=D is not None,
-                               has_skip=skip is not None, has_rotation=rotation is not None)
+                               rank=rank, has_doc=doc is not None, has_D=D is not None,
+                               has_eta=eta is not None, has_rotation=rotation is not None)
     dx, ddt, dcs_end, dstates, dinit, *extra = call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
          f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))])
-        + ([] if skip is None else [f32((p // bp, b, h, l))]),
+        + ([] if eta is None else [f32((p // bp, b, h, l))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
-    )(x, dt, cs, B, C, dy, dfinal, *present(D, skip, doc), *turning)
+    )(x, dt, cs, B, C, dy, dfinal, *present(D, eta, doc), *turning)
     dD, extra = split_optional(extra, D is not None)
-    dskip, _ = split_optional(extra, skip is not None)
+    deta, _ = split_optional(extra, eta is not None)
     group_heads = r
     if rotation is not None:  # a dB/dC output a head
         r, g = 1, h
@@ -654,7 +686,8 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
         raise ValueError(f"ssd: Config.backward_bc_heads={heads} must divide the heads per "
                          f"group, {r}")
     kernel = functools.partial(_backward_bc_kernel, t=t, r=r, group_heads=group_heads,
-                               heads=heads, bs=_sub_block(p), has_doc=doc is not None,
+                               heads=heads, bs=_sub_block(p), rank=rank,
+                               has_eta=eta is not None, has_doc=doc is not None,
                                has_rotation=rotation is not None)
     # One program a group: its sum is whole, so it is rounded to B's dtype in the kernel (as
     # the caller would round it after a float32 pass over it: with a head a group, Mamba-3's
@@ -666,9 +699,9 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
     dB, dC, dcs = call(
         kernel, (b, l // t, g * partials), [grads(B), grads(C), f32((b, h, l))],
         warps, config.backward_stages, interpret, "ssd_backward_bc",
-    )(x, dt, cs, B, C, dy, states, dstates, *present(doc), *turning)
+    )(x, dt, cs, B, C, dy, states, dstates, *present(eta, doc), *turning)
     return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
-            None if dD is None else dD.sum(0), None if dskip is None else dskip.sum(0))
+            None if dD is None else dD.sum(0), None if deta is None else deta.sum(0))
 
 
 def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):

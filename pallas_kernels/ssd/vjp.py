@@ -57,15 +57,15 @@ from pallas_kernels.ssd.reference import document_ids, process_dt
 from pallas_kernels.triton_call import off_gpu
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _core(backend, config, interpret, segments, prepare, dt, cs, initial_state, doc, D, skip,
-          ends, rotation, *inputs):
-    return _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_state,
-                     doc, D, skip, ends, rotation, *inputs)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _core(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc, D,
+          eta, ends, rotation, *inputs):
+    return _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs,
+                     initial_state, doc, D, eta, ends, rotation, *inputs)[0]
 
 
-def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_state, doc, D,
-              skip, ends, rotation, *inputs):
+def _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc,
+              D, eta, ends, rotation, *inputs):
     """The kernels' forward over rows x, B, C = prepare(*inputs) ([b * segments, l, h, p]
     etc., chunk-padded), the initial_state [b, h, p, n] float32 entering each row's first
     part (None: zeros, which the backward then makes again rather than keeps), and
@@ -83,16 +83,17 @@ def _core_fwd(backend, config, interpret, segments, prepare, dt, cs, initial_sta
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     entering = _zeros_if_none(initial_state, x, B)
     y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
-                                     skip=skip, rotation=rotation, interpret=interpret)
+                                     eta=eta, rank=rank, rotation=rotation,
+                                     interpret=interpret)
     final_state = final_state[segments - 1::segments]
     # The backward recomputes x, B, C from the inputs and the per-chunk states from those
     # (backend.chunk_states).
-    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, skip, decays, ends,
+    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, eta, decays, ends,
                               rotation)
 
 
-def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangents):
-    inputs, dt, cs, initial_state, doc, D, skip, decays, ends, rotation = residuals
+def _core_bwd(backend, config, interpret, segments, rank, prepare, residuals, cotangents):
+    inputs, dt, cs, initial_state, doc, D, eta, decays, ends, rotation = residuals
     (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
     turning = None  # the rotation the kernels apply as they load B and C
     if rotation is not None:  # the kernels' dB and dC are per head, of the turned B and C
@@ -115,8 +116,8 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
         read_out = backend.weighted_state(dy, C, from_start, config=config, rotation=swapped,
                                           interpret=interpret)
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
-    dx, ddt, dcs, dB, dC, dinit, dD, dskip = backend.backward(
-        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, skip=skip,
+    dx, ddt, dcs, dB, dC, dinit, dD, deta = backend.backward(
+        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, eta=eta, rank=rank,
         rotation=turning, interpret=interpret)
     dB, dC = dB.astype(B.dtype), dC.astype(C.dtype)
     drotation = None
@@ -124,7 +125,7 @@ def _core_bwd(backend, config, interpret, segments, prepare, residuals, cotangen
         dB, dC, drotation = turned_vjp((dB, dC))
     dinputs = prepare_vjp((dx, dB, dC))
     dinit = None if initial_state is None else dinit[::segments]
-    return (ddt, dcs, dinit, None, dD, dskip, None, drotation,
+    return (ddt, dcs, dinit, None, dD, deta, None, drotation,
             *(None if d is None or d.dtype == jax.dtypes.float0 else d for d in dinputs))
 
 
@@ -193,12 +194,20 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
 
 def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret=None, D=None,
                  initial_state=None, seq_idx=None, segments=1, inputs=None, rotation=None,
-                 skip=None):
+                 eta=None, rank=1):
     """The scan h_t = exp(log_decay_t) h_{t-1} + weights_t x_t B_t^T, y_t = h_t C_t + D x_t
-    (+ skip_t x_t) on `backend`: the SSD with its decay given per token instead of dt_t * A
-    (Mamba-3's data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h]
-    (float32); skip [b, l, h] float32 or None, a per-token skip applied in the kernels
-    (Mamba-3 SISO's own-token term); other arguments (inputs too) and the result as `ssd`.
+    on `backend`: the SSD with its decay given per token instead of dt_t * A (Mamba-3's
+    data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h] (float32);
+    other arguments (inputs too) and the result as `ssd`.
+    rank, eta [b, l, h] float32 or None: the positions form tokens of `rank` consecutive
+    positions (rank dividing the kernels' chunk and each segment's positions), and y_t reads
+    every position s of its own token, those after t too:
+        y_t = sum_{token(s) <= token(t)} exp(L_t - L_s) w_ts (C_t . B_s) x_s + D x_t,
+    L the cumulative sum of log_decay, w_ts = weights_s, less eta_s where s is in t's token.
+    Mamba-3's own-token terms: for MIMO the ranks after t, and for every rank the part of
+    the token's weight that belongs to the next token; it puts a token's decay on its first
+    position, so L_t = L_s inside a token. Computed in the kernels' intra-chunk products,
+    eta's gradient with the others (triton.forward's `eta`).
     rotation: None, or (theta [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B
     and C with its biases, turned by its angles (Mamba-3's rotary embedding): the forward
     kernel turns them as it loads them (triton.forward's `rotation`), the backward too or
@@ -234,8 +243,11 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     if rotation is not None:
         theta, C_bias, B_bias = rotation
         rotation = (pad_l(rows(theta.astype(jnp.float32))), C_bias, B_bias)
-    if skip is not None:
-        skip = by_head(rows(skip))
-    y, final_state = _core(backend, config, interpret, segments, prepare, dt, cs, state, doc,
-                           D, skip, ends, rotation, *args)
+    if t % rank or l % rank:
+        raise ValueError(f"ssd: tokens of rank {rank} must divide the kernels' chunk {t} and "
+                         f"each segment's {l} positions")
+    if eta is not None:
+        eta = by_head(rows(eta))
+    y, final_state = _core(backend, config, interpret, segments, rank, prepare, dt, cs, state,
+                           doc, D, eta, ends, rotation, *args)
     return y[:, :l].reshape(b, l_row, h, p), final_state
