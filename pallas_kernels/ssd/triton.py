@@ -102,7 +102,13 @@ class Config:
     # copies' time at 8 x 2048 and 8 x 8192, and 1.22x at 1 x 65536, where each of the 128
     # programs walks 1,024 chunks and the turn lengthens every step of the walk.
     backward_turns: bool | None = None
-    turned_back_rows: int = 16  # the positions (rows) of one turned_back program
+    # The positions (rows) of one turned_back program; None: 16, or 32 where the biases have
+    # several rows (MIMO ranks; at least the rank, and dividing the rows). On an H200 (Mamba-3 scan forward and
+    # backward, 64 heads of 64, d_state 128, bf16, 8 x 2048): SISO took 4.07 and 4.11 ms at
+    # 32 and 64 rows against 3.92 at 16; MIMO rank 4 took 16.49 and 16.94 against 17.56
+    # (its 16 rows are 4 tokens, and its biases' partial sums, a [rank, n] per program and
+    # head, 1 GB in float32).
+    turned_back_rows: int | None = None
 
     def turns_in_backward(self, b, h):
         """Whether the backward kernels turn B and C themselves (`backward_turns`) for x
@@ -187,10 +193,20 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
     return within_decay, from_entry, to_end, across
 
 
-def _pair_weights(dt, eta, same):
-    """The weight of position s in y_t [t, s] (or [1, s] without eta): dt_s, less eta_s where
-    s is in t's token (same [t, s])."""
-    return dt[None, :] if eta is None else dt[None, :] - jnp.where(same, eta[None, :], 0.0)
+def _pair_weights(dt, eta, t, rank):
+    """The weight of position s in y_t [t, s] (or [1, s]): dt_s, less eta_s where s is in t's
+    token of rank > 1 positions. With one position a token eta_s falls on the diagonal only,
+    which the kernels take as a scale per position (`_diagonal`), not as a [t, s] select."""
+    if eta is None or rank == 1:
+        return dt[None, :]
+    row, col = _tokens(t, rank)
+    return dt[None, :] - jnp.where(row == col, eta[None, :], 0.0)
+
+
+def _diagonal(Ck, Bk):
+    """C_s . B_s [t] float32 of one chunk's C, B [t, n]: the products' diagonal, without the
+    [t, s] products (their within-chunk decay is 1 there)."""
+    return jnp.sum(Ck.astype(jnp.float32) * Bk.astype(jnp.float32), axis=1)
 
 
 def _cos_sin(theta, n):
@@ -352,9 +368,10 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
         if read_out is not None:  # C B^T once for all of the program's columns
             _, D_ref, eta_ref, y_ref = read_out
             eta = None if eta_ref is None else eta_ref[bi, hi, ts]
-            row, col = _tokens(t, rank)
             scores = (_dot(Ck, Bk, (1, 1)) * within_decay
-                      * _pair_weights(dt, eta, row == col)).astype(dtype)
+                      * _pair_weights(dt, eta, t, rank)).astype(dtype)
+            # one position a token: y_s -= eta_s (C_s . B_s) x_s, a scale as D's
+            own = -eta * _diagonal(Ck, Bk) if eta is not None and rank == 1 else None
         leaving = []
         for ps, state in zip(cols, states):
             x = x_ref[bi, ts, hi, ps]
@@ -365,6 +382,8 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                 y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
                 if D_ref is not None:  # the skip, here rather than an XLA pass over y and x
                     y = y + D_ref[hi, ps][None, :] * x.astype(jnp.float32)
+                if own is not None:
+                    y = y + own[:, None] * x.astype(jnp.float32)
                 y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
             leaving.append(state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0)))
         return tuple(leaving)
@@ -406,10 +425,11 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         scores = _dot(Ck, Bk, (1, 1)) * within_decay  # [t, s]
         if has_eta:  # the token's own pairs, whose gradients eta's terms take
             eta = eta_ref[bi, hi, ts]
-            row, col = _tokens(t, rank)
-            own = jnp.where(row == col, scores, 0.0)
-            # one position a token: the diagonal, a scale per position rather than a matmul
-            own = jnp.sum(own, axis=0) if rank == 1 else own.astype(dtype)
+            if rank == 1:  # the diagonal, a scale per position
+                own = _diagonal(Ck, Bk)
+            else:
+                row, col = _tokens(t, rank)
+                own = jnp.where(row == col, scores, 0.0).astype(dtype)
         scores = scores.astype(dtype)
         ddt, deta, via_end, entering, new_dD = 0.0, 0.0, 0.0, [], []
         for ps, dstate, dD in zip(cols, dstates, dDs):
@@ -466,13 +486,14 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     Bk, Ck = _chunk_BC(B_ref, C_ref, rotation, bi, ts, head0 // group_heads, head0)
     CB = _dot(Ck, Bk, (1, 1))  # [t, s]
     within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t, rank)
-    row, col = _tokens(t, rank)
     last = jax.lax.broadcasted_iota(jnp.int32, (t,), 0) == t - 1
     n = Bk.shape[-1]
     cols = _sub_blocks(0, x_ref.shape[-1], bs)
 
+    diagonal = has_eta and rank == 1  # eta's terms on the diagonal, a scale per position
+
     def head(j, carry):
-        dS, dB, dC = carry
+        dS, dB, dC, d_own = carry  # d_own [t]: the gradient of C_s . B_s from eta's terms
         hi = gi * r + qi * heads + j
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within_decay, from_entry, to_end, across = _decays(
@@ -481,17 +502,21 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
         # share B and C, so their dscores are summed first and meet B and C once, after the
         # loop: dC += dS B, dB += dS^T C. The headdim's sub-blocks each add their share of
         # the contractions over it.
-        dy_x, dy_state, state_dstate = 0.0, 0.0, 0.0
+        dy_x, dy_state, state_dstate, x_dy = 0.0, 0.0, 0.0, 0.0
         for ps in cols:
             x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
             state = states_ref[bi, k, hi, ps, :].astype(jnp.float32)  # entering the chunk
             dstate = dstates_ref[bi, k, hi, ps, :].astype(jnp.float32)  # of the leaving one
             dy_x = dy_x + _dot(dy, x, (1, 1))  # [t, s]
+            if diagonal:  # dy_s . x_s, dy_x's diagonal
+                x_dy = x_dy + jnp.sum(x.astype(jnp.float32) * dy.astype(jnp.float32), axis=1)
             dy_state = dy_state + _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy state
             dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
             state_dstate = state_dstate + jnp.sum(dstate * state)
         eta = eta_ref[bi, hi, ts] if has_eta else None
-        dscores = dy_x * within_decay * _pair_weights(dt, eta, row == col)
+        dscores = dy_x * within_decay * _pair_weights(dt, eta, t, rank)
+        if diagonal:
+            d_own = d_own - eta * x_dy
         dC = dC + from_entry[:, None] * dy_state
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
         # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
@@ -501,11 +526,15 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
                + from_entry * jnp.sum(Ck.astype(jnp.float32) * dy_state, axis=1)
                + jnp.where(last, across * state_dstate, 0.0))
         dcs_ref[bi, hi, ts] = dcs
-        return dS + dscores, dB, dC
+        return dS + dscores, dB, dC, d_own
 
     zeros = jnp.zeros((t, n), jnp.float32)
-    dS, dB, dC = jax.lax.fori_loop(0, heads, head,
-                                   (jnp.zeros((t, t), jnp.float32), zeros, zeros))
+    dS, dB, dC, d_own = jax.lax.fori_loop(
+        0, heads, head,
+        (jnp.zeros((t, t), jnp.float32), zeros, zeros, jnp.zeros((t,), jnp.float32)))
+    if diagonal:  # C_s . B_s's gradient to B_s and C_s
+        dB = dB + d_own[:, None] * Ck.astype(jnp.float32)
+        dC = dC + d_own[:, None] * Bk.astype(jnp.float32)
     dS = dS.astype(dtype)
     dB_ref[qi, bi, ts, gi, :] = (dB + _dot(dS, Ck, (0, 0))).astype(dB_ref.dtype)
     dC_ref[qi, bi, ts, gi, :] = (dC + _dot(dS, Bk)).astype(dC_ref.dtype)
@@ -737,6 +766,8 @@ def turned_back(grads, B, C, rotation, *, config, interpret=False):
     b, l, h, n = dB.shape
     g = B.shape[2]
     rank, a, T = C_bias.shape[1], theta.shape[-1], config.turned_back_rows
+    if T is None:  # l is a multiple of the chunk, a power of two that rank divides
+        T = 16 if rank == 1 else math.gcd(l, max(32, rank))
     if l % T or T % rank:
         raise ValueError(f"ssd: Config.turned_back_rows={T} must divide the rows {l} and be "
                          f"a multiple of the rank {rank}")
