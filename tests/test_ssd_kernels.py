@@ -248,6 +248,41 @@ def test_weighted_state_kernel_matches_the_reference(dtype, p):
     assert errors["state"] < 1e-5, errors  # the same products, summed in another order
 
 
+@pytest.mark.parametrize("segments", [1, 3], ids=["whole", "3-parts"])
+def test_a_per_token_skip_adds_skip_times_x_and_its_gradients(segments):
+    # ssd_weighted's `skip` (Mamba-3 SISO's own-token term, applied in the forward kernel
+    # and the backward's state kernel) against the same scan without it plus skip_t x_t in
+    # XLA: 2 rows of 48 positions (3 kernel chunks of 16), 4 heads in 2 groups, documents,
+    # an initial state, D, the row whole or in 3 parts; values, the final state and every
+    # input's gradient, skip's own included, within float32 sums in another order.
+    rng = np.random.default_rng()
+    b, l, h, p, g, n = 2, 48, 4, 16, 2, 16
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    weights = jax.nn.softplus(arr(b, l, h))
+    args = dict(x=arr(b, l, h, p), weights=weights, log_decay=-weights * rng.uniform(0.5, 2),
+                B=arr(b, l, g, n), C=arr(b, l, g, n), D=arr(h), initial_state=arr(b, h, p, n))
+    skip, seq_idx = arr(b, l, h), jnp.asarray(np.cumsum(document_starts(rng, b, l), axis=1))
+    wy, ws = arr(b, l, h, p), arr(b, h, p, n)
+    scan = functools.partial(vjp.ssd_weighted, backend=triton, seq_idx=seq_idx,
+                             segments=segments, config=triton.Config(chunk=16, block_p=8))
+
+    def loss(diff, with_skip):
+        kw = {k: v for k, v in diff.items() if k != "skip"}
+        if with_skip:
+            y, s = scan(**kw, skip=diff["skip"])
+        else:
+            y, s = scan(**kw)
+            y = y + diff["skip"][..., None] * kw["x"]
+        return jnp.vdot(y, wy) + jnp.vdot(s, ws), (y, s)
+
+    results = [jax.jit(jax.value_and_grad(functools.partial(loss, with_skip=w), has_aux=True))(
+        {**args, "skip": skip}) for w in (True, False)]
+    flat = [{"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
+            for (_, (y, s)), grads in results]
+    errors = relative_errors(*flat)
+    assert all(e < 1e-5 for e in errors.values()), errors  # NaN fails too
+
+
 @pytest.mark.parametrize("rank", [1, 4], ids=["rank1", "rank4"])
 @pytest.mark.parametrize("segments", [1, 3], ids=["whole", "3-parts"])
 def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank, segments):

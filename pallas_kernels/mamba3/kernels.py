@@ -14,12 +14,15 @@ B), q (C) and v (x), the weight w_t, and the decay adt_t on the first rank of ea
 none on the others, as tokens of r positions (ssd_weighted's `rank` and `eta`): in their
 intra-chunk products y_t,R reads every rank of its own token, those after R too, and the
 token's own pairs are weighted w_t - eta_t, so the two local terms above are computed where
-q . k and v already are, and their gradients with the others'. For SISO (r = 1) that is
-the diagonal of each chunk's products, which the forward kernel weights by w_t - eta_t.
-Written in XLA around the kernels instead (q_t,R . k_t,r from the unrotated B and C, then a
-product with v per token), the MIMO term took 3.4 of the 11.0 ms of a rank-4 forward at 8 x
-2048 with 64 heads on an H200 as dot_generals (batches of r x r products), and 0.4 of 3.6 ms
-written as sums in fusions, with about 4 ms of a 20.5 ms forward+backward (docs/kernels.md).
+q . k and v already are, and their gradients with the others'. For SISO (r = 1) it is
+-eta_t (q_t . k_t) v_t, a per-token skip (ssd_weighted's `skip`) that the kernels apply as
+they apply D, so XLA makes no pass over y and x for it, nor over dy and x for its gradients
+(about 0.4 of 4.8 ms of kernel time at 8 x 2048 with 64 heads on an H200, docs/kernels.md);
+q . k comes from the unrotated C and B (`token_products`). Written in XLA around the kernels instead (q_t,R . k_t,r from the unrotated B and C, then a
+product with v per token), the MIMO term took 7.6 of the 11.0 ms of a rank-4 forward at 8 x
+2048 with 64 heads on an H200 as dot_generals (batches of r x r products); as sums in
+fusions the scan took 3.70 ms forward and 20.52 forward and backward, in the kernels 3.04
+and 17.56 (docs/kernels.md).
 The initial state enters with its previous token's trapezoid term folded in, as in the
 chunked form.
 
@@ -138,13 +141,19 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         v = values(x, mimo_x, acc).astype(x.dtype)
         return positions(v), positions(turnable(B)), positions(turnable(C))
 
+    # SISO's own-token term, -eta_t (q_t . k_t) x_t, is a per-token skip the kernels apply
+    # as they apply D (no pass over y and x in XLA, nor over dy and x for its gradients);
+    # MIMO's, which mixes the token's ranks, is the kernels' products over tokens of r
+    # positions (`rank` and `eta`).
+    skip = -eta * token_products(C, B, C_bias, B_bias, h, acc)[:, :, 0, 0] if r == 1 else None
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
         None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
         None, None, backend=triton, interpret=interpret, D=D, segments=segments,
         initial_state=None if h0 is None else turnable(h0),
         seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
-        inputs=(vBC, args), rank=r, eta=positions(per_rank(eta)),
+        inputs=(vBC, args), skip=skip, rank=r,
+        eta=None if r == 1 else positions(per_rank(eta)),
         rotation=(positions(per_rank(theta)), turnable(C_bias), turnable(B_bias)))
     y = y.reshape(b, l, r, h, p)
     _, k_last, _ = rotated(C[:, -1:], B[:, -1:], x[:, -1:], theta[:, -1:], C_bias, B_bias,
@@ -153,3 +162,22 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
                         k_last[:, 0], x[:, -1])
     return y, final
 
+
+def token_products(C, B, C_bias, B_bias, h, acc):
+    """q_t,R . k_t,r [b, l, r, r, h] in acc for C, B [b, l, r, g, n] and their biases
+    [h, r, n]: the products of one token's rotated q and k, taken before the rotation, which
+    turns both by the same angle and so keeps their dot product. Summed as the group's
+    C . B and the bias terms, no per-head q or k is made ([b, l, r, h, n], h / g copies of
+    C and B)."""
+    b, l, r, g, n = C.shape
+    per_group = lambda bias: bias.astype(C.dtype).astype(acc).reshape(g, h // g, r, n)
+    C, B = C.astype(acc), B.astype(acc)
+    C_bias, B_bias = per_group(C_bias), per_group(B_bias)
+    # C . B of a token's r x r pairs as products and a sum over n (one fusion), not a
+    # dot_general: that would be a batch of b * l * g GEMMs of r rows and r columns
+    CB = jnp.sum(C[:, :, :, None] * B[:, :, None], axis=-1)  # [b, l, R, r, g]
+    qk = (CB[..., None]
+          + jnp.einsum("blRgn,gGrn->blRrgG", C, B_bias)
+          + jnp.einsum("gGRn,blrgn->blRrgG", C_bias, B)
+          + jnp.einsum("gGRn,gGrn->RrgG", C_bias, B_bias))
+    return qk.reshape(b, l, r, r, h)

@@ -34,6 +34,12 @@ forward does (`Config.backward_turns`); either way their dB and dC are per head,
 turned values, and `turned`'s vjp (XLA's, or the kernel `turned_back`) carries them back to
 the group's B and C, the angles and the biases.
 
+With `eta` and `rank` (Mamba-3's own-token terms; forward's docstring) the positions form
+tokens: the intra-chunk products are causal by tokens, a token's own pairs weighted dt - eta;
+the backward's state kernel takes those pairs once more for dx and eta's gradient. With
+`skip` (Mamba-3 SISO's own-token term, one position a token) the forward kernel adds
+skip x as it adds D x, and the backward's state kernel its gradients.
+
 The kernel chunk t is this module's own tile, independent of the caller's chunk_size: the
 chunked algorithm is exact for any chunk, only rounding differs. Matmul operands are x's
 dtype (bf16 allowed) with float32 accumulation; decays, cumulative sums and states are
@@ -103,11 +109,11 @@ class Config:
     # programs walks 1,024 chunks and the turn lengthens every step of the walk.
     backward_turns: bool | None = None
     # The positions (rows) of one turned_back program; None: 16, or 32 where the biases have
-    # several rows (MIMO ranks; at least the rank, and dividing the rows). On an H200 (Mamba-3 scan forward and
-    # backward, 64 heads of 64, d_state 128, bf16, 8 x 2048): SISO took 4.07 and 4.11 ms at
-    # 32 and 64 rows against 3.92 at 16; MIMO rank 4 took 16.49 and 16.94 against 17.56
-    # (its 16 rows are 4 tokens, and its biases' partial sums, a [rank, n] per program and
-    # head, 1 GB in float32).
+    # several rows (MIMO ranks; at least the rank, and dividing the rows). On an H200 (the
+    # Mamba-3 scan forward and backward, 64 heads of 64, d_state 128, bf16, 8 x 2048): SISO
+    # took 4.07 and 4.11 ms at 32 and 64 rows against 3.92 at 16; MIMO rank 4 took 16.49 and
+    # 16.94 against 17.56 (16 rows are 4 of its tokens, and its biases' partial sums, a
+    # [rank, n] per program and head, were 1 GB in float32).
     turned_back_rows: int | None = None
 
     def turns_in_backward(self, b, h):
@@ -194,19 +200,12 @@ def _decays(cs, cs_last, within, doc, doc_last, doc_entry):
 
 
 def _pair_weights(dt, eta, t, rank):
-    """The weight of position s in y_t [t, s] (or [1, s]): dt_s, less eta_s where s is in t's
-    token of rank > 1 positions. With one position a token eta_s falls on the diagonal only,
-    which the kernels take as a scale per position (`_diagonal`), not as a [t, s] select."""
-    if eta is None or rank == 1:
+    """The weight of position s in y_t [t, s] (or [1, s] without eta): dt_s, less eta_s where
+    s is in t's token."""
+    if eta is None:
         return dt[None, :]
     row, col = _tokens(t, rank)
     return dt[None, :] - jnp.where(row == col, eta[None, :], 0.0)
-
-
-def _diagonal(Ck, Bk):
-    """C_s . B_s [t] float32 of one chunk's C, B [t, n]: the products' diagonal, without the
-    [t, s] products (their within-chunk decay is 1 there)."""
-    return jnp.sum(Ck.astype(jnp.float32) * Bk.astype(jnp.float32), axis=1)
 
 
 def _cos_sin(theta, n):
@@ -328,13 +327,15 @@ def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
 
 
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, rank,
-                    has_doc, has_D, has_eta, has_rotation):
+                    has_doc, has_D, has_skip, has_eta, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
+    skip_ref, rest = split_optional(rest, has_skip)
     eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (y_ref, final_ref) = _split_rotation(rest, has_rotation)
     _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref, None,
-                 t=t, r=r, bp=bp, bs=bs, rank=rank, read_out=(C_ref, D_ref, eta_ref, y_ref))
+                 t=t, r=r, bp=bp, bs=bs, rank=rank,
+                 read_out=(C_ref, D_ref, skip_ref, eta_ref, y_ref))
 
 
 def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp, bs, has_doc,
@@ -349,9 +350,9 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                  states_ref, *, t, r, bp, bs, read_out, rank=1):
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
     [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
-    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, eta_ref
-    or None, y_ref) also computes y, over tokens of `rank` positions; without it the walk
-    reads only x and B (the backward's recomputation of the states)."""
+    given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, skip_ref
+    or None, eta_ref or None, y_ref) also computes y, over tokens of `rank` positions; without
+    it the walk reads only x and B (the backward's recomputation of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -366,12 +367,11 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
         if read_out is not None:  # C B^T once for all of the program's columns
-            _, D_ref, eta_ref, y_ref = read_out
+            _, D_ref, skip_ref, eta_ref, y_ref = read_out
             eta = None if eta_ref is None else eta_ref[bi, hi, ts]
             scores = (_dot(Ck, Bk, (1, 1)) * within_decay
                       * _pair_weights(dt, eta, t, rank)).astype(dtype)
-            # one position a token: y_s -= eta_s (C_s . B_s) x_s, a scale as D's
-            own = -eta * _diagonal(Ck, Bk) if eta is not None and rank == 1 else None
+            skip = None if skip_ref is None else skip_ref[bi, hi, ts]
         leaving = []
         for ps, state in zip(cols, states):
             x = x_ref[bi, ts, hi, ps]
@@ -382,8 +382,8 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                 y = y + from_entry[:, None] * _dot(Ck, state.astype(dtype), (1, 1))
                 if D_ref is not None:  # the skip, here rather than an XLA pass over y and x
                     y = y + D_ref[hi, ps][None, :] * x.astype(jnp.float32)
-                if own is not None:
-                    y = y + own[:, None] * x.astype(jnp.float32)
+                if skip is not None:  # the per-position skip, likewise
+                    y = y + skip[:, None] * x.astype(jnp.float32)
                 y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
             leaving.append(state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0)))
         return tuple(leaving)
@@ -395,13 +395,15 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
 
 
 def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_ref, *rest, t,
-                           r, bp, bs, rank, has_doc, has_D, has_eta, has_rotation):
+                           r, bp, bs, rank, has_doc, has_D, has_skip, has_eta, has_rotation):
     D_ref, rest = split_optional(rest, has_D)
+    skip_ref, rest = split_optional(rest, has_skip)
     eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
     rotation, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *extra) = _split_rotation(
         rest, has_rotation)
     dD_ref, extra = split_optional(extra, has_D)
+    dskip_ref, extra = split_optional(extra, has_skip)
     deta_ref, _ = split_optional(extra, has_eta)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
@@ -425,13 +427,11 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         scores = _dot(Ck, Bk, (1, 1)) * within_decay  # [t, s]
         if has_eta:  # the token's own pairs, whose gradients eta's terms take
             eta = eta_ref[bi, hi, ts]
-            if rank == 1:  # the diagonal, a scale per position
-                own = _diagonal(Ck, Bk)
-            else:
-                row, col = _tokens(t, rank)
-                own = jnp.where(row == col, scores, 0.0).astype(dtype)
+            row, col = _tokens(t, rank)
+            own = jnp.where(row == col, scores, 0.0).astype(dtype)
         scores = scores.astype(dtype)
-        ddt, deta, via_end, entering, new_dD = 0.0, 0.0, 0.0, [], []
+        skip = None if skip_ref is None else skip_ref[bi, hi, ts]
+        ddt, dskip, deta, via_end, entering, new_dD = 0.0, 0.0, 0.0, 0.0, [], []
         for ps, dstate, dD in zip(cols, dstates, dDs):
             dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
             x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
@@ -440,11 +440,15 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             xf = x.astype(jnp.float32)
             dx = dx_dt * dt[:, None]
             dyf = dy.astype(jnp.float32)
+            x_dy = xf * dyf  # both skips' coefficient gradients sum it
             if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
                 dx = dx + D_ref[hi, ps][None, :] * dyf
-                dD = dD + jnp.sum(xf * dyf, axis=0)
+                dD = dD + jnp.sum(x_dy, axis=0)
+            if has_skip:  # the per-position skip y_t += skip_t x_t: dskip_t += sum_p x dy
+                dx = dx + skip[:, None] * dyf
+                dskip = dskip + jnp.sum(x_dy, axis=1)
             if has_eta:  # y_t -= sum_{s in t's token} CB_ts eta_s x_s
-                dx_own = own[:, None] * dyf if rank == 1 else _dot(own, dy, (0, 0))  # [s, bs]
+                dx_own = _dot(own, dy, (0, 0))  # [s, bs]
                 dx = dx - eta[:, None] * dx_own
                 deta = deta - jnp.sum(xf * dx_own, axis=1)
             dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
@@ -453,6 +457,8 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             entering.append(dstate * across + _dot(_weighted(dy, from_entry), Ck, (0, 0)))
             new_dD.append(dD)
         ddt_ref[pi, bi, hi, ts] = ddt
+        if has_skip:
+            dskip_ref[pi, bi, hi, ts] = dskip
         if has_eta:
             deta_ref[pi, bi, hi, ts] = deta
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
@@ -490,10 +496,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     n = Bk.shape[-1]
     cols = _sub_blocks(0, x_ref.shape[-1], bs)
 
-    diagonal = has_eta and rank == 1  # eta's terms on the diagonal, a scale per position
-
     def head(j, carry):
-        dS, dB, dC, d_own = carry  # d_own [t]: the gradient of C_s . B_s from eta's terms
+        dS, dB, dC = carry
         hi = gi * r + qi * heads + j
         dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within_decay, from_entry, to_end, across = _decays(
@@ -502,21 +506,17 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
         # share B and C, so their dscores are summed first and meet B and C once, after the
         # loop: dC += dS B, dB += dS^T C. The headdim's sub-blocks each add their share of
         # the contractions over it.
-        dy_x, dy_state, state_dstate, x_dy = 0.0, 0.0, 0.0, 0.0
+        dy_x, dy_state, state_dstate = 0.0, 0.0, 0.0
         for ps in cols:
             x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
             state = states_ref[bi, k, hi, ps, :].astype(jnp.float32)  # entering the chunk
             dstate = dstates_ref[bi, k, hi, ps, :].astype(jnp.float32)  # of the leaving one
             dy_x = dy_x + _dot(dy, x, (1, 1))  # [t, s]
-            if diagonal:  # dy_s . x_s, dy_x's diagonal
-                x_dy = x_dy + jnp.sum(x.astype(jnp.float32) * dy.astype(jnp.float32), axis=1)
             dy_state = dy_state + _dot(dy, state.astype(dtype))  # [t, n]: sum_p dy state
             dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
             state_dstate = state_dstate + jnp.sum(dstate * state)
         eta = eta_ref[bi, hi, ts] if has_eta else None
         dscores = dy_x * within_decay * _pair_weights(dt, eta, t, rank)
-        if diagonal:
-            d_own = d_own - eta * x_dy
         dC = dC + from_entry[:, None] * dy_state
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
         # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
@@ -526,15 +526,11 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
                + from_entry * jnp.sum(Ck.astype(jnp.float32) * dy_state, axis=1)
                + jnp.where(last, across * state_dstate, 0.0))
         dcs_ref[bi, hi, ts] = dcs
-        return dS + dscores, dB, dC, d_own
+        return dS + dscores, dB, dC
 
     zeros = jnp.zeros((t, n), jnp.float32)
-    dS, dB, dC, d_own = jax.lax.fori_loop(
-        0, heads, head,
-        (jnp.zeros((t, t), jnp.float32), zeros, zeros, jnp.zeros((t,), jnp.float32)))
-    if diagonal:  # C_s . B_s's gradient to B_s and C_s
-        dB = dB + d_own[:, None] * Ck.astype(jnp.float32)
-        dC = dC + d_own[:, None] * Bk.astype(jnp.float32)
+    dS, dB, dC = jax.lax.fori_loop(0, heads, head,
+                                   (jnp.zeros((t, t), jnp.float32), zeros, zeros))
     dS = dS.astype(dtype)
     dB_ref[qi, bi, ts, gi, :] = (dB + _dot(dS, Ck, (0, 0))).astype(dB_ref.dtype)
     dC_ref[qi, bi, ts, gi, :] = (dC + _dot(dS, Bk)).astype(dC_ref.dtype)
@@ -623,11 +619,12 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
-def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, eta=None, rank=1,
-            rotation=None, interpret=False):
+def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, eta=None,
+            rank=1, rotation=None, interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
-    the skip y += D x) -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
+    the skip y += D x; skip [b, h, l] float32 or None, a per-position skip y_t += skip_t x_t)
+    -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
 
     rank, eta [b, h, l] float32 or None: the positions form tokens of `rank` (dividing the
     chunk; position s is token s // rank's), and y_t reads every position of t's own token,
@@ -647,9 +644,9 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, eta=None, ra
                  jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
                                bs=_sub_block(bp), rank=rank, has_doc=doc is not None,
-                               has_D=D is not None, has_eta=eta is not None,
-                               has_rotation=rotation is not None)
-    args = (x, dt, cs, B, C, initial_state) + present(D, eta, doc) + _rotation_args(
+                               has_D=D is not None, has_skip=skip is not None,
+                               has_eta=eta is not None, has_rotation=rotation is not None)
+    args = (x, dt, cs, B, C, initial_state) + present(D, skip, eta, doc) + _rotation_args(
         rotation, config, B)
     stages = config.forward_stages if rotation is None else config.rotation_forward_stages
     return call(kernel, (b, h, p // bp), out_shape, config.forward_warps, stages, interpret,
@@ -678,14 +675,14 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, int
         x, dt, cs, B, initial_state, *present(doc), *_rotation_args(rotation, config, B))[1]
 
 
-def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, eta=None, rank=1,
-             rotation=None, interpret=False):
+def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=None, eta=None,
+             rank=1, rotation=None, interpret=False):
     """Gradients of forward's (y, final_state) given the cotangents dy [b, l, h, p] and
     dfinal [b, h, p, n]: (dx, ddt [b, h, l], dcs [b, h, l], dB, dC, dinitial_state, dD [h, p]
-    float32 or None for D None, deta [b, h, l] float32 or None for eta None), where ddt is
-    the gradient through dt's direct use only; cs's own gradient is dcs. dB and dC are in B's
-    dtype where one program sums a group's heads (the default), float32 partial sums
-    otherwise, summed here. rotation: as forward's, B and C turned as they are loaded; dB and
+    float32 or None for D None, dskip and deta [b, h, l] float32 or None for skip and eta
+    None), where ddt is the gradient through dt's direct use only; cs's own gradient is dcs.
+    dB and dC are in B's dtype where one program sums a group's heads (the default), float32
+    partial sums otherwise, summed here. rotation: as forward's, B and C turned as they are loaded; dB and
     dC are then each head's, of its turned B and C [b, l, h, n]."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
@@ -696,16 +693,18 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, eta=No
     turning = _rotation_args(rotation, config, B)
     kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
                                rank=rank, has_doc=doc is not None, has_D=D is not None,
-                               has_eta=eta is not None, has_rotation=rotation is not None)
+                               has_skip=skip is not None, has_eta=eta is not None,
+                               has_rotation=rotation is not None)
     dx, ddt, dcs_end, dstates, dinit, *extra = call(
         kernel, (b, h, p // bp),
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
          f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))])
-        + ([] if eta is None else [f32((p // bp, b, h, l))]),
+        + [f32((p // bp, b, h, l)) for a in (skip, eta) if a is not None],
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
-    )(x, dt, cs, B, C, dy, dfinal, *present(D, eta, doc), *turning)
+    )(x, dt, cs, B, C, dy, dfinal, *present(D, skip, eta, doc), *turning)
     dD, extra = split_optional(extra, D is not None)
+    dskip, extra = split_optional(extra, skip is not None)
     deta, _ = split_optional(extra, eta is not None)
     group_heads = r
     if rotation is not None:  # a dB/dC output a head
@@ -729,8 +728,9 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, eta=No
         kernel, (b, l // t, g * partials), [grads(B), grads(C), f32((b, h, l))],
         warps, config.backward_stages, interpret, "ssd_backward_bc",
     )(x, dt, cs, B, C, dy, states, dstates, *present(eta, doc), *turning)
-    return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit,
-            None if dD is None else dD.sum(0), None if deta is None else deta.sum(0))
+    summed = lambda d: None if d is None else d.sum(0)
+    return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit, summed(dD),
+            summed(dskip), summed(deta))
 
 
 def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):

@@ -59,13 +59,13 @@ from pallas_kernels.triton_call import off_gpu
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def _core(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc, D,
-          eta, ends, rotation, *inputs):
+          skip, eta, ends, rotation, *inputs):
     return _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs,
-                     initial_state, doc, D, eta, ends, rotation, *inputs)[0]
+                     initial_state, doc, D, skip, eta, ends, rotation, *inputs)[0]
 
 
 def _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc,
-              D, eta, ends, rotation, *inputs):
+              D, skip, eta, ends, rotation, *inputs):
     """The kernels' forward over rows x, B, C = prepare(*inputs) ([b * segments, l, h, p]
     etc., chunk-padded), the initial_state [b, h, p, n] float32 entering each row's first
     part (None: zeros, which the backward then makes again rather than keeps), and
@@ -83,17 +83,17 @@ def _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs, initi
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     entering = _zeros_if_none(initial_state, x, B)
     y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
-                                     eta=eta, rank=rank, rotation=rotation,
+                                     skip=skip, eta=eta, rank=rank, rotation=rotation,
                                      interpret=interpret)
     final_state = final_state[segments - 1::segments]
     # The backward recomputes x, B, C from the inputs and the per-chunk states from those
     # (backend.chunk_states).
-    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, eta, decays, ends,
+    return (y, final_state), (inputs, dt, cs, initial_state, doc, D, skip, eta, decays, ends,
                               rotation)
 
 
 def _core_bwd(backend, config, interpret, segments, rank, prepare, residuals, cotangents):
-    inputs, dt, cs, initial_state, doc, D, eta, decays, ends, rotation = residuals
+    inputs, dt, cs, initial_state, doc, D, skip, eta, decays, ends, rotation = residuals
     (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
     turning = None  # the rotation the kernels apply as they load B and C
     if rotation is not None:  # the kernels' dB and dC are per head, of the turned B and C
@@ -116,16 +116,16 @@ def _core_bwd(backend, config, interpret, segments, rank, prepare, residuals, co
         read_out = backend.weighted_state(dy, C, from_start, config=config, rotation=swapped,
                                           interpret=interpret)
         dfinal = _passed_state_gradients(read_out, decays, ends, dfinal, segments)
-    dx, ddt, dcs, dB, dC, dinit, dD, deta = backend.backward(
-        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, eta=eta, rank=rank,
-        rotation=turning, interpret=interpret)
+    dx, ddt, dcs, dB, dC, dinit, dD, dskip, deta = backend.backward(
+        x, dt, cs, B, C, doc, states, dy, dfinal, config=config, D=D, skip=skip, eta=eta,
+        rank=rank, rotation=turning, interpret=interpret)
     dB, dC = dB.astype(B.dtype), dC.astype(C.dtype)
     drotation = None
     if rotation is not None:
         dB, dC, drotation = turned_vjp((dB, dC))
     dinputs = prepare_vjp((dx, dB, dC))
     dinit = None if initial_state is None else dinit[::segments]
-    return (ddt, dcs, dinit, None, dD, deta, None, drotation,
+    return (ddt, dcs, dinit, None, dD, dskip, deta, None, drotation,
             *(None if d is None or d.dtype == jax.dtypes.float0 else d for d in dinputs))
 
 
@@ -194,20 +194,24 @@ def ssd(x, dt, A, B, C, *, backend, config=None, interpret=None, D=None, dt_bias
 
 def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret=None, D=None,
                  initial_state=None, seq_idx=None, segments=1, inputs=None, rotation=None,
-                 eta=None, rank=1):
+                 skip=None, eta=None, rank=1):
     """The scan h_t = exp(log_decay_t) h_{t-1} + weights_t x_t B_t^T, y_t = h_t C_t + D x_t
-    on `backend`: the SSD with its decay given per token instead of dt_t * A (Mamba-3's
-    data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h] (float32);
-    other arguments (inputs too) and the result as `ssd`.
+    (+ skip_t x_t) on `backend`: the SSD with its decay given per token instead of dt_t * A
+    (Mamba-3's data-dependent A, and its trapezoid's weights). weights, log_decay [b, l, h]
+    (float32); skip [b, l, h] float32 or None, a per-position skip applied in the kernels
+    (Mamba-3 SISO's own-token term); other arguments (inputs too) and the result as `ssd`.
     rank, eta [b, l, h] float32 or None: the positions form tokens of `rank` consecutive
     positions (rank dividing the kernels' chunk and each segment's positions), and y_t reads
     every position s of its own token, those after t too:
         y_t = sum_{token(s) <= token(t)} exp(L_t - L_s) w_ts (C_t . B_s) x_s + D x_t,
     L the cumulative sum of log_decay, w_ts = weights_s, less eta_s where s is in t's token.
-    Mamba-3's own-token terms: for MIMO the ranks after t, and for every rank the part of
-    the token's weight that belongs to the next token; it puts a token's decay on its first
+    Mamba-3 MIMO's own-token terms: the ranks after t, and for every rank the part of the
+    token's weight that belongs to the next token; it puts a token's decay on its first
     position, so L_t = L_s inside a token. Computed in the kernels' intra-chunk products,
-    eta's gradient with the others (triton.forward's `eta`).
+    eta's gradient with the others (triton.forward's `eta`). With one position a token the
+    term is a per-position skip: as `skip`, computed outside, the SISO scan took 3.90 ms
+    forward and backward on an H200 at 8 x 2048 (64 heads of 64, d_state 128) against 4.38
+    as rank 1 and eta, whose [t, s] selects cost more than the skip's products in XLA.
     rotation: None, or (theta [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B
     and C with its biases, turned by its angles (Mamba-3's rotary embedding): the forward
     kernel turns them as it loads them (triton.forward's `rotation`), the backward too or
@@ -246,8 +250,7 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     if t % rank or l % rank:
         raise ValueError(f"ssd: tokens of rank {rank} must divide the kernels' chunk {t} and "
                          f"each segment's {l} positions")
-    if eta is not None:
-        eta = by_head(rows(eta))
+    skip, eta = (None if a is None else by_head(rows(a)) for a in (skip, eta))
     y, final_state = _core(backend, config, interpret, segments, rank, prepare, dt, cs, state,
-                           doc, D, eta, ends, rotation, *args)
+                           doc, D, skip, eta, ends, rotation, *args)
     return y[:, :l].reshape(b, l_row, h, p), final_state
