@@ -18,11 +18,12 @@ q . k and v already are, and their gradients with the others'. For SISO (r = 1) 
 -eta_t (q_t . k_t) v_t, a per-token skip (ssd_weighted's `skip`) that the kernels apply as
 they apply D, so XLA makes no pass over y and x for it, nor over dy and x for its gradients
 (about 0.4 of 4.8 ms of kernel time at 8 x 2048 with 64 heads on an H200, docs/kernels.md);
-q . k comes from the unrotated C and B (`token_products`). Written in XLA around the kernels instead (q_t,R . k_t,r from the unrotated B and C, then a
-product with v per token), the MIMO term took 7.6 of the 11.0 ms of a rank-4 forward at 8 x
-2048 with 64 heads on an H200 as dot_generals (batches of r x r products); as sums in
-fusions the scan took 3.70 ms forward and 20.52 forward and backward, in the kernels 3.04
-and 17.56 (docs/kernels.md).
+q . k comes from the unrotated C and B (`token_products`). Written in XLA around the
+kernels instead (q_t,R . k_t,r from the unrotated B and C, then a product with v per
+token), the MIMO term took 7.6 of the 11.0 ms of a rank-4 forward at 8 x 2048 with 64 heads
+on an H200 as dot_generals (batches of r x r products); as sums in fusions the scan took
+3.70 ms forward and 20.52 forward and backward where, in the same call, the term in the
+kernels took 3.04 and 17.56 (docs/kernels.md).
 The initial state enters with its previous token's trapezoid term folded in, as in the
 chunked form.
 

@@ -682,8 +682,9 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
     float32 or None for D None, dskip and deta [b, h, l] float32 or None for skip and eta
     None), where ddt is the gradient through dt's direct use only; cs's own gradient is dcs.
     dB and dC are in B's dtype where one program sums a group's heads (the default), float32
-    partial sums otherwise, summed here. rotation: as forward's, B and C turned as they are loaded; dB and
-    dC are then each head's, of its turned B and C [b, l, h, n]."""
+    partial sums otherwise, summed here. rotation: as forward's, B and C turned as they are
+    loaded; dB and dC are then each head's, of its turned B and C [b, l, h, n]. eta and rank
+    as forward's."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     t = config.chunk
