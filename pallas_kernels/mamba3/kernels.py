@@ -146,7 +146,8 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
     # as they apply D (no pass over y and x in XLA, nor over dy and x for its gradients);
     # MIMO's, which mixes the token's ranks, is the kernels' products over tokens of r
     # positions (`rank` and `eta`).
-    skip = -eta * token_products(C, B, C_bias, B_bias, h, acc)[:, :, 0, 0] if r == 1 else None
+    skip = -eta * token_products(C[:, :, 0], B[:, :, 0], C_bias[:, 0], B_bias[:, 0], h,
+                                 acc) if r == 1 else None
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
         None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
@@ -165,20 +166,16 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
 
 
 def token_products(C, B, C_bias, B_bias, h, acc):
-    """q_t,R . k_t,r [b, l, r, r, h] in acc for C, B [b, l, r, g, n] and their biases
-    [h, r, n]: the products of one token's rotated q and k, taken before the rotation, which
-    turns both by the same angle and so keeps their dot product. Summed as the group's
-    C . B and the bias terms, no per-head q or k is made ([b, l, r, h, n], h / g copies of
-    C and B)."""
-    b, l, r, g, n = C.shape
-    per_group = lambda bias: bias.astype(C.dtype).astype(acc).reshape(g, h // g, r, n)
+    """q_t . k_t [b, l, h] in acc for SISO's C, B [b, l, g, n] and their biases [h, n]: the
+    product of a token's rotated q and k, taken before the rotation, which turns both by the
+    same angle and so keeps their dot product. Summed as the group's C . B and the bias
+    terms, no per-head q or k is made ([b, l, h, n], h / g copies of C and B)."""
+    b, l, g, n = C.shape
+    per_group = lambda bias: bias.astype(C.dtype).astype(acc).reshape(g, h // g, n)
     C, B = C.astype(acc), B.astype(acc)
     C_bias, B_bias = per_group(C_bias), per_group(B_bias)
-    # C . B of a token's r x r pairs as products and a sum over n (one fusion), not a
-    # dot_general: that would be a batch of b * l * g GEMMs of r rows and r columns
-    CB = jnp.sum(C[:, :, :, None] * B[:, :, None], axis=-1)  # [b, l, R, r, g]
-    qk = (CB[..., None]
-          + jnp.einsum("blRgn,gGrn->blRrgG", C, B_bias)
-          + jnp.einsum("gGRn,blrgn->blRrgG", C_bias, B)
-          + jnp.einsum("gGRn,gGrn->RrgG", C_bias, B_bias))
-    return qk.reshape(b, l, r, r, h)
+    qk = (jnp.sum(C * B, axis=-1)[..., None]  # [b, l, g, 1]
+          + jnp.einsum("blgn,gGn->blgG", C, B_bias)
+          + jnp.einsum("gGn,blgn->blgG", C_bias, B)
+          + jnp.einsum("gGn,gGn->gG", C_bias, B_bias))
+    return qk.reshape(b, l, h)
