@@ -36,7 +36,8 @@ the group's B and C, the angles and the biases.
 
 With `eta` and `rank` (Mamba-3's own-token terms; forward's docstring) the positions form
 tokens: the intra-chunk products are causal by tokens, a token's own pairs weighted dt - eta;
-the backward's state kernel takes those pairs once more for dx and eta's gradient. With
+the backward's state kernel reads the weighted pairs for dx, and the dB/dC kernel sums its
+products into dt's and eta's intra-chunk gradients. With
 `skip` (Mamba-3 SISO's own-token term, one position a token) the forward kernel adds
 skip x as it adds D x, and the backward's state kernel its gradients.
 
@@ -403,8 +404,7 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
     rotation, (dx_ref, ddt_ref, dcs_ref, dstates_ref, dinit_ref, *extra) = _split_rotation(
         rest, has_rotation)
     dD_ref, extra = split_optional(extra, has_D)
-    dskip_ref, extra = split_optional(extra, has_skip)
-    deta_ref, _ = split_optional(extra, has_eta)
+    dskip_ref, _ = split_optional(extra, has_skip)
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
@@ -425,20 +425,23 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         # y_t = sum_s CB_ts decay_ts (dt_s - eta_s [s in t's token]) x_s + ...; leaving state
         # = sum_s to_end_s dt_s x_s B_s^T
         scores = _dot(Ck, Bk, (1, 1)) * within_decay  # [t, s]
-        if has_eta:  # the token's own pairs, whose gradients eta's terms take
-            eta = eta_ref[bi, hi, ts]
-            row, col = _tokens(t, rank)
-            own = jnp.where(row == col, scores, 0.0).astype(dtype)
+        if has_eta:  # weighted per pair: dx reads them whole; the intra-chunk gradients of dt
+            # and eta are column sums of the dB/dC kernel's products (out of this walk)
+            scores = scores * _pair_weights(dt, eta_ref[bi, hi, ts], t, rank)
         scores = scores.astype(dtype)
         skip = None if skip_ref is None else skip_ref[bi, hi, ts]
-        ddt, dskip, deta, via_end, entering, new_dD = 0.0, 0.0, 0.0, 0.0, [], []
+        ddt, dskip, via_end, entering, new_dD = 0.0, 0.0, 0.0, [], []
         for ps, dstate, dD in zip(cols, dstates, dDs):
             dstates_ref[bi, k, hi, ps, :] = dstate.astype(dstates_ref.dtype)
             x, dy = x_ref[bi, ts, hi, ps], dy_ref[bi, ts, hi, ps]
             dx_state = to_end[:, None] * _dot(Bk, dstate.astype(dtype), (1, 1))  # [s, bs]
-            dx_dt = _dot(scores, dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
+            if has_eta:
+                dx = _dot(scores, dy, (0, 0)) + dt[:, None] * dx_state
+                dx_dt = dx_state  # dt's gradient through the leaving state only
+            else:
+                dx_dt = _dot(scores, dy, (0, 0)) + dx_state  # d/d(dt_s x_s)
+                dx = dx_dt * dt[:, None]
             xf = x.astype(jnp.float32)
-            dx = dx_dt * dt[:, None]
             dyf = dy.astype(jnp.float32)
             x_dy = xf * dyf  # both skips' coefficient gradients sum it
             if has_D:  # the skip y += D x: dx += D dy, dD += sum_t x dy
@@ -447,10 +450,6 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             if has_skip:  # the per-position skip y_t += skip_t x_t: dskip_t += sum_p x dy
                 dx = dx + skip[:, None] * dyf
                 dskip = dskip + jnp.sum(x_dy, axis=1)
-            if has_eta:  # y_t -= sum_{s in t's token} CB_ts eta_s x_s
-                dx_own = _dot(own, dy, (0, 0))  # [s, bs]
-                dx = dx - eta[:, None] * dx_own
-                deta = deta - jnp.sum(xf * dx_own, axis=1)
             dx_ref[bi, ts, hi, ps] = dx.astype(dx_ref.dtype)
             ddt = ddt + jnp.sum(xf * dx_dt, axis=1)
             via_end = via_end + dt * jnp.sum(xf * dx_state, axis=1)
@@ -459,8 +458,6 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
         ddt_ref[pi, bi, hi, ts] = ddt
         if has_skip:
             dskip_ref[pi, bi, hi, ts] = dskip
-        if has_eta:
-            deta_ref[pi, bi, hi, ts] = deta
         # The leaving state's weights exp(cs_last - cs_s): +cs_last, -cs_s.
         dcs_ref[pi, bi, hi, ts] = jnp.where(last, jnp.sum(via_end), 0.0) - via_end
         return tuple(entering), tuple(new_dD)
@@ -481,7 +478,7 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
     turned B and C differ per head, and so do their gradients)."""
     eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
-    rotation, (dB_ref, dC_ref, dcs_ref) = _split_rotation(rest, has_rotation)
+    rotation, (dB_ref, dC_ref, dcs_ref, *eta_grads) = _split_rotation(rest, has_rotation)
     bi, k, gq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = r // heads  # programs per output
     gi, qi = gq // q, gq % q
@@ -516,7 +513,8 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
             dB = dB + _dot(_weighted(x, to_end * dt), dstate.astype(dtype))
             state_dstate = state_dstate + jnp.sum(dstate * state)
         eta = eta_ref[bi, hi, ts] if has_eta else None
-        dscores = dy_x * within_decay * _pair_weights(dt, eta, t, rank)
+        dd = dy_x * within_decay  # d y / d(CB_ts w_ts)
+        dscores = dd * _pair_weights(dt, eta, t, rank)
         dC = dC + from_entry[:, None] * dy_state
         # Cumsum gradient: the intra-chunk decay exp(cs_t - cs_s) gives +row sums at t and
         # -column sums at s; the read-out exp(cs_t) gives dy_t . (C_t state) = C_t .
@@ -526,6 +524,13 @@ def _backward_bc_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, states_ref,
                + from_entry * jnp.sum(Ck.astype(jnp.float32) * dy_state, axis=1)
                + jnp.where(last, across * state_dstate, 0.0))
         dcs_ref[bi, hi, ts] = dcs
+        if has_eta:  # the weights' gradients, d/dw_ts = CB_ts dd_ts: dt's over t, -eta's over
+            # t's own token (what the state kernel's walk would take a product for)
+            ddt_ref, deta_ref = eta_grads
+            dw = CB * dd
+            row, col = _tokens(t, rank)
+            ddt_ref[bi, hi, ts] = jnp.sum(dw, axis=0)
+            deta_ref[bi, hi, ts] = -jnp.sum(jnp.where(row == col, dw, 0.0), axis=0)
         return dS + dscores, dB, dC
 
     zeros = jnp.zeros((t, n), jnp.float32)
@@ -701,12 +706,11 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
         [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
          f32((p // bp, b, h, l)), jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x)),
          f32((b, h, p, n))] + ([] if D is None else [f32((b, h, p))])
-        + [f32((p // bp, b, h, l)) for a in (skip, eta) if a is not None],
+        + ([] if skip is None else [f32((p // bp, b, h, l))]),
         config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_state",
     )(x, dt, cs, B, C, dy, dfinal, *present(D, skip, eta, doc), *turning)
     dD, extra = split_optional(extra, D is not None)
-    dskip, extra = split_optional(extra, skip is not None)
-    deta, _ = split_optional(extra, eta is not None)
+    dskip, _ = split_optional(extra, skip is not None)
     group_heads = r
     if rotation is not None:  # a dB/dC output a head
         r, g = 1, h
@@ -725,13 +729,19 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
     grads = lambda a: jax.ShapeDtypeStruct((partials, b, l, g, n),
                                            a.dtype if partials == 1 else jnp.float32)
     warps = config.one_head_bc_warps if heads == 1 else config.backward_bc_warps
-    dB, dC, dcs = call(
-        kernel, (b, l // t, g * partials), [grads(B), grads(C), f32((b, h, l))],
+    dB, dC, dcs, *eta_grads = call(
+        kernel, (b, l // t, g * partials),
+        [grads(B), grads(C)] + [f32((b, h, l))] * (1 if eta is None else 3),
         warps, config.backward_stages, interpret, "ssd_backward_bc",
     )(x, dt, cs, B, C, dy, states, dstates, *present(eta, doc), *turning)
+    ddt = ddt.sum(0)
+    deta = None
+    if eta is not None:  # the intra-chunk gradients of dt and eta, the dB/dC kernel's
+        ddt_own, deta = eta_grads
+        ddt = ddt + ddt_own
     summed = lambda d: None if d is None else d.sum(0)
-    return (dx, ddt.sum(0), dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit, summed(dD),
-            summed(dskip), summed(deta))
+    return (dx, ddt, dcs + dcs_end.sum(0), dB.sum(0), dC.sum(0), dinit, summed(dD),
+            summed(dskip), deta)
 
 
 def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):
