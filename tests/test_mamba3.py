@@ -356,18 +356,21 @@ def test_a_row_in_parts_equals_it_whole(case, turns, monkeypatch):
         assert relative(g, ref[path]) < 1e-5, jax.tree_util.keystr(path)
 
 
+@pytest.mark.parametrize("token", [1, 2], ids=["positions", "tokens"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_backward_turning_gives_the_turned_copies_gradients(dtype):
+def test_backward_turning_gives_the_turned_copies_gradients(dtype, token):
     # The SSD's backward with a rotation (Mamba-3's), the kernels turning the group's B and
     # C as they load them and a kernel turning their gradients back (triton.turned_back,
     # over two programs' rows of 16), against the kernels reading XLA's per-head turned
     # copies and XLA's vjp of that turn (which the kernel test above checks against the
     # recurrence: the CPU's default at these few heads), on fresh inputs over three kernel
     # chunks of 16 with packed documents, an initial state, D, rank-2 biases, 2 heads a
-    # group and 2 groups: every input's gradient within 1e-5 of its largest in float32 and
-    # within 1e-2 in bf16 (seen at most 2e-7 in either: float32 turns and sums in another
-    # order; a value whose two float32 computations round to different bf16 values would
-    # move a gradient by a bf16 rounding of one term).
+    # group and 2 groups, the angles one a position or one a token of 2 (MIMO's, with
+    # `rank` 2: each read for both positions, its gradient their sum; documents start at
+    # tokens): every input's gradient within 1e-5 of its largest in float32 and within 1e-2
+    # in bf16 (seen at most 2e-7 in either: float32 turns and sums in another order; a
+    # value whose two float32 computations round to different bf16 values would move a
+    # gradient by a bf16 rounding of one term).
     from pallas_kernels.ssd import triton
     from pallas_kernels.ssd.vjp import ssd_weighted
     b, l, h, p, g, n, a, rank = 2, 40, 4, 16, 2, 16, 4, 2
@@ -377,10 +380,11 @@ def test_backward_turning_gives_the_turned_copies_gradients(dtype):
                 C=arr(b, l, g, n, dt=dtype),
                 weights=jnp.asarray(rng.uniform(0, 1, (b, l, h)), jnp.float32),
                 log_decay=-jnp.asarray(rng.uniform(0, 1, (b, l, h)), jnp.float32),
-                theta=jnp.asarray(rng.uniform(-3, 3, (b, l, h, a)), jnp.float32),
+                theta=jnp.asarray(rng.uniform(-3, 3, (b, l // token, h, a)), jnp.float32),
                 C_bias=arr(h, rank, n), B_bias=arr(h, rank, n), D=arr(h),
                 initial_state=arr(b, h, p, n))
-    seq_idx = jnp.asarray(np.cumsum(rng.random((b, l)) < 0.1, axis=1))
+    seq_idx = jnp.asarray(np.repeat(np.cumsum(rng.random((b, l // token)) < 0.1, axis=1),
+                                    token, axis=1))
     wy, ws = arr(b, l, h, p), arr(b, h, p, n)
 
     def gradients(backward_turns):
@@ -389,7 +393,7 @@ def test_backward_turning_gives_the_turned_copies_gradients(dtype):
         def loss(a):
             y, s = ssd_weighted(a["x"], a["weights"], a["log_decay"], a["B"], a["C"],
                                 backend=triton, config=config, D=a["D"],
-                                initial_state=a["initial_state"], seq_idx=seq_idx,
+                                initial_state=a["initial_state"], seq_idx=seq_idx, rank=token,
                                 rotation=(a["theta"], a["C_bias"], a["B_bias"]))
             return jnp.vdot(y.astype(jnp.float32), wy) + jnp.vdot(s, ws)
         return jax.jit(jax.grad(loss))(args)

@@ -156,7 +156,7 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
         seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
         inputs=(vBC, args), skip=skip, rank=r,
         eta=None if r == 1 else positions(per_rank(eta)),
-        rotation=(positions(per_rank(theta)), turnable(C_bias), turnable(B_bias)))
+        rotation=(theta, turnable(C_bias), turnable(B_bias)))
     y = y.reshape(b, l, r, h, p)
     _, k_last, _ = rotated(C[:, -1:], B[:, -1:], x[:, -1:], theta[:, -1:], C_bias, B_bias,
                            mimo_x, rotary=rotary)

@@ -249,6 +249,21 @@ def cos_and_sin(theta):
             jnp.where((quadrant & 2) != 0, -sin, sin))
 
 
+def _token_rows(start, size, rank):
+    """The rows of theta (one a token of `rank` positions) of positions [start, start + size),
+    both multiples of rank."""
+    return pl.ds(pl.multiple_of(jax.lax.div(start, rank), size // rank), size // rank)
+
+
+def _per_position(v, rank):
+    """A token's row of v [T / rank, w] for each of its rank positions -> [T, w]: the angles'
+    cos and sin are computed once a token, not once a position."""
+    if rank == 1:
+        return v
+    tokens, w = v.shape
+    return jnp.broadcast_to(v[:, None, :], (tokens, rank, w)).reshape(tokens * rank, w)
+
+
 def _pairs(v):
     """v [..., n] -> its pairs' first and second entries [..., n / 2] each."""
     return jnp.unstack(v.reshape(*v.shape[:-1], v.shape[-1] // 2, 2), axis=-1)
@@ -275,8 +290,9 @@ def _biased(v, bias):
 
 
 def turned(B, C, rotation):
-    """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l, h, a],
-    C_bias, B_bias [h, rank, n]; l a multiple of rank), in XLA: per head, [b, l, h, n] each
+    """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l / k, h, a],
+    one a token of k positions, C_bias, B_bias [h, rank, n]; l a multiple of rank and k), in
+    XLA: per head, [b, l, h, n] each
     in B's dtype. The backward pass's kernels read these copies unless they turn B and C
     themselves (Config.backward_turns); this function's vjp, or `turned_back`, turns
     their per-head gradients back (inside the dB/dC kernel, with the angles' gradients, that
@@ -291,7 +307,7 @@ def turned(B, C, rotation):
     # cos and sin of the a angles (XLA recomputes them in each fusion that reads them: of
     # n entries' angles they were 4x the work at a = n / 4), each pair's (1 and 0 for the
     # spread's unturned pairs) on both of its entries [b, l, h, n].
-    theta = theta.astype(jnp.float32)
+    theta = jnp.repeat(theta.astype(jnp.float32), B.shape[1] // theta.shape[1], axis=1)
     spread = lambda v, fill: jnp.repeat(jnp.pad(
         v[..., None], [(0, 0)] * theta.ndim + [(0, n // (2 * a) - 1)],
         constant_values=fill).reshape(*theta.shape[:-1], n // 2), 2, axis=-1)
@@ -316,13 +332,16 @@ def turned(B, C, rotation):
 def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
     """One chunk of B and C [t, n] in the input dtype as head hi reads them: its group's,
     or with `rotation` (the refs of theta, C_bias, B_bias) biased and turned by the head's
-    angles. C_ref None: B only."""
+    angles, a token's (theta's rows are tokens of B's rows / theta's rows positions). C_ref
+    None: B only."""
     Bk = B_ref[bi, ts, gi, :]
     Ck = None if C_ref is None else C_ref[bi, ts, gi, :]
     if rotation is None:
         return Bk, Ck
     theta_ref, C_bias_ref, B_bias_ref = rotation
-    cos, sin = _cos_sin(theta_ref[bi, ts, hi, :], Bk.shape[-1])
+    rank = B_ref.shape[1] // theta_ref.shape[1]
+    cos, sin = (_per_position(v, rank) for v in _cos_sin(
+        theta_ref[bi, _token_rows(ts.start, ts.size, rank), hi, :], Bk.shape[-1]))
     return (_turned(Bk, B_bias_ref[hi], cos, sin),
             None if Ck is None else _turned(Ck, C_bias_ref[hi], cos, sin))
 
@@ -564,11 +583,13 @@ def _turned_back_kernel(dB_ref, dC_ref, B_ref, C_ref, theta_ref, C_bias_ref, B_b
                         dBg_ref, dCg_ref, dtheta_ref, dC_bias_ref, dB_bias_ref, *, r, rank):
     """One group's rows [T] (T = the biases' rows): per head, the gradients of the turned B
     and C turned back, summed over the group's heads and over the rows by rank (the biases'
-    partials), and the angles' gradients."""
+    partials), and the angles' gradients, summed over each token's positions."""
     bi, li, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     T, n = B_bias_ref.shape[1:]
     a = theta_ref.shape[-1]
     ts = pl.ds(pl.multiple_of(li * T, T), T)
+    per_token = B_ref.shape[1] // theta_ref.shape[1]
+    tokens = _token_rows(li * T, T, per_token)
     Bk, Ck = B_ref[bi, ts, gi, :], C_ref[bi, ts, gi, :]
     row_rank = jax.lax.broadcasted_iota(jnp.int32, (T, n), 0) % rank
 
@@ -582,13 +603,16 @@ def _turned_back_kernel(dB_ref, dC_ref, B_ref, C_ref, theta_ref, C_bias_ref, B_b
 
     def head(j, sums):
         hi = gi * r + j
-        cos, sin = _cos_sin(theta_ref[bi, ts, hi, :], n)
+        cos, sin = (_per_position(v, per_token)
+                    for v in _cos_sin(theta_ref[bi, tokens, hi, :], n))
         dB, dB_angle = back(Bk, B_bias_ref[hi], dB_ref[bi, ts, hi, :], cos, sin)
         dC, dC_angle = back(Ck, C_bias_ref[hi], dC_ref[bi, ts, hi, :], cos, sin)
         dangle = dB_angle + dC_angle
         while dangle.shape[-1] > a:  # the turned pairs' (_cos_sin's spread, undone)
             dangle = _pairs(dangle)[0]
-        dtheta_ref[bi, ts, hi, :] = dangle
+        if per_token > 1:
+            dangle = jnp.sum(dangle.reshape(T // per_token, per_token, a), axis=1)
+        dtheta_ref[bi, tokens, hi, :] = dangle
         for k in range(rank):  # the biases' rows of rank k
             dB_bias_ref[bi, li, hi, k, :] = jnp.sum(jnp.where(row_rank == k, dB, 0.0), axis=0)
             dC_bias_ref[bi, li, hi, k, :] = jnp.sum(jnp.where(row_rank == k, dC, 0.0), axis=0)
@@ -638,10 +662,11 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, e
     with its weight dt_s less eta_s (Mamba-3's trapezoid: its MIMO ranks, and the part of a
     token's weight that belongs to the next token). rank 1 and eta None: the SSD.
 
-    rotation: None, or (theta [b, l, h, a] float32, C_bias, B_bias [h, rank, n]) with rank
-    dividing the chunk: then head i reads at position s C_s + C_bias[i, s % rank] (added in
-    C's dtype) turned by theta[s, i] (and B alike), in float32 and rounded to C's dtype
-    (Mamba-3's data-dependent rotary embedding: `_rotation_args`' layout)."""
+    rotation: None, or (theta [b, l / k, h, a] float32, C_bias, B_bias [h, rank, n]) with
+    rank and k dividing the chunk: then head i reads at position s C_s + C_bias[i, s % rank]
+    (added in C's dtype) turned by theta[s / k, i] (and B alike; a token's k positions share
+    its angles), in float32 and rounded to C's dtype (Mamba-3's data-dependent rotary
+    embedding: `_rotation_args`' layout)."""
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     bp = _block_p(config, b, h, p)
@@ -765,7 +790,7 @@ def weighted_state(x, B, weights, *, config, rotation=None, interpret=False):
 def turned_back(grads, B, C, rotation, *, config, interpret=False):
     """`turned`'s vjp in one kernel: grads (dB, dC [b, l, h, n]), the gradients of the per-head
     turned B and C (in B's dtype; l a multiple of config.chunk) -> (dB, dC [b, l, g, n]
-    in B's dtype, (dtheta [b, l, h, a], dC_bias, dB_bias [h, rank, n]) in theta's and
+    in B's dtype, (dtheta [b, l / k, h, a], dC_bias, dB_bias [h, rank, n]) in theta's and
     the biases' dtypes). The same arithmetic as XLA's vjp of `turned`: float32 from the
     bf16 values on, the turned-back gradients summed over a group's heads and the
     biases' over the rows in float32, rounded once. Grid (b, l / T, g), T =
@@ -777,17 +802,18 @@ def turned_back(grads, B, C, rotation, *, config, interpret=False):
     b, l, h, n = dB.shape
     g = B.shape[2]
     rank, a, T = C_bias.shape[1], theta.shape[-1], config.turned_back_rows
-    if T is None:  # l is a multiple of the chunk, a power of two that rank divides
-        T = 16 if rank == 1 else math.gcd(l, max(32, rank))
-    if l % T or T % rank:
+    tokens = theta.shape[1]  # of k = l / tokens positions
+    if T is None:  # l is a multiple of the chunk, a power of two that rank and k divide
+        T = 16 if max(rank, l // tokens) == 1 else math.gcd(l, max(32, rank, l // tokens))
+    if l % T or T % rank or T % (l // tokens):
         raise ValueError(f"ssd: Config.turned_back_rows={T} must divide the rows {l} and be "
-                         f"a multiple of the rank {rank}")
+                         f"a multiple of the rank {rank} and of a token's {l // tokens} rows")
     kernel = functools.partial(_turned_back_kernel, r=h // g, rank=rank)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     dBg, dCg, dtheta, dC_bias, dB_bias = call(
         kernel, (b, l // T, g),
         [jax.ShapeDtypeStruct(B.shape, B.dtype), jax.ShapeDtypeStruct(C.shape, C.dtype),
-         f32(b, l, h, a), f32(b, l // T, h, rank, n), f32(b, l // T, h, rank, n)],
+         f32(b, tokens, h, a), f32(b, l // T, h, rank, n), f32(b, l // T, h, rank, n)],
         config.forward_warps, 1, interpret, "ssd_turned_back",
     )(dB, dC, B, C, *_rotation_args(rotation, config, B, rows=T))
     return dBg, dCg, (dtheta.astype(theta.dtype), dC_bias.sum((0, 1)).astype(C_bias.dtype),
@@ -795,9 +821,9 @@ def turned_back(grads, B, C, rotation, *, config, interpret=False):
 
 
 def _rotation_args(rotation, config, B, rows=None):
-    """The kernels' rotation inputs: theta [b, l, h, a] float32, and C's and B's biases as
-    the rows [h, rows, n] (default one chunk's) in B's dtype (position s has rank s %
-    rank's), or none.
+    """The kernels' rotation inputs: theta [b, l / k, h, a] float32 (a token's angles, k
+    positions a token), and C's and B's biases as the rows [h, rows, n] (default one
+    chunk's) in B's dtype (position s has rank s % rank's), or none.
 
     The turn's layout: B's and C's n entries in adjacent pairs (2j, 2j + 1), pair j turned
     by theta[.., j / s] where s = n / (2a) (a power of two) divides j and not turned

@@ -212,8 +212,9 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     term is a per-position skip: as `skip`, computed outside, the SISO scan took 3.90 ms
     forward and backward on an H200 at 8 x 2048 (64 heads of 64, d_state 128) against 4.38
     as rank 1 and eta, whose [t, s] selects cost more than the skip's products in XLA.
-    rotation: None, or (theta [b, l, h, a], C_bias, B_bias [h, rank, n]): each head reads B
-    and C with its biases, turned by its angles (Mamba-3's rotary embedding): the forward
+    rotation: None, or (theta [b, l / rank, h, a], C_bias, B_bias [h, rank, n]): each head
+    reads B and C with its biases, turned by its angles, a token's (Mamba-3's rotary
+    embedding, the same for a token's MIMO ranks: read once a token): the forward
     kernel turns them as it loads them (triton.forward's `rotation`), the backward too or
     from per-head copies (Config.backward_turns); with segments, the parts' states are
     joined in the turned values too (`weighted_state`'s rotation). The kernels' cos and sin
@@ -244,12 +245,14 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     state = None if initial_state is None else initial_state.astype(jnp.float32)
     if D is not None:  # [h] or [h, p]
         D = jnp.broadcast_to((D[:, None] if D.ndim == 1 else D).astype(jnp.float32), (h, p))
-    if rotation is not None:
-        theta, C_bias, B_bias = rotation
-        rotation = (pad_l(rows(theta.astype(jnp.float32))), C_bias, B_bias)
     if t % rank or l % rank:
         raise ValueError(f"ssd: tokens of rank {rank} must divide the kernels' chunk {t} and "
                          f"each segment's {l} positions")
+    if rotation is not None:  # a token's angles, padded by whole tokens
+        theta, C_bias, B_bias = rotation
+        theta = theta.astype(jnp.float32).reshape(b * segments, l // rank, *theta.shape[2:])
+        rotation = (jnp.pad(theta, [(0, 0), (0, pad // rank), (0, 0), (0, 0)]), C_bias,
+                    B_bias)
     skip, eta = (None if a is None else by_head(rows(a)) for a in (skip, eta))
     y, final_state = _core(backend, config, interpret, segments, rank, prepare, dt, cs, state,
                            doc, D, skip, eta, ends, rotation, *args)
