@@ -251,7 +251,9 @@ def cos_and_sin(theta):
 
 def _token_rows(start, size, rank):
     """The rows of theta (one a token of `rank` positions) of positions [start, start + size),
-    both multiples of rank."""
+    both multiples of rank: those rows themselves at rank 1 (SISO's kernels as before)."""
+    if rank == 1:
+        return pl.ds(start, size)
     return pl.ds(pl.multiple_of(jax.lax.div(start, rank), size // rank), size // rank)
 
 
@@ -291,16 +293,16 @@ def _biased(v, bias):
 
 def turned(B, C, rotation):
     """B and C [b, l, g, n] as `forward` reads them with `rotation` (theta [b, l / k, h, a],
-    one a token of k positions, C_bias, B_bias [h, rank, n]; l a multiple of rank and k), in
-    XLA: per head, [b, l, h, n] each
-    in B's dtype. The backward pass's kernels read these copies unless they turn B and C
-    themselves (Config.backward_turns); this function's vjp, or `turned_back`, turns
-    their per-head gradients back (inside the dB/dC kernel, with the angles' gradients, that
-    bound its registers: 3.7 ms where the copies and the per-head kernels take about 1.4, at
-    8 x 2048 with 64 heads on an H200). The turn as XLA fuses it best: each pair's angle on
-    both its entries and the pair's entries swapped (v0 cos - v1 sin, v1 cos + v0 sin),
-    where the kernels' split and join of the pairs (_turned) became concatenations that kept
-    the gradient's per-head copies apart from their sum over the group's heads."""
+    a row a token of k positions, C_bias, B_bias [h, rank, n]; l a multiple of rank and k),
+    in XLA: per head, [b, l, h, n] each in B's dtype. The backward pass's kernels read these
+    copies unless they turn B and C themselves (Config.backward_turns); this function's vjp,
+    or `turned_back`, turns their per-head gradients back (inside the dB/dC kernel, with the
+    angles' gradients, that bound its registers: 3.7 ms where the copies and the per-head
+    kernels take about 1.4, at 8 x 2048 with 64 heads on an H200). The turn as XLA fuses it
+    best: each pair's angle on both its entries and the pair's entries swapped (v0 cos - v1
+    sin, v1 cos + v0 sin), where the kernels' split and join of the pairs (_turned) became
+    concatenations that kept the gradient's per-head copies apart from their sum over the
+    group's heads."""
     theta, C_bias, B_bias = rotation
     h, rank, n = C_bias.shape
     a = theta.shape[-1]
@@ -332,8 +334,8 @@ def turned(B, C, rotation):
 def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
     """One chunk of B and C [t, n] in the input dtype as head hi reads them: its group's,
     or with `rotation` (the refs of theta, C_bias, B_bias) biased and turned by the head's
-    angles, a token's (theta's rows are tokens of B's rows / theta's rows positions). C_ref
-    None: B only."""
+    angles at each position's token (theta has a row a token of B's rows / theta's rows
+    positions). C_ref None: B only."""
     Bk = B_ref[bi, ts, gi, :]
     Ck = None if C_ref is None else C_ref[bi, ts, gi, :]
     if rotation is None:
