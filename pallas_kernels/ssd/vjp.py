@@ -212,9 +212,10 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     term is a per-position skip: as `skip`, computed outside, the SISO scan took 3.90 ms
     forward and backward on an H200 at 8 x 2048 (64 heads of 64, d_state 128) against 4.38
     as rank 1 and eta, whose [t, s] selects cost more than the skip's products in XLA.
-    rotation: None, or (theta [b, l / rank, h, a], C_bias, B_bias [h, rank, n]): each head
-    reads B and C with its biases, turned by its angles, a token's (Mamba-3's rotary
-    embedding, the same for a token's MIMO ranks: read once a token): the forward
+    rotation: None, or (theta [b, l / rank, h, a], C_bias, B_bias [h, q, n]; position s adds
+    the biases' row s % q): each head reads B and C with its biases, turned by its angles,
+    its token's (Mamba-3's rotary embedding, the same for a token's MIMO ranks: read once a
+    token): the forward
     kernel turns them as it loads them (triton.forward's `rotation`), the backward too or
     from per-head copies (Config.backward_turns); with segments, the parts' states are
     joined in the turned values too (`weighted_state`'s rotation). The kernels' cos and sin
