@@ -37,6 +37,9 @@ CASES = {  # name: (leading axes, h, p, ngroups)
     "group_of_24_not_a_power_of_two": ((3, 37), 6, 8, 2),
 }
 SMALL_TILES = triton.Config(block_elements=64, backward_programs=7)
+# The backward's loop without its loads a block ahead.
+SMALL_TILES_UNFETCHED = triton.Config(block_elements=64, backward_programs=7,
+                                      backward_prefetch=False)
 
 
 def make_inputs(rng, lead, h, p, dtype):
@@ -98,12 +101,15 @@ def test_kernels_match_the_float64_reference(case, dtype):
         CASES[case], dtype)
 
 
+@pytest.mark.parametrize("config", [SMALL_TILES, SMALL_TILES_UNFETCHED],
+                         ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_backward_programs_loop_over_several_blocks(case):
+def test_backward_programs_loop_over_several_blocks(case, config):
     """Blocks of 64 entries (2 or 4 rows) and 7 backward programs: each program walks
-    several blocks, the last one past the rows' end, and dweight sums 7 partials."""
+    several blocks, the last one past the rows' end, and dweight sums 7 partials; with the
+    next block's loads issued before this one's arithmetic and without."""
     assert_matches_reference(
-        lambda y, z, w, g: triton.gated_rms_norm(y, z, w, EPS, g, SMALL_TILES, True),
+        lambda y, z, w, g: triton.gated_rms_norm(y, z, w, EPS, g, config, True),
         CASES[case], jnp.float32)
 
 
@@ -205,7 +211,8 @@ def add_reference_float64(residual, delta, weight, dsummed, dnormed):
 
 
 @pytest.mark.parametrize("delta_dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("config", [triton.Config(), SMALL_TILES], ids=["default", "small"])
+@pytest.mark.parametrize("config", [triton.ADD_CONFIG, SMALL_TILES, SMALL_TILES_UNFETCHED],
+                         ids=["default", "small", "small_no_prefetch"])
 @pytest.mark.parametrize("case", ADD_CASES, ids=list(ADD_CASES))
 def test_add_kernels_match_the_float64_reference(case, config, delta_dtype):
     """A float32 residual (residual_in_fp32) and delta in the compute dtype: summed, normed
@@ -249,7 +256,7 @@ def test_the_add_comparison_fails_for_a_wrong_result():
     lead, d = ADD_CASES["d_64"]
     inputs = add_inputs(np.random.default_rng(), lead, d, jnp.float32, jnp.float32)
     reference = add_reference_float64(*inputs)
-    kernels = lambda r, x, w: triton.add_rms_norm(r, x, w, EPS, triton.Config(), True)
+    kernels = lambda r, x, w: triton.add_rms_norm(r, x, w, EPS, triton.ADD_CONFIG, True)
     right = add_values_and_grads(kernels, *inputs)
     assert not errors_over_tolerance(right, reference)
     no_delta = add_values_and_grads(lambda r, x, w: kernels(r, 0 * x, w), *inputs)

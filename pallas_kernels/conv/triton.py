@@ -4,10 +4,11 @@ backward (what mamba_ssm's causal_conv1d extension does for its fused training p
 Legend: b batch, r input rows, l outputs (the last l of the r: output t's own row, its last
 tap's, is t + r - l), e channels, k taps, m = k - 1.
 
-Each program walks a run of rows of one block of channels in order, one row a step, with the
-last rows it needs carried in registers: every row of x (and of dy) is read once, where
-blocks of rows would read each row once per tap (a first version so built took longer than
-XLA's fusions, bound by those re-reads).
+Each program walks a run of rows of one block of channels in order, with the last rows it
+needs carried in registers: every row of x (and of dy) is read once, where blocks of rows
+would read each row once per tap (a first version so built took longer than XLA's fusions,
+bound by those re-reads). A step of the walk loads `step_rows` rows before it computes
+any of them: one row a step waited out the memory's latency at every row.
 - `_forward_kernel`, grid (b, e / be, l / run): at each own row T, y = silu(bias + sum_j
   w[j] x[T - m + j]) from the window of the last k rows (zeros before the first row, and in
   place of another document's rows).
@@ -43,16 +44,26 @@ from pallas_kernels.triton_call import call, present, split_optional
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Rows a program walks (run) and its channels (block_e, at most; a power of two). Two
-    warps over 256 channels load a bf16 row in 8-byte pieces a thread; a run of 64 rows
-    re-reads k - 1 rows at its start. Chosen over runs of 32 to 256 rows, 128 to 512
-    channels and 1 to 4 warps at mamba2-1.3b's x, B, C (4096, 128, 128) and 16 x 2048 rows
-    on an H200: forward 0.43 ms, backward 0.62 ms, where the earlier 128 rows, 256
-    channels and one warp took 0.44 and 1.02 ms."""
-    run: int = 64
+    """Rows a program walks (run), its channels (block_e, at most; a power of two) and the
+    rows a step of its walk loads before it computes any (step_rows, a divisor of run: a
+    row's loads wait on nothing of the row before, so several in flight at once hide the
+    memory's latency that one row a step waited out at every row). Two warps over 256
+    channels load a bf16 row in 8-byte pieces a thread; a run of 128 rows re-reads k - 1
+    rows at its start. At mamba2-1.3b's x, B, C (4096, 128, 128), 16 x 2048 rows, as the
+    Mamba2 mixer calls the kernels, on an H200 (calls back to back, one script): forward
+    0.204 ms and backward 0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one
+    row a step; 4 rows a step, blocks of 512 channels or runs of 256 rows within 3% of it;
+    one warp forward 0.184-0.188 but backward 0.42-0.44, 16 rows a step backward 0.43."""
+    run: int = 128
     block_e: int = 256
     warps: int = 2
     stages: int = 3
+    step_rows: int = 8
+
+    def __post_init__(self):
+        if self.run % self.step_rows:
+            raise ValueError(f"conv Config: step_rows {self.step_rows} must divide run "
+                             f"{self.run}")
 
 
 def supports(l: int, e: int, k: int, dtype, parts=None) -> bool:
@@ -126,7 +137,7 @@ def _pre(w, bias, window, docs, own_doc):
     return acc
 
 
-def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_start,
+def _forward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, parts, x_start,
                     has_bias, has_doc):
     bias_ref, rest = split_optional(rest, has_bias)
     doc_ref, y_refs = split_optional(rest, has_doc)
@@ -144,22 +155,23 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_sta
     def walk(y_ref, part_start):
         def step(i, carry):
             window, docs = carry
-            T = start + i
-            inside = T < rows_in
-            x = row.load(x_ref, T, inside, -x_start)
-            own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
-            pre = _pre(w, bias, window + (x,), None if docs is None else docs + (own_doc,),
-                       own_doc)
-            row.store(y_ref, T - off, jax.nn.silu(pre), inside, part_start)
-            return window[1:] + (x,), None if docs is None else docs[1:] + (own_doc,)
+            Ts = [start + i * step_rows + r for r in range(step_rows)]
+            xs = [row.load(x_ref, T, T < rows_in, -x_start) for T in Ts]
+            own_docs = [None if docs is None else _doc(doc_ref, bi, T, rows_in) for T in Ts]
+            for T, x, own_doc in zip(Ts, xs, own_docs):
+                pre = _pre(w, bias, window + (x,),
+                           None if docs is None else docs + (own_doc,), own_doc)
+                row.store(y_ref, T - off, jax.nn.silu(pre), T < rows_in, part_start)
+                window, docs = window[1:] + (x,), None if docs is None else docs[1:] + (own_doc,)
+            return window, docs
 
-        jax.lax.fori_loop(0, run, step, (window, docs))
+        jax.lax.fori_loop(0, run // step_rows, step, (window, docs))
 
     row.by_part(parts, y_refs, walk)
 
 
-def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_start,
-                     has_bias, has_doc, dx_into):
+def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, parts,
+                     x_start, has_bias, has_doc, dx_into):
     dy_refs, rest = rest[:len(parts)], rest[len(parts):]
     bias_ref, rest = split_optional(rest, has_bias)
     doc_ref, rest = split_optional(rest, has_doc)
@@ -181,17 +193,21 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_st
     gs = (zeros,) * m
 
     def walk(dy_ref, part_start):
-        def step(i, carry):
+        def step(i0, carry):
+            Ts = [start + i0 * step_rows + r for r in range(step_rows)]
+            xs = [row.load(x_ref, T, T < rows_in, -x_start) for T in Ts]
+            dys = [row.load(dy_ref, T - off, (T >= off) & (T < rows_in), part_start)
+                   for T in Ts]
+            own_docs = [None if doc_ref is None else _doc(doc_ref, bi, T, rows_in) for T in Ts]
+            for r, (T, x, dy, own_doc) in enumerate(zip(Ts, xs, dys, own_docs)):
+                carry = row_step(i0 * step_rows + r, T, x, dy, own_doc, carry)
+            return carry
+
+        def row_step(i, T, x, dy, own_doc, carry):
             window, docs, gs, dw, dbias = carry
-            T = start + i
-            inside = T < rows_in
-            x = row.load(x_ref, T, inside, -x_start)
-            own_doc = None if docs is None else _doc(doc_ref, bi, T, rows_in)
             rows = window + (x,)
             row_docs = None if docs is None else docs + (own_doc,)
             pre = _pre(w, bias, rows, row_docs, own_doc)
-            t = T - off
-            dy = row.load(dy_ref, t, (t >= 0) & (t < l) & inside, part_start)
             sig = jax.nn.sigmoid(pre)
             g = dy * sig * (1.0 + pre * (1.0 - sig))  # zero where there is no output
             # the run's own outputs (not the m rows walked past it) give dw and dbias
@@ -209,11 +225,14 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, be, l, e, rows_in, parts, x_st
                 if row_docs is not None:
                     gj = jnp.where(row_docs[m - j] == row_docs[0], gj, 0.0)
                 dx = dx + w[j] * gj
-            row.store(dx_ref, s, dx, (i >= m) & (s < rows_in), -x_start if dx_into else 0)
+            # rows past the run's m (the last step's, where step_rows does not divide m) are
+            # the next run's to write
+            row.store(dx_ref, s, dx, (i >= m) & (i < run + m) & (s < rows_in),
+                      -x_start if dx_into else 0)
             return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
 
         carry = (window, docs, gs, (zeros,) * k, zeros)
-        _, _, _, dw, dbias = jax.lax.fori_loop(0, run + m, step, carry)
+        _, _, _, dw, dbias = jax.lax.fori_loop(0, pl.cdiv(run + m, step_rows), step, carry)
         for j in range(k):
             plgpu.store(dw_ref.at[bi, ri, jnp.int32(j), pl.ds(row.c0, be)], dw[j],
                         mask=row.col_mask)
@@ -229,8 +248,8 @@ def _options(x, w, l, parts, config, x_start):
         be = min(config.block_e, _part_block(parts))
     else:
         be = min(config.block_e, e & -e) if e % 16 == 0 else config.block_e
-    return dict(k=w.shape[0], run=config.run, be=be, l=l, e=e, rows_in=rows_in, parts=parts,
-                x_start=x_start)
+    return dict(k=w.shape[0], run=config.run, step_rows=config.step_rows, be=be, l=l, e=e,
+                rows_in=rows_in, parts=parts, x_start=x_start)
 
 
 def _part_block(parts):

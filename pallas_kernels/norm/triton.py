@@ -16,7 +16,8 @@ The kernels see y, z and the cotangent flattened to [N, D] (a free reshape) and 
   residuals are y, z and weight), writes dy and dz, and sums dout * x * rstd over its rows
   into one float32 partial of dweight [D]; the partials [programs, D] are summed after
   the kernel. About two waves of programs (hardware.two_waves) keep every multiprocessor
-  busy while the partials stay small (264 x D floats).
+  busy while the partials stay small (264 x D floats). Where a thread's share of a block
+  is small enough, the walk loads each block a step ahead (Config.backward_prefetch).
 
 With w = weight, r = rstd, x = gated, dx = r * (dout*w - x * r**2 * mean_G(dout*w*x)), dy =
 dx * silu(z), dz = dx * y * sigmoid(z) * (1 + z * (1 - sigmoid(z))), dweight = sum_rows dout
@@ -59,17 +60,34 @@ class Config:
     """Tiles and launch shapes. `block_elements` (a power of two): the entries of one block,
     br * bg, br = block_elements / bg rows (at least one, at most the rows' next power of
     two); mamba_ssm's norms take one row of 4096 a program. `num_warps` None: block /
-    256 entries a warp, 1 to 8 (mamba_ssm's choice), the forward's. `backward_warps`: 4
-    took 0.84 ms, 8 1.03 and 16 0.86 at mamba2-1.3b's 16 x 2048 rows of 4096 on an H200
-    (other program counts and blocks no faster). `backward_programs` None: about
-    hardware.two_waves() programs, split over the groups."""
+    256 entries a warp, 1 to 8 (mamba_ssm's choice), the forward's. `backward_programs`
+    None: about hardware.two_waves() programs, split over the groups.
+
+    `backward_prefetch`: the backward's loop loads the next block before it computes this
+    one (carried in registers in the arrays' dtype), so that a program's loads overlap its
+    arithmetic; taken where a thread's share of a block is at most PREFETCH_BYTES of each
+    array. The gated norm's backward as the Mamba2 mixer calls it (mamba2-1.3b, 16 x 2048
+    bf16 rows of 4096, the output recomputed, an H200): 0.52 ms at 8 warps with it, 0.69 at
+    4 without (8 warps without it were slower than 4 in an earlier sweep: 1.03 against
+    0.84 ms); at 4 warps with it, 64 bytes a thread, 1.77: the carried loads spill. The
+    add-and-norm backward (rows of 2048, 4 warps) took 0.34 ms with it against 0.31:
+    ADD_CONFIG leaves it off. `backward_warps` None: 8 where the backward prefetches, else
+    4."""
     block_elements: int = 4096
     num_warps: int | None = None
-    backward_warps: int | None = 4
+    backward_warps: int | None = None
     backward_programs: int | None = None
-    # Software-pipelining stages of the backward's loop over its blocks: the next block's
-    # loads are issued while this one computes.
+    # Software-pipelining stages of the backward's loop over its blocks (Triton's pipeliner).
     backward_stages: int = 2
+    backward_prefetch: bool = True
+
+
+# The add-and-norm kernels' default: 4 warps a backward program, no prefetch (Config's
+# measurements).
+ADD_CONFIG = Config(backward_prefetch=False)
+# The most bytes of each array's block a thread may hold for the backward to load a block
+# ahead: 16 bf16 entries, the measured case that gained.
+PREFETCH_BYTES = 32
 
 
 def supports(shape, dtype, ngroups) -> bool:
@@ -129,9 +147,11 @@ def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False, with_
     rows, width, group = _sizes(y, ngroups)
     br, bg = _tiles(config, rows, group)
     programs, per_program = _programs(config, pl.cdiv(rows, br), ngroups)
+    warps, prefetch = _backward_launch(config, br, bg, y, z, dout)
     kernel = functools.partial(_backward_kernel, eps=eps, rows=rows, group=group, br=br, bg=bg,
                                per_program=per_program,
-                               ragged_rows=programs * per_program * br != rows)
+                               ragged_rows=programs * per_program * br != rows,
+                               prefetch=prefetch)
     flat = lambda a: a.reshape(rows, -1)
     dy, dz, dweight, *out = call(
         kernel, (programs, ngroups),
@@ -139,8 +159,7 @@ def backward(y, z, weight, dout, eps, ngroups, *, config, interpret=False, with_
          jax.ShapeDtypeStruct((rows, math.prod(z.shape) // rows), z.dtype),
          jax.ShapeDtypeStruct((programs, width), jnp.float32)]
         + [jax.ShapeDtypeStruct((rows, width), y.dtype)] * with_out,
-        config.backward_warps or _warps(config, br, bg), config.backward_stages, interpret,
-        "gated_rms_norm_backward",
+        warps, config.backward_stages, interpret, "gated_rms_norm_backward",
     )(flat(y), flat(z), weight.reshape(width), flat(dout))
     return (dy.reshape(y.shape), dz.reshape(z.shape),
             dweight.sum(0).reshape(weight.shape).astype(weight.dtype),
@@ -161,10 +180,8 @@ def _forward_kernel(y_ref, z_ref, w_ref, out_ref, *, eps, rows, group, br, bg, r
 
 
 def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *out_ref, eps, rows,
-                     group, br, bg, per_program, ragged_rows):
-    def step(block, mask, w):
-        y, z = _load(y_ref, block, mask), _load(z_ref, block, mask)
-        dout = _load(dout_ref, block, mask)
+                     group, br, bg, per_program, ragged_rows, prefetch):
+    def step(block, mask, w, y, z, dout):
         sig = jax.nn.sigmoid(z)
         silu = z * sig
         x = y * silu
@@ -178,25 +195,42 @@ def _backward_kernel(y_ref, z_ref, w_ref, dout_ref, dy_ref, dz_ref, dw_ref, *out
         plgpu.store(dz_ref.at[block], dz.astype(dz_ref.dtype), mask=mask)
         return dout * xhat
 
-    _backward_loop(step, w_ref, dw_ref, c0=pl.program_id(1) * group, rows=rows, group=group,
-                   br=br, bg=bg, per_program=per_program, ragged_rows=ragged_rows)
+    _backward_loop(step, (y_ref, z_ref, dout_ref), w_ref, dw_ref, c0=pl.program_id(1) * group,
+                   rows=rows, group=group, br=br, bg=bg, per_program=per_program,
+                   ragged_rows=ragged_rows, prefetch=prefetch)
 
 
-def _backward_loop(step, w_ref, dw_ref, *, c0, rows, group, br, bg, per_program, ragged_rows):
+def _backward_loop(step, in_refs, w_ref, dw_ref, *, c0, rows, group, br, bg, per_program,
+                   ragged_rows, prefetch):
     """A backward program's walk over its share of the blocks of the group at entry c0:
-    step(block, mask, weight [1, bg]) -> dout * x * rstd [br, bg] for one block, summed over
-    the blocks into the program's float32 partial of dweight, dw_ref[program]."""
+    step(block, mask, weight [1, bg], *the block of each of in_refs in float32) -> dout * x *
+    rstd [br, bg] for one block, summed over the blocks into the program's float32 partial of
+    dweight, dw_ref[program]. prefetch: each block's loads are issued a step ahead, before
+    the block before it is computed (the last step reloads its own block, unused)."""
     pi = pl.program_id(0)
     col_mask = _block(0, c0, rows=rows, group=group, br=br, bg=bg, ragged_rows=False)[2]
     w = _load(w_ref, pl.ds(c0, bg), col_mask)[None, :]
 
-    def body(j, dw):  # dw [br, bg]: the sum so far, by row slot
+    def block_of(j):
         r0 = pl.multiple_of((pi * per_program + j) * br, br)
-        block, mask, _ = _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
-                                ragged_rows=ragged_rows)
-        return dw + step(block, mask, w)  # masked entries are zeros: they add nothing
+        return _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
+                      ragged_rows=ragged_rows)[:2]
 
-    dw = jax.lax.fori_loop(0, per_program, body, jnp.zeros((br, bg), jnp.float32))
+    def load(j):  # in the arrays' dtypes: half the registers of float32 for bf16
+        block, mask = block_of(j)
+        return tuple(_load_raw(ref, block, mask) for ref in in_refs)
+
+    def body(j, carry):  # dw [br, bg]: the sum so far, by row slot
+        dw, loaded = carry
+        current = loaded if prefetch else load(j)
+        upcoming = load(jnp.minimum(j + 1, per_program - 1)) if prefetch else ()
+        block, mask = block_of(j)
+        # masked entries are zeros: they add nothing
+        dw = dw + step(block, mask, w, *(a.astype(jnp.float32) for a in current))
+        return dw, upcoming
+
+    dw, _ = jax.lax.fori_loop(0, per_program, body, (jnp.zeros((br, bg), jnp.float32),
+                                                     load(0) if prefetch else ()))
     plgpu.store(dw_ref.at[pi, pl.ds(c0, bg)], jnp.sum(dw, axis=0), mask=col_mask)
 
 
@@ -207,7 +241,7 @@ def _dx(xhat, rstd, wdout, group):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def add_rms_norm(residual, delta, weight, eps, config=Config(), interpret=False):
+def add_rms_norm(residual, delta, weight, eps, config=ADD_CONFIG, interpret=False):
     """residual, delta [..., d] (float32 or bfloat16, `supports_add`), weight [d] -> (summed,
     normed): reference.add_rms_norm_reference by the kernels. Its VJP keeps summed (an output
     the caller keeps anyway: the next layer's residual) and weight, and returns dresidual,
@@ -257,9 +291,11 @@ def add_backward(summed, weight, dsummed, dnormed, eps, *, config, interpret=Fal
     rows = math.prod(summed.shape[:-1])
     br, bg = _tiles(config, rows, d)
     programs, per_program = _programs(config, pl.cdiv(rows, br), 1)
+    warps, prefetch = _backward_launch(config, br, bg, summed, dsummed, dnormed)
     kernel = functools.partial(_add_backward_kernel, eps=eps, rows=rows, width=d, br=br, bg=bg,
                                per_program=per_program,
-                               ragged_rows=programs * per_program * br != rows)
+                               ragged_rows=programs * per_program * br != rows,
+                               prefetch=prefetch)
     one = jnp.dtype(dnormed.dtype) == jnp.dtype(summed.dtype)
     flat = lambda a: a.reshape(rows, d)
     dresidual, dweight, *ddelta = call(
@@ -267,8 +303,7 @@ def add_backward(summed, weight, dsummed, dnormed, eps, *, config, interpret=Fal
         [jax.ShapeDtypeStruct((rows, d), summed.dtype),
          jax.ShapeDtypeStruct((programs, d), jnp.float32)]
         + [jax.ShapeDtypeStruct((rows, d), dnormed.dtype)] * (not one),
-        config.backward_warps or _warps(config, br, bg), config.backward_stages, interpret,
-        "add_rms_norm_backward",
+        warps, config.backward_stages, interpret, "add_rms_norm_backward",
     )(flat(summed), weight, flat(dsummed), flat(dnormed))
     dresidual = dresidual.reshape(summed.shape)
     ddelta = dresidual if one else ddelta[0].reshape(summed.shape)
@@ -291,19 +326,32 @@ def _add_forward_kernel(res_ref, delta_ref, w_ref, sum_ref, out_ref, *, eps, row
 
 
 def _add_backward_kernel(sum_ref, w_ref, dsum_ref, dout_ref, dres_ref, dw_ref, *ddelta_ref, eps,
-                         rows, width, br, bg, per_program, ragged_rows):
-    def step(block, mask, w):
-        x, dout = _load(sum_ref, block, mask), _load(dout_ref, block, mask)
+                         rows, width, br, bg, per_program, ragged_rows, prefetch):
+    def step(block, mask, w, x, dout, dsum):
         rstd = _rstd(x, width, eps)
         xhat = x * rstd
-        dsummed = _dx(xhat, rstd, dout * w, width) + _load(dsum_ref, block, mask)
+        dsummed = _dx(xhat, rstd, dout * w, width) + dsum
         plgpu.store(dres_ref.at[block], dsummed.astype(dres_ref.dtype), mask=mask)
         if ddelta_ref:
             plgpu.store(ddelta_ref[0].at[block], dsummed.astype(ddelta_ref[0].dtype), mask=mask)
         return dout * xhat
 
-    _backward_loop(step, w_ref, dw_ref, c0=_first_entry(width), rows=rows, group=width, br=br,
-                   bg=bg, per_program=per_program, ragged_rows=ragged_rows)
+    _backward_loop(step, (sum_ref, dout_ref, dsum_ref), w_ref, dw_ref, c0=_first_entry(width),
+                   rows=rows, group=width, br=br, bg=bg, per_program=per_program,
+                   ragged_rows=ragged_rows, prefetch=prefetch)
+
+
+def _backward_launch(config, br, bg, *arrays):
+    """(warps, prefetch) of a backward kernel whose loop loads blocks [br, bg] of arrays:
+    config.backward_warps, or 8 where a block ahead fits (PREFETCH_BYTES a thread of each
+    array at 8 warps) and 4 where it does not; prefetch where asked for and it fits."""
+    size = max(jnp.dtype(a.dtype).itemsize for a in arrays)
+    fits = lambda warps: br * bg * size <= PREFETCH_BYTES * 32 * warps
+    if config.backward_warps is not None:
+        return config.backward_warps, config.backward_prefetch and fits(config.backward_warps)
+    if config.backward_prefetch and fits(8):
+        return 8, True
+    return 4, False
 
 
 def _first_entry(width):
@@ -344,8 +392,12 @@ def _block(r0, c0, *, rows, group, br, bg, ragged_rows):
 
 def _load(ref, index, mask):
     """ref[index] in float32; zeros where mask (None: all true) is false."""
-    return plgpu.load(ref.at[index], mask=mask, other=None if mask is None else 0.0).astype(
-        jnp.float32)
+    return _load_raw(ref, index, mask).astype(jnp.float32)
+
+
+def _load_raw(ref, index, mask):
+    """ref[index] in ref's dtype; zeros where mask (None: all true) is false."""
+    return plgpu.load(ref.at[index], mask=mask, other=None if mask is None else 0)
 
 
 def supports_add(shape, residual_dtype, delta_dtype) -> bool:
