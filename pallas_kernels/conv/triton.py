@@ -47,13 +47,14 @@ class Config:
     """Rows a program walks (run), its channels (block_e, at most; a power of two) and the
     rows a step of its walk loads before it computes any (step_rows, a divisor of run: a
     row's loads wait on nothing of the row before, so several in flight at once hide the
-    memory's latency that one row a step waited out at every row). Two warps over 256
-    channels load a bf16 row in 8-byte pieces a thread; a run of 128 rows re-reads k - 1
-    rows at its start. At mamba2-1.3b's x, B, C (4096, 128, 128), 16 x 2048 rows, as the
-    Mamba2 mixer calls the kernels, on an H200 (calls back to back, one script): forward
-    0.204 ms and backward 0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one
-    row a step; 4 rows a step, blocks of 512 channels or runs of 256 rows within 3% of it;
-    one warp forward 0.184-0.188 but backward 0.42-0.44, 16 rows a step backward 0.43."""
+    memory's latency that one row a step waited out at every row). Two warps over a block of
+    256 channels load a bf16 row in 8-byte pieces a thread (with parts, the block divides
+    every part: 128 channels at mamba2-1.3b's x, B, C of 4096, 128, 128); a run of 128 rows
+    re-reads k - 1 rows at its start. There, 16 x 2048 rows as the Mamba2 mixer calls the
+    kernels, on an H200 (calls back to back, one script): forward 0.204 ms and backward
+    0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one row a step; 4 rows a
+    step or runs of 256 rows within 3% of it; one warp forward 0.184-0.188 but backward
+    0.42-0.44; 16 rows a step backward 0.43."""
     run: int = 128
     block_e: int = 256
     warps: int = 2
