@@ -21,7 +21,8 @@ import pytest
 from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
-           "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3"]
+           "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3",
+           "tiles"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
@@ -330,6 +331,28 @@ def test_mamba3_bench_checks_and_times_our_mimo_scan_on_a_cpu(capsys):
     assert lines[4] == "| b x l | triton fwd ms | triton fwd+bwd ms |"
     cells = [c.strip() for c in lines[6].strip("|").split("|")]
     assert cells[0] == "1x16" and all(float(c) > 0 for c in cells[1:]) and len(cells) == 3
+
+
+def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
+    """bench.tiles at the tiny preset in Pallas's interpreter: a row per Config given, each
+    kernel's results within float32 roundings of its first Config's (the conv's weight
+    gradient sums its runs' partials in another order at shorter runs); a field the Config
+    lacks is named with the fields it has."""
+    from bench import tiles
+    tiles.main(["--preset", "tiny", "--shape", "1x40", "--conv", "", "run=16,step_rows=4",
+                "--norm", "", "backward_prefetch=0,backward_warps=4,backward_programs=none",
+                "--calls", "1", "--rounds", "1"])
+    table = capsys.readouterr().out.split("| kernel | tiles |")[1].splitlines()[2:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    assert [row[:2] for row in rows] == [
+        ["conv", "defaults"], ["conv", "run=16,step_rows=4"], ["norm", "defaults"],
+        ["norm", "backward_prefetch=0,backward_warps=4,backward_programs=none"]]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and row[4:7] == ["", "", ""]
+        assert float(row[7]) < 1e-5  # NaN fails
+    assert tiles.parse_config(tiles.norm.Config, "backward_prefetch=0").backward_prefetch is False
+    with pytest.raises(SystemExit, match="has no field 'rows'.*step_rows"):
+        tiles.parse_config(tiles.conv.Config, "rows=4")
 
 
 def test_forward_and_backward_computes_the_output_with_the_gradients():

@@ -51,7 +51,7 @@ class Config:
     256 channels load a bf16 row in 8-byte pieces a thread (with parts, the block divides
     every part: 128 channels at mamba2-1.3b's x, B, C of 4096, 128, 128); a run of 128 rows
     re-reads k - 1 rows at its start. There, 16 x 2048 rows as the Mamba2 mixer calls the
-    kernels, on an H200 (calls back to back, one script): forward 0.204 ms and backward
+    kernels, on an H200 (timed as bench.tiles times them): forward 0.204 ms and backward
     0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one row a step; 4 rows a
     step or runs of 256 rows within 3% of it; one warp forward 0.184-0.188 but backward
     0.42-0.44; 16 rows a step backward 0.43."""

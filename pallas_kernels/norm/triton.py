@@ -67,12 +67,12 @@ class Config:
     one (carried in registers in the arrays' dtype), so that a program's loads overlap its
     arithmetic; taken where a thread's share of a block is at most PREFETCH_BYTES of each
     array. The gated norm's backward as the Mamba2 mixer calls it (mamba2-1.3b, 16 x 2048
-    bf16 rows of 4096, the output recomputed, an H200): 0.52 ms at 8 warps with it, 0.69 at
-    4 without (8 warps without it were slower than 4 in an earlier sweep: 1.03 against
-    0.84 ms); at 4 warps with it, 64 bytes a thread, 1.77: the carried loads spill. The
-    add-and-norm backward (rows of 2048, 4 warps) took 0.34 ms with it against 0.31:
-    ADD_CONFIG leaves it off. `backward_warps` None: 8 where the backward prefetches, else
-    4."""
+    bf16 rows of 4096, the output recomputed, an H200, timed as bench.tiles times them):
+    0.52 ms at 8 warps with it, 0.69 at 4 without (8 warps without it were slower than 4 in
+    an earlier sweep: 1.03 against 0.84 ms); at 4 warps with it, 64 bytes a thread, 1.77:
+    the carried loads spill. The add-and-norm backward (rows of 2048, 4 warps) took 0.34 ms
+    with it against 0.31: ADD_CONFIG leaves it off. `backward_warps` None: 8 where the
+    backward prefetches, else 4."""
     block_elements: int = 4096
     num_warps: int | None = None
     backward_warps: int | None = None
