@@ -341,18 +341,21 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
     from bench import tiles
     tiles.main(["--preset", "tiny", "--shape", "1x40", "--conv", "", "run=16,step_rows=4",
                 "--norm", "", "backward_prefetch=0,backward_warps=4,backward_programs=none",
-                "--calls", "1", "--rounds", "1"])
+                "--add-norm", "backward_prefetch=1", "--calls", "1", "--rounds", "1"])
     table = capsys.readouterr().out.split("| kernel | tiles |")[1].splitlines()[2:]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
     assert [row[:2] for row in rows] == [
         ["conv", "defaults"], ["conv", "run=16,step_rows=4"], ["norm", "defaults"],
-        ["norm", "backward_prefetch=0,backward_warps=4,backward_programs=none"]]
+        ["norm", "backward_prefetch=0,backward_warps=4,backward_programs=none"],
+        ["add-norm", "backward_prefetch=1"]]
     for row in rows:
         assert float(row[2]) > 0 and float(row[3]) > 0 and row[4:7] == ["", "", ""]
         assert float(row[7]) < 1e-5  # NaN fails
-    assert tiles.parse_config(tiles.norm.Config, "backward_prefetch=0").backward_prefetch is False
+    norm = tiles.norm
+    assert tiles.parse_config(norm.Config(), "backward_prefetch=0").backward_prefetch is False
+    assert tiles.parse_config(norm.ADD_CONFIG, "") == norm.ADD_CONFIG != norm.Config()
     with pytest.raises(SystemExit, match="has no field 'rows'.*step_rows"):
-        tiles.parse_config(tiles.conv.Config, "rows=4")
+        tiles.parse_config(tiles.conv.Config(), "rows=4")
 
 
 def test_forward_and_backward_computes_the_output_with_the_gradients():
