@@ -226,8 +226,8 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, 
                 if row_docs is not None:
                     gj = jnp.where(row_docs[m - j] == row_docs[0], gj, 0.0)
                 dx = dx + w[j] * gj
-            # rows past the run's m (the last step's, where step_rows does not divide m) are
-            # the next run's to write
+            # rows walked past run + m (in the last step, where step_rows does not divide
+            # run + m) are the next run's to write
             row.store(dx_ref, s, dx, (i >= m) & (i < run + m) & (s < rows_in),
                       -x_start if dx_into else 0)
             return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
