@@ -56,14 +56,17 @@ def parse_config(defaults, text):
     cls = type(defaults)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     changes = {}
-    for pair in filter(None, text.split(",")):
-        name, _, value = pair.partition("=")
-        if name not in fields:
-            raise SystemExit(f"{cls.__module__}.Config has no field {name!r}: it has "
-                             f"{', '.join(fields)}")
-        changes[name] = (None if value == "none" else bool(int(value))
-                         if fields[name].type == "bool" else int(value))
-    return dataclasses.replace(defaults, **changes)
+    try:
+        for pair in filter(None, text.split(",")):
+            name, _, value = pair.partition("=")
+            if name not in fields:
+                raise ValueError(f"{cls.__module__}.Config has no field {name!r}: it has "
+                                 f"{', '.join(fields)}")
+            changes[name] = (None if value == "none" else bool(int(value))
+                             if fields[name].type == "bool" else int(value))
+        return dataclasses.replace(defaults, **changes)
+    except ValueError as e:  # a field unknown, a value not an integer, a Config refused
+        raise SystemExit(f"tiles {text!r}: {e}") from None
 
 
 def per_call(fn, calls, rounds):

@@ -337,7 +337,8 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
     """bench.tiles at the tiny preset in Pallas's interpreter: a row per Config given, each
     kernel's results within float32 roundings of its first Config's (the conv's weight
     gradient sums its runs' partials in another order at shorter runs); a field the Config
-    lacks is named with the fields it has."""
+    lacks is named with the fields it has, a value that is no integer or that the Config
+    refuses is named with the reason."""
     from bench import tiles
     tiles.main(["--preset", "tiny", "--shape", "1x40", "--conv", "", "run=16,step_rows=4",
                 "--norm", "", "backward_prefetch=0,backward_warps=4,backward_programs=none",
@@ -356,6 +357,10 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
     assert tiles.parse_config(norm.ADD_CONFIG, "") == norm.ADD_CONFIG != norm.Config()
     with pytest.raises(SystemExit, match="has no field 'rows'.*step_rows"):
         tiles.parse_config(tiles.conv.Config(), "rows=4")
+    with pytest.raises(SystemExit, match="'run=many'.*invalid literal"):
+        tiles.parse_config(tiles.conv.Config(), "run=many")
+    with pytest.raises(SystemExit, match="step_rows 8 must divide run 12"):
+        tiles.parse_config(tiles.conv.Config(), "run=12")
 
 
 def test_forward_and_backward_computes_the_output_with_the_gradients():
