@@ -4,7 +4,7 @@ same dtype-rounded inputs.
 
 The kernels run in Pallas's interpreter on CPU, with their default tiles and with short runs
 and narrow channel blocks (so that rows cross from one program's run to the next and
-channels span several blocks), one row a loop step and several. Cases: odd lengths and channel counts that no tile divides,
+channels span several blocks), several rows a loop step. Cases: odd lengths and channel counts that no tile divides,
 packed documents, a conv input that holds the rows before the first output (`length`, as
 under context parallelism or a continued sequence), a conv input without them (zeros), no
 bias, 3 taps, the output written as parts (Mamba2's x, B, C: `parts`, the gradient read
@@ -32,11 +32,10 @@ CASES = {  # name: (b, rows, channels, k, length, documents, bias, parts)
     "parts_documents_rows_before": (2, 70, (96,), 4, 67, True, True, (64, 16, 16)),
     "parts_no_bias": (1, 45, (160,), 4, 45, False, False, (96, 32, 32)),
 }
+# 4 rows a step over runs of 16: the backward's walk of run + 3 rows ends in a step of which
+# one row is the next run's (at the defaults, 8 a step over 128, five rows are)
 CONFIGS = {"default": triton.Config(),
-           "short_runs": triton.Config(run=16, block_e=16, step_rows=1),
-           # 4 rows a step: the backward's walk of run + 3 rows ends in a step of which one
-           # row is the next run's
-           "rows_a_step": triton.Config(run=16, block_e=16, step_rows=4)}
+           "short_runs": triton.Config(run=16, block_e=16, step_rows=4)}
 
 
 def inputs(b, rows, channels, k, length, documents, bias, parts, dtype, seed):
