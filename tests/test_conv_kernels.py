@@ -4,13 +4,13 @@ same dtype-rounded inputs.
 
 The kernels run in Pallas's interpreter on CPU, with their default tiles and with short runs
 and narrow channel blocks (so that rows cross from one program's run to the next and
-channels span several blocks), several rows a loop step. Cases: odd lengths and channel counts that no tile divides,
-packed documents, a conv input that holds the rows before the first output (`length`, as
-under context parallelism or a continued sequence), a conv input without them (zeros), no
-bias, 3 taps, the output written as parts (Mamba2's x, B, C: `parts`, the gradient read
-from the parts' cotangents). Errors are the largest difference over the largest value: float32 inputs
-below 1e-5 (seen ~3e-7); bfloat16 inputs below 1e-2 (the kernels round y and dx to bf16
-once; seen ~2e-5). NaN fails every comparison.
+channels span several blocks), several rows a loop step. Cases: odd lengths and channel
+counts that no tile divides, packed documents, a conv input that holds the rows before the
+first output (`length`, as under context parallelism or a continued sequence), a conv input
+without them (zeros), no bias, 3 taps, the output written as parts (Mamba2's x, B, C:
+`parts`, the gradient read from the parts' cotangents). Errors are the largest difference
+over the largest value: float32 inputs below 1e-5 (seen ~3e-7); bfloat16 inputs below 1e-2
+(the kernels round y and dx to bf16 once; seen ~2e-5). NaN fails every comparison.
 """
 
 import jax

@@ -113,6 +113,20 @@ def test_backward_programs_loop_over_several_blocks(case, config):
         CASES[case], jnp.float32)
 
 
+def test_the_backward_prefetches_where_a_block_ahead_fits():
+    """(warps, prefetch) of a backward: 8 warps and a block ahead where a thread's share is
+    at most 32 bytes of each array there, else the former 4 warps without."""
+    bf16, f32 = jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.float32)
+    launch = triton._backward_launch
+    assert launch(triton.Config(), 1, 4096, bf16, bf16) == (8, True)  # mamba2-1.3b's rows
+    assert launch(triton.Config(), 4, 1024, bf16) == (8, True)  # 4 rows of a group of 1024
+    assert launch(triton.Config(), 1, 4096, bf16, f32) == (4, False)  # 64 bytes of float32
+    assert launch(triton.Config(), 1, 8192, bf16) == (4, False)  # mamba2-2.7b's 5120
+    assert launch(triton.Config(backward_warps=4), 1, 4096, bf16) == (4, False)
+    assert launch(triton.Config(backward_warps=16), 1, 8192, bf16) == (16, True)
+    assert launch(triton.ADD_CONFIG, 1, 2048, bf16) == (4, False)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_the_backward_recomputes_the_output_on_request(dtype):
     """backward(with_out=True), as the fused mixer calls it for out_proj's weight gradient:
