@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import copy_bandwidth, device_line, table_header, table_row
+from bench.harness import copy_bandwidth, device_line, median_time, table_header, table_row
 from mamba_jax import Mamba2Config
 from mamba_jax.layers import mamba2
 from pallas_kernels.conv import triton as conv
@@ -71,14 +69,9 @@ def parse_config(defaults, text):
 
 def per_call(fn, calls, rounds):
     """Seconds a call of fn: `calls` calls dispatched back to back, then waited for; the median
-    of `rounds` rounds, after one call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready([fn() for _ in range(calls)])
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    of `rounds` rounds, after one such round."""
+    return median_time(lambda: jax.block_until_ready([fn() for _ in range(calls)]), 1,
+                       rounds) / calls
 
 
 def largest_difference(got, first):

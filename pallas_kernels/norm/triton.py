@@ -216,21 +216,20 @@ def _backward_loop(step, in_refs, w_ref, dw_ref, *, c0, rows, group, br, bg, per
         return _block(r0, c0, rows=rows, group=group, br=br, bg=bg,
                       ragged_rows=ragged_rows)[:2]
 
-    def load(j):  # in the arrays' dtypes: half the registers of float32 for bf16
-        block, mask = block_of(j)
+    def load(block, mask):  # in the arrays' dtypes: half the registers of float32 for bf16
         return tuple(_load_raw(ref, block, mask) for ref in in_refs)
 
     def body(j, carry):  # dw [br, bg]: the sum so far, by row slot
         dw, loaded = carry
-        current = loaded if prefetch else load(j)
-        upcoming = load(jnp.minimum(j + 1, per_program - 1)) if prefetch else ()
         block, mask = block_of(j)
+        current = loaded if prefetch else load(block, mask)
+        upcoming = load(*block_of(jnp.minimum(j + 1, per_program - 1))) if prefetch else ()
         # masked entries are zeros: they add nothing
         dw = dw + step(block, mask, w, *(a.astype(jnp.float32) for a in current))
         return dw, upcoming
 
     dw, _ = jax.lax.fori_loop(0, per_program, body, (jnp.zeros((br, bg), jnp.float32),
-                                                     load(0) if prefetch else ()))
+                                                     load(*block_of(0)) if prefetch else ()))
     plgpu.store(dw_ref.at[pi, pl.ds(c0, bg)], jnp.sum(dw, axis=0), mask=col_mask)
 
 
