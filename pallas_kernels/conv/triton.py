@@ -47,17 +47,18 @@ class Config:
     """Rows a program walks (run), its channels (block_e, at most; a power of two) and the
     rows a step of its walk loads before it computes any (step_rows, a divisor of run: a
     row's loads wait on nothing of the row before, so several in flight at once hide the
-    memory's latency that one row a step waited out at every row). Two warps over a block of
-    256 channels load a bf16 row in 8-byte pieces a thread (with parts, the block divides
-    every part: 128 channels at mamba2-1.3b's x, B, C of 4096, 128, 128); a run of 128 rows
-    re-reads k - 1 rows at its start. There, 16 x 2048 rows as the Mamba2 mixer calls the
-    kernels, on an H200 (timed as bench.tiles times them): forward 0.204 ms and backward
-    0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one row a step; 4 rows a
-    step or runs of 256 rows within 3% of it; one warp forward 0.184-0.188 but backward
-    0.42-0.44; 16 rows a step backward 0.43."""
+    memory's latency that one row a step waited out at every row). With parts, the block
+    divides every part: 128 channels at mamba2-1.3b's x, B, C of 4096, 128, 128. A run of 128
+    rows re-reads k - 1 rows at its start. There, 16 x 2048 rows as the Mamba2 mixer calls
+    the kernels, on an H200 (timed as bench.tiles times them): at two warps each, forward
+    0.204 ms and backward 0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one
+    row a step; 4 rows a step or runs of 256 rows within 3% of it; 16 rows a step backward
+    0.43. One warp took the forward 0.184-0.188 ms (0.207 against 0.222 at two in a later
+    call) and the backward 0.42-0.44, so each has its own warps."""
     run: int = 128
     block_e: int = 256
-    warps: int = 2
+    forward_warps: int = 1
+    backward_warps: int = 2
     stages: int = 3
     step_rows: int = 8
 
@@ -270,7 +271,7 @@ def forward(x, w, bias, doc, l, parts, *, config, interpret=False, x_start=0):
                                has_doc=doc is not None)
     grid = (b, pl.cdiv(e, o["be"]), pl.cdiv(l, o["run"]))
     out_shape = [jax.ShapeDtypeStruct((b, l, size), x.dtype) for size in parts]
-    return tuple(call(kernel, grid, out_shape, config.warps, config.stages, interpret,
+    return tuple(call(kernel, grid, out_shape, config.forward_warps, config.stages, interpret,
                       "conv1d_forward")(x, w, *present(bias, doc)))
 
 
@@ -292,8 +293,8 @@ def backward(x, w, bias, doc, dy, *, config, interpret=False, x_start=0, dx_into
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, runs, e), jnp.float32))
     args = (x, w, *dy, *present(bias, doc, dx_into))
-    out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config.warps, config.stages,
-               interpret, "conv1d_backward",
+    out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config.backward_warps,
+               config.stages, interpret, "conv1d_backward",
                None if dx_into is None else {len(args) - 1: 0})(*args)
     dx, dw = out[0], out[1].sum(axis=(0, 1))
     return dx, dw, (out[2].sum(axis=(0, 1)) if bias is not None else None)

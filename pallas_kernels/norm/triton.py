@@ -70,9 +70,11 @@ class Config:
     bf16 rows of 4096, the output recomputed, an H200, timed as bench.tiles times them):
     0.52 ms at 8 warps with it, 0.69 at 4 without (8 warps without it were slower than 4 in
     an earlier sweep: 1.03 against 0.84 ms); at 4 warps with it, 64 bytes a thread, 1.77:
-    the carried loads spill. The add-and-norm backward (rows of 2048, 4 warps) took 0.34 ms
-    with it against 0.31: ADD_CONFIG leaves it off. `backward_warps` None: 8 where the
-    backward prefetches, else 4."""
+    the carried loads spill. The add-and-norm backward (mamba2-1.3b's float32 residual rows
+    of 2048) took 0.317 ms with it over blocks of one row (8 warps, 32 bytes a thread)
+    against 0.329 over blocks of two rows without it (4 warps; blocks of one row without it
+    0.373), and its forward over blocks of one row 0.226 against 0.236 (one call):
+    ADD_CONFIG. `backward_warps` None: 8 where the backward prefetches, else 4."""
     block_elements: int = 4096
     num_warps: int | None = None
     backward_warps: int | None = None
@@ -82,9 +84,9 @@ class Config:
     backward_prefetch: bool = True
 
 
-# The add-and-norm kernels' default: 4 warps a backward program, no prefetch (Config's
-# measurements).
-ADD_CONFIG = Config(backward_prefetch=False)
+# The add-and-norm kernels' default: blocks of 2048 entries, so that a float32 row of 2048
+# prefetches at 8 warps (Config's measurements).
+ADD_CONFIG = Config(block_elements=2048)
 # The most bytes of each array's block a thread may hold for the backward to load a block
 # ahead: 16 bf16 entries, the measured case that gained.
 PREFETCH_BYTES = 32
