@@ -71,8 +71,8 @@ import numpy as np
 from flax import nnx
 
 from bench import baseline
-from bench.harness import (check_kernel, copy_bandwidth, median_time, result, run_module,
-                           table_header, table_row)
+from bench.harness import (INT8_TOLERANCE, check_kernel, copy_bandwidth, median_time, result,
+                           run_module, table_header, table_row)
 from mamba_jax import Mamba2Config, Mamba2LM, generate
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, decode, prefill, prepare
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, decode_plan, resolve_implementation
@@ -194,7 +194,7 @@ def check_kernels(preset, cfg, batch, int8=False):
             return y, window, dequantize(state)
         check_kernel(f"{preset} batch {batch} mamba_step (int8 state)", step_int8, dict(
             cases["mamba_step"][1], state=quantize(cases["mamba_step"][1]["state"])),
-            tolerance=1 / 127 + 2.0 ** -8)
+            tolerance=INT8_TOLERANCE)
     if batch <= FUSED_STEP_MAX_BATCH:  # the fused steps' kernels (generate.plan)
         shifted = {key: v for key, v in cases["mamba_step"][1].items() if key != "conv_state"}
         cases["mamba_step_shifted"] = (mamba_step_shifted, dict(
@@ -286,7 +286,7 @@ def check_mamba3_kernel(preset, cfg, batch, int8=False):
             return y, new._replace(ssm=dequantize(new.ssm))
         check_kernel(f"{preset} batch {batch} mamba3 decode_step (int8 state)", step_int8,
                      dict(kwargs, state=state._replace(ssm=quantize(state.ssm))),
-                     tolerance=1 / 127 + 2.0 ** -8)
+                     tolerance=INT8_TOLERANCE)
 
 
 def theirs(preset, batch, prompt, new, reps, copy):

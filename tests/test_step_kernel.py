@@ -13,7 +13,7 @@ from pallas_kernels import hardware
 from pallas_kernels.decode import step_out
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd.step import (Blocks, Int8State, dequantize, mamba_step,
-                                     mamba_step_shifted, quantize)
+                                     mamba_step_shifted, quantize, quantized_values)
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
@@ -116,6 +116,22 @@ def test_int8_round_trip_is_within_half_a_step_of_each_row():
     # a value within float32's rounding of a half step may round the other way: rarely
     moved = np.abs(np.asarray(decayed.values, np.int32) - values)
     assert moved.max() <= 1 and moved.mean() < 1e-3
+
+
+def test_int8_values_round_to_the_nearest_integer_half_to_even():
+    """quantized_values rounds state * 127 / peak by adding 1.5 * 2**23 in float32: over the
+    whole range, at and between the half steps, numpy's rint (half to even) of the same
+    float32 product; and the extremes stay within [-127, 127]."""
+    rng = np.random.default_rng()  # fresh inputs every run
+    steps = np.arange(-127.0, 127.25, 0.25, dtype=np.float32)  # ties at every .5
+    noise = rng.uniform(-127.0, 127.0, 4096).astype(np.float32)
+    for v in (steps, noise):
+        got = np.asarray(quantized_values(jnp.asarray(v)[None], jnp.float32(127.0)[None]))
+        np.testing.assert_array_equal(got[0], np.rint(v).astype(np.int8))
+    # peak 254: the product is half the value, exactly
+    row = jnp.asarray([[-254.0, 254.0, 0.0, 1.0, 3.0, -5.0]])
+    got = np.asarray(quantized_values(row, jnp.float32(254.0)[None]))
+    np.testing.assert_array_equal(got[0], [-127, 127, 0, 0, 2, -2])
 
 
 def test_int8_states_step_in_the_kernel_as_in_the_reference():

@@ -89,18 +89,27 @@ class Int8State(NamedTuple):
 
 def quantize(state) -> Int8State:
     """A float32 state [..., n] -> Int8State: per row of n, scale = max |state| / 127 and
-    values = state / scale rounded to the nearest integer (half up; in operations the Triton
-    lowering has), 0 where the row is all zeros. Each value is off by at most scale / 2."""
+    values = state / scale rounded to the nearest integer (half to even), 0 where the row is
+    all zeros. Each value is off by at most scale / 2."""
     peak = jnp.max(jnp.abs(state), axis=-1)
     return Int8State(quantized_values(state, peak), peak / INT8_LEVELS)
+
+
+# v + 1.5 * 2**23 in float32 holds v rounded to an integer (half to even) in its low mantissa
+# bits for |v| <= 2**22: a multiply-add and an integer subtract round and convert, where
+# floor(v + 0.5) and a conversion took three instructions more a value in a kernel that
+# issues instructions, not bytes, at its limit (docs/decoding.md).
+_ROUNDER = 12582912.0
+_ROUNDER_BITS = 0x4B400000  # its bits as an int32
 
 
 def quantized_values(state, peak):
     """The int8 values of `quantize` for rows whose largest |value| is peak [...] (a kernel
     that holds a row in pieces quantises each piece against the row's peak)."""
     inverse = jnp.where(peak > 0, INT8_LEVELS / jnp.where(peak > 0, peak, 1.0), 0.0)
-    # |state * inverse| <= 127 up to a rounding of the product: never past 127.5
-    return jnp.floor(state * inverse[..., None] + 0.5).astype(jnp.int8)
+    # |state * inverse| <= 127 up to a rounding of the product: never rounds past 127
+    shifted = state * inverse[..., None] + _ROUNDER
+    return (jax.lax.bitcast_convert_type(shifted, jnp.int32) - _ROUNDER_BITS).astype(jnp.int8)
 
 
 def dequantize(state: Int8State):
@@ -266,9 +275,8 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     h_p = conv_ref.shape[1] - 2 * g * n  # the x channels, h * p
     rows = pl.ds(pl.multiple_of(pi * bp, bp), bp)  # this program's bp of the head's p
     # The state first: its load, the largest, is then in flight during the conv.
-    old = state_ref[bi, hi, rows, :]  # [bp, n]
-    old = (dequantize(Int8State(old, scale_ref[bi, hi, rows])) if int8
-           else old.astype(jnp.float32))
+    old = state_ref[bi, hi, rows, :].astype(jnp.float32)  # [bp, n]; int8: values unscaled
+    scale = scale_ref[bi, hi, rows] if int8 else None  # [bp]
 
     def conv(start, size, write):
         """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
@@ -307,8 +315,11 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
         dt = jnp.clip(dt, lo, hi_limit)
     decay = jnp.exp(dt * A_ref[hi])
     dtx = dt * x
-    y = (decay * jnp.sum(old * C[None, :], axis=1) + dtx * jnp.sum(B * C)
-         + D_ref[hi] * x).astype(y_dtype)
+    read = jnp.sum(old * C[None, :], axis=1)  # [bp]
+    old_decay = decay
+    if int8:  # the scale multiplies the read-out and the decay, not each value
+        read, old_decay = read * scale, (decay * scale)[:, None]
+    y = (decay * read + dtx * jnp.sum(B * C) + D_ref[hi] * x).astype(y_dtype)
     if gate:  # z: dt_ref's (zxbcdt's) first h*p columns
         z = dt_ref[bi, pl.ds(hi * p + pi * bp, bp)].astype(jnp.float32)
         y = y.astype(jnp.float32) * jax.nn.silu(z)
@@ -316,7 +327,7 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
         y_ref[bi, pl.ds(pl.multiple_of(hi * p + pi * bp, bp), bp)] = y
     else:
         y_ref[bi, hi, rows] = y
-    new = old * decay + dtx[:, None] * B[None, :]
+    new = old * old_decay + dtx[:, None] * B[None, :]
     if int8:  # this program's rows, each quantised alone (module docstring)
         new, scale = quantize(new)
         new_scale_ref[bi, hi, rows] = scale
