@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import INT8_TOLERANCE, copy_bandwidth, median_time, print_sweep, sweep_blocks, sweep_parser
+from bench.harness import (INT8_TOLERANCE, copy_bandwidth, median_time, print_sweep, sweep_blocks,
+                           sweep_parser)
 from mamba_jax import Mamba2Config
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, SSM_STATE_DTYPES
 from mamba_jax.layers import mamba2

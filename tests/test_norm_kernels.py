@@ -125,7 +125,7 @@ def test_the_backward_prefetches_where_a_block_ahead_fits():
     assert launch(triton.Config(backward_warps=4), 1, 4096, bf16) == (4, False)
     assert launch(triton.Config(backward_warps=16), 1, 8192, bf16) == (16, True)
     assert launch(triton.ADD_CONFIG, 1, 2048, bf16, f32) == (8, True)  # a float32 residual
-    assert launch(triton.ADD_CONFIG, 1, 4096, bf16, f32) == (4, False)  # mamba2-2.7b's
+    assert launch(triton.ADD_CONFIG, 1, 4096, bf16, f32) == (4, False)  # 2560 in 4096
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

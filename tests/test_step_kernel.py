@@ -135,8 +135,8 @@ def test_int8_values_round_to_the_nearest_integer_half_to_even():
 
 
 def test_int8_states_step_in_the_kernel_as_in_the_reference():
-    """The step over an Int8State: the kernel (each program dequantises its rows after the
-    load and quantises them before the store, values and scale updated in place) against the
+    """The step over an Int8State: the kernel (each program scales its rows' read-out and
+    decay and quantises them before the store, values and scale updated in place) against the
     reference, with each head's headdim split over two programs. y and the scales are the
     same float32 arithmetic (1e-5 of the largest value); a value within float32's rounding
     of a half step may round to its neighbour, one step of its row."""
