@@ -65,12 +65,14 @@ def copy_bandwidth(warmup, reps):
 
 # ---- our kernels against their references ----
 
-# check_kernel's tolerance where an int8 state is compared: a value may round to its
-# neighbour, one step of 1/127 of its row's largest, on top of one bf16 ulp.
-INT8_TOLERANCE = 1 / INT8_LEVELS + 2.0 ** -8
+# check_kernel's tolerances: one bf16 ulp, where float32 sums in another order round to the
+# neighbour; where an int8 state is compared, a value may also round to its neighbour, one
+# step of 1/127 of its row's largest.
+BF16_TOLERANCE = 2.0 ** -8
+INT8_TOLERANCE = 1 / INT8_LEVELS + BF16_TOLERANCE
 
 
-def check_kernel(label, f, kwargs, tolerance=2.0 ** -8):
+def check_kernel(label, f, kwargs, tolerance=BF16_TOLERANCE):
     """f(**kwargs, implementation="triton") on the default device against
     f(**kwargs, implementation="xla") on the CPU: prints the worst difference over the
     largest value of any output, exits on one over `tolerance` (default one bf16 ulp, where
@@ -194,7 +196,7 @@ def parse_blocks(blocks, text):
 
 
 def sweep_blocks(blocks, texts, label, kernel, inputs, time_kernel, xla_seconds,
-                 tolerance=2.0 ** -8):
+                 tolerance=BF16_TOLERANCE):
     """For each --blocks text: `kernel` with those tiles (`blocks`, the kernel module's Blocks
     dataclass) checked on `inputs` against its reference (check_kernel, within tolerance),
     then timed by time_kernel(blocks) -> seconds; prints each against xla_seconds and returns

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.harness import (INT8_TOLERANCE, copy_bandwidth, median_time, print_sweep, sweep_blocks,
-                           sweep_parser)
+from bench.harness import (BF16_TOLERANCE, INT8_TOLERANCE, copy_bandwidth, median_time,
+                           print_sweep, sweep_blocks, sweep_parser)
 from mamba_jax import Mamba2Config
 from mamba_jax.generate import DECODE_COMPILER_OPTIONS, SSM_STATE_DTYPES
 from mamba_jax.layers import mamba2
@@ -96,7 +96,7 @@ def main(argv=None):
                              first, lambda blocks: per_layer(
                                  fresh(), args.layers, args.repeats, args.reps,
                                  implementation="triton", blocks=blocks), xla,
-                             INT8_TOLERANCE if args.ssm_state_dtype == "int8" else 2.0 ** -8)
+                             INT8_TOLERANCE if args.ssm_state_dtype == "int8" else BF16_TOLERANCE)
         rows += [(preset, text, ours, xla, state_bytes) for text, ours in timed]
     print_sweep(f"batch {args.batch}, {args.ssm_state_dtype} states, {args.layers} layers a "
                 "call", ("preset", "blocks (bp,warps)"), "ours state GB/s", rows, copy_rate)

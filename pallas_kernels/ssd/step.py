@@ -276,7 +276,7 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     rows = pl.ds(pl.multiple_of(pi * bp, bp), bp)  # this program's bp of the head's p
     # The state first: its load, the largest, is then in flight during the conv.
     old = state_ref[bi, hi, rows, :].astype(jnp.float32)  # [bp, n]; int8: values unscaled
-    scale = scale_ref[bi, hi, rows] if int8 else None  # [bp]
+    old_scale = scale_ref[bi, hi, rows] if int8 else None  # [bp]
 
     def conv(start, size, write):
         """silu(conv) of channels [start, start + size) -> [size] float32, rounded to the
@@ -318,7 +318,7 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     read = jnp.sum(old * C[None, :], axis=1)  # [bp]
     old_decay = decay
     if int8:  # the scale multiplies the read-out and the decay, not each value
-        read, old_decay = read * scale, (decay * scale)[:, None]
+        read, old_decay = read * old_scale, (decay * old_scale)[:, None]
     y = (decay * read + dtx * jnp.sum(B * C) + D_ref[hi] * x).astype(y_dtype)
     if gate:  # z: dt_ref's (zxbcdt's) first h*p columns
         z = dt_ref[bi, pl.ds(hi * p + pi * bp, bp)].astype(jnp.float32)
