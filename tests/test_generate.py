@@ -238,6 +238,31 @@ def test_the_step_kernels_generate_what_the_xla_step_does(model, batch):
     np.testing.assert_array_equal(ours, mamba_jax.generate(model, prompt, max_new_tokens=6))
 
 
+@pytest.mark.parametrize("ngroups,dtype", [(1, jnp.float32), (2, jnp.float32),
+                                            (1, jnp.bfloat16)])
+def test_the_step_kernel_normalises_after_out_proj_as_the_xla_step_before_it(ngroups, dtype):
+    """The "kernel" step (batch 3) takes the gated norm's rstd from the kernel's sums of
+    squares and multiplies out_proj's product by it, per norm group (ngroups 2: two groups'
+    products scaled apart, then summed). Each step from the XLA step's cache: float32 logits
+    within 1e-4 of the XLA step's (the same products in another order); bf16 within 2e-2
+    (the normed y rounded to bf16 before out_proj, against y times the weight rounded)."""
+    cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16, chunk_size=16,
+                              ngroups=ngroups, vocab_size=250)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(4), dtype=dtype)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 250, (3, 11)))
+    assert decode_plan(model, 3, "triton").steps == ("kernel",) * len(model.layers)
+    _, cache = nnx.jit(lambda model, ids: model.prefill(ids, cache_len=11))(model, ids[:, :8])
+    step = nnx.jit(lambda model, token, cache, steps: model.step(token, cache, steps=steps),
+                   static_argnums=3)
+    for t in range(8, 11):
+        logits, new_cache = step(model, ids[:, t], cache, ("xla",) * len(model.layers))
+        logits_k, _ = step(model, ids[:, t], cache, ("kernel",) * len(model.layers))
+        assert np.all(np.isfinite(logits_k))
+        np.testing.assert_allclose(logits_k, logits, rtol=0,
+                                   atol=1e-4 if dtype == jnp.float32 else 2e-2)
+        cache = new_cache
+
+
 def test_auto_takes_the_step_kernels_on_a_gpu_only(monkeypatch, caplog):
     model = nnx.eval_shape(lambda: Mamba2LM(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0)))
     assert resolve_implementation("auto", model, backend="gpu") == "triton"

@@ -88,6 +88,41 @@ def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limi
                                    state_ref.astype(jnp.float32)))))
 
 
+@pytest.mark.parametrize("g,y_dtype", [(1, jnp.bfloat16), (4, jnp.float32)])
+def test_kernel_gates_and_weighs_y_for_the_norm_after_the_product(g, y_dtype):
+    """norm_weight: y rounded to y_dtype, times silu(z), times the norm's weight, stored
+    [b, h*p] in y_dtype, and the squares of y * silu(z) summed per head; with each head's
+    headdim split over two programs (their partial sums added), kernel against reference."""
+    rng = np.random.default_rng()  # fresh inputs every run
+    args = _inputs(rng, b=2, h=8, p=32, g=g, n=32, k=4, window_dtype=jnp.float32,
+                   state_dtype=jnp.float32, bias=True)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, 8 * 32), jnp.float32)
+    ref, _, state_ref = mamba_step(**args, y_dtype=y_dtype, norm_weight=weight,
+                                   implementation="xla")
+    got, _, state = mamba_step(**args, y_dtype=y_dtype, norm_weight=weight,
+                               implementation="triton")
+    assert got.y.shape == (2, 8 * 32) and got.y.dtype == y_dtype
+    assert got.sum_sq.shape == (2, 8) and got.sum_sq.dtype == jnp.float32
+    # The unnormed step's y, gated by hand: the reference's definition, in float32.
+    y, _, _ = mamba_step(**args, y_dtype=y_dtype, implementation="xla")
+    z = args["zxbcdt"][:, :8 * 32].reshape(2, 8, 32)
+    gated = np.asarray(y.astype(jnp.float32) * jax.nn.silu(z), np.float64)
+    np.testing.assert_allclose(ref.sum_sq, np.sum(gated ** 2, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(ref.y.astype(jnp.float32),
+                               gated.reshape(2, -1) * np.asarray(weight),
+                               rtol=2.0 ** -8 if y_dtype == jnp.bfloat16 else 1e-6, atol=1e-6)
+    # Kernel against reference: float32 sums in another order, then (bf16) one rounding that
+    # may land on the neighbouring value (2**-7 relative), as for the ungated y above.
+    rounding = 2.0 ** -7 if y_dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(got.y.astype(jnp.float32), ref.y.astype(jnp.float32), rtol=0,
+                               atol=rounding * float(jnp.max(jnp.abs(ref.y.astype(
+                                   jnp.float32)))))
+    # a y rounded to its neighbour moves its head's sum by up to twice that share
+    np.testing.assert_allclose(got.sum_sq, ref.sum_sq, rtol=2 * rounding)
+    np.testing.assert_allclose(state, state_ref, rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(state_ref))))
+
+
 def test_int8_round_trip_is_within_half_a_step_of_each_row():
     """quantize: per (row, head, headdim channel) a scale max|state| / 127 over d_state, the
     values integers in [-127, 127] each within half a step of the state; a row's largest

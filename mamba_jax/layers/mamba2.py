@@ -42,7 +42,7 @@ from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.mamba2_mixer import Shapes as MixerShapes
 from pallas_kernels.mamba2_mixer import mamba2_mixer
 from pallas_kernels.ssd import document_ids, ssd
-from pallas_kernels.ssd.step import mamba_step, state_in
+from pallas_kernels.ssd.step import Gated, mamba_step, state_in
 from pallas_kernels.ssd.step import supports as step_supports
 
 
@@ -479,18 +479,44 @@ class Mamba2Mixer(Mixer):
         update as XLA fusions ("xla") or as one Pallas kernel, pallas_kernels.ssd.step
         ("kernel")."""
         zxbcdt = self.project_packed(u, weights.in_proj)
+        m = self.cfg.mamba2
         # The window's shift, the conv and the SSM update, xBC and dt read from zxbcdt
-        y, conv_state, ssm_state = mamba_step(
-            cache.conv_state, zxbcdt, *weights.conv, weights.A, self.D[...], self.dt_bias[...],
-            cache.ssm_state, dt_limit=self.cfg.mamba2.dt_limit, y_dtype=self.dtype,
-            implementation="triton" if how == "kernel" else "xla")
-        z = zxbcdt[:, :y.shape[1] * y.shape[2]].reshape(y.shape)  # its first h*p columns
-        # A step's few rows stay with XLA, which fuses the norm with z's slice and the
-        # out-projection's input; the norm's kernels were made and measured for training.
-        y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, self.cfg.mamba2.ngroups,
-                           implementation="xla")
-        return (self.out_proj_partial(y, weights.out_proj),
-                MambaCache(conv_state, ssm_state, cache.sync))
+        step = functools.partial(mamba_step, cache.conv_state, zxbcdt, *weights.conv,
+                                 weights.A, self.D[...], self.dt_bias[...], cache.ssm_state,
+                                 dt_limit=m.dt_limit, y_dtype=self.dtype)
+        if how == "kernel":
+            # The kernel gates y and multiplies it by the norm's weight; the norm's rstd,
+            # from the squares it sums, multiplies out_proj's product: no kernel of its own
+            # reduces y and none normalises it.
+            gated, conv_state, ssm_state = step(implementation="triton",
+                                                norm_weight=self.norm[...].reshape(-1))
+            out = self.gated_out_proj_step(gated, weights.out_proj)
+        else:
+            y, conv_state, ssm_state = step(implementation="xla")
+            z = zxbcdt[:, :y.shape[1] * y.shape[2]].reshape(y.shape)  # its first h*p columns
+            # XLA fuses the norm with z's slice and the out-projection's input
+            y = gated_rms_norm(y, z, self.norm[...], self.cfg.norm_eps, m.ngroups,
+                               implementation="xla")
+            out = self.out_proj_partial(y, weights.out_proj)
+        return out, MambaCache(conv_state, ssm_state, cache.sync)
+
+    def gated_out_proj_step(self, gated: Gated, out_proj):
+        """The gated norm's rstd applied after out_proj: gated (mamba_step's Gated: y * silu(z)
+        times the norm's weight [b, h*p], its squares summed per head [b, h]) -> [b, d]
+        float32, out_proj's output before its bias, as out_proj_partial of the normed y.
+
+        Each of the norm's ngroups groups of heads has one rstd a row, a factor of its
+        columns' share of the product: with one group, the product's rows scaled; with more,
+        each group's product scaled before they are summed."""
+        g = self.cfg.mamba2.ngroups
+        b, e = gated.y.shape
+        rstd = jax.lax.rsqrt(gated.sum_sq.reshape(b, g, -1).sum(-1) / (e // g)
+                             + self.cfg.norm_eps)  # [b, g]
+        if g == 1:
+            return matmul("be,de->bd", gated.y, out_proj, self.dtype) * rstd
+        parts = matmul("bgk,dgk->bgd", gated.y.reshape(b, g, -1),
+                       out_proj.reshape(out_proj.shape[0], g, -1), self.dtype)
+        return jnp.sum(parts * rstd[..., None], axis=1)
 
     def fused_step(self, residual, norm_weight, norm_eps, cache: MambaCache,
                    weights: StepWeights):

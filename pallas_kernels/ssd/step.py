@@ -27,7 +27,11 @@ norm_matmul's `window=`, shifts it in place): no window copy after it.
 Returns y [b, h, p] (C . h_new + D x, before the gated norm; computed in float32, returned
 in y_dtype), the new conv_state (not from mamba_step_shifted), and the new state stored as
 state is (its dtype, or an Int8State), computed in float32. x, B and C leave the conv
-rounded to the window's dtype, as from mamba_ssm's causal_conv1d_update.
+rounded to the window's dtype, as from mamba_ssm's causal_conv1d_update. With
+`norm_weight=` (the gated RMSNorm's weight [h*p]) mamba_step's y is a `Gated`: y * silu(z)
+times that weight, [b, h*p] in y_dtype, and its squares summed per head, so that the norm's
+rstd can multiply the out-projection's product (Mamba2Mixer.step): no pass of its own sums
+y's squares and none normalises it.
 
 `implementation`: "xla" (`reference`: XLA fuses it into about six kernels per layer) or
 "triton" (`step_program`, grid (b, h, p / bp), one kernel: each program convolves bp of its
@@ -144,19 +148,39 @@ class Blocks:
     num_warps: int | None = None
 
 
+class Gated(NamedTuple):
+    """mamba_step's y with `norm_weight`: the gated RMSNorm's input y * silu(z) times the
+    norm's weight, y [b, h*p] in y_dtype, and the squares of y * silu(z) summed over each
+    head's headdim, sum_sq [b, h] float32: the norm's rstd then multiplies the
+    out-projection's product (Mamba2Mixer.step), so no pass over y normalises it."""
+
+    y: jax.Array
+    sum_sq: jax.Array
+
+
 def mamba_step(conv_state, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
                dt_limit=(0.0, math.inf), y_dtype=jnp.float32, implementation="xla",
-               blocks=Blocks()):
-    """See the module docstring for shapes and dtypes."""
+               blocks=Blocks(), norm_weight=None):
+    """See the module docstring for shapes and dtypes. norm_weight: None, or the gated
+    RMSNorm's weight [h*p]: y is then a Gated (y rounded to y_dtype times silu(z) in
+    float32, z the first h*p columns of zxbcdt, times norm_weight; and its sums of
+    squares)."""
     _check(conv_state, state, implementation)
-    e, (h, p) = conv_state.shape[1], state.shape[1:3]
+    e, (b, h, p) = conv_state.shape[1], state.shape[:3]
     xbc_at, dt_at = h * p, zxbcdt.shape[1] - h
     if implementation == "triton":
         return _triton(conv_state, (zxbcdt, xbc_at), conv_w, conv_b, (zxbcdt, dt_at), A, D,
-                       dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype, blocks=blocks)
+                       dt_bias, state, dt_limit=dt_limit, y_dtype=y_dtype, blocks=blocks,
+                       norm_weight=norm_weight)
     y, window, state = reference(conv_state, zxbcdt[:, xbc_at:xbc_at + e], conv_w, conv_b,
                                  zxbcdt[:, dt_at:], A, D, dt_bias, state, dt_limit=dt_limit)
-    return y.astype(y_dtype), window, state
+    y = y.astype(y_dtype)
+    if norm_weight is not None:
+        gated = y.astype(jnp.float32) * jax.nn.silu(
+            zxbcdt[:, :h * p].reshape(b, h, p).astype(jnp.float32))
+        y = Gated((gated.reshape(b, -1) * norm_weight.astype(jnp.float32)).astype(y_dtype),
+                  jnp.sum(gated * gated, axis=-1))
+    return y, window, state
 
 
 def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
@@ -253,19 +277,26 @@ def _step_kernel(conv_ref, *refs, **kw):
 
 
 def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt_limit,
-                  y_dtype, gate, ids, int8=False, flat_y=False):
+                  y_dtype, gate, ids, int8=False, flat_y=False, norm=False):
     """The kernel's work for program ids (bi, hi, pi); flat_y: y_ref is [b, h*p]; int8: the
-    state is an Int8State's values, its scale the next operand and the last output."""
+    state is an Int8State's values, its scale the next operand and the last output; norm
+    (with gate and flat_y): the norm's weight [h*p] is the operand before the state, the
+    gated y is stored times it and its squares' sum [b, h, p / bp] is the output after y."""
     shifts = xbc_at is not None  # else the window already ends with this token's input
     if shifts:
         xbc_ref, *refs = refs
     w_ref, *refs = refs
     if has_bias:
         bias_ref, *refs = refs
-    dt_ref, A_ref, D_ref, dt_bias_ref, state_ref, *refs = refs
+    dt_ref, A_ref, D_ref, dt_bias_ref, *refs = refs
+    if norm:
+        norm_ref, *refs = refs
+    state_ref, *refs = refs
     if int8:
         scale_ref, *refs = refs
     y_ref, *refs = refs
+    if norm:
+        sum_sq_ref, *refs = refs
     if shifts:
         window_ref, *refs = refs
     new_ref, *refs = refs
@@ -320,11 +351,15 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     if int8:  # the scale multiplies the read-out and the decay, not each value
         read, old_decay = read * old_scale, (decay * old_scale)[:, None]
     y = (decay * read + dtx * jnp.sum(B * C) + D_ref[hi] * x).astype(y_dtype)
+    channels = pl.ds(pl.multiple_of(hi * p + pi * bp, bp), bp)  # of h*p
     if gate:  # z: dt_ref's (zxbcdt's) first h*p columns
-        z = dt_ref[bi, pl.ds(hi * p + pi * bp, bp)].astype(jnp.float32)
+        z = dt_ref[bi, channels].astype(jnp.float32)
         y = y.astype(jnp.float32) * jax.nn.silu(z)
+    if norm:
+        sum_sq_ref[bi, hi, pl.ds(pi, 1)] = jnp.sum(y * y)[None]
+        y = (y * norm_ref[channels].astype(jnp.float32)).astype(y_dtype)
     if flat_y:
-        y_ref[bi, pl.ds(pl.multiple_of(hi * p + pi * bp, bp), bp)] = y
+        y_ref[bi, channels] = y
     else:
         y_ref[bi, hi, rows] = y
     new = old * old_decay + dtx[:, None] * B[None, :]
@@ -352,7 +387,7 @@ def filled_blocks(blocks, b, h, p, n):
 
 
 def step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, bp, dt_limit,
-               y_dtype, gate):
+               y_dtype, gate, norm_weight=None):
     """(the static options of `step_program`, its operands in order) for _triton's
     arguments; an Int8State's values and scale are the last two operands."""
     h, p, n = state.shape[1:]
@@ -361,31 +396,41 @@ def step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, bp, 
     int8 = isinstance(state, Int8State)
     options = dict(p=p, bp=bp, n=n, r=h // g, g=g, k=conv_state.shape[2], xbc_at=xbc_at,
                    dt_at=dt_at, has_bias=conv_b is not None, dt_limit=tuple(dt_limit),
-                   y_dtype=jnp.dtype(y_dtype), gate=gate, int8=int8)
+                   y_dtype=jnp.dtype(y_dtype), gate=gate, int8=int8,
+                   norm=norm_weight is not None)
     args = (conv_state,) + (() if xbc is None else (xbc,)) + (conv_w,) + (
         () if conv_b is None else (conv_b,)) + (
         dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32)) + (
+        () if norm_weight is None else (norm_weight,)) + (
         tuple(state) if int8 else (state,))
     return options, args
 
 
 def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_limit, y_dtype,
-            gate=False, blocks=Blocks()):
+            gate=False, blocks=Blocks(), norm_weight=None):
     """The kernel; xbc and dt are (array, the column where xBC_in / dt starts in it), xbc
-    None for a window already shifted (then no window is returned)."""
+    None for a window already shifted (then no window is returned); norm_weight: y is a
+    Gated (mamba_step)."""
     b, h, p, n = state.shape
     bp, warps = filled_blocks(blocks, b, h, p, n)
+    norm = norm_weight is not None
     options, args = step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state,
-                               bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=gate)
+                               bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=gate or norm,
+                               norm_weight=norm_weight)
     # The state (an Int8State's values and scale) is updated in place; a shifted window is
     # a new buffer (module docstring).
     window = [] if xbc is None else [jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)]
     states = jax.tree.leaves(state)
-    out_shape = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype), *window,
-                 *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)]
-    y, *outs = call(functools.partial(_step_kernel, **options), (b, h, p // bp), out_shape,
-                    warps, None, off_gpu(), "mamba_step",
-                    {len(args) - i: len(out_shape) - i
-                     for i in range(1, len(states) + 1)})(*args)
+    if norm:
+        ys = [jax.ShapeDtypeStruct((b, h * p), y_dtype),
+              jax.ShapeDtypeStruct((b, h, p // bp), jnp.float32)]
+    else:
+        ys = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype)]
+    out_shape = [*ys, *window, *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)]
+    outs = call(functools.partial(_step_kernel, flat_y=norm, **options), (b, h, p // bp),
+                out_shape, warps, None, off_gpu(), "mamba_step",
+                {len(args) - i: len(out_shape) - i for i in range(1, len(states) + 1)})(*args)
+    y = Gated(outs[0], jnp.sum(outs[1], axis=-1)) if norm else outs[0]
+    outs = outs[len(ys):]
     new = jax.tree.unflatten(jax.tree.structure(state), outs[len(window):])
     return (y, *outs[:len(window)], new)
