@@ -166,9 +166,7 @@ def _step_kernel(*refs, r, g, bp, slices, at, A_floor, int8, has_D, mimo, has_no
 
     # The state first: its load, the largest, is then in flight during the rest.
     old = [f32(ssm_ref[_at(bi, hi, rows, s)].reshape(bp, s.size)) for s in slices]
-    if int8:
-        scale = scale_ref[bi, hi, rows]
-        old = [v * scale[:, None] for v in old]
+    scale = scale_ref[bi, hi, rows] if int8 else None  # an int8 state's values unscaled
     # reference.projected's dt and adt, and the head's trapezoid weight and angles
     dt = softplus(f32(zx_ref[bi, at["dd_dt"] + hi]) + dt_bias_ref[hi])
     adt = jnp.minimum(-heavy_tail(f32(zx_ref[bi, at["dd_A"] + hi])), -A_floor) * dt
@@ -200,9 +198,15 @@ def _step_kernel(*refs, r, g, bp, slices, at, A_floor, int8, has_D, mimo, has_no
     v = [values(x_rows, ri) for ri in ranks]
     v_prev = [values(xprev_rows, ri) for ri in ranks]
     decay, w_prev, w_now = jnp.exp(adt), (1 - sigma) * dt, sigma * dt
-    new = [decay * (o + w_prev * sum(vp[:, None] * kp[j][None, :]
-                                     for vp, kp in zip(v_prev, k_prev)))
-           + w_now * sum(vr[:, None] * kr[j][None, :] for vr, kr in zip(v, k))
+    # decay * (old + w_prev v_prev k_prev^T) + w_now v k^T with the factors on the rows
+    # first (an int8 row's scale with the decay, as pallas_kernels.ssd.step's kernel takes
+    # it), so that a state value takes one product and a multiply-add a rank.
+    old_factor = (decay * scale)[:, None] if int8 else decay
+    v_prev = [vp * (decay * w_prev) for vp in v_prev]
+    v_now = [vr * w_now for vr in v]
+    new = [o * old_factor
+           + sum(vp[:, None] * kp[j][None, :] for vp, kp in zip(v_prev, k_prev))
+           + sum(vr[:, None] * kr[j][None, :] for vr, kr in zip(v_now, k))
            for j, o in enumerate(old)]
     # Each rank's y, rounded to the compute dtype, then reference.gate: y (RMS-normed over
     # the headdim, which the program holds whole, with the out-projection norm) times
