@@ -476,8 +476,9 @@ class Mamba2Mixer(Mixer):
         weights: `step_weights()`, built before the decode loop. The new SSM state is
         computed in float32 and stored as the cache's is (float32; bfloat16 as mamba_ssm's
         decoding cache of a bf16 model; or int8, quantised afresh). how: the conv and SSM
-        update as XLA fusions ("xla") or as one Pallas kernel, pallas_kernels.ssd.step
-        ("kernel")."""
+        update as XLA fusions ("xla") or as one Pallas kernel, pallas_kernels.ssd.step, which
+        also gates y for the norm whose rstd then scales out_proj's product ("kernel",
+        gated_out_proj_step)."""
         zxbcdt = self.project_packed(u, weights.in_proj)
         m = self.cfg.mamba2
         # The window's shift, the conv and the SSM update, xBC and dt read from zxbcdt
