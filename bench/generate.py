@@ -6,7 +6,7 @@
                               [--ssm-state-dtypes float32,bfloat16,int8]
                               [--command-buffers on,off]
                               [--step-implementations auto,xla,triton]
-                              [--theirs-process child|same]
+                              [--theirs-process child|same] [--only-ours]
 
 Random weights, bf16 compute, greedy. For each preset and batch: our prefill time (the
 jitted prefill, timed from the call until its result is on the device), ms per decode step
@@ -53,7 +53,8 @@ mamba_ssm runs in a child process of this script (--theirs-process same: in this
 ours), imported from --baseline (bench.baseline), on its fast path: causal_conv1d_fn in the
 prefill, causal_conv1d_update and its Triton selective_state_update in each step. The table's
 header names the path that runs; without the causal_conv1d extension the script prints no
-ratio (bench.baseline.guard) unless --allow-slow-baseline, which marks them.
+ratio (bench.baseline.guard) unless --allow-slow-baseline, which marks them. --only-ours
+times our rows alone, with no mamba_ssm copy: theirs and the ratios print as NaN.
 """
 
 from __future__ import annotations
@@ -367,6 +368,9 @@ def main(argv=None):
     parser.add_argument("--theirs-process", choices=("child", "same"), default="child",
                         help="where mamba_ssm runs: a child process (the default) or this one, "
                              "before ours")
+    parser.add_argument("--only-ours", action="store_true",
+                        help="time our rows alone: no mamba_ssm copy needed, its columns NaN "
+                             "(an A/B of our trees without their minutes)")
     parser.add_argument("--theirs-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.theirs_child:  # the child of theirs_in_child: one preset and batch
@@ -376,11 +380,13 @@ def main(argv=None):
         return
 
     presets = args.presets.split(",")
+
+    def not_run(cfg):
+        return "--only-ours" if args.only_ours else _theirs_not_run(cfg, args.baseline)
     # mamba_ssm runs for the presets it decodes here (_theirs_not_run): its path checked
     # before any timing, in the process it will run in
     versus = None
-    if any(not _theirs_not_run(Mamba2Config.preset(preset), args.baseline)
-           for preset in presets):
+    if any(not not_run(Mamba2Config.preset(preset)) for preset in presets):
         versus = baseline.comparison(args.baseline, "decode", args.allow_slow_baseline,
                                      in_child=args.theirs_process == "child")
     bandwidth = copy_bandwidth(1, 5)
@@ -404,7 +410,7 @@ def main(argv=None):
         model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         # "auto" as generate resolves it (the rows name each layer's step: step_label)
         resolved = {impl: resolve_implementation(impl, model) for impl in implementations}
-        why = _theirs_not_run(cfg, args.baseline)
+        why = not_run(cfg)
         for batch in (int(b) for b in args.batches.split(",")):
             if "triton" in resolved.values() and "M" in cfg.layers:  # Mamba2's kernels
                 check_kernels(preset, cfg, batch, int8="int8" in dtypes)

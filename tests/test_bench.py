@@ -16,6 +16,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import baseline, harness
@@ -224,6 +225,28 @@ def test_versus_names_why_mamba_ssm_cannot_train_or_decode_a_preset(copy, tmp_pa
     mimo = mamba3.replace(mamba3=dict(d_state=32, headdim=32, is_mimo=True, mimo_rank=2))
     assert "TileLang" in not_comparable(mimo, copy)
     assert "cannot spell" in not_comparable(Mamba2Config.preset("megatron-hybrid-800m"), copy)
+
+
+def test_generate_only_ours_times_our_rows_without_a_mamba_ssm_copy(monkeypatch, capsys):
+    """bench.generate --only-ours: no copy at --baseline, and none is asked for (the guard
+    and their run would raise); a row per preset, batch and dtype, theirs NaN. The timing
+    itself (bench.generate.ours, tested above) is stubbed."""
+    from bench import generate as script
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("mamba_ssm was asked for under --only-ours")
+    monkeypatch.setattr(script.baseline, "comparison", refuse)
+    monkeypatch.setattr(script, "theirs_in_child", refuse)
+    monkeypatch.setattr(script, "copy_bandwidth", lambda *args: 1e12)
+    monkeypatch.setattr(script, "check_streaming", lambda: None)
+    tokens = np.zeros((2, 3), np.int32)
+    monkeypatch.setattr(script, "ours", lambda *args: (1e-3, 2e-3, tokens))
+    script.main(["--presets", "tiny", "--batches", "2", "--new", "3", "--ssm-state-dtypes",
+                 "float32,bfloat16", "--only-ours", "--baseline", "/no/such/copy"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2 and all("| nan |" in row for row in rows)
+    assert "mamba_ssm not run (--only-ours)" in out
 
 
 def test_mamba3_training_needs_no_causal_conv1d(copy, monkeypatch):
