@@ -176,11 +176,17 @@ def mamba_step(conv_state, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
                                  zxbcdt[:, dt_at:], A, D, dt_bias, state, dt_limit=dt_limit)
     y = y.astype(y_dtype)
     if norm_weight is not None:
-        gated = y.astype(jnp.float32) * jax.nn.silu(
-            zxbcdt[:, :h * p].reshape(b, h, p).astype(jnp.float32))
+        gated = _gated(y, zxbcdt)
         y = Gated((gated.reshape(b, -1) * norm_weight.astype(jnp.float32)).astype(y_dtype),
                   jnp.sum(gated * gated, axis=-1))
     return y, window, state
+
+
+def _gated(y, zxbcdt):
+    """The reference's gate: y [b, h, p] (rounded to its dtype) times silu(z) in float32, z
+    the first h*p columns of zxbcdt."""
+    z = zxbcdt[:, :y.shape[1] * y.shape[2]].reshape(y.shape).astype(jnp.float32)
+    return y.astype(jnp.float32) * jax.nn.silu(z)
 
 
 def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
@@ -195,18 +201,14 @@ def mamba_step_shifted(window, zxbcdt, conv_w, conv_b, A, D, dt_bias, state, *,
     norm_before_gate=False), the values norm_matmul's `z=` computes, so that the
     out-projection's kernel, whose every program reads the whole row, need not gate it."""
     _check(window, state, implementation)
-    b, h, p = state.shape[:3]
-    dt_at = zxbcdt.shape[1] - h
+    dt_at = zxbcdt.shape[1] - state.shape[1]
     if implementation == "triton":
         return _triton(window, None, conv_w, conv_b, (zxbcdt, dt_at), A, D, dt_bias, state,
                        dt_limit=dt_limit, y_dtype=y_dtype, gate=gate, blocks=blocks)
     y, state = reference_shifted(window, conv_w, conv_b, zxbcdt[:, dt_at:], A, D, dt_bias,
                                  state, dt_limit=dt_limit)
     y = y.astype(y_dtype)
-    if gate:
-        z = zxbcdt[:, :h * p].reshape(b, h, p).astype(jnp.float32)
-        y = y.astype(jnp.float32) * jax.nn.silu(z)
-    return y, state
+    return (_gated(y, zxbcdt) if gate else y), state
 
 
 def _check(conv_state, state, implementation):
@@ -280,8 +282,9 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
                   y_dtype, gate, ids, int8=False, flat_y=False, norm=False):
     """The kernel's work for program ids (bi, hi, pi); flat_y: y_ref is [b, h*p]; int8: the
     state is an Int8State's values, its scale the next operand and the last output; norm
-    (with gate and flat_y): the norm's weight [h*p] is the operand before the state, the
-    gated y is stored times it and its squares' sum [b, h, p / bp] is the output after y."""
+    (with gate; y_ref then [b, h*p]): the norm's weight [h*p] is the operand before the
+    state, the gated y is stored times it and its squares' sum [b, h, p / bp] is the output
+    after y."""
     shifts = xbc_at is not None  # else the window already ends with this token's input
     if shifts:
         xbc_ref, *refs = refs
@@ -358,7 +361,7 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     if norm:
         sum_sq_ref[bi, hi, pl.ds(pi, 1)] = jnp.sum(y * y)[None]
         y = (y * norm_ref[channels].astype(jnp.float32)).astype(y_dtype)
-    if flat_y:
+    if flat_y or norm:
         y_ref[bi, channels] = y
     else:
         y_ref[bi, hi, rows] = y
@@ -396,8 +399,8 @@ def step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, bp, 
     int8 = isinstance(state, Int8State)
     options = dict(p=p, bp=bp, n=n, r=h // g, g=g, k=conv_state.shape[2], xbc_at=xbc_at,
                    dt_at=dt_at, has_bias=conv_b is not None, dt_limit=tuple(dt_limit),
-                   y_dtype=jnp.dtype(y_dtype), gate=gate, int8=int8,
-                   norm=norm_weight is not None)
+                   y_dtype=jnp.dtype(y_dtype), gate=gate or norm_weight is not None,
+                   int8=int8, norm=norm_weight is not None)
     args = (conv_state,) + (() if xbc is None else (xbc,)) + (conv_w,) + (
         () if conv_b is None else (conv_b,)) + (
         dt, A.astype(jnp.float32), D.astype(jnp.float32), dt_bias.astype(jnp.float32)) + (
@@ -415,7 +418,7 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     bp, warps = filled_blocks(blocks, b, h, p, n)
     norm = norm_weight is not None
     options, args = step_call(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state,
-                               bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=gate or norm,
+                               bp=bp, dt_limit=dt_limit, y_dtype=y_dtype, gate=gate,
                                norm_weight=norm_weight)
     # The state (an Int8State's values and scale) is updated in place; a shifted window is
     # a new buffer (module docstring).
@@ -427,8 +430,8 @@ def _triton(conv_state, xbc, conv_w, conv_b, dt, A, D, dt_bias, state, *, dt_lim
     else:
         ys = [jax.ShapeDtypeStruct((b, h, p), jnp.float32 if gate else y_dtype)]
     out_shape = [*ys, *window, *(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states)]
-    outs = call(functools.partial(_step_kernel, flat_y=norm, **options), (b, h, p // bp),
-                out_shape, warps, None, off_gpu(), "mamba_step",
+    outs = call(functools.partial(_step_kernel, **options), (b, h, p // bp), out_shape,
+                warps, None, off_gpu(), "mamba_step",
                 {len(args) - i: len(out_shape) - i for i in range(1, len(states) + 1)})(*args)
     y = Gated(outs[0], jnp.sum(outs[1], axis=-1)) if norm else outs[0]
     outs = outs[len(ys):]
