@@ -4,7 +4,7 @@
                               [--presets mamba2-370m,mamba2-1.3b]
                               [--batches 1,64] [--prompt 128] [--new 256] [--reps 3]
                               [--ssm-state-dtypes float32,bfloat16,int8]
-                              [--command-buffers on,off]
+                              [--command-buffers on,off] [--gemms xla,cublaslt]
                               [--step-implementations auto,xla,triton]
                               [--theirs-process child|same] [--only-ours]
 
@@ -41,13 +41,16 @@ and its state per row: the angles, the SSM state and the trapezoid's carried k a
 (mamba3_bytes).
 
 One row of ours per SSM state dtype (generate's ssm_state_dtype), step implementation
-(generate's step_implementation) and command-buffer setting (on: the decode loop compiled
-with generate.DECODE_COMPILER_OPTIONS, as generate does; off: XLA's defaults). Checks,
-failing loudly: streamed tokens equal unstreamed ones (first); with "triton" asked, the
-decoding kernels at each preset's shapes and batch against their references (check_kernels);
-the command-buffer settings generate the same tokens. Last, the share of each row's tokens
-equal to the first row's of its group: other state dtypes and kernels round differently, and
-a random-weight model's greedy tokens part ways at the first flipped argmax.
+(generate's step_implementation), command-buffer setting (on: the decode loop compiled
+with generate.DECODE_COMPILER_OPTIONS, as generate does; off: XLA's defaults) and --gemms
+setting (xla: XLA's choice for the loop's matrix products, its Triton GEMM fusions, as
+generate compiles it; cublaslt: the loop compiled with those off and cuBLASLt's GEMMs on,
+GEMM_OPTIONS). Checks, failing loudly: streamed tokens equal unstreamed ones (first); with
+"triton" asked, the decoding kernels at each preset's shapes and batch against their
+references (check_kernels); the command-buffer settings generate the same tokens. Last, the
+share of each row's tokens equal to the first row's of its group: other state dtypes,
+kernels and GEMMs round differently, and a random-weight model's greedy tokens part ways at
+the first flipped argmax.
 
 mamba_ssm runs in a child process of this script (--theirs-process same: in this one, before
 ours), imported from --baseline (bench.baseline), on its fast path: causal_conv1d_fn in the
@@ -60,6 +63,7 @@ times our rows alone, with no mamba_ssm copy: theirs and the ratios print as NaN
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import traceback
@@ -132,15 +136,23 @@ def mamba3_bytes(cfg: Mamba2Config, batch: int, state_bytes: float) -> float:
     return 2 * matmul + 4 * small + batch * 2 * state
 
 
-def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation):
+# The decode loop's compiler options of each --gemms setting, over the command buffers'
+GEMM_OPTIONS = {"xla": {},
+                "cublaslt": {"xla_gpu_enable_triton_gemm": False,
+                             "xla_gpu_enable_cublaslt": True}}
+
+
+def ours(model, batch, prompt, new, reps, ssm_state_dtype, command_buffers, implementation,
+         gemms="xla"):
     """(prefill s, decode s for new - 1 steps, tokens [batch, new]) of mamba_jax.generate.
     The decode time is generate of `new` tokens minus generate of one token (the prefill's
     alone), as mamba_ssm's is taken (theirs). The one token is the same program told to
-    stop after it (max_new_tokens_per_row=1): one decode loop to compile, not two."""
+    stop after it (max_new_tokens_per_row=1): one decode loop to compile, not two. gemms:
+    a GEMM_OPTIONS key."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size,
                                                         (batch, prompt)))
 
-    options = DECODE_COMPILER_OPTIONS if command_buffers else {}
+    options = {**(DECODE_COMPILER_OPTIONS if command_buffers else {}), **GEMM_OPTIONS[gemms]}
     prepared = {n: prepare(model, ids, new, max_new_tokens_per_row=n,
                            ssm_state_dtype=ssm_state_dtype, step_implementation=implementation)
                 for n in (1, new)}
@@ -365,6 +377,10 @@ def main(argv=None):
     parser.add_argument("--command-buffers", default="on",
                         help="'on', 'off' or 'on,off': our decode loop compiled with "
                              "generate.DECODE_COMPILER_OPTIONS (on) or XLA's defaults (off)")
+    parser.add_argument("--gemms", default="xla",
+                        help="'xla', 'cublaslt' or 'xla,cublaslt': our decode loop's matrix "
+                             "products as XLA chooses them (Triton GEMM fusions) or through "
+                             "cuBLASLt (GEMM_OPTIONS)")
     parser.add_argument("--theirs-process", choices=("child", "same"), default="child",
                         help="where mamba_ssm runs: a child process (the default) or this one, "
                              "before ours")
@@ -373,6 +389,9 @@ def main(argv=None):
                              "(an A/B of our trees without their minutes)")
     parser.add_argument("--theirs-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    gemm_settings = args.gemms.split(",")
+    if not set(gemm_settings) <= set(GEMM_OPTIONS):
+        parser.error(f"--gemms {args.gemms}: each setting one of {', '.join(GEMM_OPTIONS)}")
     if args.theirs_child:  # the child of theirs_in_child: one preset and batch
         t_prefill, t_decode = theirs(args.presets, int(args.batches), args.prompt, args.new,
                                      args.reps, args.baseline)
@@ -396,7 +415,8 @@ def main(argv=None):
     check_streaming()
     if versus:
         print(versus.line)
-    header = ("preset", "batch", "our SSM state", "step", "command buffers", "prefill ours ms",
+    header = ("preset", "batch", "our SSM state", "step", "command buffers", "GEMMs",
+              "prefill ours ms",
               "prefill theirs ms", "ms/step ours", "ms/step theirs", "ours/theirs",
               "tok/s ours", "tok/s theirs", "ours/theirs tok/s", "floor ms ours",
               "floor ms theirs", "ours/floor")
@@ -434,22 +454,23 @@ def main(argv=None):
                     traceback.print_exc()
             for dtype in dtypes:
                 tokens = {}
-                for impl in implementations:
+                for impl, gemms in itertools.product(implementations, gemm_settings):
                     for graphs in settings:
-                        p_ours, d_ours, tokens[impl, graphs] = ours(
+                        p_ours, d_ours, tokens[impl, gemms, graphs] = ours(
                             model, batch, args.prompt, args.new, args.reps, dtype,
-                            graphs == "on", resolved[impl])
+                            graphs == "on", resolved[impl], gemms)
                         label = step_label(model, batch, impl, dtype)
-                        row = _row(cfg, preset, batch, dtype, label, graphs, p_ours, d_ours,
-                                   p_theirs, d_theirs, args.prompt, steps, bandwidth, ratio)
+                        row = _row(cfg, preset, batch, dtype, label, graphs, gemms, p_ours,
+                                   d_ours, p_theirs, d_theirs, args.prompt, steps, bandwidth,
+                                   ratio)
                         print(table_row(row), flush=True)
-                    if len({tokens[impl, g].tobytes() for g in settings}) > 1:
-                        raise SystemExit(f"{preset} batch {batch} {dtype} {impl}: the "
+                    if len({tokens[impl, gemms, g].tobytes() for g in settings}) > 1:
+                        raise SystemExit(f"{preset} batch {batch} {dtype} {impl} {gemms}: the "
                                          "command-buffer settings generated different tokens")
                 first = next(iter(tokens.values()))
-                agreement += [f"{preset} batch {batch} {dtype} {impl} {graphs}: "
+                agreement += [f"{preset} batch {batch} {dtype} {' '.join(key)}: "
                               f"{np.mean(t == first):.3f} of the tokens equal the first row's"
-                              for (impl, graphs), t in tokens.items()]
+                              for key, t in tokens.items()]
     print("\n".join(agreement))
 
 
@@ -470,8 +491,8 @@ def _theirs_not_run(cfg, copy) -> str:
             "decodes only with flash_attn")
 
 
-def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_theirs, prompt,
-         steps, bandwidth, ratio):
+def _row(cfg, preset, batch, dtype, impl, graphs, gemms, p_ours, d_ours, p_theirs, d_theirs,
+         prompt, steps, bandwidth, ratio):
     """A table row; ratio(ours, theirs, spec) formats ours/theirs (baseline.Comparison)."""
     ms_ours, ms_theirs = 1e3 * d_ours / steps, 1e3 * d_theirs / steps
     tps_ours, tps_theirs = batch * steps / d_ours, batch * steps / d_theirs
@@ -480,7 +501,8 @@ def _row(cfg, preset, batch, dtype, impl, graphs, p_ours, d_ours, p_theirs, d_th
     theirs_state = 4 if baseline.ssm_layer(cfg) == "Mamba3" else 2
     floor_ours, floor_theirs = (1e3 * step_bytes(cfg, batch, size, context) / bandwidth
                                 for size in (state_bytes(cfg, dtype), theirs_state))
-    return (preset, batch, dtype, impl, graphs, f"{1e3 * p_ours:.1f}", f"{1e3 * p_theirs:.1f}",
+    return (preset, batch, dtype, impl, graphs, gemms, f"{1e3 * p_ours:.1f}",
+            f"{1e3 * p_theirs:.1f}",
             f"{ms_ours:.3f}", f"{ms_theirs:.3f}", ratio(ms_ours, ms_theirs, ".3f"),
             f"{tps_ours:.0f}", f"{tps_theirs:.0f}", ratio(tps_ours, tps_theirs, ".2f"),
             f"{floor_ours:.3f}", f"{floor_theirs:.3f}", f"{ms_ours / floor_ours:.2f}x")

@@ -247,6 +247,18 @@ def test_generate_only_ours_times_our_rows_without_a_mamba_ssm_copy(monkeypatch,
     rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 2 and all("| nan |" in row for row in rows)
     assert "mamba_ssm not run (--only-ours)" in out
+    # --gemms: a row per setting, named in its column, each timed with that setting
+    asked = []
+    monkeypatch.setattr(script, "ours", lambda *args: asked.append(args[-1]) or (
+        1e-3, 2e-3, tokens))
+    script.main(["--presets", "tiny", "--batches", "2", "--new", "3", "--ssm-state-dtypes",
+                 "float32", "--gemms", "xla,cublaslt", "--only-ours"])
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| tiny |")]
+    assert asked == ["xla", "cublaslt"]
+    assert len(rows) == 2 and "| on | xla |" in rows[0] and "| on | cublaslt |" in rows[1]
+    with pytest.raises(SystemExit):
+        script.main(["--presets", "tiny", "--gemms", "cublas", "--only-ours"])
 
 
 def test_mamba3_training_needs_no_causal_conv1d(copy, monkeypatch):
@@ -440,7 +452,7 @@ def test_our_decode_timing_compiles_one_decode_loop():
     import numpy as np
     from flax import nnx
 
-    from bench.generate import ours
+    from bench.generate import GEMM_OPTIONS, ours
     from mamba_jax import Mamba2Config, Mamba2LM
     from mamba_jax.generate import DECODE_COMPILER_OPTIONS, _jit_decode
 
@@ -449,6 +461,12 @@ def test_our_decode_timing_compiles_one_decode_loop():
     model = Mamba2LM(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     t_prefill, t_decode, tokens = ours(model, 2, 8, 16, 2, "float32", True, "auto")
     assert loop._cache_size() == before + 1
+    # --gemms cublaslt: the loop compiled with its options over the command buffers'
+    lt = _jit_decode(tuple(sorted({**DECODE_COMPILER_OPTIONS,
+                                   **GEMM_OPTIONS["cublaslt"]}.items())))
+    before_lt = lt._cache_size()
+    _, _, tokens_lt = ours(model, 2, 8, 16, 2, "float32", True, "auto", "cublaslt")
+    assert lt._cache_size() == before_lt + 1 and tokens_lt.shape == (2, 16)
     # The decode time is the difference of two medians: for the tiny model on a CPU it is
     # within the noise of zero, and either sign.
     assert t_prefill > 0 and np.isfinite(t_decode) and tokens.shape == (2, 16)
