@@ -249,8 +249,11 @@ def test_generate_only_ours_times_our_rows_without_a_mamba_ssm_copy(monkeypatch,
     assert "mamba_ssm not run (--only-ours)" in out
     # --gemms: a row per setting, named in its column, each timed with that setting
     asked = []
-    monkeypatch.setattr(script, "ours", lambda *args: asked.append(args[-1]) or (
-        1e-3, 2e-3, tokens))
+
+    def ours(*args):  # its last argument: the --gemms setting
+        asked.append(args[-1])
+        return 1e-3, 2e-3, tokens
+    monkeypatch.setattr(script, "ours", ours)
     script.main(["--presets", "tiny", "--batches", "2", "--new", "3", "--ssm-state-dtypes",
                  "float32", "--gemms", "xla,cublaslt", "--only-ours"])
     rows = [line for line in capsys.readouterr().out.splitlines()

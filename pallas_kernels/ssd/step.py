@@ -337,7 +337,8 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
             pl.when(write)(store)
         return jax.nn.silu(out).astype(conv_ref.dtype).astype(jnp.float32)
 
-    x = conv(hi * p + pi * bp, bp, True)
+    x_start = pl.multiple_of(hi * p + pi * bp, bp)  # this program's channels of h*p
+    x = conv(x_start, bp, True)
     # A group's B and C channels serve its r heads: its first head's first program stores
     # their window (the others read the old one, a separate buffer, so nothing races).
     first = (hi % r == 0) & (pi == 0)
@@ -354,7 +355,7 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     if int8:  # the scale multiplies the read-out and the decay, not each value
         read, old_decay = read * old_scale, (decay * old_scale)[:, None]
     y = (decay * read + dtx * jnp.sum(B * C) + D_ref[hi] * x).astype(y_dtype)
-    channels = pl.ds(pl.multiple_of(hi * p + pi * bp, bp), bp)  # of h*p
+    channels = pl.ds(x_start, bp)  # y's, z's and the norm weight's, as x's
     if gate:  # z: dt_ref's (zxbcdt's) first h*p columns
         z = dt_ref[bi, channels].astype(jnp.float32)
         y = y.astype(jnp.float32) * jax.nn.silu(z)
