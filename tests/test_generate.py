@@ -365,6 +365,18 @@ def test_generate_cli_refuses_what_it_cannot_run_in_one_line(byte_checkpoint, fl
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.parametrize("name,refusal", [("config.json", "a file, not a folder"),
+                                          ("absent", "no such directory")])
+def test_generate_cli_names_a_checkpoint_that_is_no_folder(byte_checkpoint, name, refusal,
+                                                          capsys):
+    from mamba_jax.generate.__main__ import main
+
+    with pytest.raises(SystemExit, match=refusal) as refused:
+        main(["--checkpoint", str(byte_checkpoint / name), "--prompt", "Hi"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_top_k_0_is_off_as_documented(byte_checkpoint, capsys):
     from mamba_jax.generate.__main__ import main
 

@@ -328,7 +328,9 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
 
     path = Path(checkpoint)
     if not path.is_dir():
-        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+        what = "a file, not a folder" if path.exists() else "no such directory"
+        raise FileNotFoundError(f"--checkpoint {path}: {what}; give the folder of a saved model "
+                                "(its config.json and weights) or a trainer's --checkpoint-dir")
     if is_training_checkpoint(path):
         model, meta = load_training_checkpoint(path, dtype=jnp.dtype(dtype))
         tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))
