@@ -33,7 +33,7 @@ from flax import nnx
 
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import Mamba2Config
-from mamba_jax.files import replace_text
+from mamba_jax.files import check_writable, replace_text
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
                                mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
@@ -302,6 +302,7 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true",
                         help="let the output replace the model in dst")
     args = parser.parse_args(argv)
+    check_writable("dst", args.dst, folder=True)
     if holds_model(args.dst) and not args.overwrite:
         raise SystemExit(f"{args.dst} already holds a model (its config.json): give another "
                          "output dir, or --overwrite to replace it")

@@ -1,5 +1,6 @@
-"""Writing files that users keep: an exclusive lock on a directory, and replacing a file so
-that a crash leaves the old version or the new one, never half of one."""
+"""Writing files that users keep: a path checked before the work that will write it, an
+exclusive lock on a directory, and replacing a file so that a crash leaves the old version
+or the new one, never half of one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,23 @@ import os
 from pathlib import Path
 
 LOCK_NAME = ".lock"
+
+
+def check_writable(name: str, path, folder: bool) -> None:
+    """Refuse (ValueError naming `name`, the input, and `path`) a path that could not be
+    written when the work comes to it (an export after training, a first checkpoint): a file
+    where a folder is asked for or the reverse, a file on the way to it, or a folder this
+    user may not write to. Checked before the work, so that none is lost to it."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        found, asked = ("a file", "a folder") if folder else ("a folder", "a file")
+        raise ValueError(f"{name} {path}: {found}, not {asked}; give another path")
+    nearest = next(p for p in (path, *path.parents) if p.exists())
+    if nearest != path and not nearest.is_dir():
+        raise ValueError(f"{name} {path}: {nearest} is a file, not a folder; give another path")
+    if not os.access(nearest, os.W_OK):
+        raise ValueError(f"{name} {path}: {nearest} is not writable by this user; give a path "
+                         "you can write to")
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import export, holds_model
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
                             load_data, parse_blend)
-from mamba_jax.files import locked, replace_text
+from mamba_jax.files import check_writable, locked, replace_text
 from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
@@ -206,7 +206,11 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         path = Path(args.config)
         if not path.is_file():
             raise SystemExit(f"--config {path}: no such file (recipes are in train/)")
-        recipe = tomllib.loads(path.read_text())
+        try:
+            recipe = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise SystemExit(f"--config {path}: not a TOML recipe ({error}); recipes are in "
+                             "train/") from None
         model_overrides = recipe.pop("model", {})
         known = {a.dest for a in parser._actions} - {"help", "config", "set"}
         unknown = sorted(set(recipe) - known)
@@ -332,10 +336,12 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
 
 
 def _check_out(args) -> None:
-    """Refuses an --out that holds a model (its config.json), which the export at the end
-    would replace, unless --overwrite-out, or the run resumes from the --checkpoint-dir that
-    the model's own train_config.json names (a restarted job exports where it did)."""
+    """Refuses an --out that the export at the end could not write (check_writable) or that
+    holds a model (its config.json), which the export would replace, unless --overwrite-out,
+    or the run resumes from the --checkpoint-dir that the model's own train_config.json
+    names (a restarted job exports where it did)."""
     out = Path(args.out.format(preset=args.preset))
+    check_writable("--out", out, folder=True)
     if args.overwrite_out or not holds_model(out):
         return
     if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
@@ -374,6 +380,11 @@ def _train(argv, held: contextlib.ExitStack):
                          f"--grad-accum = {n_proc} x {args.grad_accum}")
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
+    for flag, path, folder in (("--checkpoint-dir", args.checkpoint_dir, True),
+                               ("--metrics-file", args.metrics_file, False),
+                               ("--tensorboard", args.tensorboard, True)):
+        if path:
+            check_writable(flag, path, folder)
     args.tokenizer = resolve_tokenizer(args)
     tokenizer = load_tokenizer(args.tokenizer)
     cfg = model_config(args.preset, overrides)

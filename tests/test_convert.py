@@ -169,6 +169,18 @@ def test_convert_keeps_a_model_in_dst_unless_overwrite(tmp_path, capsys):
     assert load_config(tmp_path)[1] == "hf"
 
 
+@pytest.mark.parametrize("dst,refusal", [("file", "a file, not a folder"),
+                                          ("file/out", "file is a file, not a folder")])
+def test_convert_names_a_dst_it_could_not_write(tmp_path, capsys, dst, refusal):
+    from mamba_jax.cli import UserExit
+    from mamba_jax.convert import main
+    (tmp_path / "file").write_text("a user's file\n")
+    with pytest.raises(UserExit, match=f"dst {tmp_path / dst}: .*{refusal}; give another path"):
+        main([str(FIXTURES / "hf_ngroups2_untied"), str(tmp_path / dst), "--to", "mamba_ssm"])
+    assert capsys.readouterr().err.count("\n") == 1
+    assert (tmp_path / "file").read_text() == "a user's file\n"
+
+
 def _shard(tmp_path, first_keys, overlap):
     """The untied fixture as two shards and an index; `overlap` (None: no tensor) is in
     both shards."""

@@ -62,6 +62,40 @@ def test_missing_data_file_is_a_clear_error(tmp_path, capsys):
     assert capsys.readouterr().err == (f"python -m mamba_jax.train: {refused.value}\n")
 
 
+@pytest.mark.parametrize("flag,where,refusal", [
+    ("--out", "file", r"a file, not a folder; give another path"),
+    ("--checkpoint-dir", "file/ckpt", r"file is a file, not a folder; give another path"),
+    ("--metrics-file", "folder", r"a folder, not a file; give another path"),
+    ("--tensorboard", "file", r"a file, not a folder; give another path"),
+    ("--metrics-file", "locked/m.jsonl", r"locked is not writable by this user"),
+])
+def test_paths_the_run_could_not_write_are_refused_before_it_trains(tmp_path, capsys,
+                                                                   monkeypatch, flag, where,
+                                                                   refusal):
+    """Where the export at the end (or the first checkpoint or metrics line) would fail, the
+    run stops at once, naming the flag and the path, rather than after its training."""
+    import os
+
+    (tmp_path / "file").write_text("a user's file\n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "locked").mkdir()
+    access = os.access  # as root every folder is writable: a folder this user may not write
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and "locked" not in str(p))
+    argv = ["--steps", "1", flag, str(tmp_path / where)]
+    with pytest.raises(SystemExit, match=f"{flag} {tmp_path / where}: .*{refusal}") as refused:
+        main(argv + ([] if flag == "--out" else ["--out", "none"]))
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert (tmp_path / "file").read_text() == "a user's file\n"
+
+
+def test_a_recipe_that_is_no_toml_is_named(tmp_path):
+    recipe = tmp_path / "notes.md"
+    recipe.write_text("# notes\nsteps: 3\n")
+    with pytest.raises(SystemExit, match=f"--config {recipe}: not a TOML recipe"):
+        main(["--config", str(recipe)])
+
+
 def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
     cfg = Mamba2Config.preset("tiny", tie_embeddings=False, **{"mamba2.bias": True})
     _, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))
