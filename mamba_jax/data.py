@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba_jax.cli import HelpFormatter, command
-from mamba_jax.files import locked
+from mamba_jax.files import check_writable, locked
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
                                  copy_tokenizer, load_tokenizer, special_tokens)
 
@@ -295,6 +295,7 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
     dtype = token_dtype(vocab)
     eod = special_tokens(tokenizer)["eos"] if append_eod else None
     out = Path(out)
+    check_writable("prepare: --out", out, folder=True)
     workers = workers or min(len(inputs), os.cpu_count())
     with locked(out, "prepare"):
         _check_replaceable(out, tokenizer_spec, overwrite)

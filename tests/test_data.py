@@ -129,6 +129,19 @@ def test_prepare_refuses_to_replace_a_dataset_without_overwrite(corpus, tmp_path
     assert "in 12 documents" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("out,refusal", [("file", "a file, not a folder"),
+                                          ("file/ds", "file is a file, not a folder")])
+def test_prepare_names_an_out_it_could_not_write(corpus, tmp_path, capsys, out, refusal):
+    (tmp_path / "file").write_text("a user's file\n")
+    with pytest.raises(SystemExit,
+                       match=f"prepare: --out {tmp_path / out}: .*{refusal}") as refused:
+        main(["prepare", str(corpus / "a.txt"), "--tokenizer", "bytes", "--out",
+              str(tmp_path / out)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert (tmp_path / "file").read_text() == "a user's file\n"
+
+
 def test_two_prepares_into_one_directory_are_refused(corpus, tmp_path):
     with locked(tmp_path / "ds", "prepare"):
         with pytest.raises(BlockingIOError, match=r"ds is in use by another prepare"):
