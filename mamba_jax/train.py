@@ -336,12 +336,10 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
 
 
 def _check_out(args) -> None:
-    """Refuses an --out that the export at the end could not write (check_writable) or that
-    holds a model (its config.json), which the export would replace, unless --overwrite-out,
-    or the run resumes from the --checkpoint-dir that the model's own train_config.json
-    names (a restarted job exports where it did)."""
+    """Refuses an --out that holds a model (its config.json), which the export at the end
+    would replace, unless --overwrite-out, or the run resumes from the --checkpoint-dir that
+    the model's own train_config.json names (a restarted job exports where it did)."""
     out = Path(args.out.format(preset=args.preset))
-    check_writable("--out", out, folder=True)
     if args.overwrite_out or not holds_model(out):
         return
     if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
@@ -380,11 +378,15 @@ def _train(argv, held: contextlib.ExitStack):
                          f"--grad-accum = {n_proc} x {args.grad_accum}")
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
-    for flag, path, folder in (("--checkpoint-dir", args.checkpoint_dir, True),
-                               ("--metrics-file", args.metrics_file, False),
-                               ("--tensorboard", args.tensorboard, True)):
+    # What this process will write, refused now rather than when the work comes to it.
+    writes = [("--checkpoint-dir", args.checkpoint_dir)]
+    if lead:  # the lead alone logs and exports
+        out = None if args.out.lower() == "none" else args.out.format(preset=args.preset)
+        writes += [("--metrics-file", args.metrics_file), ("--tensorboard", args.tensorboard),
+                   ("--out", out)]
+    for flag, path in writes:
         if path:
-            check_writable(flag, path, folder)
+            check_writable(flag, path, folder=flag != "--metrics-file")
     args.tokenizer = resolve_tokenizer(args)
     tokenizer = load_tokenizer(args.tokenizer)
     cfg = model_config(args.preset, overrides)
