@@ -552,9 +552,10 @@ def _train(argv, held: contextlib.ExitStack):
             log(record)
     if stop.signal:
         if lead:
-            print(f"{stop.signal}: stopped after step {step}"
-                  + (f"; checkpoint saved in {args.checkpoint_dir}" if ckpt else ""),
-                  file=sys.stderr)
+            print(f"{stop.signal}: stopped after step {step}; " + (
+                f"checkpoint saved in {args.checkpoint_dir}" if ckpt else
+                "nothing saved (--out is written when the run ends; --checkpoint-dir DIR keeps "
+                "a run's progress, to continue with --resume)"), file=sys.stderr)
         return
 
     out = args.out.format(preset=args.preset)

@@ -126,6 +126,17 @@ def test_sigterm_saves_a_checkpoint_at_the_current_step_and_exits_cleanly(tmp_pa
     assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == [str(last)]
 
 
+def test_sigterm_without_a_checkpoint_dir_says_that_nothing_was_saved(tmp_path):
+    metrics = tmp_path / "m"
+    run = launch([*SMALL, "--steps", "10000", "--metrics-file", str(metrics)])
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, run)
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=60)
+    assert run.returncode == 0, out
+    assert "SIGTERM: stopped after step" in out
+    assert "nothing saved (--out is written when the run ends; --checkpoint-dir DIR" in out
+
+
 def test_existing_checkpoints_need_resume_and_the_same_model(straight):
     _, ck = straight
     with pytest.raises(SystemExit, match="already holds checkpoints.*pass --resume"):
