@@ -40,7 +40,8 @@ from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.model import Mamba2LM
 from mamba_jax.sharding import param_name
-from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer, special_token_ids
+from mamba_jax.tokenizer import (TOKENIZER_FILES, find_tokenizer, load_tokenizer, save_tokenizer,
+                                 special_token_ids)
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")
 _EMBEDDING_KEY = {"hf": "backbone.embeddings.weight", "mamba_ssm": "backbone.embedding.weight",
@@ -344,14 +345,17 @@ def _index_shards(index: Path) -> list[str]:
 
 def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
     """save_pretrained, then the tokenizer (if given) beside the weights (tokenizer.json, or
-    a SentencePiece model's tokenizer.model),
+    a SentencePiece model's tokenizer.model, the other of the two removed: a replaced
+    model's tokenizer.json would otherwise be found before this one's tokenizer.model),
     its bos / eos / pad ids in config.json where the layout has them
     (formats.with_token_ids; null for a tokenizer without them)."""
     save_pretrained(model, path, format=format)
     if tokenizer is None:
         return
     path = Path(path)
-    save_tokenizer(tokenizer, path)
+    written = save_tokenizer(tokenizer, path)
+    for name in set(TOKENIZER_FILES) - {written.name}:
+        (path / name).unlink(missing_ok=True)
     config = json.loads((path / "config.json").read_text())
     replace_text(path / "config.json", json.dumps(
         with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")

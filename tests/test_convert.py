@@ -181,6 +181,24 @@ def test_convert_names_a_dst_it_could_not_write(tmp_path, capsys, dst, refusal):
     assert (tmp_path / "file").read_text() == "a user's file\n"
 
 
+def test_an_export_replaces_a_tokenizer_of_the_other_kind(tmp_path):
+    """A model exported over one whose tokenizer was of the other kind: what loads the
+    directory finds the new model's tokenizer, not the replaced one's."""
+    from mamba_jax.convert import export
+    from mamba_jax.tokenizer import byte_tokenizer, find_tokenizer, load_tokenizer
+
+    model = mamba_jax.from_pretrained(FIXTURES / "hf_ngroups1_tied")
+    export(model, tmp_path, byte_tokenizer())
+    assert find_tokenizer(tmp_path).name == "tokenizer.json"
+    sentencepiece = FIXTURES / "megatron" / "tokenizer.model"
+    export(model, tmp_path, load_tokenizer(str(sentencepiece)))
+    assert find_tokenizer(tmp_path).name == "tokenizer.model"
+    assert not (tmp_path / "tokenizer.json").exists()
+    assert (tmp_path / "tokenizer.model").read_bytes() == sentencepiece.read_bytes()
+    export(model, tmp_path, byte_tokenizer())
+    assert sorted(p.name for p in tmp_path.glob("tokenizer.*")) == ["tokenizer.json"]
+
+
 def _shard(tmp_path, first_keys, overlap):
     """The untied fixture as two shards and an index; `overlap` (None: no tensor) is in
     both shards."""
