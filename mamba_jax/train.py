@@ -448,8 +448,10 @@ def _train(argv, held: contextlib.ExitStack):
         except RuntimeError as error:
             raise SystemExit(str(error)) from None
         if restored is not None:
-            start, state, _ = restored
+            start, state, meta = restored
             params, opt_state = state["params"], state["opt_state"]
+            if lead:
+                _note_data_order(meta["config"]["train"], effective["train"])
         if lead:
             replace_text(Path(args.checkpoint_dir, "train_config.json"),
                          json.dumps(effective, indent=2) + "\n")
@@ -568,6 +570,21 @@ def _train(argv, held: contextlib.ExitStack):
             print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",
                   file=sys.stderr)
+
+
+# The flags that, with the step, fix the batch a step trains on (Dataset.train_batch).
+_DATA_ORDER = ("data", "tokenizer", "batch_size", "seq_len", "seed")
+
+
+def _note_data_order(before: dict, now: dict) -> None:
+    """A line on stderr where a resumed run changed a flag the data order depends on (the
+    checkpoint's own run flags `before`): allowed, but the resumed steps then train on
+    other batches than the interrupted run would have."""
+    changed = [f"--{k.replace('_', '-')} {before.get(k)} -> {now[k]}" for k in _DATA_ORDER
+               if before.get(k) != now[k]]
+    if changed:
+        print(f"resumed with {', '.join(changed)} (from the checkpoint's run): the steps from "
+              "here train on other batches than that run would have", file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -68,6 +68,22 @@ def test_five_steps_then_resume_to_ten_gives_identical_losses(straight, tmp_path
     np.testing.assert_array_equal(losses(tmp_path / "m.jsonl"), full[5:])
 
 
+def test_a_resume_that_changes_the_data_order_says_so(straight, tmp_path, capsys):
+    _, ck = straight
+    for changed, note in (([], None), (["--seed", "7"], "--seed 0 -> 7"),
+                          (["--batch-size", "16"], "--batch-size 8 -> 16")):
+        shutil.rmtree(tmp_path / "ck", ignore_errors=True)
+        shutil.copytree(ck, tmp_path / "ck")
+        capsys.readouterr()
+        main([*SMALL, "--steps", "11", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+              *changed])
+        notes = [line for line in capsys.readouterr().err.splitlines()
+                 if line.startswith("resumed with")]
+        assert notes == ([] if note is None else [
+            f"resumed with {note} (from the checkpoint's run): the steps from here train on "
+            "other batches than that run would have"])
+
+
 def test_remat_changes_memory_not_losses(straight, tmp_path):
     main([*SMALL, "--steps", "3", "--remat", "full", "--metrics-file", str(tmp_path / "m")])
     # float32; recomputation may reorder a few sums
