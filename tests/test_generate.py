@@ -315,6 +315,21 @@ def test_bad_arguments_are_named(model, kwargs, match):
                                                                       **kwargs})
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_but_left_padding_is_not_read(model):
+    rows = model.config.padded_vocab_size
+    for ids in ([[1, rows, 2]], [[1, -1, 2]]):
+        with pytest.raises(ValueError, match=f"input_ids hold \\[{ids[0][1]}\\], outside the "
+                                             f"model's token ids \\[0, {rows}\\)"):
+            mamba_jax.generate(model, jnp.asarray(ids, jnp.int32), 2)
+    with pytest.raises(ValueError, match="input_ids must be integer token ids, got float32"):
+        mamba_jax.generate(model, jnp.asarray([[1.0, 2.0]]), 2)
+    # Left padding before each row's prompt is never read, whatever it holds.
+    padded = mamba_jax.generate(model, jnp.asarray([[-1, 5, 6], [4, 5, 6]], jnp.int32), 2,
+                                prompt_lengths=[2, 3])
+    alone = mamba_jax.generate(model, jnp.asarray([[5, 6]], jnp.int32), 2)
+    np.testing.assert_array_equal(padded[0, -2:], alone[0, -2:])
+
+
 def test_generate_cli_prints_the_prompt_and_its_continuation(tmp_path, capsys):
     from mamba_jax.tokenizer import byte_tokenizer
     from mamba_jax.generate.__main__ import main

@@ -267,6 +267,7 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
         if not np.all((prompt_lengths >= 1) & (prompt_lengths <= l)):
             raise ValueError(f"generate: prompt_lengths={prompt_lengths.tolist()} must each "
                              f"be in [1, seqlen={l}]")
+    _check_ids(model, input_ids, prompt_lengths)
     limits, _ = per_row("max_new_tokens_per_row", max_new_tokens_per_row, np.int32,
                         max_new_tokens)
     if not np.all((limits >= 1) & (limits <= max_new_tokens)):
@@ -285,6 +286,26 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
                         top_p=sampled and (use_p or use_decay),
                         top_p_decay=sampled and use_decay, banned_after=use_ban)
     return (Settings(t, k, p, decay, bound, after, banned), sampling, prompt_lengths, limits)
+
+
+def _check_ids(model, input_ids, prompt_lengths):
+    """Refuse token ids that are no integers, or (where the ids are on this host) outside
+    the embedding's rows, which its gather would clamp to another token, silently. Each
+    row's prompt only: its left padding (before prompt_lengths) is never read."""
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"generate: input_ids must be integer token ids, got {input_ids.dtype}")
+    if not getattr(input_ids, "is_fully_addressable", True):
+        return
+    ids = np.asarray(input_ids)
+    b, l = ids.shape
+    first = np.zeros(b, np.int32) if prompt_lengths is None else l - prompt_lengths
+    prompt = ids[np.arange(l)[None, :] >= first[:, None]]
+    rows = model.config.padded_vocab_size
+    outside = prompt[(prompt < 0) | (prompt >= rows)]
+    if outside.size:
+        raise ValueError(f"generate: input_ids hold {np.unique(outside)[:8].tolist()}, outside "
+                         f"the model's token ids [0, {rows}): were they made by another "
+                         "model's tokenizer?")
 
 
 @functools.partial(jax.jit, static_argnames=("top_n",))
