@@ -62,6 +62,7 @@ import itertools
 import json
 import logging
 import math
+import socket
 import sys
 import time
 from pathlib import Path
@@ -714,6 +715,25 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
 
 
 @command("python -m mamba_jax.serve")
+def _check_serving_flags(args):
+    """Refuse limits the server could not serve under and an address it cannot listen on,
+    before the model loads (minutes for a large one)."""
+    for name in ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
+                 "max_queued_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if not (math.isfinite(args.batch_window_ms) and args.batch_window_ms >= 0):
+        raise SystemExit(f"--batch-window-ms={args.batch_window_ms} must be a number >= 0")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"--port={args.port} must be in [0, 65535]")
+    try:  # the listening socket is made again once the model is loaded
+        socket.create_server((args.host, args.port)).close()
+    except OSError as error:
+        raise SystemExit(f"--host {args.host} --port {args.port}: cannot listen there "
+                         f"({error.strerror or error}); give a free --port, or an address of "
+                         "this machine as --host") from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.serve",
                                      description="Serve a Mamba2 checkpoint over HTTP.",
@@ -739,6 +759,7 @@ def main(argv=None):
     add_decode_arguments(parser)
     compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
+    _check_serving_flags(args)
 
     compilation_cache.use(args.compilation_cache)
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)

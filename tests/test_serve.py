@@ -634,3 +634,35 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
     assert done.stderr == (f"python -m mamba_jax.{name}: {needs} aiohttp: pip install "
                            "'mamba-jax[serve]'\n")
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("flags,refusal", [
+    (["--port", "99999"], r"--port=99999 must be in \[0, 65535\]"),
+    (["--max-batch", "0"], "--max-batch=0 must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
+    (["--batch-window-ms", "-5"], "--batch-window-ms=-5.0 must be a number >= 0"),
+    (["--batch-window-ms", "nan"], "--batch-window-ms=nan must be a number >= 0"),
+])
+def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, capsys):
+    from mamba_jax.serve import main
+
+    with pytest.raises(SystemExit, match=refusal) as refused:
+        main(["--checkpoint", "never-read", *flags])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
+    """A port in use is refused at once, naming --host and --port (the checkpoint, which
+    does not exist, is never read)."""
+    import socket
+
+    from mamba_jax.serve import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"--host 127.0.0.1 --port {port}: cannot listen "
+                                             "there .*give a free --port") as refused:
+            main(["--checkpoint", "never-read", "--port", str(port)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
