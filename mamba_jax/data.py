@@ -315,7 +315,10 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
                                     workers, log)
             lengths = [n for _, file_lengths, _ in results for n in file_lengths]
             if not lengths:
-                raise ValueError(f"prepare: {', '.join(map(str, inputs))} hold no text")
+                raise ValueError(f"prepare: {', '.join(map(str, inputs))} "
+                                 f"{'holds' if len(inputs) == 1 else 'hold'} no text (JSON "
+                                 f"lines: their --json-keys fields {list(json_keys)} empty); "
+                                 "give files with documents in them")
             with open(work / "tokens.bin", "wb") as joined:
                 for shard, _, _ in results:
                     with open(shard, "rb") as f:

@@ -89,7 +89,7 @@ def test_bad_data_is_refused_before_any_compute(corpus, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="empty"):
         TokenDataset.load(tmp_path / "empty.txt", vocab_size=256)
-    with pytest.raises(ValueError, match=r"hold no text"):
+    with pytest.raises(ValueError, match=r"empty.txt holds no text .*give files with"):
         prepare([tmp_path / "empty.txt"], "bytes", tmp_path / "ds0")
     prepare([corpus / "a.txt"], "bytes", tmp_path / "ds", eval_fraction=0.0)
     with pytest.raises(ValueError, match=r"token id 119 >= the model's vocab_size=100"):
