@@ -714,7 +714,6 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
     return app
 
 
-@command("python -m mamba_jax.serve")
 def _check_serving_flags(args):
     """Refuse limits the server could not serve under and an address it cannot listen on,
     before the model loads (minutes for a large one)."""
@@ -734,6 +733,7 @@ def _check_serving_flags(args):
                          "this machine as --host") from None
 
 
+@command("python -m mamba_jax.serve")
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.serve",
                                      description="Serve a Mamba2 checkpoint over HTTP.",

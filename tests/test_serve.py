@@ -666,3 +666,12 @@ def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_mode
             main(["--checkpoint", "never-read", "--port", str(port)])
     assert refused.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, capsys):
+    from mamba_jax.serve import main
+
+    with pytest.raises(SystemExit, match="no such directory") as refused:
+        main(["--checkpoint", str(tmp_path / "absent"), "--port", "0"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
