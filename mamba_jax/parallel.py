@@ -267,4 +267,14 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
     if process_id is None and env("JAX_PROCESS_ID"):
         process_id = int(env("JAX_PROCESS_ID"))
     if coordinator_address is not None or num_processes not in (None, 1):
-        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+        try:
+            jax.distributed.initialize(coordinator_address, num_processes, process_id)
+        except ValueError as error:  # jax's own words name none of our flags
+            given = ", ".join(f"--{flag} {value}" for flag, value in (
+                ("num-processes", num_processes), ("coordinator-address", coordinator_address),
+                ("process-id", process_id)) if value is not None)
+            raise ValueError(
+                f"several processes ({given}): {error} Give every process "
+                "--coordinator-address HOST:PORT (process 0's), --num-processes and its own "
+                "--process-id, or launch under a cluster manager that jax detects (SLURM, "
+                "Open MPI)") from None

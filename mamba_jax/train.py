@@ -231,8 +231,20 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "save_every", "eval_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.loss_chunk is not None and args.loss_chunk < 1:
+        raise SystemExit(f"--loss-chunk={args.loss_chunk} must be >= 1 (positions a piece), "
+                         "or left out for the whole sequence at once")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SystemExit(f"--lr={args.lr} must be a positive number (the peak learning rate)")
+    # Each of these below zero would train without an error, wrongly: a negative clip
+    # turns every gradient around, a negative weight decay grows the weights.
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup={args.warmup} must be >= 0 (steps of linear warmup)")
+    if not (math.isfinite(args.clip) and args.clip > 0):
+        raise SystemExit(f"--clip={args.clip} must be a positive number (the largest global "
+                         "gradient norm)")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise SystemExit(f"--weight-decay={args.weight_decay} must be a number >= 0 (0: none)")
     return args, {**model_overrides, **layer_flags, **parse_overrides(args.set)}
 
 

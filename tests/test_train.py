@@ -1,4 +1,5 @@
 import json
+import re
 import struct
 
 import jax
@@ -221,6 +222,36 @@ def test_the_learning_rate_must_be_positive():
     for lr in ("0", "-1e-3", "nan", "inf"):
         with pytest.raises(SystemExit, match=f"--lr={float(lr)} must be a positive number"):
             parse_args([f"--lr={lr}"])
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--warmup", "-5", "--warmup=-5 must be >= 0"),
+    ("--clip", "-1", "--clip=-1.0 must be a positive number"),
+    ("--clip", "0", "--clip=0.0 must be a positive number"),
+    ("--clip", "nan", "--clip=nan must be a positive number"),
+    ("--weight-decay", "-0.1", "--weight-decay=-0.1 must be a number >= 0"),
+    ("--weight-decay", "inf", "--weight-decay=inf must be a number >= 0"),
+    ("--loss-chunk", "0", "--loss-chunk=0 must be >= 1"),
+])
+def test_optimizer_flags_that_would_train_wrongly_are_refused(flag, value, message):
+    # a negative clip turns the gradients around and a negative decay grows the weights,
+    # both without an error; a zero loss chunk divided by zero
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        parse_args([flag, value])
+    parse_args([flag, {"--warmup": "0", "--weight-decay": "0"}.get(flag, "1")])  # the edge
+
+
+def test_several_processes_without_a_coordinator_name_the_flags(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    from mamba_jax import parallel
+    failed = ValueError("coordinator_address should be defined.")
+    monkeypatch.setattr(parallel.jax.distributed, "initialize",
+                        lambda *args: (_ for _ in ()).throw(failed))
+    with pytest.raises(ValueError, match=r"several processes \(--num-processes 2\): "
+                       r"coordinator_address should be defined\. Give every process "
+                       r"--coordinator-address HOST:PORT"):
+        parallel.initialize_distributed(None, 2, None)
 
 
 @pytest.mark.parametrize("module,argv,default", [
