@@ -392,6 +392,28 @@ def test_generate_cli_names_a_checkpoint_that_is_no_folder(byte_checkpoint, name
     assert capsys.readouterr().err.count("\n") == 1
 
 
+def test_generate_cli_names_a_folder_without_a_model_by_its_config(tmp_path, capsys):
+    from mamba_jax.generate.__main__ import main
+
+    with pytest.raises(SystemExit, match="config.json not found: a checkpoint dir needs "
+                       "config.json") as refused:  # not a missing tokenizer.json
+        main(["--checkpoint", str(tmp_path), "--prompt", "Hi"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("url,why", [("notaurl", "not an http URL"),
+                                     ("http://127.0.0.1:9", "cannot reach it")])
+def test_generate_cli_names_a_server_it_cannot_reach(url, why, capsys):
+    from mamba_jax.generate.__main__ import main
+
+    with pytest.raises(SystemExit, match=f"--server {url}: {why}") as refused:
+        main(["--server", url, "--prompt", "Hi"])
+    assert refused.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.out == ""  # no prompt echoed first
+
+
 def test_top_k_0_is_off_as_documented(byte_checkpoint, capsys):
     from mamba_jax.generate.__main__ import main
 

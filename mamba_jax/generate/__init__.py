@@ -343,7 +343,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     import json
     from pathlib import Path
 
-    from mamba_jax.convert import (from_pretrained, is_training_checkpoint,
+    from mamba_jax.convert import (from_pretrained, is_training_checkpoint, load_config,
                                    load_training_checkpoint, training_tokenizer)
     from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
 
@@ -356,7 +356,8 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
         model, meta = load_training_checkpoint(path, dtype=jnp.dtype(dtype))
         tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))
         eos = None
-    else:
+    else:  # its config read first: a folder without a model is named so, not by its tokenizer
+        load_config(path)
         tok = load_tokenizer(tokenizer or find_tokenizer(path) or path / "tokenizer.json")
         model = from_pretrained(path, dtype=jnp.dtype(dtype))
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")

@@ -73,14 +73,21 @@ async def stream_from_server(url, prompt, max_tokens, temperature, top_p):
         raise SystemExit(f"--server needs {missing.name}: pip install 'mamba-jax[serve]'") \
             from None
 
-    print(prompt, end="", flush=True)
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, **({} if top_p is None else {"top_p": top_p})}
     async with aiohttp.ClientSession() as session:
-        async with session.post(url.rstrip("/") + "/v1/completions", json=body) as response:
+        try:
+            response = await session.post(url.rstrip("/") + "/v1/completions", json=body)
+        except (aiohttp.ClientError, OSError) as error:  # no URL, refused, unknown host
+            why = "not an http URL" if isinstance(error, aiohttp.InvalidURL) else \
+                f"cannot reach it ({error})"
+            raise SystemExit(f"--server {url}: {why}; give the address a `python -m "
+                             "mamba_jax.serve` listens on, e.g. http://127.0.0.1:6000") from None
+        async with response:
             if response.status != 200:
                 raise SystemExit(f"--server {url} answered {response.status}: "
                                  f"{await response.text()}")
+            print(prompt, end="", flush=True)
             async for line in response.content:
                 data = line.decode().removeprefix("data: ").strip()
                 if data and data != "[DONE]":
