@@ -274,7 +274,7 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
                 ("num-processes", num_processes), ("coordinator-address", coordinator_address),
                 ("process-id", process_id)) if value is not None)
             raise ValueError(
-                f"several processes ({given}): {error} Give every process "
+                f"several processes ({given}): {str(error).rstrip('.')}. Give every process "
                 "--coordinator-address HOST:PORT (process 0's), --num-processes and its own "
                 "--process-id, or launch under a cluster manager that jax detects (SLURM, "
                 "Open MPI)") from None
