@@ -279,19 +279,23 @@ KERNEL_CASES = [  # (b, l, h, p, r, g, n, a, docs, state): each over several ker
 ]
 
 
-@pytest.mark.parametrize("angle_kernel", [True, False], ids=["angle-kernel", "angles-xla"])
+@pytest.mark.parametrize("angle_kernel", [True, False],
+                         ids=["angle-kernel,states-recomputed", "angles-xla,states-kept"])
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_kernels_values_states_and_every_gradient_match_the_recurrence(case, angle_kernel,
                                                                        monkeypatch):
     # The SSD's Pallas kernels (in the interpreter without a GPU), turning each head's B and
     # C by its angles as they load them, with the work around them (kernels.py) and the
-    # angle state summed by its kernel (angles.py) or by XLA, over odd lengths of several
-    # kernel chunks (64 positions), packed documents, from an initial state: values and
-    # final states within 1e-5 of the largest, and every input's gradient (the angles',
-    # trap's, the biases', mimo_x's and the initial state's included) within float32 sums
-    # in another order.
+    # angle state summed by its kernel (angles.py) or by XLA, the per-chunk states
+    # recomputed in the backward (the default) or kept from the forward, over odd lengths
+    # of several kernel chunks (64 positions), packed documents, from an initial state:
+    # values and final states within 1e-5 of the largest, and every input's gradient (the
+    # angles', trap's, the biases', mimo_x's and the initial state's included) within
+    # float32 sums in another order.
     from pallas_kernels.mamba3 import kernels
+    from pallas_kernels.ssd import triton
     monkeypatch.setattr(kernels, "angles_take", lambda b, h: angle_kernel)
+    monkeypatch.setattr(kernels, "CONFIG", triton.Config(keep_states=not angle_kernel))
     kw = make_inputs(4, *case[:8], jnp.float32, *case[8:])
     seq_idx, rotary = kw.pop("seq_idx", None), kw.pop("rotary")
     y_cot = jnp.asarray(np.random.default_rng(5).standard_normal(

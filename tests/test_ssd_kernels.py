@@ -163,10 +163,11 @@ class TestTriton(BackendCases):
 class TestTritonOtherOptions(BackendCases):
     backend = triton
     # The non-default options, together: recomputed states in float32 (which changes only bf16
-    # inputs: float32 inputs keep float32 states either way) and one head per dB/dC program
-    # (every group's dB and dC summed from r partials); and D per channel, [h, p].
+    # inputs: float32 inputs keep float32 states either way), one head per dB/dC program
+    # (every group's dB and dC summed from r partials) and the states kept from the forward
+    # kernel; and D per channel, [h, p].
     config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False,
-                           backward_bc_heads=1)
+                           backward_bc_heads=1, keep_states=True)
     D_per_channel = True
 
 

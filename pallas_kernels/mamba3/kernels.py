@@ -68,6 +68,13 @@ from pallas_kernels.ssd import auto_segments, triton
 from pallas_kernels.ssd.vjp import ssd_weighted
 
 
+# The SSD kernels' settings for Mamba-3. The per-chunk states are recomputed in the backward,
+# not kept from the forward (triton.Config.keep_states, as mamba_ssm's Mamba-3 keeps them):
+# kept, mamba3-1.3b's training step fits 12 rows of 2048 where it fits 16, and its tokens/s
+# at 12 rows kept were 1.022x those at 16 recomputed (docs/performance.md).
+CONFIG = triton.Config()
+
+
 def kernels_take(C, angles):
     """Whether the kernels take this layout: the MIMO rank dividing their chunk and n / (2a)
     a power of two (the rotary over all of d_state or half of it) for C [b, l, r, g, n],
@@ -151,7 +158,7 @@ def mamba3_kernels(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, D=None, mi
     first_rank = jnp.zeros((1, 1, r, 1), acc).at[:, :, 0].set(1.0)
     y, final_ssm = ssd_weighted(
         None, positions(per_rank(w)), positions(first_rank * adt.astype(acc)[:, :, None]),
-        None, None, backend=triton, interpret=interpret, D=D, segments=segments,
+        None, None, backend=triton, config=CONFIG, interpret=interpret, D=D, segments=segments,
         initial_state=None if h0 is None else turnable(h0),
         seq_idx=None if seq_idx is None else positions(per_rank(seq_idx)),
         inputs=(vBC, args), skip=skip, rank=r,

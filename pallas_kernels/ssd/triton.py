@@ -16,8 +16,9 @@ Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py)
   once.
 - `_chunk_states_kernel`: the same walk without y, writing each chunk's entering state: the
   backward pass recomputes the states with it (reading x and B once) rather than the
-  forward keeping them from one pass to the other; they are the backward kernels' only
-  input beyond the forward's.
+  forward keeping them from one pass to the other (unless `Config.keep_states`: then the
+  forward kernel writes them as it walks); they are the backward kernels' only input
+  beyond the forward's.
 - `_backward_state_kernel`, grid (b, h, p / bp): walks the chunks backwards carrying dS, the
   gradient of the state leaving the chunk; per chunk dx (with the D skip's), the dt-gradient
   of the x dt product, and the part of the cumsum gradient that comes through the leaving
@@ -98,6 +99,16 @@ class Config:
     # (BENCHMARKS.md): forward+backward 0.70x the float32 states' time at 8 x 2048, 0.73x at
     # 8 x 8192, with the same error against mamba_ssm. float32 inputs keep float32 states.
     states_in_input_dtype: bool = True
+    # The per-chunk states kept from the forward kernel for the backward (under
+    # differentiation only; a forward alone writes none) instead of recomputed there by
+    # `chunk_states`: the forward writes them as it walks, and the backward skips a walk
+    # that reads x and B again, at twice x's memory (t = 64, d_state 128, in x's dtype) a
+    # layer until its backward. Measured on an H200 with Mamba-3's scan (SISO, 64 heads of
+    # 64, bf16): forward+backward alone within the spread at 8 x 2048 and 8 x 8192; in
+    # mamba3-1.3b's training step at 12 x 2048 600.2 and 602.4 ms against 610.5, with 114.6
+    # GiB against 96.5 (docs/performance.md). Off by default: it lowers the largest batch
+    # that fits (mamba3-1.3b: 12 rows where 16 fit, for 1.022x the tokens/s at each one's).
+    keep_states: bool = False
     # With `rotation`, the backward's B and C and their gradients: True, its kernels turn the
     # group's B and C as they load them, as the forward does, and a kernel turns their
     # gradients back (`turned_back`); False, its kernels read per-head turned copies that
@@ -349,14 +360,14 @@ def _chunk_BC(B_ref, C_ref, rotation, bi, ts, gi, hi):
 
 
 def _forward_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, init_ref, *rest, t, r, bp, bs, rank,
-                    has_doc, has_D, has_skip, has_eta, has_rotation):
+                    has_doc, has_D, has_skip, has_eta, has_rotation, has_states):
     D_ref, rest = split_optional(rest, has_D)
     skip_ref, rest = split_optional(rest, has_skip)
     eta_ref, rest = split_optional(rest, has_eta)
     doc_ref, rest = split_optional(rest, has_doc)
-    rotation, (y_ref, final_ref) = _split_rotation(rest, has_rotation)
-    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref, None,
-                 t=t, r=r, bp=bp, bs=bs, rank=rank,
+    rotation, (y_ref, final_ref, *states_ref) = _split_rotation(rest, has_rotation)
+    _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref,
+                 states_ref[0] if has_states else None, t=t, r=r, bp=bp, bs=bs, rank=rank,
                  read_out=(C_ref, D_ref, skip_ref, eta_ref, y_ref))
 
 
@@ -650,12 +661,19 @@ def _states_dtype(config, x):
     return x.dtype if config.states_in_input_dtype else jnp.float32
 
 
+def _states_shape(config, x, n):
+    """The per-chunk states [b, c, h, p, n] of x [b, l, h, p]."""
+    b, l, h, p = x.shape
+    return jax.ShapeDtypeStruct((b, l // config.chunk, h, p, n), _states_dtype(config, x))
+
+
 def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, eta=None,
-            rank=1, rotation=None, interpret=False):
+            rank=1, rotation=None, keep_states=False, interpret=False):
     """Chunk-padded inputs (x [b, l, h, p], dt and cs [b, h, l] float32, B, C [b, l, g, n],
     initial_state [b, h, p, n] float32, doc [b, l] int32 or None; D [h, p] float32 or None,
     the skip y += D x; skip [b, h, l] float32 or None, a per-position skip y_t += skip_t x_t)
-    -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32).
+    -> (y [b, l, h, p] x.dtype, final_state [b, h, p, n] float32), and with keep_states the
+    state entering every chunk as `chunk_states` returns it, written by the same walk.
 
     rank, eta [b, h, l] float32 or None: the positions form tokens of `rank` (dividing the
     chunk; position s is token s // rank's), and y_t reads every position of t's own token,
@@ -673,11 +691,13 @@ def forward(x, dt, cs, B, C, initial_state, doc, *, config, D=None, skip=None, e
     g, n = B.shape[2:]
     bp = _block_p(config, b, h, p)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)]
+                 jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)] + (
+        [_states_shape(config, x, n)] if keep_states else [])
     kernel = functools.partial(_forward_kernel, t=config.chunk, r=h // g, bp=bp,
                                bs=_sub_block(bp), rank=rank, has_doc=doc is not None,
                                has_D=D is not None, has_skip=skip is not None,
-                               has_eta=eta is not None, has_rotation=rotation is not None)
+                               has_eta=eta is not None, has_rotation=rotation is not None,
+                               has_states=keep_states)
     args = (x, dt, cs, B, C, initial_state) + present(D, skip, eta, doc) + _rotation_args(
         rotation, config, B)
     stages = config.forward_stages if rotation is None else config.rotation_forward_stages
@@ -697,8 +717,7 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, int
     bp = _block_p(config, b, h, p)
     kernel = functools.partial(_chunk_states_kernel, t=t, r=h // g, bp=bp, bs=_sub_block(bp),
                                has_doc=doc is not None, has_rotation=rotation is not None)
-    out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32),
-                 jax.ShapeDtypeStruct((b, l // t, h, p, n), _states_dtype(config, x))]
+    out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32), _states_shape(config, x, n)]
     # forward_stages with or without the turn: without the read-out the walk has registers
     # for a second stage (on an H200 at 8 x 8192, the Mamba-3 scan's forward+backward took
     # 0.97-0.98x the time with it; the same at 8 x 2048)

@@ -27,18 +27,19 @@ gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (at 
 forward+backward, BENCHMARKS.md).
 
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
-config, D, rotation, interpret)`, `chunk_states(x, dt, cs, B, initial_state, doc, *, config,
-rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D,
-rotation, interpret)`, `weighted_state(x, B, weights, *, config, rotation, interpret)`,
-`turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config, interpret)` as
-in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward turns each
-head's B and C itself; by `config.turns_in_backward` the backward kernels turn B and C too,
-or take the per-head turned copies `turned` makes. Their dB and dC are per head, of the
-turned values, and `turned_back` (or `turned`'s vjp) carries them to the group's B and C,
-the angles and the biases.
+config, D, rotation, keep_states, interpret)`, `chunk_states(x, dt, cs, B, initial_state,
+doc, *, config, rotation, interpret)`, `backward(x, dt, cs, B, C, doc, states, dy, dfinal,
+*, config, D, rotation, interpret)`, `weighted_state(x, B, weights, *, config, rotation,
+interpret)`, `turned(B, C, rotation)` and `turned_back(grads, B, C, rotation, *, config,
+interpret)` as in `triton.py`. With a `rotation` (Mamba-3's rotary embedding), the forward
+turns each head's B and C itself; by `config.turns_in_backward` the backward kernels turn B
+and C too, or take the per-head turned copies `turned` makes. Their dB and dC are per head,
+of the turned values, and `turned_back` (or `turned`'s vjp) carries them to the group's B
+and C, the angles and the biases.
 
 What the backward recomputes rather than the forward keeps: the per-chunk states, with
-`chunk_states` (at t = 64 and d_state 128 they are twice x's bytes), and, given `inputs`,
+`chunk_states` (at t = 64 and d_state 128 they are twice x's bytes; kept from the forward
+kernel instead with `Config.keep_states`), and, given `inputs`,
 x, B and C themselves, from what they are computed of (Mamba2's conv over its projections:
 x's bytes again, for an elementwise pass). Kept, the two were 50 of the 145 MB a
 mamba2-1.3b layer kept per 2048-token row in training.
@@ -60,17 +61,26 @@ from pallas_kernels.triton_call import off_gpu
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def _core(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc, D,
           skip, eta, ends, rotation, *inputs):
-    return _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs,
-                     initial_state, doc, D, skip, eta, ends, rotation, *inputs)[0]
+    return _forward(backend, config, interpret, segments, rank, prepare, dt, cs,
+                    initial_state, doc, D, skip, eta, ends, rotation, *inputs,
+                    keep_states=False)[0]
 
 
 def _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc,
               D, skip, eta, ends, rotation, *inputs):
+    return _forward(backend, config, interpret, segments, rank, prepare, dt, cs,
+                    initial_state, doc, D, skip, eta, ends, rotation, *inputs,
+                    keep_states=config.keep_states)
+
+
+def _forward(backend, config, interpret, segments, rank, prepare, dt, cs, initial_state, doc,
+             D, skip, eta, ends, rotation, *inputs, keep_states):
     """The kernels' forward over rows x, B, C = prepare(*inputs) ([b * segments, l, h, p]
     etc., chunk-padded), the initial_state [b, h, p, n] float32 entering each row's first
     part (None: zeros, which the backward then makes again rather than keeps), and
     ends [b * segments, 2], each part's first and last seq_idx (context_parallel.part_ends)
-    -> ((y, the final state of each row's last part), the backward's residuals)."""
+    -> ((y, the final state of each row's last part), the backward's residuals, with the
+    per-chunk states where keep_states, else None)."""
     x, B, C = prepare(*inputs)
     decays = None
     if segments > 1:  # the state entering each part
@@ -82,18 +92,18 @@ def _core_fwd(backend, config, interpret, segments, rank, prepare, dt, cs, initi
                                         interpret=interpret)
         initial_state = entering_rows(finals, decays, ends, initial_state, segments)
     entering = _zeros_if_none(initial_state, x, B)
-    y, final_state = backend.forward(x, dt, cs, B, C, entering, doc, config=config, D=D,
-                                     skip=skip, eta=eta, rank=rank, rotation=rotation,
-                                     interpret=interpret)
+    y, final_state, *states = backend.forward(
+        x, dt, cs, B, C, entering, doc, config=config, D=D, skip=skip, eta=eta, rank=rank,
+        rotation=rotation, keep_states=keep_states, interpret=interpret)
     final_state = final_state[segments - 1::segments]
-    # The backward recomputes x, B, C from the inputs and the per-chunk states from those
-    # (backend.chunk_states).
+    # The backward recomputes x, B, C from the inputs, and the per-chunk states from those
+    # (backend.chunk_states) unless kept.
     return (y, final_state), (inputs, dt, cs, initial_state, doc, D, skip, eta, decays, ends,
-                              rotation)
+                              rotation, states[0] if keep_states else None)
 
 
 def _core_bwd(backend, config, interpret, segments, rank, prepare, residuals, cotangents):
-    inputs, dt, cs, initial_state, doc, D, skip, eta, decays, ends, rotation = residuals
+    inputs, dt, cs, initial_state, doc, D, skip, eta, decays, ends, rotation, states = residuals
     (x, B, C), prepare_vjp = jax.vjp(prepare, *inputs)
     turning = None  # the rotation the kernels apply as they load B and C
     if rotation is not None:  # the kernels' dB and dC are per head, of the turned B and C
@@ -103,8 +113,9 @@ def _core_bwd(backend, config, interpret, segments, rank, prepare, residuals, co
                                            config=config, interpret=interpret)
         else:  # the kernels read per-head turned copies
             (B, C), turned_vjp = jax.vjp(backend.turned, B, C, rotation)
-    states = backend.chunk_states(x, dt, cs, B, _zeros_if_none(initial_state, x, B), doc,
-                                  config=config, rotation=turning, interpret=interpret)
+    if states is None:
+        states = backend.chunk_states(x, dt, cs, B, _zeros_if_none(initial_state, x, B), doc,
+                                      config=config, rotation=turning, interpret=interpret)
     dy, dfinal = cotangents
     dy, dfinal = dy.astype(x.dtype), dfinal.astype(jnp.float32)
     if segments > 1:
