@@ -44,21 +44,28 @@ def model(checkpoint):
     return mamba_jax.from_pretrained(checkpoint)
 
 
-@pytest.fixture(scope="module")
-def url(model):
-    """The server on a free loopback port, its event loop on a thread of its own."""
+@contextlib.contextmanager
+def serving(app):
+    """app on a free loopback port, its event loop on a thread of its own -> its URL."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(model, byte_tokenizer(), LIMITS))
+    runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    """The server on a free loopback port."""
+    with serving(make_app(model, byte_tokenizer(), LIMITS)) as address:
+        yield address
 
 
 def expected_tokens(model, prompt: str, n: int) -> list[int]:
@@ -239,6 +246,34 @@ def test_generate_cli_streams_from_the_server(url, model, capsys):
 
     main(["--server", url, "--prompt", "Hi", "--max-new-tokens", "7", "--temperature", "0"])
     assert capsys.readouterr().out == "Hi" + expected(model, ["Hi"], 7)[0] + "\n"
+
+
+@pytest.mark.parametrize("ending", ["dropped", "closed"])
+def test_generate_cli_says_when_the_stream_stops_before_its_end(ending, capsys):
+    # A server that sends one token's event, then drops the connection mid-response or
+    # ends the response without the stream's closing [DONE]: the text that came is kept
+    # on stdout and one line says that it may be cut short.
+    from mamba_jax.generate.__main__ import main
+
+    async def one_token_then_stop(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": " partial"}]}\n\n')
+        if ending == "dropped":
+            request.transport.close()
+        else:
+            await response.write_eof()
+        return response
+    app = web.Application()
+    app.router.add_post("/v1/completions", one_token_then_stop)
+    with serving(app) as url, pytest.raises(SystemExit) as stopped:
+        main(["--server", url, "--prompt", "Hi"])
+    captured = capsys.readouterr()
+    assert stopped.value.code == 2 and captured.out == "Hi partial\n"
+    assert captured.err.startswith(f"python -m mamba_jax.generate: --server {url}: the stream "
+                                   "stopped before its end")
+    assert captured.err.endswith("the text above is what arrived\n")
+    assert captured.err.count("\n") == 1
 
 
 def test_the_engine_decodes_with_the_servers_decode_options(model, monkeypatch):

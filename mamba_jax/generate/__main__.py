@@ -88,14 +88,23 @@ async def stream_from_server(url, prompt, max_tokens, temperature, top_p):
                 raise SystemExit(f"--server {url} answered {response.status}: "
                                  f"{await response.text()}")
             print(prompt, end="", flush=True)
-            async for line in response.content:
-                data = line.decode().removeprefix("data: ").strip()
-                if data and data != "[DONE]":
-                    event = json.loads(data)
-                    if "error" in event:
-                        raise SystemExit(f"--server {url} failed the request: "
-                                         f"{event['error']['message']}")
-                    print(event["choices"][0]["text"], end="", flush=True)
+            done, broken = False, ""
+            try:
+                async for line in response.content:
+                    data = line.decode().removeprefix("data: ").strip()
+                    done = done or data == "[DONE]"
+                    if data and data != "[DONE]":
+                        event = json.loads(data)
+                        if "error" in event:
+                            raise SystemExit(f"--server {url} failed the request: "
+                                             f"{event['error']['message']}")
+                        print(event["choices"][0]["text"], end="", flush=True)
+            except aiohttp.ClientError as error:  # the connection dropped mid-stream
+                broken = f" ({error})"
+            if not done:  # the server's stream ends with [DONE]: what came may be cut short
+                print(flush=True)
+                raise SystemExit(f"--server {url}: the stream stopped before its end{broken}; "
+                                 "the text above is what arrived")
 
 
 if __name__ == "__main__":
