@@ -420,7 +420,8 @@ COMPLETIONS = {
 
 async def _body(request: web.Request):
     """The request body as JSON: a 400 naming the body or its Content-Type when it is not
-    text of the declared charset (UTF-8 by default), not JSON, or nested too deeply."""
+    text of the declared charset (UTF-8 by default), not JSON, or nested too deeply, and
+    naming the field whose strings are not valid Unicode."""
     charset = request.charset or "utf-8"
     try:
         text = (await request.read()).decode(charset)
@@ -430,11 +431,34 @@ async def _body(request: web.Request):
     except UnicodeDecodeError as err:
         raise BadRequest("body", f"the request body is not {charset} text: {err}") from None
     try:
-        return json.loads(text)
+        body = json.loads(text)
     except RecursionError:
         raise BadRequest("body", "the request body nests JSON too deeply") from None
     except ValueError as err:  # JSONDecodeError, or an integer of over 4300 digits
         raise BadRequest("body", f"the request body is not valid JSON: {err}") from None
+    for name, value in body.items() if isinstance(body, dict) else [("body", body)]:
+        if _holds_lone_surrogate(value) or _holds_lone_surrogate(name):
+            raise BadRequest(name, f"{name} holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                             "escape without its pair), which is no text; send valid Unicode")
+    return body
+
+
+def _holds_lone_surrogate(value) -> bool:
+    """Whether parsed JSON holds a string that is not valid Unicode: JSON's \\u escapes can
+    spell half a UTF-16 pair, which Python keeps in a str and no tokenizer takes."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend([*v, *v.values()])
+    return False
 
 
 async def _parse(request: web.Request, schema: dict, max_new_field: str, limits: Limits,

@@ -328,6 +328,12 @@ def test_a_top_p_that_is_zero_in_float32_is_a_400_and_the_request_beside_it_is_a
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e39}', "application/json",
      "temperature"),  # inf in float32
     ("/api", b'{"prompts": ["hi"], "top_p": Infinity}', "application/json", "top_p"),
+    # half a UTF-16 pair, which JSON's escapes spell and no tokenizer takes (it was a 500)
+    ("/v1/completions", b'{"prompt": "\\ud800"}', "application/json", "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "a\\udc00b"]}', "application/json", "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud83d"]}', "application/json", "stop"),
+    ("/api", b'{"prompts": ["\\ud800"], "tokens_to_generate": 4}', "application/json",
+     "prompts"),
 ])
 def test_bodies_that_are_not_plain_json_or_finite_numbers_are_400s(url, path, body,
                                                                    content_type, field):
@@ -340,6 +346,19 @@ def test_bodies_that_are_not_plain_json_or_finite_numbers_are_400s(url, path, bo
 
     status, error = run(go())
     assert (status, error["error"]["field"]) == (400, field)
+
+
+def test_a_whole_surrogate_pair_is_text(url, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", data=b'{"prompt": "\\ud83d\\ude00", '
+                              b'"max_tokens": 3, "temperature": 0}',
+                              headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 200
+    assert body["choices"][0]["text"] == expected(model, ["\U0001F600"], 3)[0]
 
 
 def test_a_negative_temperature_is_a_400_on_both_endpoints(url):
