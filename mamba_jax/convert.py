@@ -296,7 +296,10 @@ def main(argv=None):
                                     "--checkpoint-dir")
     parser.add_argument("dst", help="output dir (refused if it holds a model, unless "
                                     "--overwrite)")
-    parser.add_argument("--to", choices=FORMATS, required=True)
+    parser.add_argument("--to", choices=FORMATS, required=True,
+                        help="the layout: hf is transformers' Mamba2ForCausalLM (or Mamba's, "
+                             "or NemotronH's for a hybrid), and mamba_ssm's for a model with "
+                             "Mamba-3 layers, which transformers lacks")
     parser.add_argument("--step", type=int, default=None,
                         help="with a trainer's --checkpoint-dir: the step to export (default: "
                              "the newest)")
@@ -320,7 +323,10 @@ def main(argv=None):
         if find_tokenizer(args.src):
             tokenizer = load_tokenizer(find_tokenizer(args.src))
     export(model, args.dst, tokenizer, format=args.to)
-    print(f"wrote {args.dst} ({args.to}) from {source}")
+    written = export_format(model.config, args.to)
+    layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
+        "for this model"
+    print(f"wrote {args.dst} ({layout}) from {source}")
 
 
 # ---------------------------------------------------------------- training checkpoints

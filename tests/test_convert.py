@@ -151,6 +151,17 @@ def test_convert_cli_writes_the_other_layout(tmp_path):
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
 
 
+def test_convert_names_the_layout_it_wrote_where_hf_cannot_hold_the_model(tmp_path, capsys):
+    # transformers has no Mamba-3: --to hf writes mamba_ssm's layout, and says so
+    from mamba_jax.convert import main
+    model = Mamba2LM(Mamba2Config.preset("mamba3-tiny"), rngs=nnx.Rngs(0))
+    mamba_jax.save_pretrained(model, tmp_path / "src", format="mamba_ssm")
+    main([str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "hf"])
+    assert load_config(tmp_path / "dst")[1] == "mamba_ssm"
+    assert capsys.readouterr().out == (f"wrote {tmp_path / 'dst'} (mamba_ssm, the layout --to "
+                                       f"hf writes for this model) from {tmp_path / 'src'}\n")
+
+
 def test_convert_keeps_a_model_in_dst_unless_overwrite(tmp_path, capsys):
     from mamba_jax.cli import UserExit
     from mamba_jax.convert import main
