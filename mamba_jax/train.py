@@ -449,10 +449,11 @@ def _train(argv, held: contextlib.ExitStack):
     start = 0
     if ckpt:
         def same_model(step, meta):
-            if Mamba2Config.from_dict(meta["config"]["model"]) != cfg:
+            saved = Mamba2Config.from_dict(meta["config"]["model"])
+            if saved != cfg:
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
-                                 f"model ({meta['config']['model']}); use its --preset/--set "
-                                 "or another --checkpoint-dir")
+                                 f"model: {_config_difference(saved, cfg)}; use its "
+                                 "--preset/--set or another --checkpoint-dir")
 
         try:
             restored = ckpt.restore_latest(
@@ -494,6 +495,9 @@ def _train(argv, held: contextlib.ExitStack):
               f"remat {args.remat}, layers {'scanned' if args.scan_layers else 'unrolled'}, "
               f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)
+        if start >= args.steps:
+            print(f"the checkpoint's step {start} is at --steps {args.steps} or past it: "
+                  "nothing to train (raise --steps to train on)", file=sys.stderr)
     flops = train_flops_per_token(cfg, args.seq_len)
     peak = peak_flops(args.dtype)
     # A resumed run supersedes what a killed one logged after its checkpoint.
@@ -586,6 +590,23 @@ def _train(argv, held: contextlib.ExitStack):
 
 # The flags that, with the step, fix the batch a step trains on (Dataset.train_batch).
 _DATA_ORDER = ("data", "tokenizer", "batch_size", "seq_len", "seed")
+
+
+def _config_difference(saved: Mamba2Config, given: Mamba2Config, most: int = 6) -> str:
+    """The fields where a checkpoint's model config and this run's differ, as `FIELD SAVED in
+    the checkpoint, GIVEN here` (a layer kind's as SECTION.FIELD, as --set spells them),
+    shared fields first, at most `most` of them."""
+    def flat(d, prefix=""):
+        for key, value in d.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+    before, now = dict(flat(saved.to_dict())), dict(flat(given.to_dict()))
+    fields = sorted((k for k in before if before[k] != now.get(k)), key=lambda k: ("." in k, k))
+    shown = [f"{k} {before[k]!r} in the checkpoint, {now.get(k)!r} here" for k in fields[:most]]
+    more = f" and {len(fields) - most} more" if len(fields) > most else ""
+    return "; ".join(shown) + more
 
 
 def _note_data_order(before: dict, now: dict) -> None:

@@ -157,9 +157,26 @@ def test_existing_checkpoints_need_resume_and_the_same_model(straight):
     _, ck = straight
     with pytest.raises(SystemExit, match="already holds checkpoints.*pass --resume"):
         main([*SMALL, "--steps", "12", "--checkpoint-dir", str(ck)])
-    with pytest.raises(SystemExit, match="is of another model"):
+    # the fields that differ, named as --set spells them, not the whole config
+    with pytest.raises(SystemExit, match=r"is of another model: mamba2\.d_state 16 in the "
+                       r"checkpoint, 8 here; use its --preset/--set"):
         main([*SMALL, "--steps", "12", "--checkpoint-dir", str(ck), "--resume",
               "--set", "d_state=8"])
+    with pytest.raises(SystemExit, match=r"another model: d_model 64 in the checkpoint, 32 "
+                       r"here; mamba2\.headdim"):
+        main([*SMALL, "--steps", "12", "--checkpoint-dir", str(ck), "--resume",
+              "--set", "d_model=32", "--set", "headdim=8"])
+
+
+def test_a_resume_at_or_past_its_steps_says_there_is_nothing_to_train(straight, tmp_path,
+                                                                      capsys):
+    _, ck = straight
+    shutil.copytree(ck, tmp_path / "ck")
+    main([*SMALL, "--steps", "8", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+          "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert "the checkpoint's step 10 is at --steps 8 or past it: nothing to train" in \
+        capsys.readouterr().err
+    assert losses(tmp_path / "m.jsonl") == []
 
 
 def test_a_diverging_loss_stops_at_the_step_and_keeps_the_last_checkpoint(tmp_path):
