@@ -632,8 +632,12 @@ def main(argv=None):
     meta = prepare(args.inputs, args.tokenizer, args.out, args.eval_fraction, args.workers,
                    append_eod=args.append_eod, overwrite=args.overwrite,
                    json_keys=args.json_keys)
-    print(f"{args.out}: {meta['n_tokens']} tokens in {meta['n_docs']} documents "
-          f"({meta['n_docs'] - meta['train_docs']} held out)")
+    n_docs, held = meta["n_docs"], meta["n_docs"] - meta["train_docs"]
+    alone = ": a single document is not split, so runs on it do not evaluate; give several " \
+        "(text files, or JSON lines) to hold some out" if n_docs == 1 and args.eval_fraction \
+        else ""
+    print(f"{args.out}: {meta['n_tokens']} tokens in {n_docs} document{'s' * (n_docs != 1)} "
+          f"({held} held out{alone})")
 
 
 if __name__ == "__main__":

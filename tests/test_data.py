@@ -103,6 +103,10 @@ def test_prepare_cli(corpus, tmp_path, capsys):
     main(["prepare", str(corpus / "b.jsonl"), "--tokenizer", "bytes", "--out",
           str(tmp_path / "ds"), "--eval-fraction", "0.1"])
     assert "in 12 documents (1 held out)" in capsys.readouterr().out
+    main(["prepare", str(corpus / "a.txt"), "--tokenizer", "bytes", "--out",
+          str(tmp_path / "one")])  # one document: none held out, and the summary says why
+    assert "in 1 document (0 held out: a single document is not split, so runs on it do " \
+        "not evaluate" in capsys.readouterr().out
 
 
 def test_byte_tokenizer_round_trips_any_text():
