@@ -606,7 +606,7 @@ def _config_difference(saved: Mamba2Config, given: Mamba2Config, most: int = 6) 
     fields = sorted((k for k in before if before[k] != now.get(k)), key=lambda k: ("." in k, k))
     shown = [f"{k} {before[k]!r} in the checkpoint, {now.get(k)!r} here" for k in fields[:most]]
     more = f" and {len(fields) - most} more" if len(fields) > most else ""
-    return "; ".join(shown) + more
+    return "; ".join(shown) + more if fields else f"its config {saved.to_dict()}"
 
 
 def _note_data_order(before: dict, now: dict) -> None:
