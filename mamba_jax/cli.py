@@ -56,6 +56,15 @@ def command(prog: str):
     return decorate
 
 
+def require_at_least(args: argparse.Namespace, names, least: int = 1) -> None:
+    """SystemExit naming the first flag of `names` (argparse dests) whose value is below
+    `least`."""
+    for name in names:
+        if getattr(args, name) < least:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be "
+                             f">= {least}")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help with each option's default, where it has one (not None; not a flag's
     True / False, which the flag's name says), options without a help text included."""

@@ -80,7 +80,7 @@ except ImportError as missing:
     raise SystemExit(2) from None
 
 from mamba_jax import compilation_cache
-from mamba_jax.cli import HelpFormatter, command
+from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
                                 load_for_generation, token_logprobs)
 from mamba_jax.tokenizer import special_token_ids
@@ -741,10 +741,8 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
 def _check_serving_flags(args):
     """Refuse limits the server could not serve under and an address it cannot listen on,
     before the model loads (minutes for a large one)."""
-    for name in ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
-                 "max_queued_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    require_at_least(args, ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
+                            "max_queued_tokens"))
     if not (math.isfinite(args.batch_window_ms) and args.batch_window_ms >= 0):
         raise SystemExit(f"--batch-window-ms={args.batch_window_ms} must be a number >= 0")
     if not 0 <= args.port <= 65535:

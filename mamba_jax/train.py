@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
-from mamba_jax.cli import HelpFormatter, command
+from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import export, holds_model
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
@@ -228,9 +228,8 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         raise SystemExit(str(error)) from None
     layer_flags = {name: getattr(args, name) for name in MEGATRON_FLAGS
                    if getattr(args, name) is not None}
-    for name in ("steps", "batch_size", "seq_len", "grad_accum", "save_every", "eval_every"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    require_at_least(args, ("steps", "batch_size", "seq_len", "grad_accum", "save_every",
+                            "eval_every"))
     if args.loss_chunk is not None and args.loss_chunk < 1:
         raise SystemExit(f"--loss-chunk={args.loss_chunk} must be >= 1 (positions a piece), "
                          "or left out for the whole sequence at once")
@@ -238,8 +237,7 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         raise SystemExit(f"--lr={args.lr} must be a positive number (the peak learning rate)")
     # Each of these below zero would train without an error, wrongly: a negative clip
     # turns every gradient around, a negative weight decay grows the weights.
-    if args.warmup < 0:
-        raise SystemExit(f"--warmup={args.warmup} must be >= 0 (steps of linear warmup)")
+    require_at_least(args, ("warmup",), least=0)
     if not (math.isfinite(args.clip) and args.clip > 0):
         raise SystemExit(f"--clip={args.clip} must be a positive number (the largest global "
                          "gradient norm)")
@@ -347,11 +345,16 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
     return ckpt
 
 
-def _check_out(args) -> None:
+def _out_dir(args) -> str | None:
+    """Where the final export goes: --out with {preset} filled in, or None for --out none."""
+    return None if args.out.lower() == "none" else args.out.format(preset=args.preset)
+
+
+def _check_out(args, out: str) -> None:
     """Refuses an --out that holds a model (its config.json), which the export at the end
     would replace, unless --overwrite-out, or the run resumes from the --checkpoint-dir that
     the model's own train_config.json names (a restarted job exports where it did)."""
-    out = Path(args.out.format(preset=args.preset))
+    out = Path(out)
     if args.overwrite_out or not holds_model(out):
         return
     if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
@@ -391,9 +394,9 @@ def _train(argv, held: contextlib.ExitStack):
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
     # What this process will write, refused now rather than when the work comes to it.
+    out = _out_dir(args)
     writes = [("--checkpoint-dir", args.checkpoint_dir)]
     if lead:  # the lead alone logs and exports
-        out = None if args.out.lower() == "none" else args.out.format(preset=args.preset)
         writes += [("--metrics-file", args.metrics_file), ("--tensorboard", args.tensorboard),
                    ("--out", out)]
     for flag, path in writes:
@@ -407,8 +410,8 @@ def _train(argv, held: contextlib.ExitStack):
             print(f"vocab_size {tokenizer.get_vocab_size()}: the tokenizer's ({args.tokenizer}); "
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
         cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
-    if args.out.lower() != "none":
-        _check_out(args)
+    if out:
+        _check_out(args, out)
         try:  # the export's layout must fit the model: say so now, not after training
             config_dict(cfg, export_format(cfg, "hf"))
         except ValueError as error:
@@ -576,8 +579,7 @@ def _train(argv, held: contextlib.ExitStack):
                 "a run's progress, to continue with --resume)"), file=sys.stderr)
         return
 
-    out = args.out.format(preset=args.preset)
-    if out.lower() != "none":
+    if out:
         if n_proc > 1:
             params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
         if lead:
