@@ -462,9 +462,10 @@ def _holds_lone_surrogate(value) -> bool:
 
 
 async def _parse(request: web.Request, schema: dict, max_new_field: str, limits: Limits,
-                 least_new: int = 1):
+                 least_new: int = 1, null_is_absent: bool = False):
     """The request's JSON object checked against schema, defaults filled in;
-    max_new_field in [least_new, the server's limit]."""
+    max_new_field in [least_new, the server's limit]. null_is_absent: a null field takes its
+    default, as OpenAI's API reads its optional fields (its clients may send them as null)."""
     body = await _body(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "the request body must be a JSON object")
@@ -474,7 +475,7 @@ async def _parse(request: web.Request, schema: dict, max_new_field: str, limits:
                          f"{sorted(schema)}")
     values = {}
     for name, (types, default, check, must) in schema.items():
-        if name not in body:
+        if name not in body or (null_is_absent and body[name] is None):
             if default is REQUIRED:
                 raise BadRequest(name, f"{name} is required: {must}")
             values[name] = None if default is OPTIONAL else default
@@ -631,7 +632,7 @@ async def _openai_logprobs(engine: Engine, rows: list[_Row], new: list[list[int]
 
 async def completions(request: web.Request):
     engine: Engine = request.app[ENGINE]
-    v = await _parse(request, COMPLETIONS, "max_tokens", engine.limits)
+    v = await _parse(request, COMPLETIONS, "max_tokens", engine.limits, null_is_absent=True)
     prompts = [v["prompt"]] if isinstance(v["prompt"], str) else v["prompt"]
     stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
     if v["stream"] and v["logprobs"] is not None:

@@ -114,6 +114,28 @@ def test_greedy_completion_and_megatron_api_equal_generate(url, model):
     assert health[0] == 200 and health[1]["status"] == "ok"
 
 
+def test_openai_fields_sent_as_null_take_their_defaults_and_a_null_prompt_is_a_400(url, model):
+    """OpenAI's API reads its optional fields' null as unset (its clients may send them so);
+    Megatron's PUT /api, like Megatron-LM's server, keeps refusing a null setting."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            nulls = await complete(s, url, prompt="Hello", max_tokens=None, temperature=0,
+                                   top_p=None, n=None, stop=None, logprobs=None, stream=None,
+                                   model=None)
+            no_prompt = await complete(s, url, prompt=None, max_tokens=4)
+            async with s.put(url + "/api", json={"prompts": ["Hello"],
+                                                 "temperature": None}) as r:
+                megatron = r.status, await r.json()
+        return nulls, no_prompt, megatron
+
+    (status, body), (bad, error), (put_status, put_error) = run(go())
+    assert status == 200, body
+    assert body["choices"] == [{"index": 0, "text": expected(model, ["Hello"], 16)[0],
+                                "finish_reason": "length", "logprobs": None}]
+    assert bad == 400 and error["error"]["field"] == "prompt"
+    assert put_status == 400 and put_error["error"]["field"] == "temperature"
+
+
 def test_32_concurrent_clients_are_batched_and_all_answered_correctly(url, model):
     prompts = [f"p{i} " + "ab" * (i % 7) for i in range(32)]
 
