@@ -47,10 +47,16 @@ def weight_decay_mask(params):
                         params, is_leaf=is_param)
 
 
+def warmup_steps(steps, warmup):
+    """The steps the schedule warms up over: warmup, shortened to leave at least one step
+    after it (a run of a step or two still reaches its peak)."""
+    return min(warmup, max(steps - 1, 1))
+
+
 def make_schedule(lr, steps, warmup, schedule="cosine", decay_fraction=0.2):
     """Learning rate by step: linear warmup to lr, then cosine to lr/10 ("cosine"), or hold
     lr and decay linearly to lr/10 over the last decay_fraction of the steps ("wsd")."""
-    warmup = min(warmup, max(steps - 1, 1))
+    warmup = warmup_steps(steps, warmup)
     if schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, 2), lr * 0.1)
     if schedule == "wsd":

@@ -53,7 +53,7 @@ from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_
                                train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM
 from mamba_jax.optim import (SCHEDULES, init_opt_state, make_optimizer, make_train_step,
-                             train_compiler_options)
+                             train_compiler_options, warmup_steps)
 from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
 
 
@@ -136,7 +136,8 @@ def build_parser():
                    help="compute dtype (parameters and optimizer state stay float32)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--schedule", choices=SCHEDULES, default="cosine")
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=30,
+                   help="steps of linear warmup (shortened to --steps - 1 where longer)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--seed", type=int, default=0)
@@ -498,6 +499,10 @@ def _train(argv, held: contextlib.ExitStack):
               f"remat {args.remat}, layers {'scanned' if args.scan_layers else 'unrolled'}, "
               f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)
+        if warmup_steps(args.steps, args.warmup) < args.warmup:
+            print(f"--warmup {args.warmup} is not below --steps {args.steps}: the learning "
+                  f"rate warms up over {warmup_steps(args.steps, args.warmup)} steps instead",
+                  file=sys.stderr)
         if start >= args.steps:
             print(f"the checkpoint's step {start} is at --steps {args.steps} or past it: "
                   "nothing to train (raise --steps to train on)", file=sys.stderr)

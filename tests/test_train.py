@@ -316,6 +316,17 @@ def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, lay
     np.testing.assert_allclose(unrolled, scanned, rtol=1e-5)
 
 
+def test_a_warmup_as_long_as_the_run_is_shortened_and_says_so(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    main(["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--warmup", "5", "--lr", "1e-3", "--metrics-file",
+          str(metrics), "--out", "none"])
+    assert ("--warmup 5 is not below --steps 3: the learning rate warms up over 2 steps "
+            "instead") in capsys.readouterr().err
+    lrs = [json.loads(line)["lr"] for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose(lrs[:3], [0.0, 5e-4, 1e-3], rtol=1e-6)  # the peak at step 2
+
+
 def test_each_step_is_dispatched_before_the_loss_before_it_is_read(tmp_path, monkeypatch):
     # The host reads a step's loss only once the next step is on its way, but for the steps
     # that save, evaluate or end the run, which it reads at once.
