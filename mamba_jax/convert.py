@@ -327,6 +327,10 @@ def main(argv=None):
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
     print(f"wrote {args.dst} ({layout}) from {source}")
+    kept = find_tokenizer(args.dst) if tokenizer is None else None
+    if kept:  # src has none, so dst is another folder, whose replaced model's this is
+        print(f"{kept} is the replaced model's, kept: {args.src} has no tokenizer; remove it "
+              "if it is not this model's (generate reads it)")
 
 
 # ---------------------------------------------------------------- training checkpoints

@@ -180,6 +180,25 @@ def test_convert_keeps_a_model_in_dst_unless_overwrite(tmp_path, capsys):
     assert load_config(tmp_path)[1] == "hf"
 
 
+def test_convert_without_a_tokenizer_over_a_model_with_one_says_it_kept_it(tmp_path, capsys):
+    # The replaced model's tokenizer stays (removing a user's file is the larger risk), and
+    # convert says so; converted in place, the tokenizer is the model's own: no word.
+    from mamba_jax.convert import main
+    from mamba_jax.tokenizer import byte_tokenizer, save_tokenizer
+    source = str(FIXTURES / "hf_ngroups2_untied")
+    main([source, str(tmp_path), "--to", "mamba_ssm"])
+    save_tokenizer(byte_tokenizer(), tmp_path)
+    capsys.readouterr()
+    main([source, str(tmp_path), "--to", "hf", "--overwrite"])
+    said = capsys.readouterr().out.splitlines()
+    assert said[1] == (f"{tmp_path / 'tokenizer.json'} is the replaced model's, kept: {source} "
+                       "has no tokenizer; remove it if it is not this model's (generate reads "
+                       "it)")
+    assert (tmp_path / "tokenizer.json").is_file()
+    main([str(tmp_path), str(tmp_path), "--to", "mamba_ssm", "--overwrite"])
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
 @pytest.mark.parametrize("dst,refusal", [("file", "a file, not a folder"),
                                           ("file/out", "file is a file, not a folder")])
 def test_convert_names_a_dst_it_could_not_write(tmp_path, capsys, dst, refusal):
