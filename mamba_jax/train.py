@@ -499,9 +499,9 @@ def _train(argv, held: contextlib.ExitStack):
               f"remat {args.remat}, layers {'scanned' if args.scan_layers else 'unrolled'}, "
               f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)
-        if warmup_steps(args.steps, args.warmup) < args.warmup:
+        if (warmup := warmup_steps(args.steps, args.warmup)) < args.warmup:
             print(f"--warmup {args.warmup} is not below --steps {args.steps}: the learning "
-                  f"rate warms up over {warmup_steps(args.steps, args.warmup)} steps instead",
+                  f"rate warms up over {warmup} step{'s' * (warmup > 1)} instead",
                   file=sys.stderr)
         if start >= args.steps:
             print(f"the checkpoint's step {start} is at --steps {args.steps} or past it: "
