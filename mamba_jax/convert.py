@@ -328,7 +328,7 @@ def main(argv=None):
         "for this model"
     print(f"wrote {args.dst} ({layout}) from {source}")
     kept = find_tokenizer(args.dst) if tokenizer is None else None
-    if kept:  # src has none, so dst is another folder, whose replaced model's this is
+    if kept:  # src has none: dst is another folder, and this is the replaced model's
         print(f"{kept} is the replaced model's, kept: {args.src} has no tokenizer; remove it "
               "if it is not this model's (generate reads it)")
 

@@ -48,8 +48,8 @@ def weight_decay_mask(params):
 
 
 def warmup_steps(steps, warmup):
-    """The steps the schedule warms up over: warmup, shortened to leave at least one step
-    after it (a run of a step or two still reaches its peak)."""
+    """The steps the schedule warms up over: warmup, shortened to leave a step after it in
+    a run of two steps or more."""
     return min(warmup, max(steps - 1, 1))
 
 
