@@ -365,10 +365,16 @@ def byte_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags,refusal", [
-    (["--max-new-tokens", "1000000000"], r"max_new_tokens=1000000000 must be in \[1, 1048576\]"),
-    (["--temperature", "nan"], r"temperature=nan must be a finite number >= 0"),
-    (["--temperature", "inf"], r"temperature=inf must be a finite number >= 0"),
-    (["--top-k", "99999999999"], r"top_k=99999999999 does not fit int32"),
+    (["--max-new-tokens", "1000000000"],
+     r"--max-new-tokens=1000000000 must be an integer in \[1, 1048576\]"),
+    (["--max-new-tokens", "0"], r"--max-new-tokens=0 must be an integer in \[1, 1048576\]"),
+    (["--temperature", "nan"], r"--temperature=nan must be a finite number >= 0"),
+    (["--temperature", "inf"], r"--temperature=inf must be a finite number >= 0"),
+    (["--top-k", "99999999999"], r"--top-k=99999999999 must be an integer >= 0, at most the "
+                                 r"vocabulary"),
+    (["--top-k", "257"], r"--top-k=257 must be at most the vocabulary, 256 \(0 is off\)"),
+    (["--top-p", "1.5"], r"--top-p=1.5 must be a number in \(0, 1\]"),
+    (["--top-p", "0"], r"--top-p=0.0 must be a number in \(0, 1\]"),
 ])
 def test_generate_cli_refuses_what_it_cannot_run_in_one_line(byte_checkpoint, flags, refusal,
                                                              capsys):

@@ -41,6 +41,10 @@ from mamba_jax.generate.plan import STEP_IMPLEMENTATIONS, DecodePlan, decode_pla
 DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
                            "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
 SSM_STATE_DTYPES = ("float32", "bfloat16", "int8")
+# The output tokens [b, max_new_tokens] (and a hybrid's KV cache, [b, l + max_new_tokens] per
+# attention layer) are allocated whole before the first step: a cap of a million tokens
+# keeps a typo (1e9) from claiming gigabytes.
+MOST_NEW_TOKENS = 1 << 20
 
 
 class Sampling(NamedTuple):
@@ -224,10 +228,6 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
            max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto",
            top_p_decay=None, top_p_bound=None, banned_after=None):
     """Validate generate's arguments; -> (Settings, Sampling, prompt_lengths, limits)."""
-    # The output tokens [b, max_new_tokens] (and a hybrid's KV cache, [b, l +
-    # max_new_tokens] per attention layer) are allocated whole before the first step: a cap
-    # of a million tokens keeps a typo (1e9) from claiming gigabytes.
-    most_new_tokens = 1 << 20
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
                          f"{input_ids.shape}")
@@ -238,9 +238,9 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     if ssm_state_dtype not in SSM_STATE_DTYPES:
         raise ValueError(f"generate: ssm_state_dtype={ssm_state_dtype!r}; use one of "
                          f"{SSM_STATE_DTYPES}")
-    if not 1 <= max_new_tokens <= most_new_tokens:
+    if not 1 <= max_new_tokens <= MOST_NEW_TOKENS:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be in [1, "
-                         f"{most_new_tokens}]: the output (and a hybrid model's KV cache) is "
+                         f"{MOST_NEW_TOKENS}]: the output (and a hybrid model's KV cache) is "
                          "allocated for all of them before decoding starts")
 
     def per_row(name, value, dtype, off):

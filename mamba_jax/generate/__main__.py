@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 
 import jax.numpy as jnp
 
 from mamba_jax import compilation_cache
 from mamba_jax.cli import HelpFormatter, command
-from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
-                                load_for_generation)
+from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, decode_options,
+                                generate, load_for_generation)
 
 
 @command("python -m mamba_jax.generate")
@@ -35,7 +36,8 @@ def main(argv=None):
                         help="tokenizer.json or tokenizer.model path, or 'bytes' (default: "
                              "the checkpoint's tokenizer.json or tokenizer.model)")
     parser.add_argument("--max-new-tokens", type=int, default=64,
-                        help="at most 1048576: the output is allocated whole up front")
+                        help=f"at most {MOST_NEW_TOKENS}: the output is allocated whole up "
+                             "front")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-k", type=int, default=None,
                         help="sample among the k most likely tokens (default or 0: off)")
@@ -47,6 +49,7 @@ def main(argv=None):
     add_decode_arguments(parser)
     compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
+    _check_sampling(args)
     if args.server:
         if args.top_k is not None:
             parser.error("--top-k is not part of /v1/completions; leave it out with --server")
@@ -60,9 +63,30 @@ def main(argv=None):
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
         raise SystemExit("--prompt encodes to no tokens; give some text")
+    if args.top_k is not None and args.top_k > model.config.vocab_size:
+        raise SystemExit(f"--top-k={args.top_k} must be at most the vocabulary, "
+                         f"{model.config.vocab_size} (0 is off)")
     out = generate(model, jnp.asarray([ids]), args.max_new_tokens, args.temperature,
                    args.top_k, args.top_p, args.seed, eos, **decode_options(args))
     print(tokenizer.decode([int(t) for t in out[0]]))
+
+
+def _check_sampling(args):
+    """Refuse a decoding flag's value before a model loads, naming the flag (generate()
+    checks the values again for callers of the API, naming its arguments)."""
+    checks = {
+        "max_new_tokens": (1 <= args.max_new_tokens <= MOST_NEW_TOKENS,
+                           f"an integer in [1, {MOST_NEW_TOKENS}] (the output is allocated "
+                           "whole up front)"),
+        "temperature": (math.isfinite(args.temperature) and args.temperature >= 0,
+                        "a finite number >= 0 (0 is greedy)"),
+        "top_k": (args.top_k is None or 0 <= args.top_k < 1 << 31,
+                  "an integer >= 0, at most the vocabulary (0 is off)"),
+        "top_p": (args.top_p is None or 0 < args.top_p <= 1, "a number in (0, 1] (1 is off)"),
+    }
+    for name, (ok, must) in checks.items():
+        if not ok:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be {must}")
 
 
 async def stream_from_server(url, prompt, max_tokens, temperature, top_p):
