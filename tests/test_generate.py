@@ -103,6 +103,15 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert only_best == {0}
 
 
+def test_a_top_p_below_float32s_normal_range_keeps_the_most_likely_token():
+    # 1e-40 is a float32 denormal, which XLA flushes to zero: the filter must still keep the
+    # most likely token (it kept none, and the draw fell to token 0)
+    logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0], [1.0, 0.0, 3.0, 2.0]])
+    draws = {tuple(np.asarray(sample_logits(logits, jax.random.key(s), 1.0, top_p=1e-40)))
+             for s in range(16)}
+    assert draws == {(1, 2)}
+
+
 def test_megatrons_top_p_decay_and_banned_token_after_another():
     """The sampler as the decode loop calls it at new token `step` after `previous`: top_p
     shrinks to max(top_p * decay**step, bound); the banned token never follows `after`."""

@@ -97,10 +97,12 @@ def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
         if top_p is not None:
             p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))[:, None]
             probs = jax.nn.softmax(ranked, axis=-1)
-            # A token stays if the mass strictly before it is below top_p.
+            # A token stays if the mass strictly before it is below top_p, and the most
+            # likely one always: a top_p that XLA flushes to 0 (a float32 denormal) kept none.
             mass_before = jnp.cumsum(probs, axis=-1) - probs
+            stays = (mass_before < p) | (jnp.arange(v) == 0)[None, :]
             cutoff = jnp.maximum(cutoff, jnp.min(
-                jnp.where(mass_before < p, ranked, jnp.inf), axis=-1, keepdims=True))
+                jnp.where(stays, ranked, jnp.inf), axis=-1, keepdims=True))
         scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
     sampled = jax.random.categorical(key, scaled, axis=-1)
     return jnp.where(t[:, 0] > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
