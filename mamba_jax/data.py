@@ -167,9 +167,9 @@ def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
                         raise TypeError
                 except (json.JSONDecodeError, KeyError, TypeError):
                     fields = " and ".join(repr(key) for key in json_keys)
-                    raise ValueError(f"{path}:{number}: expected a JSON object with the text "
-                                     f"field(s) {fields} on every line (--json-keys names "
-                                     "them)") from None
+                    raise ValueError(f"{path}:{number}: expected a JSON object whose "
+                                     f"field(s) {fields} are strings, on every line "
+                                     "(--json-keys names them)") from None
                 for text in texts:
                     yield True, text
         else:

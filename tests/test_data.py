@@ -94,9 +94,12 @@ def test_bad_data_is_refused_before_any_compute(corpus, tmp_path):
     prepare([corpus / "a.txt"], "bytes", tmp_path / "ds", eval_fraction=0.0)
     with pytest.raises(ValueError, match=r"token id 119 >= the model's vocab_size=100"):
         TokenDataset.load(tmp_path / "ds", vocab_size=100)
-    (corpus / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object"):
-        prepare([corpus / "bad.jsonl"], "bytes", tmp_path / "ds1", workers=1)
+    for i, line in enumerate(['{"body": "no text"}', '{"text": 5}', '{"text": null}',
+                              '{"text": "unclosed', '["text"]']):
+        (corpus / "bad.jsonl").write_text('{"text": "ok"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object whose "
+                                             r"field\(s\) 'text' are strings, on every line"):
+            prepare([corpus / "bad.jsonl"], "bytes", tmp_path / f"ds{i + 1}", workers=1)
 
 
 def test_prepare_cli(corpus, tmp_path, capsys):
