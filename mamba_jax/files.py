@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 LOCK_NAME = ".lock"
@@ -16,7 +17,7 @@ def check_writable(name: str, path, folder: bool) -> None:
     """Refuse (ValueError naming `name`, the input, and `path`) a path that could not be
     written when the work comes to it (an export after training, a first checkpoint): a file
     where a folder is asked for or the reverse, a file on the way to it, or a folder this
-    user may not write to. Checked before the work, so that none is lost to it."""
+    user may not write in. Checked before the work, so that none is lost to it."""
     path = Path(path)
     if path.exists() and path.is_dir() != folder:
         found, asked = ("a file", "a folder") if folder else ("a folder", "a file")
@@ -24,9 +25,14 @@ def check_writable(name: str, path, folder: bool) -> None:
     nearest = next(p for p in (path, *path.parents) if p.exists())
     if nearest != path and not nearest.is_dir():
         raise ValueError(f"{name} {path}: {nearest} is a file, not a folder; give another path")
-    if not os.access(nearest, os.W_OK):
-        raise ValueError(f"{name} {path}: {nearest} is not writable by this user; give a path "
-                         "you can write to")
+    # A file made there and dropped at once, rather than os.access: root passes that check
+    # where writing fails (a read-only or virtual file system, a root-squashed NFS mount).
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as error:
+        raise ValueError(f"{name} {path}: {nearest} is not writable by this user "
+                         f"({error.strerror}); give a path you can write to") from None
 
 
 @contextlib.contextmanager

@@ -69,19 +69,25 @@ def test_missing_data_file_is_a_clear_error(tmp_path, capsys):
     ("--metrics-file", "folder", r"a folder, not a file; give another path"),
     ("--tensorboard", "file", r"a file, not a folder; give another path"),
     ("--metrics-file", "locked/m.jsonl", r"locked is not writable by this user"),
+    ("--out", "locked/out", r"locked is not writable by this user \(Permission denied\)"),
 ])
 def test_paths_the_run_could_not_write_are_refused_before_it_trains(tmp_path, capsys,
                                                                    monkeypatch, flag, where,
                                                                    refusal):
     """Where the export at the end (or the first checkpoint or metrics line) would fail, the
     run stops at once, naming the flag and the path, rather than after its training."""
-    import os
+    import tempfile
 
     (tmp_path / "file").write_text("a user's file\n")
     (tmp_path / "folder").mkdir()
     (tmp_path / "locked").mkdir()
-    access = os.access  # as root every folder is writable: a folder this user may not write
-    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and "locked" not in str(p))
+    made = tempfile.TemporaryFile  # as root every folder is writable: one this user may not
+
+    def temporary_file(dir):
+        if "locked" in str(dir):
+            raise PermissionError(13, "Permission denied")
+        return made(dir=dir)
+    monkeypatch.setattr(tempfile, "TemporaryFile", temporary_file)
     argv = ["--steps", "1", flag, str(tmp_path / where)]
     with pytest.raises(SystemExit, match=f"{flag} {tmp_path / where}: .*{refusal}") as refused:
         main(argv + ([] if flag == "--out" else ["--out", "none"]))
