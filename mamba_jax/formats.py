@@ -407,13 +407,17 @@ def detect_format(d: dict) -> str:
         raise ValueError("config.json must hold a JSON object")
     if "ssm_cfg" in d or "d_model" in d:
         return "mamba_ssm"
-    if d.get("model_type") == "nemotron_h":
+    kind = d.get("model_type")
+    if kind == "nemotron_h":
         return "nemotron_h"
-    if d.get("model_type") == "mamba2" or "hidden_size" in d:
+    # model_type names the architecture: another one's hidden_size is no Mamba2's
+    if kind in ("mamba2", *_HF_MAMBA1_TYPES) or (kind is None and "hidden_size" in d):
         return "hf"
-    raise ValueError("config.json is neither a Hugging Face Mamba2 or NemotronH config "
-                     "(model_type 'mamba2', 'nemotron_h') nor a mamba_ssm config (d_model, "
-                     "ssm_cfg)")
+    known = "transformers' (model_type 'mamba2', 'mamba', 'falcon_mamba', 'nemotron_h') or " \
+        "mamba_ssm's (d_model, ssm_cfg)"
+    if kind is not None:
+        raise ValueError(f"model_type {kind!r} is no Mamba model; the config must be {known}")
+    raise ValueError(f"no model_type, d_model or hidden_size; the config must be {known}")
 
 
 def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:

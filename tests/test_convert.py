@@ -289,6 +289,18 @@ def test_config_files_that_are_not_a_config_are_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json: Expecting property name"):
         load_config(tmp_path)
+    # another architecture's config, whose hidden_size a Mamba2 config also has
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                                                      "num_hidden_layers": 2,
+                                                      "vocab_size": 100}))
+    with pytest.raises(ValueError, match=r"config.json: model_type 'llama' is no Mamba model; "
+                                         r"the config must be transformers' \(model_type "
+                                         r"'mamba2', 'mamba', 'falcon_mamba', 'nemotron_h'\)"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"layers": 2}))
+    with pytest.raises(ValueError, match=r"config.json: no model_type, d_model or hidden_size; the "
+                                         r"config must be"):
+        load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"d_model": 64, "n_layer": 2,
                                                       "vocab_size": 100,
                                                       "ssm_cfg": {"layer": "Mamba2",
