@@ -25,11 +25,16 @@ def check_writable(name: str, path, folder: bool) -> None:
     nearest = next(p for p in (path, *path.parents) if p.exists())
     if nearest != path and not nearest.is_dir():
         raise ValueError(f"{name} {path}: {nearest} is a file, not a folder; give another path")
-    # A file made there and dropped at once, rather than os.access: root passes that check
-    # where writing fails (a read-only or virtual file system, a root-squashed NFS mount).
+    # Written to rather than asked (os.access): root passes that check where writing fails
+    # (a read-only or virtual file system, a root-squashed NFS mount). An existing file is
+    # opened to append, writing nothing; in a folder a file is made and dropped at once.
     try:
-        with tempfile.TemporaryFile(dir=nearest):
-            pass
+        if nearest.is_dir():
+            with tempfile.TemporaryFile(dir=nearest):
+                pass
+        else:
+            with open(nearest, "a"):
+                pass
     except OSError as error:
         raise ValueError(f"{name} {path}: {nearest} is not writable by this user "
                          f"({error.strerror}); give a path you can write to") from None
