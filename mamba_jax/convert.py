@@ -320,8 +320,8 @@ def main(argv=None):
             parser.error(f"--step picks a step of a trainer's --checkpoint-dir; {args.src} is "
                          "not one")
         model, source = from_pretrained(args.src), args.src
-        if find_tokenizer(args.src):
-            tokenizer = load_tokenizer(find_tokenizer(args.src))
+        if found := find_tokenizer(args.src):
+            tokenizer = load_tokenizer(found)
     export(model, args.dst, tokenizer, format=args.to)
     written = export_format(model.config, args.to)
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \

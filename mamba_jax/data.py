@@ -633,9 +633,10 @@ def main(argv=None):
                    append_eod=args.append_eod, overwrite=args.overwrite,
                    json_keys=args.json_keys)
     n_docs, held = meta["n_docs"], meta["n_docs"] - meta["train_docs"]
-    alone = ": a single document is not split, so runs on it do not evaluate; give several " \
-        "(text files, or JSON lines) to hold some out" if n_docs == 1 and args.eval_fraction \
-        else ""
+    alone = ""
+    if n_docs == 1 and args.eval_fraction:
+        alone = (": a single document is not split, so runs on it do not evaluate; give "
+                 "several (text files, or JSON lines) to hold some out")
     print(f"{args.out}: {meta['n_tokens']} tokens in {n_docs} document{'s' * (n_docs != 1)} "
           f"({held} held out{alone})")
 
