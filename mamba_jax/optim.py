@@ -48,9 +48,9 @@ def weight_decay_mask(params):
 
 
 def warmup_steps(steps, warmup):
-    """The steps the schedule warms up over: warmup, shortened to leave a step after it in
-    a run of two steps or more."""
-    return min(warmup, max(steps - 1, 1))
+    """The steps the schedule warms up over: warmup, shortened to leave a step after it (the
+    warmup's first step applies a rate of 0, so a one-step run does not warm up at all)."""
+    return max(min(warmup, steps - 1), 0)
 
 
 def make_schedule(lr, steps, warmup, schedule="cosine", decay_fraction=0.2):

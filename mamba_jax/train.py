@@ -500,9 +500,10 @@ def _train(argv, held: contextlib.ExitStack):
               f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)
         if (warmup := warmup_steps(args.steps, args.warmup)) < args.warmup:
+            instead = (f"warms up over {warmup} step{'s' * (warmup > 1)}" if warmup else
+                       "starts at its peak")
             print(f"--warmup {args.warmup} is not below --steps {args.steps}: the learning "
-                  f"rate warms up over {warmup} step{'s' * (warmup > 1)} instead",
-                  file=sys.stderr)
+                  f"rate {instead} instead", file=sys.stderr)
         if start >= args.steps:
             print(f"the checkpoint's step {start} is at --steps {args.steps} or past it: "
                   "nothing to train (raise --steps to train on)", file=sys.stderr)

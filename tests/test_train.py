@@ -333,6 +333,20 @@ def test_a_warmup_as_long_as_the_run_is_shortened_and_says_so(tmp_path, capsys):
     np.testing.assert_allclose(lrs[:3], [0.0, 5e-4, 1e-3], rtol=1e-6)  # the peak at step 2
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_a_one_step_run_trains_at_the_peak_rate(tmp_path, capsys, schedule):
+    """A warmup's first step applies a rate of 0: a run of one step skips the warmup rather
+    than make no update."""
+    metrics = tmp_path / "m.jsonl"
+    main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--warmup", "5", "--lr", "1e-3", "--schedule", schedule,
+          "--metrics-file", str(metrics), "--out", "none"])
+    assert ("--warmup 5 is not below --steps 1: the learning rate starts at its peak "
+            "instead") in capsys.readouterr().err
+    [record] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    np.testing.assert_allclose(record["lr"], 1e-3, rtol=1e-6)
+
+
 def test_each_step_is_dispatched_before_the_loss_before_it_is_read(tmp_path, monkeypatch):
     # The host reads a step's loss only once the next step is on its way, but for the steps
     # that save, evaluate or end the run, which it reads at once.
