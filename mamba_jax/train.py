@@ -86,6 +86,8 @@ def parse_overrides(pairs: list[str]) -> dict:
     return out
 
 
+SAVE_EVERY = 500  # --save-every's default
+
 # The train flags of Megatron-LM's layer settings (Mamba2Config.MEGATRON_NAMES' and the
 # ratios), passed to the config under their own names.
 MEGATRON_FLAGS = ("num_layers", "hybrid_attention_ratio", "hybrid_mlp_ratio",
@@ -166,7 +168,9 @@ def build_parser():
                    help="write TensorBoard event files there (needs tensorboardX)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="Orbax checkpoints of params, optimizer state and step go here")
-    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help=f"checkpoint every N steps into --checkpoint-dir (default "
+                        f"{SAVE_EVERY})")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true",
@@ -229,8 +233,9 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         raise SystemExit(str(error)) from None
     layer_flags = {name: getattr(args, name) for name in MEGATRON_FLAGS
                    if getattr(args, name) is not None}
-    require_at_least(args, ("steps", "batch_size", "seq_len", "grad_accum", "save_every",
-                            "eval_every"))
+    require_at_least(args, ("steps", "batch_size", "seq_len", "grad_accum", "eval_every"))
+    if args.save_every is not None:  # None: not given, SAVE_EVERY in _train
+        require_at_least(args, ("save_every",))
     if args.loss_chunk is not None and args.loss_chunk < 1:
         raise SystemExit(f"--loss-chunk={args.loss_chunk} must be >= 1 (positions a piece), "
                          "or left out for the whole sequence at once")
@@ -394,6 +399,10 @@ def _train(argv, held: contextlib.ExitStack):
                          f"--grad-accum = {n_proc} x {args.grad_accum}")
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
+    # A --save-every (a recipe's included) without --checkpoint-dir saves nothing: said at
+    # the start, since a long run that crashes would otherwise find no checkpoint.
+    saves_nothing = args.save_every is not None and not args.checkpoint_dir
+    args.save_every = args.save_every or SAVE_EVERY
     # What this process will write, refused now rather than when the work comes to it.
     out = _out_dir(args)
     writes = [("--checkpoint-dir", args.checkpoint_dir)]
@@ -504,6 +513,9 @@ def _train(argv, held: contextlib.ExitStack):
                        "starts at its peak")
             print(f"--warmup {args.warmup} is not below --steps {args.steps}: the learning "
                   f"rate {instead} instead", file=sys.stderr)
+        if saves_nothing:
+            print(f"--save-every {args.save_every} without --checkpoint-dir: this run saves "
+                  "no checkpoints (add --checkpoint-dir DIR to save them)", file=sys.stderr)
         if start >= args.steps:
             print(f"the checkpoint's step {start} is at --steps {args.steps} or past it: "
                   "nothing to train (raise --steps to train on)", file=sys.stderr)

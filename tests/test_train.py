@@ -333,6 +333,26 @@ def test_a_warmup_as_long_as_the_run_is_shortened_and_says_so(tmp_path, capsys):
     np.testing.assert_allclose(lrs[:3], [0.0, 5e-4, 1e-3], rtol=1e-6)  # the peak at step 2
 
 
+def test_save_every_without_a_checkpoint_dir_says_it_saves_nothing(tmp_path, capsys):
+    small = ["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+             "--set", "n_layer=1", "--out", "none"]
+    main([*small, "--save-every", "1"])
+    assert ("--save-every 1 without --checkpoint-dir: this run saves no checkpoints (add "
+            "--checkpoint-dir DIR to save them)") in capsys.readouterr().err
+    recipe = tmp_path / "r.toml"  # a recipe's value is the user's too
+    recipe.write_text("save_every = 7\n")
+    main([*small, "--config", str(recipe)])
+    assert "--save-every 7 without --checkpoint-dir" in capsys.readouterr().err
+    main(small)  # the default alone: nothing to say
+    assert "--save-every" not in capsys.readouterr().err
+    ckpt = tmp_path / "ckpt"  # with a checkpoint dir the default applies: the last step
+    main([*small, "--checkpoint-dir", str(ckpt)])
+    assert "--save-every" not in capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2"]
+    config = json.loads((ckpt / "train_config.json").read_text())
+    assert config["train"]["save_every"] == 500
+
+
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_a_one_step_run_trains_at_the_peak_rate(tmp_path, capsys, schedule):
     """A warmup's first step applies a rate of 0: a run of one step skips the warmup rather
