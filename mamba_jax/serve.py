@@ -15,6 +15,9 @@ Endpoints:
                         "top_p", "n", "stop", "logprobs", "stream", "model"} -> a
                         text_completion, or with "stream": server-sent events, one chunk
                         per token, then "data: [DONE]"
+  GET  /v1/models       OpenAI-style: the one model served, {"object": "list", "data":
+                        [{"id", "object": "model", "created", "owned_by"}]} (OpenAI's
+                        clients list the models before they complete)
   GET  /health          {"status": "ok", ...}
 
 Megatron's fields as its server reads them: stop_on_eol ends a continuation at its first
@@ -706,6 +709,12 @@ async def completions(request: web.Request):
     return response
 
 
+async def models(request: web.Request):
+    return web.json_response({"object": "list", "data": [
+        {"id": request.app[MODEL_NAME], "object": "model", "created": request.app[STARTED],
+         "owned_by": "mamba-jax"}]})
+
+
 async def health(request: web.Request):
     engine: Engine = request.app[ENGINE]
     return web.json_response({"status": "ok", "model": request.app[MODEL_NAME],
@@ -714,6 +723,7 @@ async def health(request: web.Request):
 
 ENGINE = web.AppKey("engine", Engine)
 MODEL_NAME = web.AppKey("model_name", str)
+STARTED = web.AppKey("started", int)  # the server's start, seconds since the epoch
 
 
 def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
@@ -724,6 +734,7 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
     # A client that disconnects cancels its handler, which cancels its prompts.
     app = web.Application(handler_args={"handler_cancellation": True})
     app[MODEL_NAME] = model_name
+    app[STARTED] = int(time.time())
 
     async def engine_task(app):
         app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id, generate_options)
@@ -735,6 +746,7 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
     app.cleanup_ctx.append(engine_task)
     app.router.add_put("/api", megatron_api)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     return app
 

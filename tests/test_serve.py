@@ -114,6 +114,23 @@ def test_greedy_completion_and_megatron_api_equal_generate(url, model):
     assert health[0] == 200 and health[1]["status"] == "ok"
 
 
+def test_the_model_list_names_the_model_the_completions_name(url):
+    """GET /v1/models, as OpenAI's clients call it before completing: the one model, with
+    the id the completions answer with."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/v1/models") as r:
+                listed = r.status, await r.json()
+            _, body = await complete(s, url, prompt="Hi", max_tokens=1, temperature=0)
+        return listed, body
+
+    (status, listed), body = run(go())
+    assert status == 200 and listed["object"] == "list"
+    [entry] = listed["data"]
+    assert entry["id"] == body["model"] and entry["object"] == "model"
+    assert entry["owned_by"] == "mamba-jax" and abs(entry["created"] - time.time()) < 3600
+
+
 def test_openai_fields_sent_as_null_take_their_defaults_and_a_null_prompt_is_a_400(url, model):
     """OpenAI's API reads its optional fields' null as unset (its clients may send them so);
     Megatron's PUT /api, like Megatron-LM's server, keeps refusing a null setting."""
