@@ -345,3 +345,26 @@ def test_tokens_must_divide_the_chunk():
     with pytest.raises(ValueError, match="rank 3 must divide the kernels' chunk 16"):
         vjp.ssd_weighted(x, jnp.ones((1, 24, 2)), jnp.zeros((1, 24, 2)), B, B, backend=triton,
                          config=triton.Config(chunk=16), rank=3, eta=jnp.zeros((1, 24, 2)))
+
+
+@pytest.mark.parametrize("bc_heads", [None, 1])
+def test_the_dbdc_kernel_pipelines_its_loop_over_heads_alone(bc_heads, monkeypatch):
+    """The dB/dC kernel launches with backward_bc_stages where its programs loop over a
+    group's heads, and with backward_stages where each takes one head (no loop to
+    pipeline); the state kernel with backward_stages either way. Pallas's interpreter does
+    not pipeline, so the launches are read off `call`."""
+    launched = {}
+    call = triton.call
+
+    def recording(kernel, grid, out_shape, warps, stages, interpret, name, aliases=None):
+        launched[name] = stages
+        return call(kernel, grid, out_shape, warps, stages, interpret, name, aliases)
+    monkeypatch.setattr(triton, "call", recording)
+    config = triton.Config(chunk=16, backward_stages=1, backward_bc_stages=3,
+                           backward_bc_heads=bc_heads)
+    args = make_inputs(np.random.default_rng(0), *CASES["seqlen_not_a_chunk_multiple_g1"][:6],
+                       jnp.float32, False, False)
+    jax.grad(lambda x: vjp.ssd(**{**args, "x": x}, dt_softplus=True, backend=triton,
+                               config=config)[0].sum())(args["x"])
+    assert launched["ssd_backward_bc"] == (3 if bc_heads is None else 1)
+    assert launched["ssd_backward_state"] == 1

@@ -89,6 +89,14 @@ class Config:
     # kernel 1.27x slower (their registers, not their loads, bound them).
     forward_stages: int = 2
     backward_stages: int = 1
+    # The dB/dC kernel's stages where its programs loop over several heads (a group's): the
+    # next head's x, dy, state and state gradient load while a head is computed. Measured
+    # on an H200 (docs/performance.md): mamba2-1.3b's training step at 24 x 2048 took 0.99x
+    # the time with 2 (twice, alternating in one call), mamba2-370m's at 44 x 2048 1.00x,
+    # and the kernel alone 0.81x at 1 x 65536; at 8192-token rows, within the spread. A
+    # program of one head (Mamba-3's turned B and C) has no loop to pipeline: it keeps
+    # backward_stages.
+    backward_bc_stages: int = 2
     # The forward's stages when it turns B and C (`rotation`): at 8 x 2048 with 64 heads on
     # an H200 its kernel took 0.64 ms with one stage, 1.16 with two.
     rotation_forward_stages: int = 1
@@ -775,10 +783,11 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
     grads = lambda a: jax.ShapeDtypeStruct((partials, b, l, g, n),
                                            a.dtype if partials == 1 else jnp.float32)
     warps = config.one_head_bc_warps if heads == 1 else config.backward_bc_warps
+    stages = config.backward_stages if heads == 1 else config.backward_bc_stages
     dB, dC, dcs, *eta_grads = call(
         kernel, (b, l // t, g * partials),
         [grads(B), grads(C)] + [f32((b, h, l))] * (1 if eta is None else 3),
-        warps, config.backward_stages, interpret, "ssd_backward_bc",
+        warps, stages, interpret, "ssd_backward_bc",
     )(x, dt, cs, B, C, dy, states, dstates, *present(eta, doc), *turning)
     ddt = ddt.sum(0)
     deta = None
