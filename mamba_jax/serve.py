@@ -686,7 +686,7 @@ async def completions(request: web.Request):
                     continue
                 cut = _first_stop(text, stops)
                 stopped = cut is not None
-                text = text[:cut] if stopped else text[:len(text) - hold]
+                text = text[:cut] if stopped else text[:max(len(text) - hold, 0)]
                 if len(text) > len(sent):
                     await send(json.dumps({**meta, "choices": [
                         {"index": i, "text": text[len(sent):], "finish_reason": None}]}))

@@ -691,6 +691,32 @@ def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_stream_holds_back_a_stop_longer_than_the_text_so_far(model, monkeypatch):
+    """A stop string longer than the text streamed so far may still begin in it: the stream
+    sends nothing it could cut (a negative hold once sent "ab" where the answer is "a")."""
+    async def go():
+        runner, url, _ = await _server_with(_Scripted(b"ab:\ncd\n\nef"), model, LIMITS,
+                                            monkeypatch)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": "s", "max_tokens": 10, "stop": "b:\ncd\n\nef"}
+                _, whole = await complete(s, url, **body)
+                chunks = []
+                async with s.post(url + "/v1/completions",
+                                  json={**body, "stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            chunks.append(json.loads(line[6:]))
+                return whole, chunks
+        finally:
+            await runner.cleanup()
+
+    whole, chunks = run(go())
+    assert whole["choices"][0]["text"] == "a"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "a"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def test_openai_logprobs_list_each_new_token_and_the_most_likely(url, model):
     async def go():
         async with aiohttp.ClientSession() as s:
