@@ -76,6 +76,27 @@ def test_sampling_is_seeded_and_never_picks_padding_rows(model):
     assert int(a.max()) < 250
 
 
+def test_a_model_loaded_to_generate_samples_only_its_tokenizers_ids(tmp_path):
+    """An HF export keeps the embedding's padded rows as its vocab_size (250 ids padded to
+    256 say 256); loaded with a tokenizer of 250 ids, generation never samples the 6 it
+    cannot decode, and the weights keep their rows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from mamba_jax.generate import load_for_generation
+    cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16, vocab_size=256)
+    mamba_jax.save_pretrained(Mamba2LM(cfg, rngs=nnx.Rngs(0)), tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(250)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded, tokenizer, _ = load_for_generation(tmp_path)
+    assert tokenizer.get_vocab_size() == 250 and loaded.config.vocab_size == 250
+    assert loaded.config.padded_vocab_size == 256 and loaded.embedding.shape == (256, 64)
+    new = mamba_jax.generate(loaded, jnp.zeros((8, 3), jnp.int32), max_new_tokens=64,
+                             temperature=1e4, seed=0)
+    assert int(np.asarray(new).max()) < 250
+    assert int(np.asarray(new).max()) > 200  # the temperature reaches the top ids
+
+
 def test_eos_stops_each_row_and_pads_with_eos(model):
     prompt = jnp.asarray(np.random.default_rng(1).integers(0, 250, (2, 4)))
     free = np.asarray(mamba_jax.generate(model, prompt, max_new_tokens=8))

@@ -365,6 +365,14 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
         eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
     if not isinstance(eos, int):
         eos = special_token_ids(tok)["eos_token_id"]
+    # An HF config.json's vocab_size is the embedding's rows, padded past the tokenizer's
+    # ids (a trainer's export of a 301-token tokenizer says 304): generation samples and
+    # scores only the ids the tokenizer has, as from the trainer's own checkpoint, whose
+    # config keeps the tokenizer's size. The padded rows (the weights' shape) stay.
+    cfg = model.config
+    if tok.get_vocab_size() < cfg.vocab_size:
+        model.config = cfg.replace(vocab_size=tok.get_vocab_size(),
+                                   pad_vocab_size_multiple=cfg.padded_vocab_size)
     return model, tok, eos
 
 
