@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -182,7 +183,9 @@ def build_parser():
     p.add_argument("--out", "--export-hf", dest="out", default="runs/{preset}",
                    help="where the final weights go (HF layout + tokenizer.json); 'none' to "
                         "skip. A directory that holds a model is refused, unless "
-                        "--overwrite-out or the run resumes the checkpoints that wrote it")
+                        "--overwrite-out or the run resumes the checkpoints that wrote it; "
+                        "one that comes to hold a model while the run trains is kept, the "
+                        "run's model going to OUT-1 (or the next free OUT-N) beside it")
     p.add_argument("--overwrite-out", action="store_true",
                    help="let the final export replace the model in --out")
     p.add_argument("--mesh", default=None, metavar="SPEC",
@@ -356,23 +359,40 @@ def _out_dir(args) -> str | None:
     return None if args.out.lower() == "none" else args.out.format(preset=args.preset)
 
 
-def _check_out(args, out: str) -> None:
-    """Refuses an --out that holds a model (its config.json), which the export at the end
-    would replace, unless --overwrite-out, or the run resumes from the --checkpoint-dir that
-    the model's own train_config.json names (a restarted job exports where it did)."""
+def _replaceable(args, out: str) -> bool:
+    """Whether the export may write --out: it holds no model (its config.json), or
+    --overwrite-out, or the run resumes from the --checkpoint-dir that the model's own
+    train_config.json names (a restarted job exports where it did)."""
     out = Path(out)
     if args.overwrite_out or not holds_model(out):
-        return
+        return True
     if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
         try:
             earlier = json.loads((out / "train_config.json").read_text())["train"]
             if Path(earlier["checkpoint_dir"]).resolve() == Path(args.checkpoint_dir).resolve():
-                return
+                return True
         except (OSError, ValueError, KeyError, TypeError):
             pass  # no record of the run that wrote it: someone else's model
-    raise SystemExit(f"--out {out} already holds a model (its config.json), which this run's "
-                     "final export would replace: give another --out, --out none, or "
-                     "--overwrite-out to replace it")
+    return False
+
+
+def _check_out(args, out: str) -> None:
+    """Refuses, before training, an --out whose model the export at the end would replace."""
+    if not _replaceable(args, out):
+        raise SystemExit(f"--out {out} already holds a model (its config.json), which this "
+                         "run's final export would replace: give another --out, --out none, "
+                         "or --overwrite-out to replace it")
+
+
+def _export_dir(args, out: str) -> str:
+    """Where the export goes: --out, or, where a model the run may not replace came into it
+    while the run trained (another run's export), the first free `OUT-N` beside it, said."""
+    if _replaceable(args, out):
+        return out
+    free = next(f"{out}-{i}" for i in itertools.count(1) if not Path(f"{out}-{i}").exists())
+    print(f"--out {out} came to hold a model while this run trained (another run's export?), "
+          f"which this run may not replace: its model goes to {free} instead", file=sys.stderr)
+    return free
 
 
 @command("python -m mamba_jax.train")
@@ -601,6 +621,7 @@ def _train(argv, held: contextlib.ExitStack):
         if n_proc > 1:
             params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
         if lead:
+            out = _export_dir(args, out)
             export(nnx.merge(graphdef, params), out, tokenizer)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
             print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint "

@@ -352,6 +352,32 @@ def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(tm
     assert (out / "model.safetensors").read_bytes() not in (first, resumed)
 
 
+def test_a_model_written_into_out_while_the_run_trains_is_kept(tmp_path, monkeypatch,
+                                                               capsys):
+    """Another run's export into --out after this run's start check (two runs started with
+    one --out): the export at the end goes beside it, to OUT-1, and says so; neither model
+    is lost."""
+    from mamba_jax import train
+    out = tmp_path / "out"
+    main([*SMALL, "--steps", "1", "--seed", "1", "--out", str(tmp_path / "theirs")])
+    check = train._check_out
+
+    def meanwhile(args, path):  # the other run exports as soon as this one has checked
+        check(args, path)
+        shutil.copytree(tmp_path / "theirs", path)
+    monkeypatch.setattr(train, "_check_out", meanwhile)
+    capsys.readouterr()
+    main([*SMALL, "--steps", "2", "--out", str(out)])
+    assert (f"--out {out} came to hold a model while this run trained (another run's "
+            f"export?), which this run may not replace: its model goes to {out}-1 instead"
+            ) in capsys.readouterr().err
+    theirs = (tmp_path / "theirs" / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == theirs
+    ours = json.loads((tmp_path / "out-1" / "train_config.json").read_text())
+    assert ours["train"]["steps"] == 2
+    assert (tmp_path / "out-1" / "model.safetensors").read_bytes() != theirs
+
+
 def test_a_step_out_of_device_memory_names_the_batch_and_the_fixes(tmp_path, monkeypatch,
                                                                    capsys):
     """XLA's RESOURCE_EXHAUSTED from the step (a batch too large for the device): one line
