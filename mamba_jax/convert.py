@@ -33,7 +33,7 @@ from flax import nnx
 
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import Mamba2Config
-from mamba_jax.files import check_writable, replace_text
+from mamba_jax.files import check_writable, holds_model, replace_text
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
                                mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
@@ -369,11 +369,6 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
     config = json.loads((path / "config.json").read_text())
     replace_text(path / "config.json", json.dumps(
         with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
-
-
-def holds_model(path) -> bool:
-    """Whether `path` holds a model that an export there would replace (its config.json)."""
-    return (Path(path) / "config.json").exists()
 
 
 def is_training_checkpoint(path) -> bool:

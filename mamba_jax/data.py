@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba_jax.cli import HelpFormatter, command
-from mamba_jax.files import check_writable, locked
+from mamba_jax.files import check_writable, holds_model, locked
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
                                  copy_tokenizer, load_tokenizer, special_tokens)
 
@@ -248,7 +248,11 @@ def _is_given_tokenizer(copy: Path, tokenizer_spec) -> bool:
 
 
 def _check_replaceable(out: Path, tokenizer_spec, overwrite: bool):
-    """Refuse to write over a dataset in `out` unless overwrite."""
+    """Refuse to write over a dataset in `out` unless overwrite, and into a model's folder
+    at all (the dataset's tokenizer would replace the model's)."""
+    if holds_model(out):
+        raise FileExistsError(f"prepare: --out {out} holds a model (its config.json), whose "
+                              "tokenizer a dataset there would replace: choose another --out")
     existing = [name for name in DATASET_FILES if (out / name).exists()
                 and not _is_given_tokenizer(out / name, tokenizer_spec)]
     if existing and not overwrite:

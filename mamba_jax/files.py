@@ -68,3 +68,8 @@ def replace_text(path, text: str) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(text)
     os.replace(temporary, path)
+
+
+def holds_model(path) -> bool:
+    """Whether `path` holds a model that an export there would replace (its config.json)."""
+    return (Path(path) / "config.json").exists()

@@ -45,10 +45,10 @@ from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config
-from mamba_jax.convert import export, holds_model
+from mamba_jax.convert import export
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
                             load_data, parse_blend)
-from mamba_jax.files import check_writable, locked, replace_text
+from mamba_jax.files import check_writable, holds_model, locked, replace_text
 from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)

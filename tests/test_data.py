@@ -136,6 +136,28 @@ def test_prepare_refuses_to_replace_a_dataset_without_overwrite(corpus, tmp_path
     assert "in 12 documents" in capsys.readouterr().out
 
 
+def test_prepare_never_writes_into_a_models_folder(corpus, tmp_path, capsys):
+    """Even with --overwrite: the dataset's tokenizer.json would replace the model's."""
+    from flax import nnx
+
+    import mamba_jax
+    from mamba_jax import Mamba2Config, Mamba2LM
+    out = tmp_path / "model"
+    mamba_jax.save_pretrained(Mamba2LM(Mamba2Config.preset("tiny", d_model=32, n_layer=1),
+                                       rngs=nnx.Rngs(0)), out)
+    (out / "tokenizer.json").write_text("the model's")
+    for extra in ([], ["--overwrite"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["prepare", str(corpus / "a.txt"), "--tokenizer", "bytes", "--out", str(out),
+                  *extra])
+        assert refused.value.code == 2
+        assert str(refused.value) == (f"prepare: --out {out} holds a model (its config.json), "
+                                      "whose tokenizer a dataset there would replace: choose "
+                                      "another --out")
+    assert (out / "tokenizer.json").read_text() == "the model's"
+    assert not (out / "tokens.bin").exists()
+
+
 @pytest.mark.parametrize("out,refusal", [("file", "a file, not a folder"),
                                           ("file/ds", "file is a file, not a folder")])
 def test_prepare_names_an_out_it_could_not_write(corpus, tmp_path, capsys, out, refusal):
