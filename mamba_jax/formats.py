@@ -516,14 +516,18 @@ def _mamba1_ssm_cfg(cfg: Mamba2Config) -> dict:
 
 
 def _mamba2_ssm_cfg(cfg: Mamba2Config) -> dict:
-    """mamba_ssm's ssm_cfg of Mamba2 layers."""
+    """mamba_ssm's ssm_cfg of Mamba2 layers. Its reader passes ssm_cfg to Mamba2 as
+    keyword arguments, as json.load gives them: dt_limit goes as plain numbers (an
+    infinite one as json's bare Infinity, which json.load reads), and not at all where it
+    is Mamba2's default (0, inf), as mamba_ssm's own configs leave it."""
     m = cfg.mamba2
     _derived_width(cfg, "mamba_ssm")
+    limit = {} if m.dt_limit == (0.0, math.inf) else {"dt_limit": list(m.dt_limit)}
     return {"layer": "Mamba2", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
             "headdim": m.headdim, "ngroups": m.ngroups, "chunk_size": m.chunk_size,
             "dt_min": m.dt_min, "dt_max": m.dt_max, "dt_init_floor": m.dt_init_floor,
-            "dt_limit": _encode_limit(m.dt_limit), "A_init_range": list(m.A_init_range),
-            "conv_bias": m.conv_bias, "bias": m.bias}
+            **limit, "A_init_range": list(m.A_init_range), "conv_bias": m.conv_bias,
+            "bias": m.bias}
 
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:

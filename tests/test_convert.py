@@ -65,6 +65,25 @@ def test_save_then_load_round_trips_every_parameter(tmp_path, fmt, tie, bias):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.parametrize("limit,written", [((0.0, float("inf")), None),
+                                           ((0.001, float("inf")), "[0.001,Infinity]"),
+                                           ((0.0, 0.1), "[0.0,0.1]")])
+def test_a_mamba_ssm_config_gives_mamba2_a_dt_limit_it_takes(tmp_path, limit, written):
+    """mamba_ssm passes ssm_cfg to its Mamba2 as json.load reads it: dt_limit as numbers
+    (Mamba2 compares it with (0.0, inf) and clamps dt by it), left out at that default;
+    HF's {"__float__": ...} spelling would reach its clamp as a dict."""
+    cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=8, dt_limit=limit)
+    mamba_jax.save_pretrained(Mamba2LM(cfg, rngs=nnx.Rngs(0)), tmp_path, format="mamba_ssm")
+    text = (tmp_path / "config.json").read_text()
+    ssm_cfg = json.loads(text)["ssm_cfg"]
+    if written is None:
+        assert "dt_limit" not in ssm_cfg
+    else:
+        assert f'"dt_limit":{written}' in "".join(text.split())
+        assert tuple(ssm_cfg["dt_limit"]) == limit
+    assert load_config(tmp_path)[0].mamba2.dt_limit == limit
+
+
 def test_hf_config_reads_both_infinity_spellings(tmp_path):
     src = FIXTURES / "hf_ngroups1_tied"
     config = json.loads((src / "config.json").read_text())
