@@ -459,3 +459,23 @@ def test_top_k_0_is_off_as_documented(byte_checkpoint, capsys):
     without = capsys.readouterr().out
     main([*sampled, "--top-k", "0"])
     assert capsys.readouterr().out == without
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--seed", "3"], "--seed: not part of /v1/completions (the server's model and its serve "
+                      "flags decide them); leave it out with --server"),
+    (["--top-k", "2", "--dtype", "bfloat16", "--tokenizer", "bytes"],
+     "--tokenizer, --top-k, --dtype: not part of /v1/completions"),
+    (["--ssm-state-dtype", "float32", "--step-implementation", "xla"],
+     "--ssm-state-dtype, --step-implementation: not part"),
+])
+def test_generate_cli_refuses_with_server_the_flags_the_server_decides(flags, named, capsys):
+    """Given with --server they would be silently ignored (a --seed that seeds nothing), even
+    at their default values; refused before any request is sent."""
+    from mamba_jax.generate.__main__ import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--server", "http://127.0.0.1:9", "--prompt", "Hi", *flags])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1 and "cannot reach" not in err

@@ -22,8 +22,12 @@ from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, decode_op
                                 generate, load_for_generation)
 
 
-@command("python -m mamba_jax.generate")
-def main(argv=None):
+# What the server's model and its serve flags decide: --server takes none of them.
+_NOT_WITH_SERVER = ("tokenizer", "top_k", "seed", "dtype", "ssm_state_dtype",
+                    "step_implementation", "compilation_cache")
+
+
+def _parser():
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.generate",
                                      description="Generate text from a Mamba2 checkpoint.",
                                      formatter_class=HelpFormatter)
@@ -48,11 +52,24 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_decode_arguments(parser)
     compilation_cache.add_argument(parser)
+    return parser
+
+
+@command("python -m mamba_jax.generate")
+def main(argv=None):
+    parser = _parser()
     args = parser.parse_args(argv)
     _check_sampling(args)
     if args.server:
-        if args.top_k is not None:
-            parser.error("--top-k is not part of /v1/completions; leave it out with --server")
+        given = _parser()  # the command line alone: no option defaulted
+        for action in given._actions:
+            action.default = argparse.SUPPRESS
+        ignored = [f"--{name.replace('_', '-')}" for name in _NOT_WITH_SERVER
+                   if name in vars(given.parse_args(argv))]
+        if ignored:
+            raise SystemExit(f"{', '.join(ignored)}: not part of /v1/completions (the "
+                             "server's model and its serve flags decide them); leave "
+                             f"{'them' if len(ignored) > 1 else 'it'} out with --server")
         asyncio.run(stream_from_server(args.server, args.prompt, args.max_new_tokens,
                                        args.temperature, args.top_p))
         print()
