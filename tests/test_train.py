@@ -247,6 +247,25 @@ def test_optimizer_flags_that_would_train_wrongly_are_refused(flag, value, messa
     parse_args([flag, {"--warmup": "0", "--weight-decay": "0"}.get(flag, "1")])  # the edge
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--mesh", "dp=2,tp=4", "--batch-size", "8", "--grad-accum", "8"],
+     "--batch-size 8 / --grad-accum 8 = micro-batches of 1 rows do not split over the mesh's "
+     "dp x fsdp = 2 data shards: use a --batch-size that is a multiple of 16 (--grad-accum x "
+     "dp x fsdp)"),
+    (["--mesh", "dp=2,fsdp=2,tp=2", "--batch-size", "6"],
+     "--batch-size 6 rows do not split over the mesh's dp x fsdp = 4 data shards: use a "
+     "--batch-size that is a multiple of 4"),
+])
+def test_a_batch_the_mesh_cannot_split_is_named_by_its_flags(flags, message, capsys):
+    """The rows a step shards come from --batch-size and --grad-accum: the refusal names
+    those, not the micro-batch alone (the 8 CPU devices of the tests)."""
+    with pytest.raises(SystemExit) as refused:
+        main([*flags, "--steps", "1", "--seq-len", "32", "--set", "d_model=64", "--set",
+              "n_layer=1", "--out", "none"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(f"python -m mamba_jax.train: {message}\n")
+
+
 def test_several_processes_without_a_coordinator_name_the_flags(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
