@@ -259,8 +259,9 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     """Write config.json and model.safetensors (float32) in the HF, mamba_ssm or NemotronH
     layout. "hf" is Mamba2ForCausalLM for a Mamba2-only model, MambaForCausalLM (or
     FalconMambaForCausalLM, with mamba1.bc_dt_rms) for a Mamba-1-only one and
-    NemotronHForCausalLM ("nemotron_h") for a hybrid; a layout that cannot express the model is a ValueError
-    naming what does not fit.
+    NemotronHForCausalLM ("nemotron_h") for a hybrid, or mamba_ssm's layout where only it
+    holds the hybrid (formats.export_format); a layout that cannot express the model is a
+    ValueError naming what does not fit and the layouts that can.
 
     HF: `Mamba2ForCausalLM.from_pretrained(path)` (or NemotronHForCausalLM) loads it.
     mamba_ssm (whose from_pretrained reads only pytorch_model.bin):

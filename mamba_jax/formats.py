@@ -429,11 +429,17 @@ def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
 def export_format(cfg: Mamba2Config, fmt: str) -> str:
     """The layout written for `fmt`: "hf" is Mamba2ForCausalLM (or MambaForCausalLM) for a
     model of Mamba2 (or Mamba-1) layers only, NemotronHForCausalLM ("nemotron_h") for a
-    hybrid, and mamba_ssm's MambaLMHeadModel for a model with Mamba-3 layers (transformers
-    has no Mamba-3); other layouts are themselves."""
+    hybrid, or mamba_ssm's MambaLMHeadModel for a hybrid that only it can express, and
+    mamba_ssm's for a model with Mamba-3 layers (transformers has no Mamba-3); other layouts
+    are themselves."""
     if fmt != "hf" or set(cfg.layers) in ({"M"}, {"1"}):
         return fmt
-    return "mamba_ssm" if "3" in cfg.layers else "nemotron_h"
+    if "3" in cfg.layers:
+        return "mamba_ssm"
+    # A hybrid: NemotronH's, or mamba_ssm's where it alone holds the model (mamba_ssm's own
+    # hybrids: SwiGLU MLPs, rotary attention, dt unclamped)
+    only_mamba_ssm = _refusal(cfg, "nemotron_h") and not _refusal(cfg, "mamba_ssm")
+    return "mamba_ssm" if only_mamba_ssm else "nemotron_h"
 
 
 def hf_mamba1_config_dict(cfg: Mamba2Config) -> dict:
@@ -463,7 +469,7 @@ def _derived_width(cfg: Mamba2Config, fmt: str):
     if d.d_inner != cfg.mamba2.expand * cfg.d_model:
         raise ValueError(f"format={fmt!r} derives the Mamba width from expand * d_model = "
                          f"{cfg.mamba2.expand * cfg.d_model}, but mamba2.nheads * headdim = "
-                         f"{d.h} * {d.p} = {d.d_inner}; use format='nemotron_h'")
+                         f"{d.h} * {d.p} = {d.d_inner}")
 
 
 def hf_config_dict(cfg: Mamba2Config) -> dict:
@@ -499,7 +505,7 @@ def mamba_ssm_blocks(cfg: Mamba2Config) -> tuple[str, bool]:
         return layers[0::2], True
     raise ValueError(f"format='mamba_ssm': layers {layers!r} are not mamba_ssm Blocks (each a "
                      "Mamba2, Mamba-1, Mamba-3 or attention mixer, every one followed by one "
-                     "MLP or none); use format='nemotron_h'")
+                     "MLP or none)")
 
 
 def _mamba1_ssm_cfg(cfg: Mamba2Config) -> dict:
@@ -507,8 +513,8 @@ def _mamba1_ssm_cfg(cfg: Mamba2Config) -> dict:
     m = cfg.mamba1
     if m.bc_dt_rms:
         raise ValueError("format='mamba_ssm': its Mamba has no RMSNorms on dt, B and C "
-                         "(mamba1.bc_dt_rms, Falcon-Mamba's); use format='hf' "
-                         "(FalconMambaForCausalLM)")
+                         "(mamba1.bc_dt_rms, Falcon-Mamba's; format='hf' writes "
+                         "FalconMambaForCausalLM)")
     return {"layer": "Mamba1", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
             "dt_rank": m.dt_rank, "dt_min": m.dt_min, "dt_max": m.dt_max,
             "dt_init": m.dt_init, "dt_scale": m.dt_scale, "dt_init_floor": m.dt_init_floor,
@@ -575,8 +581,7 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
          f"mamba2.dt_limit={m.dt_limit} (NemotronH clamps dt at time_step_min: set dt_limit="
          f"({m.dt_min}, inf))")) if bad]
     if problems:
-        raise ValueError("format='nemotron_h' cannot express " + "; ".join(problems)
-                         + "; use format='mamba_ssm' where it fits")
+        raise ValueError("format='nemotron_h' cannot express " + "; ".join(problems))
     return {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
         "hidden_size": cfg.d_model, "vocab_size": cfg.padded_vocab_size,
@@ -609,9 +614,28 @@ def with_token_ids(config: dict, token_ids: dict) -> dict:
 
 
 def config_dict(cfg: Mamba2Config, fmt: str) -> dict:
-    write = {"hf": hf_config_dict, "mamba_ssm": mamba_ssm_config_dict,
-             "nemotron_h": nemotron_h_config_dict}[fmt]
-    return write(cfg)
+    """cfg as the layout fmt's config.json; a ValueError naming what the layout cannot
+    express, and the layouts that can (or that none can, and why)."""
+    try:
+        return _WRITERS[fmt](cfg)
+    except ValueError as error:
+        others = {other: _refusal(cfg, other) for other in _WRITERS if other != fmt}
+        fits = [other for other, why in others.items() if why is None]
+        hint = (f"use format={fits[0]!r}" if fits else
+                "no other layout holds the model either (" + "; ".join(others.values()) + ")")
+        raise ValueError(f"{error}; {hint}") from None
+
+
+def _refusal(cfg: Mamba2Config, fmt: str) -> str | None:
+    """Why the layout fmt cannot express cfg, or None where it can."""
+    if fmt == "hf" and set(cfg.layers) not in ({"M"}, {"1"}):
+        return ("format='hf': transformers' Mamba2ForCausalLM and MambaForCausalLM hold "
+                "Mamba layers alone")
+    try:
+        _WRITERS[fmt](cfg)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _encode_limit(limit):
@@ -619,3 +643,7 @@ def _encode_limit(limit):
     `Infinity`, which strict JSON readers reject."""
     low, high = limit
     return [low, {"__float__": "Infinity"} if math.isinf(high) else high]
+
+
+_WRITERS = {"hf": hf_config_dict, "mamba_ssm": mamba_ssm_config_dict,
+            "nemotron_h": nemotron_h_config_dict}

@@ -632,7 +632,9 @@ def _train(argv, held: contextlib.ExitStack):
             out = _export_dir(args, out)
             export(nnx.merge(graphdef, params), out, tokenizer)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
-            print(f"saved {out}; try: python -m mamba_jax.generate --checkpoint "
+            layout = export_format(cfg, "hf")
+            named = "" if layout == "hf" else f" ({layout}'s layout)"
+            print(f"saved {out}{named}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",
                   file=sys.stderr)
 

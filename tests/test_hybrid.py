@@ -223,6 +223,40 @@ def test_a_layout_that_cannot_express_the_model_says_what_does_not_fit(tmp_path,
     assert not (tmp_path / "config.json").exists()
 
 
+def test_a_hybrid_only_mamba_ssm_can_hold_is_written_in_its_layout(tmp_path):
+    """The "hf" default (the trainer's --out, convert's --to hf) of a hybrid NemotronH
+    cannot express (SwiGLU MLPs, rotary attention, dt unclamped: mamba_ssm's own hybrids)
+    writes mamba_ssm's MambaLMHeadModel, which holds it, and loads back the same."""
+    from mamba_jax.convert import load_config
+    from mamba_jax.formats import export_format
+    cfg = hybrid_config(layer_pattern="M-*-", d_intermediate=128)
+    assert export_format(cfg, "hf") == "mamba_ssm"
+    assert export_format(hybrid_config(layer_pattern="M-*-", d_intermediate=128,
+                                       mlp_activation="relu2", attn_rotary_emb_dim=0,
+                                       dt_limit=(0.001, math.inf)), "hf") == "nemotron_h"
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    mamba_jax.save_pretrained(model, tmp_path)
+    loaded, fmt = load_config(tmp_path)
+    assert fmt == "mamba_ssm" and loaded.layers == "M-*-"
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 100, (1, 9)))
+    np.testing.assert_array_equal(mamba_jax.from_pretrained(tmp_path)(ids), model(ids))
+
+
+def test_a_hybrid_no_layout_holds_is_refused_with_every_layouts_reason(tmp_path):
+    """Neither NemotronH (SwiGLU) nor mamba_ssm's blocks (an MLP after an MLP) hold it: each
+    layout's refusal says so and why the others cannot, rather than send the user from
+    one to the other."""
+    model = nnx.eval_shape(lambda: Mamba2LM(hybrid_config(layer_pattern="M--", d_intermediate=128),
+                                            rngs=nnx.Rngs(0)))
+    for fmt in ("hf", "mamba_ssm", "nemotron_h"):
+        with pytest.raises(ValueError) as refused:
+            mamba_jax.save_pretrained(model, tmp_path, format=fmt)
+        why = str(refused.value)
+        assert "use format=" not in why and "no other layout holds the model either" in why
+        assert "mlp.activation='swiglu'" in why and "are not mamba_ssm Blocks" in why
+    assert not (tmp_path / "config.json").exists()
+
+
 # ------------------------------------------------------------------ MLP activations
 
 

@@ -266,6 +266,19 @@ def test_a_batch_the_mesh_cannot_split_is_named_by_its_flags(flags, message, cap
     assert capsys.readouterr().err.endswith(f"python -m mamba_jax.train: {message}\n")
 
 
+def test_a_mamba_ssm_style_hybrid_exports_in_mamba_ssms_layout(tmp_path, capsys):
+    """SwiGLU MLPs after each mixer and dt unclamped, as mamba_ssm's hybrids: NemotronH
+    cannot hold it, so the default --out writes mamba_ssm's layout, and says so."""
+    from mamba_jax.convert import load_config
+    out = tmp_path / "out"
+    main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=4", "--set", "layer_pattern=M-*-", "--set",
+          "mlp.d_intermediate=128", "--out", str(out)])
+    assert f"saved {out} (mamba_ssm's layout); try:" in capsys.readouterr().err
+    cfg, fmt = load_config(out)
+    assert fmt == "mamba_ssm" and cfg.layers == "M-*-"
+
+
 def test_several_processes_without_a_coordinator_name_the_flags(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
