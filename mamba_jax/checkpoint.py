@@ -26,6 +26,8 @@ import logging
 import shutil
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import jax
@@ -43,6 +45,54 @@ class _WithoutOrbaxTracebacks(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and "orbax" in record.pathname)
+
+
+_failed_restores = []  # the steps whose restore failed in this process
+
+
+def _from_a_failed_restore(error: BaseException | None, tb) -> bool:
+    """Whether an exception nothing retrieved is a straggler of a failed restore: an Orbax
+    read's failure, TensorStore calling back into Orbax's closed event loop, or, once a
+    restore has failed, a read's failure that TensorStore set on its future (no Python
+    frames)."""
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    frames = traceback.extract_tb(tb)
+    return (any("/orbax/" in frame.filename for frame in frames)
+            or bool(_failed_restores) and error is not None and not frames)
+
+
+class _WithoutFailedRestoreReads(logging.Filter):
+    """Drops asyncio's "... exception was never retrieved" logs (of tasks, futures and
+    gatherings) of a failed restore's reads (_quiet_failed_restores)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error, tb = record.exc_info[1:] if record.exc_info else (None, None)
+        return not ("exception was never retrieved" in record.getMessage()
+                    and _from_a_failed_restore(error, tb))
+
+
+def _quiet_failed_restores() -> None:
+    """When one read of a checkpoint fails, Orbax gives the restore up (reported in one
+    line, _report) while its other reads still finish: their failures surface as
+    unraisable exceptions (in Orbax's coroutines, and in TensorStore's callbacks into the
+    closed event loop) and as asyncio's logs of unretrieved failures, each with its
+    traceback: thousands of lines for a model's state, some before the restore's own
+    error reaches us, some through the rest of the run. Those alone are dropped; any other
+    unraisable exception still reaches the hook before."""
+    if getattr(sys.unraisablehook, "quiets_failed_restores", False):
+        return
+    before = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _from_a_failed_restore(unraisable.exc_value, unraisable.exc_traceback):
+            before(unraisable)
+    hook.quiets_failed_restores = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_WithoutFailedRestoreReads())
+    # a read that the failure left unstarted, collected
+    warnings.filterwarnings("ignore", category=RuntimeWarning, message=(
+        "coroutine '_read_array_index_and_device_put' was never awaited"))
 
 
 class Checkpointer:
@@ -127,6 +177,7 @@ class Checkpointer:
         over would write over them.
         """
         log = log or sys.stderr
+        _quiet_failed_restores()
         steps, unreadable = self.steps(), []
         for step in reversed(steps):
             try:
@@ -150,8 +201,11 @@ class Checkpointer:
         return None
 
     def _report(self, step: int, error: Exception, log) -> int:
+        _failed_restores.append(step)
+        # TensorStore's errors end in a dump of the store's spec, which says nothing more
+        why = str(error).split(" See full TensorStore details")[0][:200]
         print(f"checkpoint {self.directory / str(step)} cannot be restored "
-              f"({type(error).__name__}: {str(error)[:200]}); trying the one before", file=log)
+              f"({type(error).__name__}: {why}); trying the one before", file=log)
         return step
 
     def read_meta(self, step: int) -> dict:

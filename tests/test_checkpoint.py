@@ -49,6 +49,48 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     assert "cannot be restored" in capsys.readouterr().err
 
 
+_RESTORE = """
+import gc, sys
+import jax, jax.numpy as jnp
+from mamba_jax.checkpoint import Checkpointer, abstract_like
+state = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 32)) for i in range(40)}
+if sys.argv[2] == "save":
+    ckpt = Checkpointer(sys.argv[1])
+    for step in (1, 2):
+        ckpt.save(step, state, {})
+    ckpt.close()
+else:
+    step, _, _ = Checkpointer(sys.argv[1]).restore_latest(abstract_like(state))
+    gc.collect()
+    print("restored", step)
+"""
+
+
+def test_a_corrupt_checkpoint_is_one_line_not_its_reads_tracebacks(tmp_path):
+    """Orbax gives up a restore at its first failed read while the others finish: their
+    failures (unraisable exceptions, asyncio's unretrieved ones, TensorStore's callbacks
+    into the closed event loop) printed thousands of lines of tracebacks beside the one
+    line that says the checkpoint cannot be restored. In a process of its own, as the
+    trainer's: they come while the process collects them."""
+    import subprocess
+    import sys
+
+    run = lambda what: subprocess.run([sys.executable, "-c", _RESTORE, str(tmp_path), what],
+                                      capture_output=True, text=True, timeout=300,
+                                      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run("save").returncode == 0
+    rng = np.random.default_rng(0)
+    for shard in (tmp_path / "2" / "state").glob("ocdbt.process_*/d/*"):
+        shard.write_bytes(rng.bytes(shard.stat().st_size))  # every read of step 2 fails
+    restored = run("restore")
+    assert restored.stdout == "restored 1\n"
+    err = restored.stderr.splitlines()
+    assert len(err) == 2, restored.stderr[:3000]
+    assert err[0].startswith(f"checkpoint {tmp_path / '2'} cannot be restored (")
+    assert "See full TensorStore details" not in err[0]
+    assert err[1].startswith("checkpoint 2 set aside as ")
+
+
 def test_when_no_checkpoint_restores_it_is_an_error_not_a_fresh_start(tmp_path):
     ckpt = Checkpointer(tmp_path)
     ckpt.save(1, state(1), {})
