@@ -425,6 +425,11 @@ def _train(argv, held: contextlib.ExitStack):
     args.save_every = args.save_every or SAVE_EVERY
     # What this process will write, refused now rather than when the work comes to it.
     out = _out_dir(args)
+    if out and args.checkpoint_dir and Path(args.checkpoint_dir).resolve() in (
+            Path(out).resolve(), *Path(out).resolve().parents):
+        # Orbax takes its folders for steps: a numbered --out would be a corrupt checkpoint
+        raise SystemExit(f"--out {out} is inside --checkpoint-dir {args.checkpoint_dir}, "
+                         "whose folders are the checkpoints: give an --out outside it")
     writes = [("--checkpoint-dir", args.checkpoint_dir)]
     if lead:  # the lead alone logs and exports
         writes += [("--metrics-file", args.metrics_file), ("--tensorboard", args.tensorboard),

@@ -279,6 +279,20 @@ def test_a_mamba_ssm_style_hybrid_exports_in_mamba_ssms_layout(tmp_path, capsys)
     assert fmt == "mamba_ssm" and cfg.layers == "M-*-"
 
 
+@pytest.mark.parametrize("inside", ["100", "export/hf", "."])
+def test_an_out_inside_the_checkpoint_dir_is_refused(tmp_path, capsys, inside):
+    """The checkpoint dir's folders are steps to Orbax: an --out named 100 there was later
+    set aside as a corrupt checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(SystemExit) as refused:
+        main(["--steps", "1", "--checkpoint-dir", str(ckpt), "--out", str(ckpt / inside)])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"--out {ckpt / inside} is inside --checkpoint-dir {ckpt}, whose folders are the "
+        "checkpoints: give an --out outside it\n")
+    assert not ckpt.exists()
+
+
 def test_several_processes_without_a_coordinator_name_the_flags(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)
