@@ -92,6 +92,16 @@ async def complete(session, url, **body):
         return r.status, await r.json()
 
 
+async def streamed(session, url, **body):
+    """The completion chunks a streamed request's events carry (not its [DONE])."""
+    chunks = []
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
 def test_greedy_completion_and_megatron_api_equal_generate(url, model):
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -668,13 +678,7 @@ def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch
                         out.append(await r.json())
                 out.append(await complete(s, url, prompt=["p", "q"], max_tokens=10, n=2,
                                           stop=["d\n", "zz"]))
-                chunks = []
-                async with s.post(url + "/v1/completions", json={
-                        "prompt": "s", "max_tokens": 10, "stop": "\n\n", "stream": True}) as r:
-                    async for line in r.content:
-                        if line.startswith(b"data: {"):
-                            chunks.append(json.loads(line[6:]))
-                return out, chunks
+                return out, await streamed(s, url, prompt="s", max_tokens=10, stop="\n\n")
         finally:
             await runner.cleanup()
 
@@ -700,14 +704,7 @@ def test_a_stream_holds_back_a_stop_longer_than_the_text_so_far(model, monkeypat
         try:
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "s", "max_tokens": 10, "stop": "b:\ncd\n\nef"}
-                _, whole = await complete(s, url, **body)
-                chunks = []
-                async with s.post(url + "/v1/completions",
-                                  json={**body, "stream": True}) as r:
-                    async for line in r.content:
-                        if line.startswith(b"data: {"):
-                            chunks.append(json.loads(line[6:]))
-                return whole, chunks
+                return (await complete(s, url, **body))[1], await streamed(s, url, **body)
         finally:
             await runner.cleanup()
 
