@@ -456,20 +456,19 @@ def _train(argv, held: contextlib.ExitStack):
     dtype = jnp.dtype(args.dtype)
     try:
         mesh = parallel.make_mesh(args.mesh)
-        shards = mesh.shape["dp"] * mesh.shape["fsdp"]
-        if args.batch_size // args.grad_accum % shards:  # named by the flags that set it
+        n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+        if args.batch_size // args.grad_accum % n_shards:  # named by the flags that set it
             micro = (f" / --grad-accum {args.grad_accum} = micro-batches of "
                      f"{args.batch_size // args.grad_accum}" if args.grad_accum > 1 else "")
             raise SystemExit(f"--batch-size {args.batch_size}{micro} rows do not split over "
-                             f"the mesh's dp x fsdp = {shards} data shards: use a "
-                             f"--batch-size that is a multiple of {args.grad_accum * shards}"
+                             f"the mesh's dp x fsdp = {n_shards} data shards: use a "
+                             f"--batch-size that is a multiple of {args.grad_accum * n_shards}"
                              + (" (--grad-accum x dp x fsdp)" if args.grad_accum > 1 else ""))
         parallel.check_layout(cfg, mesh, batch_size=args.batch_size // args.grad_accum,
                               seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
                               loss_chunk=args.loss_chunk)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
     # Each evaluation needs a window per data shard: with fewer held-out windows, say so
     # now and train without it rather than fail at the first evaluation.
     evaluating = dataset.eval_windows(args.seq_len) >= n_shards
