@@ -473,6 +473,9 @@ def _derived_width(cfg: Mamba2Config, fmt: str):
 
 
 def hf_config_dict(cfg: Mamba2Config) -> dict:
+    if set(cfg.layers) not in ({"M"}, {"1"}):
+        raise ValueError(f"format='hf': transformers' Mamba2ForCausalLM and MambaForCausalLM "
+                         f"hold Mamba2 or Mamba-1 layers alone, not layers {cfg.layers!r}")
     if set(cfg.layers) == {"1"}:
         return hf_mamba1_config_dict(cfg)
     v, m = cfg.padded_vocab_size, cfg.mamba2
@@ -569,6 +572,9 @@ NEMOTRON_MLP_ACTIVATIONS = {"relu2": "relu2", "gelu": "gelu", "gelu_tanh": "gelu
 
 def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
     layers, m, a = cfg.layers, cfg.mamba2, cfg.attention
+    if set(layers) - set(_NEMOTRON_NAMES):
+        raise ValueError(f"format='nemotron_h' holds Mamba2 (M), attention (*) and MLP (-) "
+                         f"layers, not layers {layers!r}")
     problems = [text for bad, text in (
         ("-" in layers and cfg.mlp.activation not in NEMOTRON_MLP_ACTIVATIONS,
          f"mlp.activation={cfg.mlp.activation!r} (NemotronH's MLP is ungated: "
@@ -628,9 +634,6 @@ def config_dict(cfg: Mamba2Config, fmt: str) -> dict:
 
 def _refusal(cfg: Mamba2Config, fmt: str) -> str | None:
     """Why the layout fmt cannot express cfg, or None where it can."""
-    if fmt == "hf" and set(cfg.layers) not in ({"M"}, {"1"}):
-        return ("format='hf': transformers' Mamba2ForCausalLM and MambaForCausalLM hold "
-                "Mamba layers alone")
     try:
         _WRITERS[fmt](cfg)
     except ValueError as error:

@@ -257,6 +257,23 @@ def test_a_hybrid_no_layout_holds_is_refused_with_every_layouts_reason(tmp_path)
     assert not (tmp_path / "config.json").exists()
 
 
+def test_layouts_refuse_the_layer_kinds_they_have_no_place_for(tmp_path):
+    """Mamba-3 layers: NemotronH (Mamba2, attention, MLP) and transformers' Mamba classes
+    have no place for them (NemotronH's writer failed on the layer symbol, a KeyError,
+    where the rest of the config fit); mamba_ssm's layout holds them."""
+    cfg = Mamba2Config.preset("mamba3-tiny", **{"mamba2.dt_limit": (0.001, math.inf)})
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"format='nemotron_h' holds Mamba2 \(M\), attention "
+                                         r"\(\*\) and MLP \(-\) layers, not layers '33'; "
+                                         r"use format='mamba_ssm'"):
+        mamba_jax.save_pretrained(model, tmp_path, format="nemotron_h")
+    from mamba_jax.formats import config_dict
+    with pytest.raises(ValueError, match=r"format='hf': .* not layers '33'; use "
+                                         r"format='mamba_ssm'"):
+        config_dict(cfg, "hf")
+    assert not (tmp_path / "config.json").exists()
+
+
 # ------------------------------------------------------------------ MLP activations
 
 
