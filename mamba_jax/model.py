@@ -152,6 +152,18 @@ class DecodeWeights(NamedTuple):
     layers: tuple
 
 
+def check_causal(cfg) -> None:
+    """A ValueError where cfg has layers whose outputs read later tokens (a kind not
+    `causal`, as the bidirectional B): a language model's loss would see the tokens it
+    predicts, and it has no step to decode with. The trainer and generate refuse them;
+    Mamba2LM itself builds them (the layer kinds' tests run every kind through it)."""
+    ahead = sorted({s for s in cfg.layers if not KINDS[s].causal})
+    if ahead:
+        raise ValueError(f"layer_pattern {cfg.layers!r}: its {', '.join(ahead)} layers read "
+                         "later tokens, which a language model predicting the next one cannot "
+                         "have; build a mamba_jax.Mamba2Encoder with them")
+
+
 def init_backbone(module: nnx.Module, cfg, rngs: nnx.Rngs, dtype):
     """module's config, compute dtype, embedding, layers (of cfg.layers) and final norm:
     what Mamba2LM and mamba_jax.encoder.Mamba2Encoder share."""

@@ -52,7 +52,7 @@ from mamba_jax.files import check_writable, holds_model, locked, replace_text
 from mamba_jax.formats import config_dict, export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
-from mamba_jax.model import REMAT, Mamba2LM
+from mamba_jax.model import REMAT, Mamba2LM, check_causal
 from mamba_jax.optim import (SCHEDULES, init_opt_state, make_optimizer, make_train_step,
                              train_compiler_options, warmup_steps)
 from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
@@ -256,8 +256,11 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
 
 
 def model_config(preset: str, overrides: dict) -> Mamba2Config:
+    """The preset with overrides, refused in one line where it is no causal LM's config."""
     try:
-        return Mamba2Config.preset(preset, **overrides)
+        cfg = Mamba2Config.preset(preset, **overrides)
+        check_causal(cfg)
+        return cfg
     except (TypeError, ValueError) as error:
         raise SystemExit(str(error)) from None
 

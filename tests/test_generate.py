@@ -479,3 +479,12 @@ def test_generate_cli_refuses_with_server_the_flags_the_server_decides(flags, na
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1 and "cannot reach" not in err
+
+
+def test_a_model_with_bidirectional_layers_is_refused_before_decoding():
+    """Its B layers have no decode step (generate failed inside on a missing cache)."""
+    cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16, n_layer=2,
+                              layer_pattern="MB")
+    with pytest.raises(ValueError, match=r"layer_pattern 'MB': its B layers read later "
+                                         r"tokens"):
+        mamba_jax.generate(Mamba2LM(cfg, rngs=nnx.Rngs(0)), jnp.ones((1, 3), jnp.int32), 2)

@@ -293,6 +293,18 @@ def test_an_out_inside_the_checkpoint_dir_is_refused(tmp_path, capsys, inside):
     assert not ckpt.exists()
 
 
+def test_bidirectional_layers_are_refused_for_a_language_model(capsys):
+    """B layers read later tokens: the next-token loss would see its targets (a run
+    reported a perplexity half the causal model's) and decoding has no step for them."""
+    with pytest.raises(SystemExit) as refused:
+        main(["--steps", "1", "--set", "layer_pattern=MB", "--set", "n_layer=2", "--out",
+              "none"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "layer_pattern 'MB': its B layers read later tokens, which a language model "
+        "predicting the next one cannot have; build a mamba_jax.Mamba2Encoder with them\n")
+
+
 def test_several_processes_without_a_coordinator_name_the_flags(monkeypatch):
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)

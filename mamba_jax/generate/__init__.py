@@ -33,6 +33,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from mamba_jax.generate.plan import STEP_IMPLEMENTATIONS, DecodePlan, decode_plan
+from mamba_jax.model import check_causal
 
 # The decode loop as one CUDA graph: XLA's command buffers with the while loop itself a
 # conditional graph node (XLA's default leaves the loop to the host, which launches its
@@ -230,6 +231,7 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
            max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto",
            top_p_decay=None, top_p_bound=None, banned_after=None):
     """Validate generate's arguments; -> (Settings, Sampling, prompt_lengths, limits)."""
+    check_causal(model.config)  # a bidirectional layer has no step
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"generate: input_ids must be [batch, seqlen >= 1], got "
                          f"{input_ids.shape}")
