@@ -134,6 +134,29 @@ def _key_table(symbol: str, fmt: str) -> dict:
     return kind.checkpoint_keys[fmt]
 
 
+def _held_table(mine: dict, symbol: str, fmt: str, i: int) -> dict:
+    """Layer i's checkpoint keys in fmt, refusing parameters of it (`mine`, by name) that
+    the layout has no key for (e.g. a learnable initial state)."""
+    table = _key_table(symbol, fmt)
+    held = {p for entry in table.values() for p in entry.params}
+    if set(mine) - held:
+        raise ValueError(f"format {fmt!r} cannot hold layer {i}'s parameters "
+                         f"{sorted(set(mine) - held)}")
+    return table
+
+
+def check_exportable(cfg: Mamba2Config, format: str = "hf") -> str:
+    """The layout save_pretrained(format=format) writes a model of cfg in, or the
+    ValueError it would raise there: a config field or a layer's parameter the layout
+    cannot hold. From the config alone (no model built): the trainer asks before training."""
+    fmt = export_format(cfg, format)
+    config_dict(cfg, fmt)
+    names = param_shapes(cfg)
+    for i, symbol in enumerate(cfg.layers):
+        _held_table(_layer_params(names, i), symbol, fmt, i)
+    return fmt
+
+
 def _layer_params(flat: dict, i: int) -> dict:
     """Of {flat parameter name: value}, layer i's mixer's, by their names in the mixer."""
     prefix = f"layers.{i}.mixer."
@@ -198,11 +221,7 @@ def params_to_torch(params: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.n
     for i, (symbol, (norm_key, dst)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
         out[norm_key] = params[f"layers.{i}.norm.weight"]
         mine = _layer_params(params, i)
-        table = _key_table(symbol, fmt)
-        held = {p for entry in table.values() for p in entry.params}
-        if set(mine) - held:
-            raise ValueError(f"format {fmt!r} cannot hold layer {i}'s parameters "
-                             f"{sorted(set(mine) - held)}")
+        table = _held_table(mine, symbol, fmt, i)
         out.update({dst + key: value
                     for key, value in checkpoint_keys.to_torch(table, mine).items()})
     return {key: np.ascontiguousarray(value, np.float32) for key, value in out.items()}

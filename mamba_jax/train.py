@@ -45,11 +45,11 @@ from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config
-from mamba_jax.convert import export
+from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
                             load_data, parse_blend)
 from mamba_jax.files import check_writable, holds_model, locked, replace_text
-from mamba_jax.formats import config_dict, export_format
+from mamba_jax.formats import export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM, check_causal
@@ -451,7 +451,7 @@ def _train(argv, held: contextlib.ExitStack):
     if out:
         _check_out(args, out)
         try:  # the export's layout must fit the model: say so now, not after training
-            config_dict(cfg, export_format(cfg, "hf"))
+            check_exportable(cfg)
         except ValueError as error:
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     # Refuses bad data before any compute.

@@ -293,6 +293,20 @@ def test_an_out_inside_the_checkpoint_dir_is_refused(tmp_path, capsys, inside):
     assert not ckpt.exists()
 
 
+def test_a_model_the_export_cannot_hold_is_refused_before_training(tmp_path, capsys):
+    """A learnable initial state has no key in any published layout: refused before the
+    run trains (it was refused at the export, the trained weights lost without
+    --checkpoint-dir)."""
+    with pytest.raises(SystemExit) as refused:
+        main(["--steps", "1", "--set", "mamba2.learnable_init_state=true", "--out",
+              str(tmp_path / "out")])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"--out {tmp_path / 'out'}: format 'hf' cannot hold layer 0's "
+                        "parameters ['init_states']; or --out none\n")
+    assert "1/1" not in err  # no step ran
+
+
 def test_bidirectional_layers_are_refused_for_a_language_model(capsys):
     """B layers read later tokens: the next-token loss would see its targets (a run
     reported a perplexity half the causal model's) and decoding has no step for them."""
