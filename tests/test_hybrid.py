@@ -83,6 +83,10 @@ def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
     (dict(layer_pattern="*", n_layer=1, attn_num_heads_kv=3),
      r"attention.num_heads_kv=3 does not divide attention.num_heads=4"),
     (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=5), "attention.rotary_emb_dim=5"),
+    (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=4, attn_rotary_emb_base=0.0),
+     r"attention.rotary_emb_base=0.0 must be a number above 1"),
+    (dict(layer_pattern="*", n_layer=1, attn_rotary_emb_dim=4, attn_rotary_emb_base=-1e4),
+     r"attention.rotary_emb_base=-10000.0 must be a number above 1"),
     (dict(layer_pattern="-", n_layer=1, mlp_activation="silu"), "mlp.activation='silu'"),
 ])
 def test_bad_layer_settings_name_the_value_and_the_fix(changes, match):

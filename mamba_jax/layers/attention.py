@@ -313,6 +313,11 @@ class Attention(Mixer):
         if r < 0 or r % 2 or r > a.head_dim:
             raise ValueError(f"Mamba2Config.attention.rotary_emb_dim={r} must be even and in "
                              f"[0, head_dim={a.head_dim}] (0: no rotary)")
+        base = a.rotary_emb_base
+        if r and not (isinstance(base, (int, float)) and math.isfinite(base) and base > 1):
+            # the frequencies base^(-2i/r): 0 or below gives NaN, 1 no rotation at all
+            raise ValueError(f"Mamba2Config.attention.rotary_emb_base={base!r} must be a "
+                             "number above 1 (10000 in most models)")
 
     @classmethod
     def flops_per_token(cls, cfg, seq_len: int) -> float:
