@@ -78,6 +78,10 @@ def parse_overrides(pairs: list[str]) -> dict:
                 value = text.lower() in ("true", "1")
             elif isinstance(default, tuple):
                 value = tuple(float(v) for v in text.strip("()[]").split(","))
+            elif default is None or isinstance(default, str):
+                # a field that takes a number or a word (mamba2.nheads: None or an int;
+                # mamba1.dt_rank: "auto" or an int): the config checks which it takes
+                value = _number_or_word(text)
             else:
                 value = type(default)(text)
         except ValueError:
@@ -85,6 +89,18 @@ def parse_overrides(pairs: list[str]) -> dict:
                              f"{type(default).__name__} for {name}") from None
         out[name] = value
     return out
+
+
+def _number_or_word(text: str):
+    """'8' -> 8, '0.5' -> 0.5, 'none' -> None, any other text as it is."""
+    if text.lower() in ("none", "null"):
+        return None
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
 
 
 SAVE_EVERY = 500  # --save-every's default

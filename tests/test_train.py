@@ -44,6 +44,21 @@ def test_set_overrides_config_fields(tmp_path):
     assert cfg.mamba2.ngroups == 2 and not cfg.tie_embeddings
 
 
+def test_set_takes_fields_of_a_number_or_a_word():
+    """Fields whose default is None or a word (mamba2.nheads, Nemotron Nano 2's; mamba1's
+    dt_rank, "auto" or a number): --set mamba2.nheads=4 was a traceback, dt_rank=8 the
+    string '8'."""
+    assert parse_overrides(["mamba2.nheads=4", "mamba1.dt_rank=8", "mamba1.dt_rank=auto",
+                            "mamba2.nheads=none"]) == {"mamba2.nheads": None,
+                                                        "mamba1.dt_rank": "auto"}
+    _, cfg = parse_args(["--set", "mamba2.nheads=4", "--set", "d_model=64"])
+    assert cfg.mamba2.nheads == 4
+    _, cfg = parse_args(["--preset", "tiny-mamba1", "--set", "mamba1.dt_rank=8"])
+    assert cfg.mamba1.dt_rank == 8
+    with pytest.raises(SystemExit, match=r"mamba2.nheads='four' must be a positive integer"):
+        parse_args(["--set", "mamba2.nheads=four"])
+
+
 @pytest.mark.parametrize("arg,match", [
     ("nope=1", r"no field 'nope'; fields are .* sections \['attention', 'bidirectional', "
                r"'mamba1', 'mamba2', 'mamba3', 'mlp'\]"),
