@@ -241,6 +241,9 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         if unknown:
             raise SystemExit(f"--config {path}: unknown keys {unknown}; keys are flag names "
                              f"with underscores: {sorted(known)}")
+        actions = {a.dest: a for a in parser._actions}
+        for key, value in recipe.items():
+            _check_recipe_value(path, key, value, actions[key])
         parser.set_defaults(**recipe)
         args = parser.parse_args(argv)
     if isinstance(args.data, str):  # a recipe's data = "PATH"
@@ -269,6 +272,29 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise SystemExit(f"--weight-decay={args.weight_decay} must be a number >= 0 (0: none)")
     return args, {**model_overrides, **layer_flags, **parse_overrides(args.set)}
+
+
+def _check_recipe_value(path, key: str, value, action: argparse.Action) -> None:
+    """Refuse a recipe's value that its flag would not take: a recipe's values become the
+    parser's defaults, which argparse neither converts nor checks."""
+    number = lambda v, kinds: isinstance(v, kinds) and not isinstance(v, bool)
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        ok, want = isinstance(value, bool), "true or false"
+    elif action.nargs in ("+", "*"):  # --data: [WEIGHT] PATH ..., as strings or numbers
+        ok = isinstance(value, str) or isinstance(value, list) and bool(value) and all(
+            isinstance(v, str) or number(v, (int, float)) for v in value)
+        want = "a string or a list of strings (and weights)"
+    elif action.type is int:
+        ok, want = number(value, int), "an integer"
+    elif action.type is float:
+        ok, want = number(value, (int, float)), "a number"
+    else:
+        ok, want = isinstance(value, str), "a string"
+    if ok and action.choices is not None and value not in action.choices:
+        ok, want = False, f"one of {sorted(action.choices)}"
+    if not ok:
+        raise SystemExit(f"--config {path}: {key} = {value!r} must be {want}, as "
+                         f"{action.option_strings[0]} takes")
 
 
 def model_config(preset: str, overrides: dict) -> Mamba2Config:

@@ -44,6 +44,25 @@ def test_set_overrides_config_fields(tmp_path):
     assert cfg.mamba2.ngroups == 2 and not cfg.tie_embeddings
 
 
+@pytest.mark.parametrize("line,refusal", [
+    ('dtype = "float16"', "dtype = 'float16' must be one of ['bfloat16', 'float32'], as "
+                          "--dtype takes"),
+    ('scan_layers = "no"', "scan_layers = 'no' must be true or false, as --scan-layers takes"),
+    ("steps = 3.5", "steps = 3.5 must be an integer, as --steps takes"),
+    ("mesh = 8", "mesh = 8 must be a string, as --mesh takes"),
+    ("data = 5", "data = 5 must be a string or a list of strings (and weights), as --data "
+                 "takes"),
+])
+def test_a_recipes_values_are_checked_as_their_flags_are(tmp_path, line, refusal):
+    """A recipe's values become the parser's defaults, which argparse does not check: a
+    float16 dtype trained, "no" read as true, 3.5 steps ran, a number mesh was a traceback."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'preset = "tiny"\n{line}\n')
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--config", str(recipe)])
+    assert str(refused.value) == f"--config {recipe}: {refusal}"
+
+
 def test_set_takes_fields_of_a_number_or_a_word():
     """Fields whose default is None or a word (mamba2.nheads, Nemotron Nano 2's; mamba1's
     dt_rank, "auto" or a number): --set mamba2.nheads=4 was a traceback, dt_rank=8 the
