@@ -93,6 +93,8 @@ class MetricsWriter:
     def __init__(self, jsonl_path=None, tensorboard_dir=None, resume_step: int | None = None):
         if jsonl_path and resume_step is not None and Path(jsonl_path).is_file():
             _keep_rows_up_to(Path(jsonl_path), resume_step)
+        if jsonl_path:  # its folder made as TensorBoard's is
+            Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(jsonl_path, "a") if jsonl_path else None
         self.tensorboard = None
         if tensorboard_dir:

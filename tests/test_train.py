@@ -63,6 +63,14 @@ def test_a_recipes_values_are_checked_as_their_flags_are(tmp_path, line, refusal
     assert str(refused.value) == f"--config {recipe}: {refusal}"
 
 
+def test_a_metrics_file_in_a_folder_not_yet_made_is_written(tmp_path):
+    """As --tensorboard's folder is made (it was "[Errno 2] No such file or directory")."""
+    metrics = tmp_path / "logs" / "run" / "m.jsonl"
+    main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--metrics-file", str(metrics), "--out", "none"])
+    assert json.loads(metrics.read_text())["step"] == 1
+
+
 def test_set_takes_fields_of_a_number_or_a_word():
     """Fields whose default is None or a word (mamba2.nheads, Nemotron Nano 2's; mamba1's
     dt_rank, "auto" or a number): --set mamba2.nheads=4 was a traceback, dt_rank=8 the
