@@ -280,6 +280,9 @@ class Mamba2LM(nnx.Module):
         with_states = lambda losses: (losses, states) if return_states else losses
         head = self.head_weight(ctx)
         b, l, _ = hidden.shape
+        if loss_chunk is not None and (loss_chunk < 1 or loss_chunk < l and l % loss_chunk):
+            raise ValueError(f"loss: loss_chunk={loss_chunk} must be a positive divisor of the "
+                             f"sequence length {l} (or None: the whole sequence at once)")
         if loss_chunk is None or loss_chunk >= l:
             return with_states(cross_entropy(self._vocab(hidden, head), targets, ctx))
 

@@ -117,6 +117,15 @@ def test_residual_in_fp32_off_keeps_the_stream_in_compute_dtype():
     assert model.embed(jnp.zeros((1, 3), jnp.int32)).dtype == jnp.float32
 
 
+@pytest.mark.parametrize("loss_chunk", [0, 5])
+def test_a_loss_chunk_that_does_not_divide_the_sequence_is_named(loss_chunk):
+    model = Mamba2LM(tiny(), rngs=nnx.Rngs(0))
+    ids = jnp.zeros((1, 12), jnp.int32)
+    with pytest.raises(ValueError, match=f"loss_chunk={loss_chunk} must be a positive "
+                                         "divisor of the sequence length 12"):
+        model.loss(ids, ids, loss_chunk=loss_chunk)
+
+
 def test_the_layers_one_after_the_other_are_traced_once_a_run(monkeypatch):
     """scan_layers=False: a run's four layers are one function traced once and called per
     layer (a jit: its jaxpr, its derivatives' and its lowering reused), not four traces,
