@@ -224,6 +224,8 @@ def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
     _require(not d.get("norm_before_gate", False), path,
              "norm_before_gate=True is not supported (Mamba2 checkpoints use False)")
     _require(d.get("rms_norm", True), path, "rms_norm=False is not supported")
+    # transformers' Mamba2 applies hidden_act after the conv (and the gate's SiLU is fixed)
+    _require(d.get("hidden_act", "silu") == "silu", path, "hidden_act must be silu")
     limit = d.get("time_step_limit", (0.0, math.inf))
     return Mamba2Config.from_dict(dict(
         d_model=d_model, n_layer=d["num_hidden_layers"], vocab_size=d["vocab_size"],

@@ -296,6 +296,8 @@ def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, 
     ("time_step_min", "0.001", 'time_step_min="0.001" must be a finite number'),
     ("use_conv_bias", "yes", 'use_conv_bias="yes" must be true or false'),
     ("time_step_limit", "none", r'time_step_limit="none" must be a pair \[low, high\]'),
+    # transformers applies it after the conv: read as SiLU, the model was silently another
+    ("hidden_act", "gelu", "hidden_act must be silu"),
 ])
 def test_config_fields_of_the_wrong_type_or_size_are_named(tmp_path, field, value, must):
     config = json.loads((FIXTURES / "hf_ngroups1_tied" / "config.json").read_text())
