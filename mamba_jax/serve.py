@@ -641,8 +641,9 @@ async def completions(request: web.Request):
     if v["stream"] and v["logprobs"] is not None:
         raise BadRequest("logprobs", "logprobs are not streamed; ask for them without stream")
     ids = [i for i in _tokenized(engine, prompts, "prompt") for _ in range(v["n"])]
-    rows = _rows(engine, ids, "prompt", v["max_tokens"], v["temperature"], 0, v["top_p"],
-                 stream=v["stream"])
+    # n copies of each prompt: where they pass a limit the prompts alone do not, n is named
+    rows = _rows(engine, ids, "prompt" if v["n"] == 1 else "n", v["max_tokens"],
+                 v["temperature"], 0, v["top_p"], stream=v["stream"])
     prompts = [p for p in prompts for _ in range(v["n"])]
     meta = {"id": f"cmpl-{id(rows[0]):x}", "object": "text_completion",
             "created": int(time.time()), "model": v["model"] or request.app[MODEL_NAME]}
@@ -665,7 +666,7 @@ async def completions(request: web.Request):
                 choice["logprobs"] = lp
         return web.json_response({**meta, "choices": choices, "usage": {
             "prompt_tokens": sum(len(r.ids) for r in rows[::v["n"]]),
-            "completion_tokens": sum(len(new) for new, _ in results)}})
+            "completion_tokens": sum(map(len, kept))}})  # as the stops cut them
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
 

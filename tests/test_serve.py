@@ -533,6 +533,7 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
         async with _first_request_decoding(model, limits, monkeypatch) as (s, url, engine,
                                                                           held, first):
             many = await complete(s, url, prompt=["a"] * 5, max_tokens=2)
+            copies = await complete(s, url, prompt=["a"] * 2, max_tokens=2, n=3)
             alone_too_big = await complete(s, url, prompt=["aaaaaaaaaa"] * 3, max_tokens=10)
             queued = asyncio.create_task(complete(s, url, prompt=["five!"] * 2,
                                                   max_tokens=10))  # 30 tokens
@@ -541,10 +542,13 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
                               json={"prompt": "five!", "max_tokens": 10}) as r:
                 busy = r.status, await r.json(), r.headers.get("Retry-After")
             held.release.set()
-            return many, alone_too_big, busy, (await first)[0], (await queued)[0]
+            return many, copies, alone_too_big, busy, (await first)[0], (await queued)[0]
 
-    many, alone_too_big, busy, first, queued = run(go())
+    many, copies, alone_too_big, busy, first, queued = run(go())
     assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]
+    # 2 prompts are within the limit, their 3 completions each not: n is the field named
+    assert copies[0] == 400 and copies[1]["error"]["field"] == "n"
+    assert "6 prompts; at most 4 per request" in copies[1]["error"]["message"]
     assert alone_too_big[0] == 400 and "needs 60 prompt and new tokens" in \
         alone_too_big[1]["error"]["message"]
     assert busy[0] == 503 and busy[2] == "1" and "busy" in busy[1]["error"]["message"]
@@ -691,6 +695,7 @@ def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch
     assert scripted.calls[0]["banned_after"] is None and scripted.calls[0]["top_p_decay"] is None
     assert status == 200 and [c["index"] for c in openai["choices"]] == [0, 1, 2, 3]
     assert {(c["text"], c["finish_reason"]) for c in openai["choices"]} == {("ab:\nc", "stop")}
+    assert openai["usage"]["completion_tokens"] == 4 * 5  # the tokens of the text kept
     assert "".join(c["choices"][0]["text"] for c in chunks) == "ab:\ncd"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
