@@ -373,9 +373,10 @@ class Mamba2LM(nnx.Module):
                              "layers: give one per layer (None for a layer without state)")
         for i, (layer, state) in enumerate(zip(self.layers, initial_states)):
             if state is not None and not layer.mixer.takes_initial_state:
-                raise ValueError(f"initial_states[{i}]: layer {i} is "
+                raise ValueError(f"initial_states[{i}] (or a prefill's cache): layer {i} is "
                                  f"{type(layer.mixer).__name__}, which cannot continue from a "
-                                 "state; give None for it")
+                                 "state (Mamba2 layers can); give None for it, or run the "
+                                 "whole sequence at once")
         for first, end in _runs(self.config.layers):
             given = {initial_states[i] is None for i in range(first, end)}
             if len(given) > 1:

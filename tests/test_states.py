@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from mamba_jax import Mamba2LM, parallel
+from mamba_jax import Mamba2Config, Mamba2LM, parallel
 from mamba_jax.convert import load_training_checkpoint, save_pretrained
 from mamba_jax.checkpoint import Checkpointer
 from mesh_check import FAST_COMPILE, tiny_config
@@ -181,3 +181,20 @@ def test_initial_states_for_a_layer_without_state_are_refused():
         model(ids, initial_states=states[:2] + (states[0],))
     with pytest.raises(ValueError, match="give a state for all of them or for none"):
         model(ids, initial_states=(states[0], None, None))
+
+
+def test_states_a_layer_cannot_take_back_are_refused_naming_it():
+    """Mamba-1 layers give their states (return_states) but do not continue from one: the
+    call and a prefill from its cache are refused, naming the layer and the ways on."""
+    cfg = Mamba2Config.preset("tiny-mamba1", d_model=32, n_layer=1, layer_pattern="1")
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.ones((1, 8), jnp.int32)
+    _, states = model(ids, return_states=True)
+    refusal = (r"initial_states\[0\] \(or a prefill's cache\): layer 0 is Mamba1Mixer, which "
+               r"cannot continue from a state \(Mamba2 layers can\); give None for it, or run "
+               r"the whole sequence at once")
+    with pytest.raises(ValueError, match=refusal):
+        model(ids, initial_states=states)
+    _, cache = model.prefill(ids)
+    with pytest.raises(ValueError, match=refusal):
+        model.prefill(ids, cache=cache)
