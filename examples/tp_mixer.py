@@ -45,4 +45,8 @@ def main(model_size=2):
 
 
 if __name__ == "__main__":
+    if jax.device_count() < 2:
+        raise SystemExit("examples/tp_mixer.py splits a layer over 2 devices and sees "
+                         f"{jax.device_count()}: on a CPU, run it with "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     print(f"largest difference from one device: {main():.2e}")
