@@ -197,7 +197,8 @@ def build_parser():
                         help="as --resume, but start fresh when --checkpoint-dir holds no "
                              "checkpoint (for jobs that a scheduler restarts)")
     p.add_argument("--out", "--export-hf", dest="out", default="runs/{preset}",
-                   help="where the final weights go (HF layout + tokenizer.json); 'none' to "
+                   help="where the final weights go (HF layout, or mamba_ssm's for a model "
+                        "transformers cannot hold; + tokenizer.json); 'none' to "
                         "skip. A directory that holds a model is refused, unless "
                         "--overwrite-out or the run resumes the checkpoints that wrote it; "
                         "one that comes to hold a model while the run trains is kept, the "
