@@ -177,7 +177,8 @@ def test_initial_states_for_a_layer_without_state_are_refused():
     model = Mamba2LM(CFG, rngs=nnx.Rngs(3))
     ids, _ = batch(CFG)
     states = model.init_cache(2)  # (MambaCache, MambaCache, None): the MLP has none
-    with pytest.raises(ValueError, match=r"initial_states\[2\]: layer 2 is MLP"):
+    with pytest.raises(ValueError, match=r"initial_states\[2\] \(or a prefill's cache\): "
+                                         r"layer 2 is MLP"):
         model(ids, initial_states=states[:2] + (states[0],))
     with pytest.raises(ValueError, match="give a state for all of them or for none"):
         model(ids, initial_states=(states[0], None, None))
