@@ -488,3 +488,17 @@ def test_a_model_with_bidirectional_layers_is_refused_before_decoding():
     with pytest.raises(ValueError, match=r"layer_pattern 'MB': its B layers read later "
                                          r"tokens"):
         mamba_jax.generate(Mamba2LM(cfg, rngs=nnx.Rngs(0)), jnp.ones((1, 3), jnp.int32), 2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(eos_token_id=[1, 2]), r"eos_token_id=\[1, 2\] must be an integer \(one token id\) "
+                                r"or None"),
+    (dict(seed=None), "seed=None must be an integer"),
+    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
+])
+def test_arguments_that_must_be_integers_are_named(model, kwargs, match):
+    """A list of eos ids (as HF configs give), seed=None or a float length were jit's or
+    numpy's errors, or truncated."""
+    with pytest.raises(ValueError, match=f"generate: {match}"):
+        mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,
+                                                                   **kwargs})

@@ -508,6 +508,13 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     filters are used, eos_token_id, streaming or not, ssm_state_dtype, decode plan); the
     settings' values and the prompts are data.
     """
+    integer = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+    for name, value, may_be_none in (("max_new_tokens", max_new_tokens, False),
+                                     ("seed", seed, False), ("eos_token_id", eos_token_id, True)):
+        if not (integer(value) or may_be_none and value is None):
+            # one eos id: an HF config's list of them is a common mistake
+            raise ValueError(f"generate: {name}={value!r} must be an integer"
+                             + (" (one token id) or None" if may_be_none else ""))
     input_ids = jnp.asarray(input_ids)
     prepared = prepare(model, input_ids, max_new_tokens, temperature, top_k, top_p,
                        prompt_lengths=prompt_lengths,
