@@ -47,7 +47,7 @@ class _WithoutOrbaxTracebacks(logging.Filter):
         return not (record.exc_info and "orbax" in record.pathname)
 
 
-_failed_restores = []  # the steps whose restore failed in this process
+_restore_failed = False  # whether a restore has failed in this process (_report)
 
 
 def _from_a_failed_restore(error: BaseException | None, tb) -> bool:
@@ -59,7 +59,7 @@ def _from_a_failed_restore(error: BaseException | None, tb) -> bool:
         return True
     frames = traceback.extract_tb(tb)
     return (any("/orbax/" in frame.filename for frame in frames)
-            or bool(_failed_restores) and error is not None and not frames)
+            or _restore_failed and error is not None and not frames)
 
 
 class _WithoutFailedRestoreReads(logging.Filter):
@@ -201,7 +201,8 @@ class Checkpointer:
         return None
 
     def _report(self, step: int, error: Exception, log) -> int:
-        _failed_restores.append(step)
+        global _restore_failed
+        _restore_failed = True
         # TensorStore's errors end in a dump of the store's spec, which says nothing more
         why = str(error).split(" See full TensorStore details")[0][:200]
         print(f"checkpoint {self.directory / str(step)} cannot be restored "

@@ -237,12 +237,12 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
             raise SystemExit(f"--config {path}: not a TOML recipe ({error}); recipes are in "
                              "train/") from None
         model_overrides = recipe.pop("model", {})
-        known = {a.dest for a in parser._actions} - {"help", "config", "set"}
+        actions = {a.dest: a for a in parser._actions}
+        known = set(actions) - {"help", "config", "set"}
         unknown = sorted(set(recipe) - known)
         if unknown:
             raise SystemExit(f"--config {path}: unknown keys {unknown}; keys are flag names "
                              f"with underscores: {sorted(known)}")
-        actions = {a.dest: a for a in parser._actions}
         for key, value in recipe.items():
             _check_recipe_value(path, key, value, actions[key])
         parser.set_defaults(**recipe)
