@@ -42,6 +42,8 @@ extension (the header names the path).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import time
 
@@ -318,6 +320,20 @@ def describe(config):
     default = kernels.Config()
     changed = {k: v for k, v in vars(config).items() if getattr(default, k) != v}
     return ",".join(f"{k}={v}" for k, v in changed.items()) or "default"
+
+
+@contextlib.contextmanager
+def default_config(text):
+    """Within it, the kernels' default config, the one `ssd()` and the model's Mamba2 layers
+    run when given none, is parse_config(text): to trace a whole model under a variant
+    (bench.train_step's --ssd-variants). Mamba-3's scan keeps the config it binds at import."""
+    fields = vars(parse_config(text))
+    original = kernels.Config
+    kernels.Config = functools.partial(original, **fields)
+    try:
+        yield
+    finally:
+        kernels.Config = original
 
 
 def breakdown(rng, shapes, configs, warmup, reps):

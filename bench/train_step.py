@@ -18,6 +18,10 @@ throughput: one row per mesh, the same global batch: step time (median of --step
   --xla-variants runs each mesh once per entry, an entry being XLA flags without their
   leading dashes ('' for none), to compare them in one run:
   --xla-variants '' 'xla_gpu_enable_latency_hiding_scheduler=true'.
+  --ssd-variants runs, in each mesh's process, one step per entry, an entry being the SSD
+  kernels' config as bench.ssd's --breakdown spells it ('' the default): the steps share
+  one state and take turns, --rounds times, so that their ratios are read within one
+  process (peak memory is the process's, all of them run before it).
   --breakdown adds the jitted loss alone and the loss with its gradient, timed the same
   way: a coarse split of the step (the gradient alone writes every gradient out, which the
   step fuses into the update, so "the rest" is approximate).
@@ -83,9 +87,11 @@ GIB = 2**30
 
 class Steps:
     """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len);
-    scan_layers as the trainer's --scan-layers (default: the layers one after the other)."""
+    scan_layers as the trainer's --scan-layers (default: the layers one after the other);
+    ssd_config: the SSD kernels' config it is traced with (bench.ssd.default_config)."""
 
-    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=False):
+    def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=False,
+                 ssd_config=""):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -100,7 +106,7 @@ class Steps:
             cfg = cfg.replace(n_layer=layers, layer_pattern=cfg.layers[:layers],
                               attn_layer_idx=())
         self.cfg = cfg
-        self.mesh_spec, self.loss_chunk = mesh_spec, loss_chunk
+        self.mesh_spec, self.loss_chunk, self.ssd_config = mesh_spec, loss_chunk, ssd_config
         n = math.prod(parallel.parse_mesh_spec(mesh_spec).values())
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
         self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)
@@ -128,6 +134,7 @@ class Steps:
         outputs - donated + temporaries, per device)."""
         import jax
 
+        from bench.ssd import default_config
         from mamba_jax import parallel
 
         if (batch, seq_len) not in self.compiled:
@@ -136,7 +143,8 @@ class Steps:
             tokens = jax.ShapeDtypeStruct((1, batch, seq_len), jax.numpy.int32,
                                           sharding=self.rows)
             start = time.perf_counter()
-            lowered = self.step.lower(*self.abstract_state, (tokens, tokens))
+            with default_config(self.ssd_config):
+                lowered = self.step.lower(*self.abstract_state, (tokens, tokens))
             log(f"  {self.mesh_spec} {batch}x{seq_len}: lowered in "
                 f"{time.perf_counter() - start:.1f} s")
             exe = lowered.compile()
@@ -169,6 +177,7 @@ class Steps:
         gradient (forward + backward), the rest of the step being the optimizer update."""
         import jax
 
+        from bench.ssd import default_config
         from mamba_jax import parallel
         from mamba_jax.metrics import train_flops_per_token
         from mamba_jax.optim import init_opt_state
@@ -215,8 +224,9 @@ class Steps:
             for name, fn in (("forward_s", jax.jit(self.loss_fn)),
                              ("forward_backward_s", jax.jit(jax.value_and_grad(self.loss_fn)))):
                 # One warm-up call compiles it.
-                parts[name] = median_time(
-                    lambda fn=fn: jax.block_until_ready(fn(params, *micro)), 1, steps)
+                with default_config(self.ssd_config):  # the warm-up call traces it
+                    parts[name] = median_time(
+                        lambda fn=fn: jax.block_until_ready(fn(params, *micro)), 1, steps)
                 log(f"  {self.mesh_spec} {batch}x{seq_len}: {name} {parts[name]:.3f} s")
         devices = list(self.mesh.devices.flat)
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
@@ -270,6 +280,8 @@ def child(args):
     """One process's work; reports its results (harness.result)."""
     import jax
 
+    if args.child == "variants":
+        return variants(args)
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers,
                   args.scan_layers)
     if args.child == "measure":
@@ -287,6 +299,20 @@ def child(args):
                                    args.granule, limit, log)
         measured = steps.measure(value, args.seq_len, args.steps)
     result(dict(measured, next_planned_gib=next_need / GIB, limit_gib=limit / GIB))
+
+
+def variants(args):
+    """One step per --ssd-variants entry, taking turns --rounds times over one state (the
+    first step builds it; each hands it to the next): a result per step and round."""
+    runs = [Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers,
+                  args.scan_layers, config) for config in args.ssd_variants]
+    state = None
+    for round_ in range(1, args.rounds + 1):
+        for steps in runs:
+            steps.state, state = state, None
+            measured = steps.measure(args.batch, args.seq_len, args.steps, args.breakdown)
+            state, steps.state = steps.state, None
+            result(dict(measured, ssd=steps.ssd_config, round=round_))
 
 
 def in_process(gpus: str, argv: list[str], timeout: float, xla_flags: str = "") -> list[dict]:
@@ -464,21 +490,27 @@ def throughput(args):
     print(f"{args.preset}{part}, bf16 compute, remat {args.remat}{layers_note(args)}; median "
           f"of {args.steps} steps")
     print(row_head(), flush=True)
-    base = None
+    bases = {}
+    kind, extra = ("variants", ["--rounds", str(args.rounds), "--ssd-variants",
+                                *args.ssd_variants]) if args.ssd_variants else ("measure", [])
     for mesh, variant in itertools.product(args.meshes, args.xla_variants):
         flags = " ".join("--" + flag for flag in variant.split())
-        r = in_process(gpus_for(mesh), child_argv(args, "measure", mesh), args.timeout,
-                       xla_flags=flags)[0]
-        print(row(r, f"{mesh} {flags}".strip()), flush=True)
-        if "forward_s" in r:
-            print(f"|   breakdown | | | | forward {r['forward_s'] * 1e3:.1f} ms, forward+backward "
-                  f"{r['forward_backward_s'] * 1e3:.1f} ms, optimizer and the rest "
-                  f"{(r['step_s'] - r['forward_backward_s']) * 1e3:.1f} ms | | | | | |",
-                  flush=True)
-        if "error" not in r:
-            base = base or r
-            print(f"|   vs first row | | | | {r['step_s'] / base['step_s']:.2f}x step time | | "
-                  f"| | {r['peak_gib'] / max(base['peak_gib'], 1e-9):.2f}x peak | |", flush=True)
+        for r in in_process(gpus_for(mesh), child_argv(args, kind, mesh) + extra,
+                            args.timeout, xla_flags=flags):
+            label = " ".join(part for part in (
+                mesh, flags, "ssd " + (r["ssd"] or "default") if "ssd" in r else "",
+                f"round {r['round']}" if "round" in r else "") if part)
+            print(row(r, label), flush=True)
+            if "forward_s" in r:
+                print(f"|   breakdown | | | | forward {r['forward_s'] * 1e3:.1f} ms, "
+                      f"forward+backward {r['forward_backward_s'] * 1e3:.1f} ms, optimizer "
+                      f"and the rest {(r['step_s'] - r['forward_backward_s']) * 1e3:.1f} ms "
+                      "| | | | | |", flush=True)
+            if "error" not in r:  # with --ssd-variants, the first row of its process's round
+                base = bases.setdefault((mesh, flags, r["round"]) if "round" in r else None, r)
+                print(f"|   vs first row | | | | {r['step_s'] / base['step_s']:.3f}x step time "
+                      f"| | | | {r['peak_gib'] / max(base['peak_gib'], 1e-9):.2f}x peak | |",
+                      flush=True)
 
 
 def longest(args):
@@ -579,7 +611,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=("tiny", "throughput", "longest", "versus", "_child",
                                     "_theirs"))
-    p.add_argument("child", nargs="?", choices=("measure", "longest", "batch"))
+    p.add_argument("child", nargs="?", choices=("measure", "longest", "batch", "variants"))
     p.add_argument("--meshes", nargs="+", default=["dp=1"])
     p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
                    help="tiny: Mamba2Config fields of the tiny preset to change "
@@ -603,6 +635,12 @@ def main(argv=None):
     p.add_argument("--xla-variants", nargs="+", default=[""], metavar="FLAGS",
                    help="throughput: run each mesh once per entry, XLA flags without their "
                         "leading dashes ('' for none)")
+    p.add_argument("--ssd-variants", nargs="+", default=None, metavar="CONFIG",
+                   help="throughput: in each mesh's process, one step per SSD kernel config "
+                        "(bench.ssd's --breakdown CONFIG: '' the default, "
+                        "'dx_apart=True' ...), taking turns over one state")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="throughput --ssd-variants: turns each step takes")
     p.add_argument("--breakdown", action="store_true",
                    help="throughput: also time the loss alone and the loss with its gradient")
     p.add_argument("--limit-gib", type=float, default=None,

@@ -555,3 +555,64 @@ def test_the_step_benchmark_stores_its_states_as_generate_does(dtype):
                 else np.abs(np.asarray(want)) * 2.0 ** -8)
         assert np.all(np.abs(np.asarray(load_state(state)) - np.asarray(want))
                       <= {"float32": 0, "bfloat16": 1, "int8": 0.5}[dtype] * step * 1.0001)
+
+
+def test_ssd_variants_trace_under_their_config_and_take_turns_over_one_state(monkeypatch,
+                                                                             capsys):
+    import argparse
+    import json
+
+    from bench import train_step
+    from bench.ssd import default_config
+    from pallas_kernels.ssd import triton
+
+    original = triton.Config
+    with default_config("dx_apart=True,chunk=32"):
+        assert triton.Config().dx_apart and triton.Config().chunk == 32
+        assert triton.Config(chunk=128) == triton.Config(dx_apart=True, chunk=128)
+    assert triton.Config is original and not triton.Config().dx_apart
+
+    calls = []
+
+    class Steps:  # the state a measure hands on, and which config measured it
+        def __init__(self, *args):
+            self.ssd_config, self.state = args[-1], None
+
+        def measure(self, batch, seq_len, steps, breakdown):
+            calls.append((self.ssd_config, self.state))
+            self.state = len(calls)
+            return {"step_s": 1.0}
+
+    monkeypatch.setattr(train_step, "Steps", Steps)
+    train_step.variants(argparse.Namespace(
+        preset="tiny", mesh="dp=1", remat="none", loss_chunk=None, layers=None,
+        scan_layers=False, ssd_variants=["", "dx_apart=True"], rounds=2, batch=2, seq_len=8,
+        steps=1, breakdown=False))
+    assert calls == [("", None), ("dx_apart=True", 1), ("", 2), ("dx_apart=True", 3)]
+    reported = [json.loads(line[7:]) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["ssd"], r["round"]) for r in reported] == [("", 1), ("dx_apart=True", 1),
+                                                          ("", 2), ("dx_apart=True", 2)]
+
+
+def test_ssd_variants_rows_compare_within_their_round(monkeypatch, capsys):
+    from bench import train_step
+
+    def measured(ssd, round_, step_s):
+        return dict(ssd=ssd, round=round_, step_s=step_s, devices=1, batch=2, seq_len=8,
+                    compile_s=1.0, tokens_s=16 / step_s, mfu=0.1, peak_gib=1.0, loss=1.0,
+                    finite=True)
+
+    argvs = []
+    monkeypatch.setattr(train_step, "in_process", lambda gpus, argv, timeout, xla_flags: (
+        argvs.append(argv) or [measured("", 1, 1.0), measured("dx_apart=True", 1, 0.9),
+                               measured("", 2, 2.0), measured("dx_apart=True", 2, 1.0)]))
+    train_step.main(["throughput", "--preset", "tiny", "--ssd-variants", "", "dx_apart=True",
+                     "--rounds", "2", "--steps", "1"])
+    assert argvs[0][:2] == ["_child", "variants"]
+    assert argvs[0][-5:] == ["--rounds", "2", "--ssd-variants", "", "dx_apart=True"]
+    rows = capsys.readouterr().out.splitlines()
+    assert [line.split("|")[1].strip() for line in rows if "ssd" in line] == [
+        "dp=1 ssd default round 1", "dp=1 ssd dx_apart=True round 1",
+        "dp=1 ssd default round 2", "dp=1 ssd dx_apart=True round 2"]
+    assert [line.split("|")[5].strip() for line in rows if "vs first row" in line] == [
+        "1.000x step time", "0.900x step time", "1.000x step time", "0.500x step time"]
