@@ -135,6 +135,8 @@ def is_indexed(path) -> bool:
     """Whether `path` names a Megatron indexed dataset by its prefix (PREFIX.bin, .idx)."""
     return not Path(path).exists() and Path(f"{path}.idx").is_file() \
         and Path(f"{path}.bin").is_file()
+
+
 # prepare's working directory inside --out; one left behind was a prepare killed mid-way.
 _WORK_PREFIX = ".prepare-"
 
@@ -156,7 +158,8 @@ def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
     lines so that a large file never sits in memory (a piece boundary is a line boundary,
     where tokenizers rarely merge).
     """
-    with open(path, encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
+    with open(path, encoding="utf-8-sig") as f:
         if path.suffix in (".jsonl", ".json"):
             for number, line in enumerate(f, 1):
                 if not line.strip():
@@ -354,12 +357,26 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
 # ---------------------------------------------------------------- reading
 
 
+def _check_not_a_part(path: Path):
+    """Refuse a file of a dataset given as --data (read as text, a tokens.bin of small ids is
+    valid UTF-8: the run would train on its bytes)."""
+    if path.name in ("tokens.bin", "docs.npy", "meta.json") and \
+            (path.parent / "meta.json").is_file():
+        raise ValueError(f"--data {path} is a file of the dataset {path.parent}; give the "
+                         f"folder: --data {path.parent}")
+    prefix = path.with_suffix("")
+    if path.suffix in (".bin", ".idx") and is_indexed(prefix):
+        raise ValueError(f"--data {path} is a file of the Megatron dataset {prefix}; give its "
+                         f"prefix: --data {prefix}")
+
+
 def dataset_meta(path) -> dict | None:
     """meta.json of the prepared dataset at `path`, or None when `path` is a text file.
     Anything else (nothing there, a directory that is not a dataset, a meta.json of another
     format) is an error naming the path and the fix."""
     path = Path(path)
     if path.is_file():
+        _check_not_a_part(path)
         return None
     if is_indexed(path):
         return None
@@ -448,7 +465,7 @@ class TokenDataset:
         """One small UTF-8 text file as one document, tokenized in memory; its last
         eval_fraction is held out (as a second document, so the split needs no boundary)."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = Path(path).read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as error:
             raise _not_utf8(f"--data {path}", error) from None
         if not text:
@@ -617,7 +634,8 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text or JSON-lines files into a dataset dir",
                        formatter_class=HelpFormatter)
-    p.add_argument("inputs", nargs="+", help="text files (one document each) or .jsonl files "
+    # "*", not "+": a missing input is told apart from one that --json-keys took (below).
+    p.add_argument("inputs", nargs="*", help="text files (one document each) or .jsonl files "
                                              "(one document per line and --json-keys field)")
     p.add_argument("--tokenizer", required=True,
                    help="tokenizer.json or SentencePiece tokenizer.model path, or 'bytes'")
@@ -633,6 +651,11 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None,
                    help="processes (default: one per input file, at most the cores)")
     args = parser.parse_args(argv)
+    if not args.inputs:
+        taken = [key for key in args.json_keys if Path(key).exists()]
+        p.error("the following arguments are required: inputs" + (
+            f" (--json-keys took {', '.join(taken)} as field names: give the inputs before "
+            "--json-keys)" if taken else ""))
     meta = prepare(args.inputs, args.tokenizer, args.out, args.eval_fraction, args.workers,
                    append_eod=args.append_eod, overwrite=args.overwrite,
                    json_keys=args.json_keys)

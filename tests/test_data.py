@@ -247,6 +247,35 @@ def test_data_errors_name_the_input_and_the_fix(corpus, tmp_path):
     with pytest.raises(ValueError, match=r"token id 119 >= the model's vocab_size=100; pass "
                                          r"--set vocab_size=256"):
         TokenDataset.load(tmp_path / "ds", vocab_size=100)
+    # A dataset's file is not a text file (tokens.bin of byte ids is valid UTF-8)
+    for name in ("tokens.bin", "meta.json"):
+        with pytest.raises(ValueError, match=rf"--data .*ds/{name} is a file of the dataset "
+                                             rf".*ds; give the folder: --data .*ds$"):
+            load_data([str(tmp_path / "ds" / name)], vocab_size=256)
+
+
+def test_a_byte_order_mark_is_no_character_of_the_text(tmp_path):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "b.txt").write_bytes(bom + b"plain")
+    prepare([tmp_path / "a.jsonl", tmp_path / "b.txt"], "bytes", tmp_path / "ds", workers=1,
+            append_eod=False)
+    assert bytes(np.fromfile(tmp_path / "ds" / "tokens.bin", np.uint16).astype(np.uint8)) \
+        == b"onetwoplain"
+    assert bytes(np.asarray(TokenDataset.load(tmp_path / "b.txt", 256).tokens, np.uint8)) \
+        == b"plain"
+
+
+def test_prepare_names_inputs_that_json_keys_took(corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", "--tokenizer", "bytes", "--json-keys", "text", str(corpus / "b.jsonl"),
+              "--out", str(tmp_path / "ds")])
+    assert exit_.value.code == 2
+    assert (f"required: inputs (--json-keys took {corpus / 'b.jsonl'} as field names: give the "
+            "inputs before --json-keys)") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["prepare", "--tokenizer", "bytes", "--out", str(tmp_path / "ds")])
+    assert capsys.readouterr().err.endswith("required: inputs\n")
 
 
 # ------------------------------------------------------------------ Megatron-LM's data
@@ -322,6 +351,9 @@ def test_a_megatron_indexed_dataset_trains_as_it_is(tmp_path):
     assert batch["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
     with pytest.raises(ValueError, match=r"token id 70000 >= the model's vocab_size=1000"):
         TokenDataset.load(prefix, vocab_size=1000)._batch([9], 4)
+    with pytest.raises(ValueError, match=r"corpus_text_document.bin is a file of the Megatron "
+                                         r"dataset .*; give its prefix: --data .*document$"):
+        TokenDataset.load(f"{prefix}.bin", vocab_size=100000)
     Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00" + bytes(40))
     with pytest.raises(ValueError, match=r"version 0, .* not an index this code reads"):
         TokenDataset.load(prefix, vocab_size=100000)
