@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import types
+import typing
 from typing import Any
 
 from mamba_jax.layers.registry import KINDS
@@ -74,6 +77,9 @@ class ModelFields:
         self.__post_init__()
 
     def __post_init__(self):
+        _check_types(self, "Mamba2Config")
+        for name in SECTIONS:
+            _check_types(getattr(self, name), f"Mamba2Config.{name}")
         if any(float(i) != int(i) for i in self.attn_layer_idx):
             raise ValueError(f"Mamba2Config.attn_layer_idx={self.attn_layer_idx} must be block "
                              "indices (integers)")
@@ -234,6 +240,31 @@ LEGACY_NAMES = {
     "d_intermediate": ("mlp", "d_intermediate"),
     "mlp_activation": ("mlp", "activation"),
 }
+
+
+# What a scalar field's annotation admits: an int where a float is asked, never a bool for a
+# number (a JSON config's true for a size) nor a string for a bool ("false" would be true).
+_ADMITS = {bool: lambda v: isinstance(v, bool),
+           int: lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+           float: lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+           str: lambda v: isinstance(v, str), type(None): lambda v: v is None}
+
+
+def _check_types(fields, where: str):
+    """Refuse a field whose value is not of its annotation's scalar types (fields of other
+    types, tuples and sections, are checked where they are read)."""
+    hints = typing.get_type_hints(type(fields))
+    for field in dataclasses.fields(fields):
+        hint = hints[field.name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if not all(kind in _ADMITS for kind in kinds):
+            continue
+        value = getattr(fields, field.name)
+        if not any(_ADMITS[kind](value) for kind in kinds):
+            names = {bool: "true or false", int: "an integer", float: "a number",
+                     str: "a string", type(None): "null (None)"}
+            raise ValueError(f"{where}.{field.name}={value!r} must be "
+                             f"{' or '.join(names[kind] for kind in kinds)}")
 
 
 def _section(kind, values: dict):

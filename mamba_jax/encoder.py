@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_jax.model import Mamba2LM, init_backbone
+from mamba_jax.model import Mamba2LM, check_per_token, check_tokens, init_backbone
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 
 POOLS = (None, "mean")
@@ -50,6 +50,10 @@ class Mamba2Encoder(nnx.Module):
         Mamba2LM.hidden's."""
         if pool not in POOLS:
             raise ValueError(f"Mamba2Encoder: pool={pool!r}; use one of {POOLS}")
+        if mask is not None and pool is None:  # per-token outputs: every position, unmasked
+            raise ValueError("Mamba2Encoder: mask selects the tokens pool='mean' averages; "
+                             "give pool='mean', or leave mask out for per-token outputs")
+        check_per_token("Mamba2Encoder", jnp.shape(inputs)[:2], mask=mask)
         hidden = self.hidden(inputs, seq_idx, ctx=ctx, remat=remat, scan_layers=scan_layers)
         if pool is None:
             return hidden
@@ -63,12 +67,14 @@ class Mamba2Encoder(nnx.Module):
         """inputs as __call__'s -> the final norm's output [b, l, d] in the compute dtype
         (every position of this device's part, as Mamba2LM.hidden)."""
         if jnp.issubdtype(inputs.dtype, jnp.integer):
+            check_tokens("Mamba2Encoder", inputs, seq_idx=seq_idx)
             residual = self.embed(inputs, ctx)
         else:
             if inputs.ndim != 3 or inputs.shape[-1] != self.config.d_model:
                 raise ValueError(f"Mamba2Encoder: features of shape {inputs.shape}; give "
                                  f"[batch, seqlen, d_model={self.config.d_model}] floats or "
                                  "[batch, seqlen] token ids")
+            check_per_token("Mamba2Encoder", inputs.shape[:2], seq_idx=seq_idx)
             residual = ctx.sequence_shard(inputs.astype(self.residual_dtype))
         stream, _ = self._layers(residual, seq_idx, ctx, remat, scan=scan_layers)
         return self._final(stream, ctx)

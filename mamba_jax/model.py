@@ -73,6 +73,25 @@ def cross_entropy(logits, targets, ctx: ParallelContext = SINGLE_DEVICE):
     return jnp.log(sum_exp) + top - target_logit
 
 
+def check_tokens(where: str, input_ids, **per_token):
+    """Refuse input_ids that are not [b, l] integer ids, and per-token inputs (seq_idx,
+    targets, mask; None where not given) not of their shape: shapes are static, so this
+    holds under jit too, where the mismatch was a broadcasting error deep in a layer."""
+    if jnp.ndim(input_ids) != 2 or not jnp.issubdtype(jnp.result_type(input_ids), jnp.integer):
+        raise ValueError(f"{where}: input_ids of shape {jnp.shape(input_ids)} and dtype "
+                         f"{jnp.result_type(input_ids)}; give [batch, seqlen] integer token ids")
+    check_per_token(where, jnp.shape(input_ids), **per_token)
+
+
+def check_per_token(where: str, shape: tuple, **per_token):
+    """Refuse per-token inputs (None where not given) whose shape is not the tokens' [b, l]
+    (`shape`)."""
+    for name, value in per_token.items():
+        if value is not None and jnp.shape(value) != tuple(shape):
+            raise ValueError(f"{where}: {name} has shape {jnp.shape(value)}; it takes one value "
+                             f"per token, the inputs' [batch, seqlen] = {tuple(shape)}")
+
+
 def _runs(layers: str):
     """(first, end) of each run of consecutive layers of one kind."""
     starts = [i for i in range(len(layers)) if i == 0 or layers[i] != layers[i - 1]]
@@ -256,6 +275,7 @@ class Mamba2LM(nnx.Module):
         states a previous call returned; gradients flow into it. return_states: also return
         each layer's state after the last token (its decoding cache; under cp every device
         gets the end of the whole sequence): (hidden, states)."""
+        check_tokens(type(self).__name__, input_ids, seq_idx=seq_idx)
         stream, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
                                       cache_len=input_ids.shape[1] if return_states else None,
                                       scan=scan_layers, initial_states=initial_states)
@@ -273,6 +293,7 @@ class Mamba2LM(nnx.Module):
         loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
         backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l,
         v/tp] (at 64K tokens and a 50K vocabulary that is 13 GB of float32 per row)."""
+        check_tokens(f"{type(self).__name__}.loss", input_ids, targets=targets)
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
                              initial_states=initial_states, return_states=return_states,
                              scan_layers=scan_layers)
@@ -417,6 +438,7 @@ class Mamba2LM(nnx.Module):
         seq_idx [b, l]: the cache holds only the last document of each row (so left padding
         given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
         that grow with the tokens (the prompt and every token to come; default l)."""
+        check_tokens(f"{type(self).__name__}.prefill", input_ids, seq_idx=seq_idx)
         cache_len = cache_len or input_ids.shape[1]
         stream, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
                                      cache_len=cache_len, scan=False, initial_states=cache)

@@ -27,6 +27,22 @@ def test_non_positive_size_names_the_field(field, value):
         Mamba2Config.preset("tiny", **{field: value})
 
 
+@pytest.mark.parametrize("field,value,match", [
+    ("tie_embeddings", "no", r"tie_embeddings='no' must be true or false"),
+    ("mamba2.conv_bias", "false", r"mamba2.conv_bias='false' must be true or false"),
+    ("mamba2.d_state", 16.0, r"mamba2.d_state=16.0 must be an integer"),
+    ("mamba2.nheads", "4", r"mamba2.nheads='4' must be an integer or null"),
+    ("norm_eps", "1e-5", r"norm_eps='1e-5' must be a number"),
+    ("mamba3.is_mimo", 1, r"mamba3.is_mimo=1 must be true or false"),
+    ("mlp.activation", None, r"mlp.activation=None must be a string")])
+def test_a_value_of_another_type_than_its_field_is_named(field, value, match):
+    # A hand-edited config.json's "false" was a true boolean, and "4" heads a string.
+    with pytest.raises(ValueError, match=rf"Mamba2Config.{match}"):
+        Mamba2Config.preset("tiny", **{field: value})
+    assert Mamba2Config.preset("mamba3-tiny", **{"mamba3.rope_fraction": 1}).mamba3 \
+        .rope_fraction == 1  # an integer where a number is asked
+
+
 def test_headdim_not_dividing_d_inner_names_values_and_fix():
     with pytest.raises(ValueError, match=r"128\*2 = 256 is not divisible by mamba2.headdim=48.*"
                                          r"choose headdim among \[32, 64\]"):

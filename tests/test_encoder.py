@@ -106,6 +106,16 @@ def test_encoder_pools_the_tokens_it_is_given():
         encoder(jnp.zeros((2, 20, 8)))
     with pytest.raises(ValueError, match="pool='max'"):
         encoder(ids, pool="max")
+    # Per-token inputs of another shape, and a mask nothing would read, are named.
+    with pytest.raises(ValueError, match=r"Mamba2Encoder: mask has shape \(2, 7\); it takes "
+                                         r"one value per token, the inputs' \[batch, seqlen\] "
+                                         r"= \(2, 20\)"):
+        encoder(ids, mask=mask[:, :7], pool="mean")
+    with pytest.raises(ValueError, match="mask selects the tokens pool='mean' averages"):
+        encoder(ids, mask=mask)
+    for inputs in (ids, encoder.embedding[...][ids]):
+        with pytest.raises(ValueError, match=r"seq_idx has shape \(20,\)"):
+            encoder(inputs, jnp.zeros(20, jnp.int32))
 
 
 def test_encoder_layers_one_after_the_other_give_the_scans_outputs_and_gradients(layer_scans):

@@ -189,6 +189,18 @@ def test_streaming_delivers_every_step_in_order(model):
     assert [step for step, _ in seen] == list(range(7))
     np.testing.assert_array_equal(np.asarray([t for _, t in seen]).T, out[:, 4:])
 
+    def on_token(step, tokens):  # a caller's stream that fails at its third token
+        seen.append(step)
+        if step == 2:
+            raise ConnectionResetError("client gone")
+    seen = []
+    with pytest.raises(ConnectionResetError, match="client gone"):
+        mamba_jax.generate(model, prompt, max_new_tokens=7, on_token=on_token)
+    assert seen == [0, 1, 2]  # and none after it
+    seen = []  # the next stream is its own
+    mamba_jax.generate(model, prompt, max_new_tokens=3, on_token=lambda step, _: seen.append(step))
+    assert seen == [0, 1, 2]
+
 
 def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model):
     ids = jnp.asarray(np.random.default_rng(6).integers(0, 250, (2, 14)))
@@ -338,7 +350,10 @@ def test_the_plan_takes_a_kinds_step_kernel_up_to_its_batch_only():
     (dict(prompt_lengths=[4]), "prompt_lengths=\\[4\\]"),
     (dict(temperature=[1.0, 1.0]), "temperature has shape \\(2,\\)"),
     (dict(ssm_state_dtype="float16"), "ssm_state_dtype='float16'"),
-    (dict(step_implementation="cuda"), "step_implementation='cuda'")])
+    (dict(step_implementation="cuda"), "step_implementation='cuda'"),
+    (dict(temperature=1.0, top_p_decay=0.5), "top_p_decay=0.5 and top_p_bound=None change "
+                                              "top_p, which is None"),
+    (dict(temperature=1.0, top_p_bound=0.1), "top_p_bound=0.1 change top_p")])
 def test_bad_arguments_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,

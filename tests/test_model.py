@@ -126,6 +126,23 @@ def test_a_loss_chunk_that_does_not_divide_the_sequence_is_named(loss_chunk):
         model.loss(ids, ids, loss_chunk=loss_chunk)
 
 
+def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
+    # They were broadcasting and indexing errors deep in a layer (or a conv's channel count).
+    model = Mamba2LM(tiny(), rngs=nnx.Rngs(0))
+    ids = jnp.zeros((2, 8), jnp.int32)
+    for call, match in [
+            (lambda: model(ids[0]), r"Mamba2LM: input_ids of shape \(8,\) and dtype int32; "
+                                    r"give \[batch, seqlen\] integer token ids"),
+            (lambda: model(ids.astype(jnp.float32)), r"and dtype float32"),
+            (lambda: model(ids, ids[:, :4]), r"Mamba2LM: seq_idx has shape \(2, 4\); it "
+                                             r"takes one value per token, the inputs' "
+                                             r"\[batch, seqlen\] = \(2, 8\)"),
+            (lambda: model.loss(ids, ids[:, 1:]), r"Mamba2LM.loss: targets has shape \(2, 7\)"),
+            (lambda: model.prefill(ids, ids[0]), r"Mamba2LM.prefill: seq_idx has shape \(8,\)")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def test_the_layers_one_after_the_other_are_traced_once_a_run(monkeypatch):
     """scan_layers=False: a run's four layers are one function traced once and called per
     layer (a jit: its jaxpr, its derivatives' and its lowering reused), not four traces,

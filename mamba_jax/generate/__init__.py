@@ -156,13 +156,22 @@ def _prompt_documents(input_ids, prompt_lengths):
 
 
 def _emit(stream_id, step, tokens):
-    """The host end of the streaming io_callback: hand tokens [b] to the stream's callable."""
-    _STREAMS[int(stream_id)](int(step), np.asarray(tokens))
+    """The host end of the streaming io_callback: hand tokens [b] to the stream's callable.
+    What it raises is kept for decode() to raise once the loop ends (raised here, it would
+    reach the caller wrapped in the runtime's error), and the stream gets no more steps."""
+    stream_id = int(stream_id)
+    if stream_id in _FAILURES:
+        return
+    try:
+        _STREAMS[stream_id](int(step), np.asarray(tokens))
+    except Exception as error:  # noqa: BLE001 - the caller's, raised again by decode()
+        _FAILURES[stream_id] = error
 
 
 # Streams by id: jit keys on the callable it traces, so the loop calls one fixed function
 # (_emit) with the stream's id as data, and a new on_token never recompiles.
 _STREAMS: dict[int, Callable[[int, np.ndarray], None]] = {}
+_FAILURES: dict[int, Exception] = {}  # by stream id: what its callable raised
 _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 
@@ -282,6 +291,9 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     if not np.all((decay >= 0) & (decay <= 1) & (bound >= 0) & (bound <= 1)):
         raise ValueError(f"generate: top_p_decay={top_p_decay} and top_p_bound={top_p_bound} "
                          "must be in [0, 1] (0: off)")
+    if top_p is None and (use_decay or np.any(bound > 0)):  # Megatron's: no top_p, no decay
+        raise ValueError(f"generate: top_p_decay={top_p_decay} and top_p_bound={top_p_bound} "
+                         "change top_p, which is None (off); give top_p (1.0: from no filter)")
     after, banned = banned_after if banned_after is not None else (None, None)
     after, use_ban = per_row("banned_after", after, np.int32, -1)
     banned, _ = per_row("banned_after", banned, np.int32, -1)
@@ -460,6 +472,9 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
             jax.effects_barrier()  # every callback has run before the stream is dropped
     finally:
         _STREAMS.pop(stream_id, None)
+        failure = _FAILURES.pop(stream_id, None)
+    if failure is not None:
+        raise failure
     return out
 
 
@@ -479,7 +494,9 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     cannot affect the state: each row continues exactly as if generated alone.
 
     on_token(step, tokens [b] numpy): called from a runtime thread as each step's tokens
-    are sampled (step 0 is the first new token), for streaming.
+    are sampled (step 0 is the first new token), for streaming. An exception it raises
+    ends the stream (no later step reaches it) and is raised by generate once the compiled
+    loop, which runs to its end, has.
 
     top_p_decay, top_p_bound (a number or [b], 0: off): Megatron-LM's decaying top-p, new
     token i sampled with max(top_p * top_p_decay**i, top_p_bound). banned_after (after,
