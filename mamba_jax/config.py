@@ -80,9 +80,12 @@ class ModelFields:
         _check_types(self, "Mamba2Config")
         for name in SECTIONS:
             _check_types(getattr(self, name), f"Mamba2Config.{name}")
-        if any(float(i) != int(i) for i in self.attn_layer_idx):
-            raise ValueError(f"Mamba2Config.attn_layer_idx={self.attn_layer_idx} must be block "
-                             "indices (integers)")
+        index = lambda i: isinstance(i, numbers.Real) and not isinstance(i, bool) \
+            and float(i) == int(i)
+        if not isinstance(self.attn_layer_idx, (tuple, list)) \
+                or not all(map(index, self.attn_layer_idx)):
+            raise ValueError(f"Mamba2Config.attn_layer_idx={self.attn_layer_idx!r} must be a "
+                             "list of block indices (integers)")
         object.__setattr__(self, "attn_layer_idx", tuple(int(i) for i in self.attn_layer_idx))
         for name in ("d_model", "n_layer", "vocab_size", "pad_vocab_size_multiple"):
             value = getattr(self, name)

@@ -34,7 +34,10 @@ def test_non_positive_size_names_the_field(field, value):
     ("mamba2.nheads", "4", r"mamba2.nheads='4' must be an integer or null"),
     ("norm_eps", "1e-5", r"norm_eps='1e-5' must be a number"),
     ("mamba3.is_mimo", 1, r"mamba3.is_mimo=1 must be true or false"),
-    ("mlp.activation", None, r"mlp.activation=None must be a string")])
+    ("mlp.activation", None, r"mlp.activation=None must be a string"),
+    ("attn_layer_idx", "1,2", r"attn_layer_idx='1,2' must be a list of block indices"),
+    ("attn_layer_idx", [1.5], r"attn_layer_idx=\[1.5\] must be a list of block indices"),
+    ("attn_layer_idx", [True], r"attn_layer_idx=\[True\] must be a list")])
 def test_a_value_of_another_type_than_its_field_is_named(field, value, match):
     # A hand-edited config.json's "false" was a true boolean, and "4" heads a string.
     with pytest.raises(ValueError, match=rf"Mamba2Config.{match}"):
