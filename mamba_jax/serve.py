@@ -236,8 +236,9 @@ class Engine:
                 seed, self.eos, prompt_lengths=[len(r.ids) for r in batch],
                 max_new_tokens_per_row=[r.max_new for r in batch],
                 on_token=on_token if any(streams) else None,
-                top_p_decay=decay if max(decay) > 0 else None,
-                top_p_bound=[r.top_p_bound for r in batch] if max(decay) > 0 else None,
+                top_p_decay=decay if sampled and max(decay) > 0 else None,
+                top_p_bound=[r.top_p_bound for r in batch] if sampled and max(decay) > 0
+                else None,
                 banned_after=tuple(ban) if ban.max() >= 0 else None,
                 **self.generate_options)))
         except Exception as err:  # noqa: BLE001 - keep serving whatever failed

@@ -110,11 +110,17 @@ def test_greedy_completion_and_megatron_api_equal_generate(url, model):
             async with s.put(url + "/api", json={"prompts": ["Hello"], "tokens_to_generate": 8,
                                                  "temperature": 0}) as r:
                 megatron = r.status, await r.json()
+            # Greedy with a decaying top_p, which greedy rows do not read
+            async with s.put(url + "/api", json={"prompts": ["Hello"], "tokens_to_generate": 8,
+                                                 "temperature": 0, "top_p": 0.9,
+                                                 "top_p_decay": 0.5}) as r:
+                decayed = r.status, await r.json()
             async with s.get(url + "/health") as r:
                 health = r.status, await r.json()
-        return status, body, megatron, health
+        return status, body, megatron, health, decayed
 
-    status, body, megatron, health = run(go())
+    status, body, megatron, health, decayed = run(go())
+    assert decayed == megatron
     want = expected(model, ["Hello"], 8)[0]
     assert status == 200 and body["choices"][0]["text"] == want
     assert body["choices"][0]["finish_reason"] == "length"
