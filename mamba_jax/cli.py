@@ -1,6 +1,7 @@
 """What every command (train, data prepare, generate, serve, convert) does with a mistake in
 its input or a failure it can explain: one line on stderr, `prog: message`, naming the input,
-the value and the fix, and exit status 2 (as argparse's own errors), never a traceback.
+the value and the fix, and exit status 2 (as argparse's own errors), never a traceback; and
+Ctrl-C, one line and status 130, as a shell reports an interrupted command.
 
     @command("python -m mamba_jax.train")
     def main(argv=None): ...
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import signal
 import sys
 
 # The library's exceptions for bad input (ValueError, which includes UnicodeDecodeError and
@@ -48,6 +50,9 @@ def command(prog: str):
                 message = stop.code
             except USER_ERRORS as error:
                 message = str(error)
+            except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a failure to trace
+                print(f"{prog}: interrupted", file=sys.stderr)
+                raise SystemExit(128 + signal.SIGINT) from None
             print(f"{prog}: {message}", file=sys.stderr)
             raise UserExit(message)
 

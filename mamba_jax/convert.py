@@ -33,7 +33,8 @@ from flax import nnx
 
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import Mamba2Config
-from mamba_jax.files import check_writable, holds_model, replace_text
+from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model,
+                             replace_text)
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
                                mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
@@ -309,9 +310,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m mamba_jax.convert", formatter_class=HelpFormatter,
         description="Convert a Mamba2, Mamba-1 or hybrid checkpoint dir between the HF "
-                    "(Mamba2, Mamba, FalconMamba, NemotronH) and mamba_ssm layouts (reads any; also turns "
-                    "pytorch_model.bin into model.safetensors), or export a step of a "
-                    "trainer's --checkpoint-dir (Orbax) to one of them.")
+                    "(Mamba2, Mamba, FalconMamba, NemotronH) and mamba_ssm layouts (reads "
+                    "any; also turns pytorch_model.bin into model.safetensors), or export a "
+                    "step of a trainer's --checkpoint-dir (Orbax) to one of them.")
     parser.add_argument("src", help="checkpoint dir (config.json + weights), or a trainer's "
                                     "--checkpoint-dir")
     parser.add_argument("dst", help="output dir (refused if it holds a model, unless "
@@ -327,6 +328,7 @@ def main(argv=None):
                         help="let the output replace the model in dst")
     args = parser.parse_args(argv)
     check_writable("dst", args.dst, folder=True)
+    check_outside_checkpoints("dst", args.dst)
     if holds_model(args.dst) and not args.overwrite:
         raise SystemExit(f"{args.dst} already holds a model (its config.json): give another "
                          "output dir, or --overwrite to replace it")

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba_jax.cli import HelpFormatter, command
-from mamba_jax.files import check_writable, holds_model, locked
+from mamba_jax.files import check_outside_checkpoints, check_writable, holds_model, locked
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
                                  copy_tokenizer, load_tokenizer, special_tokens)
 
@@ -256,6 +256,7 @@ def _check_replaceable(out: Path, tokenizer_spec, overwrite: bool):
     if holds_model(out):
         raise FileExistsError(f"prepare: --out {out} holds a model (its config.json), whose "
                               "tokenizer a dataset there would replace: choose another --out")
+    check_outside_checkpoints("prepare: --out", out)
     existing = [name for name in DATASET_FILES if (out / name).exists()
                 and not _is_given_tokenizer(out / name, tokenizer_spec)]
     if existing and not overwrite:

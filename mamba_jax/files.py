@@ -73,3 +73,30 @@ def replace_text(path, text: str) -> None:
 def holds_model(path) -> bool:
     """Whether `path` holds a model that an export there would replace (its config.json)."""
     return (Path(path) / "config.json").exists()
+
+
+def holds_checkpoints(path) -> bool:
+    """Whether `path` is a trainer's --checkpoint-dir: Orbax step folders (numbered, with
+    Orbax's _CHECKPOINT_METADATA), or the run's train_config.json without a model's
+    config.json (written as a run starts, before its first checkpoint)."""
+    path = Path(path)
+    try:
+        return path.is_dir() and (
+            (path / "train_config.json").exists() and not holds_model(path)
+            or any(child.name.isdigit() and (child / "_CHECKPOINT_METADATA").exists()
+                   for child in path.iterdir()))
+    except OSError:  # a folder this user may not list holds none of ours
+        return False
+
+
+def check_outside_checkpoints(name: str, path) -> None:
+    """Refuse (ValueError) a `path` to write other files to that is a trainer's
+    --checkpoint-dir or inside one: a model or dataset there would hide the checkpoints
+    from the commands that read the folder, replace the run's tokenizer and train_config.json
+    copies, and a numbered folder would be taken for a corrupt checkpoint."""
+    path = Path(path).resolve()
+    folder = next((p for p in (path, *path.parents) if holds_checkpoints(p)), None)
+    if folder is not None:
+        where = "is" if folder == path else "is inside"
+        raise ValueError(f"{name} {path} {where} the training checkpoints folder {folder}, "
+                         "whose files are the run's: give a folder outside it")

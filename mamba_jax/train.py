@@ -48,7 +48,8 @@ from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
                             load_data, parse_blend)
-from mamba_jax.files import check_writable, holds_model, locked, replace_text
+from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model, locked,
+                             replace_text)
 from mamba_jax.formats import export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
@@ -339,8 +340,8 @@ def resolve_tokenizer(args) -> str:
 
 
 class _StopRequest:
-    """While active, records SIGTERM / SIGINT so the loop can checkpoint and leave between
-    steps; the previous handlers come back on exit."""
+    """While active, records SIGTERM / SIGINT (`signal`, a signal.Signals) so the loop can
+    checkpoint and leave between steps; the previous handlers come back on exit."""
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -354,7 +355,7 @@ class _StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, _frame):
-        self.signal = signal.Signals(signum).name
+        self.signal = signal.Signals(signum)
 
 
 def _token_fields(args) -> tuple[str, ...]:
@@ -405,14 +406,15 @@ def _out_dir(args) -> str | None:
     return None if args.out.lower() == "none" else args.out.format(preset=args.preset)
 
 
-def _replaceable(args, out: str) -> bool:
+def _replaceable(args, out: str, resumed: bool) -> bool:
     """Whether the export may write --out: it holds no model (its config.json), or
-    --overwrite-out, or the run resumes from the --checkpoint-dir that the model's own
-    train_config.json names (a restarted job exports where it did)."""
+    --overwrite-out, or the run `resumed` from checkpoints of the --checkpoint-dir that the
+    model's own train_config.json names (a restarted job exports where it did; a run that
+    started afresh there, with --resume-if-exists, is another run)."""
     out = Path(out)
     if args.overwrite_out or not holds_model(out):
         return True
-    if (args.resume or args.resume_if_exists) and args.checkpoint_dir:
+    if resumed:
         try:
             earlier = json.loads((out / "train_config.json").read_text())["train"]
             if Path(earlier["checkpoint_dir"]).resolve() == Path(args.checkpoint_dir).resolve():
@@ -422,18 +424,18 @@ def _replaceable(args, out: str) -> bool:
     return False
 
 
-def _check_out(args, out: str) -> None:
+def _check_out(args, out: str, resumed: bool) -> None:
     """Refuses, before training, an --out whose model the export at the end would replace."""
-    if not _replaceable(args, out):
+    if not _replaceable(args, out, resumed):
         raise SystemExit(f"--out {out} already holds a model (its config.json), which this "
                          "run's final export would replace: give another --out, --out none, "
                          "or --overwrite-out to replace it")
 
 
-def _export_dir(args, out: str) -> str:
+def _export_dir(args, out: str, resumed: bool) -> str:
     """Where the export goes: --out, or, where a model the run may not replace came into it
     while the run trained (another run's export), the first free `OUT-N` beside it, said."""
-    if _replaceable(args, out):
+    if _replaceable(args, out, resumed):
         return out
     free = next(f"{out}-{i}" for i in itertools.count(1) if not Path(f"{out}-{i}").exists())
     print(f"--out {out} came to hold a model while this run trained (another run's export?), "
@@ -483,6 +485,12 @@ def _train(argv, held: contextlib.ExitStack):
     for flag, path in writes:
         if path:
             check_writable(flag, path, folder=flag != "--metrics-file")
+    if out:  # another run's checkpoints (its own are refused above, made or not)
+        check_outside_checkpoints("--out", out)
+    if args.checkpoint_dir and holds_model(args.checkpoint_dir):
+        raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds a model (its "
+                         "config.json), which the commands that read the folder would take "
+                         "for its checkpoints: give the checkpoints a folder of their own")
     args.tokenizer = resolve_tokenizer(args)
     tokenizer = load_tokenizer(args.tokenizer)
     cfg = model_config(args.preset, overrides)
@@ -492,7 +500,6 @@ def _train(argv, held: contextlib.ExitStack):
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
         cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
     if out:
-        _check_out(args, out)
         try:  # the export's layout must fit the model: say so now, not after training
             check_exportable(cfg)
         except ValueError as error:
@@ -525,6 +532,8 @@ def _train(argv, held: contextlib.ExitStack):
               "(prepare more documents or a larger --eval-fraction to evaluate)",
               file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
+    if out:  # a resume's checkpoints are there now (_open_checkpoints refuses them otherwise)
+        _check_out(args, out, resumed=bool(ckpt and ckpt.steps()))
 
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
@@ -536,8 +545,10 @@ def _train(argv, held: contextlib.ExitStack):
     opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
     effective = {"model": cfg.to_dict(), "train": {
         k: v for k, v in vars(args).items() if k not in ("set", "resume", "resume_if_exists")}}
+    if args.checkpoint_dir:  # absolute: a resume from another folder finds its export's
+        effective["train"]["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
 
-    start = 0
+    start, resumed = 0, False
     if ckpt:
         def same_model(step, meta):
             saved = Mamba2Config.from_dict(meta["config"]["model"])
@@ -552,7 +563,7 @@ def _train(argv, held: contextlib.ExitStack):
         except RuntimeError as error:
             raise SystemExit(str(error)) from None
         if restored is not None:
-            start, state, meta = restored
+            (start, state, meta), resumed = restored, True
             params, opt_state = state["params"], state["opt_state"]
             if lead:
                 _note_data_order(meta["config"]["train"], effective["train"])
@@ -669,17 +680,19 @@ def _train(argv, held: contextlib.ExitStack):
             log(record)
     if stop.signal:
         if lead:
-            print(f"{stop.signal}: stopped after step {step}; " + (
+            print(f"{stop.signal.name}: stopped after step {step}; " + (
                 f"checkpoint saved in {args.checkpoint_dir}" if ckpt else
                 "nothing saved (--out is written when the run ends; --checkpoint-dir DIR keeps "
                 "a run's progress, to continue with --resume)"), file=sys.stderr)
-        return
+        # A run that did not finish is no success: `train && generate` stops, and a
+        # scheduler sees a job to run again. 128 + the signal, as a shell reports it.
+        raise SystemExit(128 + stop.signal)
 
     if out:
         if n_proc > 1:
             params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
         if lead:
-            out = _export_dir(args, out)
+            out = _export_dir(args, out, resumed)
             export(nnx.merge(graphdef, params), out, tokenizer)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
             layout = export_format(cfg, "hf")

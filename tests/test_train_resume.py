@@ -129,28 +129,44 @@ def test_sigkill_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     assert np.all(np.isfinite(losses(tmp_path / "m")))
 
 
-def test_sigterm_saves_a_checkpoint_at_the_current_step_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_a_checkpoint_at_the_current_step_and_exits_unfinished(tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "m"
     run = launch([*SMALL, "--steps", "10000", "--save-every", "10000",
                   "--checkpoint-dir", str(ck), "--metrics-file", str(metrics)])
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, run)
     run.send_signal(signal.SIGTERM)
     out, _ = run.communicate(timeout=60)
-    assert run.returncode == 0, out
+    # 128 + SIGTERM, as a shell reports it: `train && generate` stops, and a scheduler (a
+    # Kubernetes job) sees a job to run again, which exit status 0 told it was done.
+    assert run.returncode == 143, out
+    assert "Traceback" not in out
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert "SIGTERM: stopped after step" in out
     assert sorted(p.name for p in ck.iterdir() if p.name.isdigit()) == [str(last)]
 
 
-def test_sigterm_without_a_checkpoint_dir_says_that_nothing_was_saved(tmp_path):
+def test_ctrl_c_without_a_checkpoint_dir_says_that_nothing_was_saved(tmp_path):
     metrics = tmp_path / "m"
     run = launch([*SMALL, "--steps", "10000", "--metrics-file", str(metrics)])
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, run)
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(signal.SIGINT)  # Ctrl-C
     out, _ = run.communicate(timeout=60)
-    assert run.returncode == 0, out
-    assert "SIGTERM: stopped after step" in out
+    assert run.returncode == 130, out
+    assert "SIGINT: stopped after step" in out
     assert "nothing saved (--out is written when the run ends; --checkpoint-dir DIR" in out
+
+
+def test_ctrl_c_outside_the_steps_is_one_line_and_status_130(capsys):
+    # While a command compiles, restores or converts: it was a traceback of jax's frames.
+    from mamba_jax.cli import command
+
+    @command("python -m mamba_jax.convert")
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as stop:
+        interrupted()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "python -m mamba_jax.convert: interrupted\n"
 
 
 def test_existing_checkpoints_need_resume_and_the_same_model(straight):
@@ -327,11 +343,31 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
     from_checkpoint = capsys.readouterr().out
     generate(["--checkpoint", str(final), *prompt])
     assert from_checkpoint == capsys.readouterr().out and from_checkpoint.startswith("GNU")
+    # Nothing else is written into a checkpoints folder: a model there hid its checkpoints
+    # from generate and convert, and replaced its tokenizer and train_config.json copies.
+    from mamba_jax.data import main as data_main
+    before = sorted(p.name for p in ck.iterdir())
+    for write, name, where in [
+            (lambda: convert([str(ck), str(ck), "--to", "hf"]), "dst", "is"),
+            (lambda: convert([str(final), str(ck / "9"), "--to", "hf"]), "dst", "is inside"),
+            (lambda: main([*SMALL, "--steps", "1", "--out", str(ck)]), "--out", "is"),
+            (lambda: data_main(["prepare", str(ROOT / "README.md"), "--tokenizer", "bytes",
+                              "--out", str(ck)]), "prepare: --out", "is")]:
+        with pytest.raises(SystemExit, match=rf"{name} \S+ {where} the training checkpoints "
+                                             rf"folder {ck}, whose files are the run's: give "
+                                             "a folder outside it"):
+            write()
+    assert sorted(p.name for p in ck.iterdir()) == before
+    with pytest.raises(SystemExit, match=rf"--checkpoint-dir {final} holds a model \(its "
+                                         "config.json\), which the commands"):
+        main([*SMALL, "--steps", "1", "--checkpoint-dir", str(final)])
 
 
-def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(tmp_path, capsys):
+def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(
+        tmp_path, capsys, monkeypatch):
     ck, out = tmp_path / "ck", tmp_path / "out"
-    main([*SMALL, "--steps", "2", "--checkpoint-dir", str(ck), "--out", str(out)])
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    main([*SMALL, "--steps", "2", "--checkpoint-dir", "ck", "--out", "out"])
     first = (out / "model.safetensors").read_bytes()
     capsys.readouterr()
     # Another run into it is refused before it trains; the model stays as it was.
@@ -343,7 +379,15 @@ def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(tm
                    "config.json), which this run's final export would replace: give another "
                    "--out, --out none, or --overwrite-out to replace it\n")
     assert (out / "model.safetensors").read_bytes() == first
-    # The run that wrote it, resumed to more steps, exports there again.
+    # A run that starts afresh in another checkpoint dir of that name is another run
+    shutil.move(ck, tmp_path / "kept")
+    with pytest.raises(SystemExit, match=f"--out {out} already holds a model"):
+        main([*SMALL, "--steps", "2", "--checkpoint-dir", str(ck), "--resume-if-exists",
+              "--out", str(out)])
+    shutil.rmtree(ck)
+    shutil.move(tmp_path / "kept", ck)
+    # The run that wrote it, resumed to more steps (from another folder), exports there again.
+    monkeypatch.chdir(ROOT)
     main([*SMALL, "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "--out", str(out)])
     resumed = (out / "model.safetensors").read_bytes()
     assert resumed != first
@@ -362,8 +406,8 @@ def test_a_model_written_into_out_while_the_run_trains_is_kept(tmp_path, monkeyp
     main([*SMALL, "--steps", "1", "--seed", "1", "--out", str(tmp_path / "theirs")])
     check = train._check_out
 
-    def meanwhile(args, path):  # the other run exports as soon as this one has checked
-        check(args, path)
+    def meanwhile(args, path, resumed):  # the other run exports once this one has checked
+        check(args, path, resumed)
         shutil.copytree(tmp_path / "theirs", path)
     monkeypatch.setattr(train, "_check_out", meanwhile)
     capsys.readouterr()
