@@ -95,6 +95,12 @@ def _quiet_failed_restores() -> None:
         "coroutine '_read_array_index_and_device_put' was never awaited"))
 
 
+def _reason(error: Exception) -> str:
+    """A failed read in one line: TensorStore's errors end in a dump of the store's spec,
+    which says nothing more."""
+    return f"{type(error).__name__}: " + str(error).split(" See full TensorStore details")[0][:200]
+
+
 class Checkpointer:
     """A CheckpointManager keeping the newest `keep` checkpoints under `directory`.
 
@@ -200,13 +206,31 @@ class Checkpointer:
                                "restored (see above); move them away to start over")
         return None
 
+    def read_newest(self, read, step: int | None = None, log=None):
+        """(step, read(step)) of the newest checkpoint that `read` succeeds on, or of `step`
+        alone where given: for the commands that only read a run's checkpoints (generate,
+        serve, convert), while the run may still write and prune them. One that cannot be
+        read (corrupt, or removed by the run's --keep meanwhile) is said in one line and the
+        one before it tried; nothing is set aside. ValueError when none can be read."""
+        log = log or sys.stderr
+        _quiet_failed_restores()
+        steps = self.steps()
+        for candidate in reversed(steps) if step is None else [step]:
+            try:
+                return candidate, read(candidate)
+            except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
+                if step is not None:
+                    raise ValueError(f"checkpoint {self.directory / str(step)} cannot be read "
+                                     f"({_reason(error)})") from None
+                self._report(candidate, error, log)
+        raise ValueError(f"none of the checkpoints {steps} in {self.directory} can be read "
+                         "(see above)")
+
     def _report(self, step: int, error: Exception, log) -> int:
         global _restore_failed
         _restore_failed = True
-        # TensorStore's errors end in a dump of the store's spec, which says nothing more
-        why = str(error).split(" See full TensorStore details")[0][:200]
-        print(f"checkpoint {self.directory / str(step)} cannot be restored "
-              f"({type(error).__name__}: {why}); trying the one before", file=log)
+        print(f"checkpoint {self.directory / str(step)} cannot be restored ({_reason(error)}); "
+              "trying the one before", file=log)
         return step
 
     def read_meta(self, step: int) -> dict:

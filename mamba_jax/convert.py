@@ -33,8 +33,8 @@ from flax import nnx
 
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.config import Mamba2Config
-from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model,
-                             replace_text)
+from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_checkpoints,
+                             holds_model, replace_text)
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
                                mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
@@ -394,11 +394,9 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
 
 
 def is_training_checkpoint(path) -> bool:
-    """Whether `path` is a trainer's --checkpoint-dir: Orbax step directories, no
-    config.json."""
-    path = Path(path)
-    return (path.is_dir() and not holds_model(path)
-            and any(child.name.isdigit() and child.is_dir() for child in path.iterdir()))
+    """Whether `path` is a trainer's --checkpoint-dir (files.holds_checkpoints), not a
+    model's folder: a run that has not saved yet is one, which holds no checkpoint."""
+    return holds_checkpoints(path) and not holds_model(path)
 
 
 def load_training_checkpoint(path, step: int | None = None, dtype=None):
@@ -408,14 +406,7 @@ def load_training_checkpoint(path, step: int | None = None, dtype=None):
     effective config: {"model": Mamba2Config fields, "train": its flags}."""
     from mamba_jax.checkpoint import Checkpointer
 
-    ckpt = Checkpointer(path, read_only=True)
-    try:
-        steps = ckpt.steps()
-        if not steps:
-            raise FileNotFoundError(f"{path}: holds no complete training checkpoint")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise ValueError(f"{path}: no checkpoint of step {step}; it holds steps {steps}")
+    def read(step):
         meta = ckpt.read_meta(step)
         cfg = Mamba2Config.from_dict(meta["config"]["model"])
         graphdef, abstract = nnx.split(nnx.eval_shape(
@@ -424,10 +415,19 @@ def load_training_checkpoint(path, step: int | None = None, dtype=None):
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-        params = ckpt.restore_part(step, {"params": target})["params"]
+        return nnx.merge(graphdef, ckpt.restore_part(step, {"params": target})["params"]), meta
+
+    ckpt = Checkpointer(path, read_only=True)
+    try:
+        steps = ckpt.steps()
+        if not steps:
+            raise FileNotFoundError(f"{path}: holds no complete training checkpoint")
+        if step is not None and step not in steps:
+            raise ValueError(f"{path}: no checkpoint of step {step}; it holds steps {steps}")
+        # The newest that reads: a run writing there may have a step half-pruned.
+        return ckpt.read_newest(read, step)[1]
     finally:
         ckpt.close()
-    return nnx.merge(graphdef, params), meta
 
 
 def training_tokenizer(path, meta: dict) -> str:

@@ -358,6 +358,18 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
                                              "a folder outside it"):
             write()
     assert sorted(p.name for p in ck.iterdir()) == before
+    # A newest step that cannot be read (corrupt, or pruned by the run while read): the one
+    # before, said in a line; it was TensorStore's traceback.
+    torn = tmp_path / "torn"
+    shutil.copytree(ck, torn)
+    shutil.rmtree(torn / "2" / "state" / "ocdbt.process_0")
+    capsys.readouterr()
+    convert([str(torn), str(tmp_path / "from_1"), "--to", "hf"])
+    out, err = capsys.readouterr()
+    assert f"from step 1 of {torn}" in out and "Traceback" not in err
+    assert f"checkpoint {torn / '2'} cannot be restored (" in err
+    with pytest.raises(SystemExit, match=rf"checkpoint {torn / '2'} cannot be read \("):
+        convert([str(torn), str(tmp_path / "from_2"), "--to", "hf", "--step", "2"])
     with pytest.raises(SystemExit, match=rf"--checkpoint-dir {final} holds a model \(its "
                                          "config.json\), which the commands"):
         main([*SMALL, "--steps", "1", "--checkpoint-dir", str(final)])
