@@ -153,6 +153,13 @@ class ModelFields:
         return "".join(("*" if i in self.attn_layer_idx else "M") + mlp
                        for i in range(self.n_layer))
 
+    def spelt_out(self) -> "Mamba2Config":
+        """The same model with its layers as layer_pattern (no ratios, no attn_layer_idx):
+        configs of one model spelt by Megatron's ratios, by mamba_ssm's blocks or by a
+        pattern are equal spelt out (their models have the same layers and parameters)."""
+        return self.replace(layer_pattern=self.layers, n_layer=len(self.layers),
+                            hybrid_attention_ratio=0.0, hybrid_mlp_ratio=0.0, attn_layer_idx=())
+
     @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_size_multiple

@@ -551,11 +551,12 @@ def _train(argv, held: contextlib.ExitStack):
     start, resumed = 0, False
     if ckpt:
         def same_model(step, meta):
-            saved = Mamba2Config.from_dict(meta["config"]["model"])
-            if saved != cfg:
+            # One model however its layers are spelt (ratios, mamba_ssm's blocks, a pattern)
+            saved = Mamba2Config.from_dict(meta["config"]["model"]).spelt_out()
+            if saved != cfg.spelt_out():
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
-                                 f"model: {_config_difference(saved, cfg)}; use its "
-                                 "--preset/--set or another --checkpoint-dir")
+                                 f"model: {_config_difference(saved, cfg.spelt_out())}; use "
+                                 "its --preset/--set or another --checkpoint-dir")
 
         try:
             restored = ckpt.restore_latest(

@@ -46,6 +46,20 @@ def test_a_value_of_another_type_than_its_field_is_named(field, value, match):
         .rope_fraction == 1  # an integer where a number is asked
 
 
+def test_one_models_configs_are_equal_spelt_out_however_its_layers_are_given():
+    # A resume compares them so: the pattern an export reports resumes a ratio-made run.
+    mlp = {"mlp.d_intermediate": 128}
+    ratios = Mamba2Config.preset("tiny", n_layer=4, hybrid_attention_ratio=0.25,
+                                 hybrid_mlp_ratio=0.25, **mlp)
+    pattern = Mamba2Config.preset("tiny", n_layer=4, layer_pattern=ratios.layers, **mlp)
+    blocks = Mamba2Config.preset("tiny", n_layer=2, attn_layer_idx=[1], **mlp)  # mamba_ssm's
+    assert ratios != pattern and ratios.spelt_out() == pattern.spelt_out()
+    assert blocks.spelt_out() == Mamba2Config.preset("tiny", n_layer=4, layer_pattern="M-*-",
+                                                     **mlp).spelt_out()
+    assert ratios.spelt_out() != Mamba2Config.preset("tiny", n_layer=4, layer_pattern="M*M-",
+                                                     **mlp).spelt_out()
+
+
 def test_headdim_not_dividing_d_inner_names_values_and_fix():
     with pytest.raises(ValueError, match=r"128\*2 = 256 is not divisible by mamba2.headdim=48.*"
                                          r"choose headdim among \[32, 64\]"):
