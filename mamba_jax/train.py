@@ -567,7 +567,7 @@ def _train(argv, held: contextlib.ExitStack):
             (start, state, meta), resumed = restored, True
             params, opt_state = state["params"], state["opt_state"]
             if lead:
-                _note_data_order(meta["config"]["train"], effective["train"])
+                _note_changes(meta["config"]["train"], effective["train"])
         if lead:
             replace_text(Path(args.checkpoint_dir, "train_config.json"),
                          json.dumps(effective, indent=2) + "\n")
@@ -703,8 +703,10 @@ def _train(argv, held: contextlib.ExitStack):
                   file=sys.stderr)
 
 
-# The flags that, with the step, fix the batch a step trains on (Dataset.train_batch).
+# The flags that, with the step, fix the batch a step trains on (Dataset.train_batch), and
+# those that fix its learning rate (optim.make_optimizer's schedule).
 _DATA_ORDER = ("data", "tokenizer", "batch_size", "seq_len", "seed")
+_SCHEDULE = ("lr", "steps", "warmup", "schedule")
 
 
 def _config_difference(saved: Mamba2Config, given: Mamba2Config, most: int = 6) -> str:
@@ -724,15 +726,20 @@ def _config_difference(saved: Mamba2Config, given: Mamba2Config, most: int = 6) 
     return "; ".join(shown) + more if fields else f"its config {saved.to_dict()}"
 
 
-def _note_data_order(before: dict, now: dict) -> None:
-    """A line on stderr where a resumed run changed a flag the data order depends on (the
-    checkpoint's own run flags `before`): allowed, but the resumed steps then train on
-    other batches than the interrupted run would have."""
-    changed = [f"--{k.replace('_', '-')} {before.get(k)} -> {now[k]}" for k in _DATA_ORDER
-               if before.get(k) != now[k]]
-    if changed:
-        print(f"resumed with {', '.join(changed)} (from the checkpoint's run): the steps from "
-              "here train on other batches than that run would have", file=sys.stderr)
+def _note_changes(before: dict, now: dict) -> None:
+    """A line on stderr where a resumed run changed a flag the data order depends on, and
+    one where it changed the learning rate's schedule (from the checkpoint's own run flags
+    `before`): allowed (a longer run is a resume with more --steps), but the resumed steps
+    then differ from what the interrupted run's would have been."""
+    for flags, effect in ((_DATA_ORDER, "the steps from here train on other batches than "
+                                        "that run would have"),
+                          (_SCHEDULE, "the learning rate from here follows this run's "
+                                      "schedule, not that run's")):
+        changed = [f"--{k.replace('_', '-')} {before.get(k)} -> {now[k]}" for k in flags
+                   if before.get(k) != now[k]]
+        if changed:
+            print(f"resumed with {', '.join(changed)} (from the checkpoint's run): {effect}",
+                  file=sys.stderr)
 
 
 @contextlib.contextmanager

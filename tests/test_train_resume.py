@@ -68,20 +68,26 @@ def test_five_steps_then_resume_to_ten_gives_identical_losses(straight, tmp_path
     np.testing.assert_array_equal(losses(tmp_path / "m.jsonl"), full[5:])
 
 
-def test_a_resume_that_changes_the_data_order_says_so(straight, tmp_path, capsys):
+def test_a_resume_that_changes_the_data_order_or_the_schedule_says_so(straight, tmp_path,
+                                                                      capsys):
     _, ck = straight
-    for changed, note in (([], None), (["--seed", "7"], "--seed 0 -> 7"),
-                          (["--batch-size", "16"], "--batch-size 8 -> 16")):
+    batches = ("(from the checkpoint's run): the steps from here train on other batches than "
+               "that run would have")
+    rates = "(from the checkpoint's run): the learning rate from here follows this run's " \
+        "schedule, not that run's"
+    for changed, notes in (([], []), (["--seed", "7"], [f"--seed 0 -> 7 {batches}"]),
+                           (["--batch-size", "16"], [f"--batch-size 8 -> 16 {batches}"]),
+                           (["--steps", "12", "--lr", "0.001"],
+                            [f"--lr 0.003 -> 0.001, --steps 10 -> 12 {rates}"])):
         shutil.rmtree(tmp_path / "ck", ignore_errors=True)
         shutil.copytree(ck, tmp_path / "ck")
+        shutil.rmtree(tmp_path / "ck" / "10")  # to resume from step 5
         capsys.readouterr()
-        main([*SMALL, "--steps", "11", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+        main([*SMALL, "--steps", "10", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
               *changed])
-        notes = [line for line in capsys.readouterr().err.splitlines()
-                 if line.startswith("resumed with")]
-        assert notes == ([] if note is None else [
-            f"resumed with {note} (from the checkpoint's run): the steps from here train on "
-            "other batches than that run would have"])
+        said = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("resumed with")]
+        assert said == [f"resumed with {note}" for note in notes]
 
 
 def test_remat_changes_memory_not_losses(straight, tmp_path):
