@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import multiprocessing
@@ -599,6 +600,21 @@ class BlendedDataset:
 
     def prompt(self, tokenizer, max_chars: int = 24) -> str:
         return self.datasets[0].prompt(tokenizer, max_chars)
+
+
+def fingerprint(path) -> str:
+    """What identifies the tokens of a --data path (sha256 hex), so that a resume tells the
+    same data at another path from other data at the same path: a prepared dataset's
+    meta.json (its counts, tokenizer and sources), a Megatron dataset's index, a text
+    file's bytes."""
+    path = Path(path)
+    source = Path(f"{path}.idx") if is_indexed(path) else path / "meta.json" if path.is_dir() \
+        else path
+    digest = hashlib.sha256()
+    with open(source, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def parse_blend(items: list[str]) -> list[tuple[float, str]]:

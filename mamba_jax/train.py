@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import json
 import math
@@ -46,8 +47,8 @@ from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import check_exportable, export
-from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, is_indexed,
-                            load_data, parse_blend)
+from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fingerprint,
+                            is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model, locked,
                              replace_text)
 from mamba_jax.formats import export_format
@@ -547,12 +548,23 @@ def _train(argv, held: contextlib.ExitStack):
         k: v for k, v in vars(args).items() if k not in ("set", "resume", "resume_if_exists")}}
     if args.checkpoint_dir:  # absolute: a resume from another folder finds its export's
         effective["train"]["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
+    # What the data and the tokenizer are, wherever they are found (_note_changes)
+    effective["train"]["data_identity"] = [[weight, fingerprint(path)]
+                                           for weight, path in parse_blend(args.data)]
+    effective["train"]["tokenizer_sha256"] = hashlib.sha256(
+        tokenizer.to_str().encode()).hexdigest()
 
     start, resumed = 0, False
     if ckpt:
         def same_model(step, meta):
             # One model however its layers are spelt (ratios, mamba_ssm's blocks, a pattern)
             saved = Mamba2Config.from_dict(meta["config"]["model"]).spelt_out()
+            trained = meta["config"]["train"]
+            if trained.get("tokenizer_sha256", effective["train"]["tokenizer_sha256"]) != \
+                    effective["train"]["tokenizer_sha256"]:  # recorded since, beside the copy
+                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} was trained with "
+                                 f"another tokenizer ({trained['tokenizer']}) than "
+                                 f"{args.tokenizer}; pass that one with --tokenizer")
             if saved != cfg.spelt_out():
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
                                  f"model: {_config_difference(saved, cfg.spelt_out())}; use "
@@ -707,6 +719,9 @@ def _train(argv, held: contextlib.ExitStack):
 # those that fix its learning rate (optim.make_optimizer's schedule).
 _DATA_ORDER = ("data", "tokenizer", "batch_size", "seq_len", "seed")
 _SCHEDULE = ("lr", "steps", "warmup", "schedule")
+# Flags compared by what they name where the run recorded it: the same data or tokenizer at
+# another path is no change, and other data at the same path is one.
+_IDENTITY = {"data": "data_identity", "tokenizer": "tokenizer_sha256"}
 
 
 def _config_difference(saved: Mamba2Config, given: Mamba2Config, most: int = 6) -> str:
@@ -735,8 +750,11 @@ def _note_changes(before: dict, now: dict) -> None:
                                         "that run would have"),
                           (_SCHEDULE, "the learning rate from here follows this run's "
                                       "schedule, not that run's")):
-        changed = [f"--{k.replace('_', '-')} {before.get(k)} -> {now[k]}" for k in flags
-                   if before.get(k) != now[k]]
+        differs = lambda k: (before[_IDENTITY[k]] != now[_IDENTITY[k]]
+                             if _IDENTITY.get(k) in before else before.get(k) != now[k])
+        changed = [f"--{k.replace('_', '-')} " + (
+            f"{before.get(k)} -> {now[k]}" if before.get(k) != now[k] else
+            f"{now[k]} (its contents changed)") for k in flags if differs(k)]
         if changed:
             print(f"resumed with {', '.join(changed)} (from the checkpoint's run): {effect}",
                   file=sys.stderr)

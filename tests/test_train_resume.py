@@ -90,6 +90,34 @@ def test_a_resume_that_changes_the_data_order_or_the_schedule_says_so(straight, 
         assert said == [f"resumed with {note}" for note in notes]
 
 
+def test_a_resume_knows_its_data_and_tokenizer_by_their_contents(straight, tmp_path, capsys):
+    """Not by the paths the flags gave: the same data elsewhere is no change (it was said
+    to be one), other data at the same path is (it was not), and another tokenizer is
+    refused where the folder's copy of the run's is gone (it trained on)."""
+    from mamba_jax.train import _DATA_ORDER, _SCHEDULE, _note_changes
+
+    _, ck = straight
+    shutil.copytree(ck, tmp_path / "ck")
+    shutil.rmtree(tmp_path / "ck" / "10")
+    shutil.copy(DEFAULT_CORPUS, tmp_path / "corpus.txt")
+    capsys.readouterr()
+    main([*SMALL, "--steps", "10", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+          "--data", str(tmp_path / "corpus.txt")])
+    assert "resumed with" not in capsys.readouterr().err
+    run = {**dict.fromkeys(_DATA_ORDER + _SCHEDULE, 1), "data": ["d"],
+           "data_identity": [[1.0, "a"]]}
+    _note_changes(run, {**run, "data_identity": [[1.0, "b"]]})
+    assert capsys.readouterr().err.startswith("resumed with --data ['d'] (its contents "
+                                              "changed) (from the checkpoint's run)")
+    (tmp_path / "ck" / "tokenizer.json").unlink()
+    bpe_tokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(SystemExit, match=r"checkpoint 10 in \S+ was trained with another "
+                                         r"tokenizer \(bytes\) than \S+tokenizer.json; pass "
+                                         "that one with --tokenizer"):
+        main([*SMALL, "--steps", "10", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+              "--tokenizer", str(tmp_path / "tokenizer.json")])
+
+
 def test_remat_changes_memory_not_losses(straight, tmp_path):
     main([*SMALL, "--steps", "3", "--remat", "full", "--metrics-file", str(tmp_path / "m")])
     # float32; recomputation may reorder a few sums
