@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mamba_jax import sharding
 from mamba_jax.model import Mamba2LM, Stream
 from mamba_jax.sharding import AxisNames, ParallelContext
+from pallas_kernels.mamba3 import Mamba3State
 
 AXES = ("dp", "fsdp", "cp", "tp")
 BATCH_AXES = ("dp", "fsdp")  # the batch rows are split over both
@@ -181,15 +182,29 @@ def token_spec(axis_names: AxisNames = AxisNames()) -> P:
     return P((axis_names.dp, axis_names.fsdp), axis_names.cp)
 
 
+# The axis of a state's field that tp shards where it is not axis 1: Mamba-3's k [b, r, h, n]
+_TP_AXIS = {(Mamba3State, "k"): 2}
+
+
 def state_specs(states, axis_names: AxisNames = AxisNames()):
     """A PartitionSpec per leaf of per-layer states (Mamba2LM.hidden's initial_states and
-    the states it returns): rows over dp and fsdp, the channels or heads (axis 1) over tp,
-    the rest whole (a state is the same on every cp device). Under tp a MambaCache's
-    conv_state then holds the ranks' channels one rank after the other (each rank's x, B, C
-    in turn), not a one-device cache's order: states a sharded call returns go back into
-    one with the same tp, as they are."""
+    the states it returns): rows over dp and fsdp, the channels or heads (axis 1, _TP_AXIS
+    where not) over tp, the rest whole (a state is the same on every cp device). Under tp a
+    MambaCache's conv_state then holds the ranks' channels one rank after the other (each
+    rank's x, B, C in turn), not a one-device cache's order: states a sharded call returns
+    go back into one with the same tp, as they are."""
     rows = (axis_names.dp, axis_names.fsdp)
-    return jax.tree.map(lambda a: P(rows, axis_names.tp, *(None,) * (a.ndim - 2)), states)
+
+    def spec(a, axis=1):
+        return P(rows, *(None,) * (axis - 1), axis_names.tp, *(None,) * (a.ndim - axis - 1))
+
+    def layer(state):  # a layer's state: a NamedTuple of arrays (or None), or None
+        if state is None:
+            return None
+        return type(state)(*(jax.tree.map(lambda a, name=name: spec(
+            a, _TP_AXIS.get((type(state), name), 1)), value)
+            for name, value in zip(state._fields, state)))
+    return None if states is None else tuple(map(layer, states))
 
 
 def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
@@ -218,6 +233,11 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
             return model.hidden(inputs, seq_idx, ctx=ctx, remat=remat,
                                 scan_layers=scan_layers, **options)
         batch = P(*tokens, *(None,) * (inputs.ndim - 2))
+        if return_states and nnx.merge(graphdef, params).cache_grows:
+            raise ValueError("make_hidden_fn(return_states=True): an attention layer's state "
+                             "is the keys and values of every token, which a mesh holds in "
+                             "parts; return its states from Mamba2LM.hidden on one device, or "
+                             "decode with generate()")
         states_out = state_specs(nnx.eval_shape(
             lambda: nnx.merge(graphdef, params).init_cache(1)), axis_names) if return_states \
             else None

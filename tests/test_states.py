@@ -127,6 +127,35 @@ def test_states_continue_under_a_mesh(one_device):
     assert_grads_close(joined_grads, grads)
 
 
+@pytest.mark.parametrize("layers", ["13", "M*"])
+def test_every_kinds_states_from_a_mesh_are_the_one_devices(layers):
+    """Each Mamba kind's state after the whole sequence under cp (the last part's, on every
+    device: Mamba-1's and Mamba-3's were their own parts') and tp (Mamba-3's k [b, r, h, n]
+    sharded over its heads, not its ranks); attention's, the keys of every token, named."""
+    cfg = Mamba2Config.preset("tiny", n_layer=2, layer_pattern=layers, **{
+        "mamba3.d_state": 16, "mamba3.headdim": 32, "attention.num_heads": 4,
+        "attention.num_heads_kv": 2})
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    ids = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
+    mesh = parallel.make_mesh("dp=2,cp=2,tp=2")
+    specs = parallel.param_specs(params, mesh)
+    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    states_fn = parallel.make_hidden_fn(graphdef, specs, mesh, return_states=True)
+    if "*" in layers:
+        with pytest.raises(ValueError, match=r"an attention layer's state is the keys and "
+                                             r"values of every token"):
+            states_fn(params, ids)
+        return
+    _, one = model.hidden(ids, return_states=True)
+    _, sharded = jax.jit(states_fn)(params, jax.device_put(ids, NamedSharding(
+        mesh, parallel.TOKENS)))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(sharded),
+                                 jax.tree.leaves(one)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 def test_prefill_continues_a_cache():
     cfg = tiny_config(n_layer=1, d_model=32)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(1))

@@ -169,7 +169,9 @@ class Mamba1Mixer(Mixer):
         if cache_len is None:
             return out, None
         doc = None if seq_idx is None else document_ids(seq_idx)
-        return out, MambaCache(conv_window(x_in, doc, self.cfg.mamba1.d_conv), ssm_state)
+        # Under cp, the state after the whole sequence: the last part's, on every device
+        return out, MambaCache(ctx.from_last_cp(conv_window(x_in, doc, self.cfg.mamba1.d_conv)),
+                               ctx.from_last_cp(ssm_state))
 
     def output_bias(self):
         return self.out_bias[...] if self.cfg.mamba1.bias else None

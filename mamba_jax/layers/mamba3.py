@@ -181,7 +181,8 @@ class Mamba3Mixer(Mixer):
         # which it keeps anyway (160 of the 297 MB a mamba3-1.3b layer on the kernels kept
         # per 2048-token row without it).
         out = jax.checkpoint(lambda y, z: self.out_proj_partial(self.gate(y, z)))(y, z)
-        return out, (None if cache_len is None else state)
+        # Under cp, the state after the whole sequence: the last part's, on every device
+        return out, (None if cache_len is None else jax.tree.map(ctx.from_last_cp, state))
 
     @property
     def rotary(self) -> str:
