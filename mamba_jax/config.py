@@ -275,6 +275,9 @@ def _check_types(fields, where: str):
                      str: "a string", type(None): "null (None)"}
             raise ValueError(f"{where}.{field.name}={value!r} must be "
                              f"{' or '.join(names[kind] for kind in kinds)}")
+        if float in kinds and _ADMITS[float](value) and not math.isfinite(value):
+            # an infinite dt bound or eps passed the range checks and gave NaN logits
+            raise ValueError(f"{where}.{field.name}={value!r} must be a finite number")
 
 
 def _section(kind, values: dict):

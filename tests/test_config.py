@@ -37,7 +37,15 @@ def test_non_positive_size_names_the_field(field, value):
     ("mlp.activation", None, r"mlp.activation=None must be a string"),
     ("attn_layer_idx", "1,2", r"attn_layer_idx='1,2' must be a list of block indices"),
     ("attn_layer_idx", [1.5], r"attn_layer_idx=\[1.5\] must be a list of block indices"),
-    ("attn_layer_idx", [True], r"attn_layer_idx=\[True\] must be a list")])
+    ("attn_layer_idx", [True], r"attn_layer_idx=\[True\] must be a list"),
+    # infinite dt bounds, eps or scale passed the range checks and gave NaN logits
+    ("mamba2.dt_max", math.inf, r"mamba2.dt_max=inf must be a finite number"),
+    ("mamba2.dt_init_floor", math.inf, r"mamba2.dt_init_floor=inf must be a finite number"),
+    ("norm_eps", math.inf, r"norm_eps=inf must be a finite number"),
+    ("mamba1.dt_scale", math.inf, r"mamba1.dt_scale=inf must be a finite number"),
+    ("mamba3.dt_max", math.nan, r"mamba3.dt_max=nan must be a finite number"),
+    ("mamba2.A_init_range", (1.0, math.inf), r"mamba2.A_init_range=\(1.0, inf\) must be "
+                                             r"\(lo, hi\) with 0 < lo <= hi < inf")])
 def test_a_value_of_another_type_than_its_field_is_named(field, value, match):
     # A hand-edited config.json's "false" was a true boolean, and "4" heads a string.
     with pytest.raises(ValueError, match=rf"Mamba2Config.{match}"):

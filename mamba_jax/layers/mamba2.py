@@ -559,9 +559,10 @@ class Mamba2Mixer(Mixer):
         if len(m.dt_limit) != 2 or not 0.0 <= m.dt_limit[0] < m.dt_limit[1]:
             raise ValueError(f"Mamba2Config.mamba2.dt_limit={m.dt_limit} must be (lo, hi) "
                              "with 0 <= lo < hi; (0.0, inf) means no limit")
-        if len(m.A_init_range) != 2 or not 0.0 < m.A_init_range[0] <= m.A_init_range[1]:
+        if len(m.A_init_range) != 2 or not 0.0 < m.A_init_range[0] <= m.A_init_range[1] \
+                or not math.isfinite(m.A_init_range[1]):
             raise ValueError(f"Mamba2Config.mamba2.A_init_range={m.A_init_range} must be "
-                             "(lo, hi) with 0 < lo <= hi")
+                             "(lo, hi) with 0 < lo <= hi < inf")
 
     @classmethod
     def kernels_support(cls, cfg) -> bool:
