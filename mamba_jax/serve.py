@@ -85,7 +85,7 @@ except ImportError as missing:
 from mamba_jax import compilation_cache
 from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
-                                load_for_generation, token_logprobs)
+                                learned_state, load_for_generation, token_logprobs)
 from mamba_jax.tokenizer import special_token_ids
 
 log = logging.getLogger("mamba_jax.serve")
@@ -800,6 +800,12 @@ def main(argv=None):
 
     compilation_cache.use(args.compilation_cache)
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
+    if learned_state(model):  # every prompt is left-padded to its batch's bucket
+        raise SystemExit(f"{args.checkpoint}: its Mamba2 layers start from a learnable "
+                         "initial state (mamba2.learnable_init_state), which enters a row's "
+                         "first document, and the server left-pads every prompt, so each "
+                         "would start from zeros: generate with python -m mamba_jax.generate, "
+                         "a prompt at a time")
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
                     args.batch_window_ms / 1e3, args.max_prompts, args.max_queued_tokens)
     web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).name,

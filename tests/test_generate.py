@@ -517,3 +517,28 @@ def test_arguments_that_must_be_integers_are_named(model, kwargs, match):
     with pytest.raises(ValueError, match=f"generate: {match}"):
         mamba_jax.generate(model, jnp.zeros((1, 3), jnp.int32), **{"max_new_tokens": 2,
                                                                    **kwargs})
+
+
+def test_left_padding_is_refused_where_a_learned_state_would_miss_the_prompt(monkeypatch,
+                                                                            capsys):
+    """A learnable initial state enters a row's first document: left padding took it, and
+    the prompt started from zeros (a continuation unlike the row's alone)."""
+    from mamba_jax import serve
+    from mamba_jax.generate import token_logprobs
+    from mamba_jax.tokenizer import byte_tokenizer
+
+    model = Mamba2LM(Mamba2Config.preset("tiny", **{"mamba2.learnable_init_state": True}),
+                     rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 250, (2, 6)))
+    for call in (lambda: mamba_jax.generate(model, ids, max_new_tokens=2, prompt_lengths=[3, 6]),
+                 lambda: token_logprobs(model, ids, lengths=[3, 6])):
+        with pytest.raises(ValueError, match=r"left-padded rows \(.*\) of a model with a "
+                                             r"learnable initial state"):
+            call()
+    assert mamba_jax.generate(model, ids, max_new_tokens=2, prompt_lengths=[6, 6]).shape == (2, 8)
+    # A trainer's checkpoints hold the state (no published layout does); the server pads
+    monkeypatch.setattr(serve, "load_for_generation",
+                        lambda *args: (model, byte_tokenizer(), None))
+    with pytest.raises(SystemExit):
+        serve.main(["--checkpoint", "runs/ckpt", "--port", "0"])
+    assert "the server left-pads every prompt" in capsys.readouterr().err

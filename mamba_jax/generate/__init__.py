@@ -147,6 +147,17 @@ def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan:
     return first, cache
 
 
+LEARNED_STATE_PADDING = (
+    "generate: left-padded rows (prompt_lengths) of a model with a learnable initial state "
+    "(mamba2.learnable_init_state): the state enters a row's first document, its padding, "
+    "so the prompt would start from zeros; give rows of different lengths one at a time")
+
+
+def learned_state(model) -> bool:
+    """Whether model has Mamba2 layers whose scans start from a learned state."""
+    return "M" in model.config.layers and model.config.mamba2.learnable_init_state
+
+
 def _prompt_documents(input_ids, prompt_lengths):
     """seq_idx [b, l] int32 of left-padded input_ids [b, l] whose row r's prompt is its last
     prompt_lengths[r] tokens: the padding is its own document (0), so the conv and the scan
@@ -281,6 +292,8 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
             raise ValueError(f"generate: prompt_lengths={prompt_lengths.tolist()} must each "
                              f"be in [1, seqlen={l}]")
     _check_ids(model, input_ids, prompt_lengths)
+    if prompt_lengths is not None and np.any(prompt_lengths < l) and learned_state(model):
+        raise ValueError(LEARNED_STATE_PADDING)
     limits, _ = per_row("max_new_tokens_per_row", max_new_tokens_per_row, np.int32,
                         max_new_tokens)
     if not np.all((limits >= 1) & (limits <= max_new_tokens)):
@@ -344,6 +357,9 @@ def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
     input_ids = jnp.asarray(input_ids, jnp.int32)
     b, l = input_ids.shape
     lengths = np.full((b,), l, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if np.any(lengths < l) and learned_state(model):
+        raise ValueError(LEARNED_STATE_PADDING.replace("generate:", "token_logprobs:")
+                         .replace("prompt_lengths", "lengths"))
     return _score(model, input_ids, lengths, top_n=top_n)
 
 
