@@ -295,9 +295,17 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     cfg = model.config
     format = export_format(cfg, format)
     config = config_dict(cfg, format)  # first: it refuses what the layout cannot express
+    params = flat_params(model)
+    # Parameters of another config (nnx.update with another model's) would be written
+    # beside this config.json: a checkpoint no loader takes
+    wrong = [f"{name} {params[name].shape}, not {shape}"
+             for name, shape in param_shapes(cfg).items() if params[name].shape != shape]
+    if wrong:
+        raise ValueError(f"save_pretrained: the model's parameters do not fit its config: "
+                         f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = params_to_torch(flat_params(model), cfg, format)
+    tensors = params_to_torch(params, cfg, format)
     # Write to temporary names and rename, so an interrupted save never leaves a torn pair.
     save_file(tensors, path / "model.safetensors.tmp", metadata={"format": "pt"})
     (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")

@@ -125,6 +125,19 @@ def test_shape_mismatch_names_key_and_both_shapes(tmp_path):
         mamba_jax.from_pretrained(tmp_path)
 
 
+def test_a_model_whose_parameters_are_another_configs_is_not_saved(tmp_path):
+    # nnx.update with another model's parameters ran, and was written beside this config:
+    # a checkpoint that from_pretrained then refused
+    model = Mamba2LM(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    other = Mamba2LM(Mamba2Config.preset("tiny", **{"mamba2.d_state": 16}), rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.state(other, nnx.Param))
+    with pytest.raises(ValueError, match=r"save_pretrained: the model's parameters do not "
+                                         r"fit its config: layers.0.mixer.B_conv "
+                                         r"\(4, 1, 16\), not \(4, 1, 32\)"):
+        mamba_jax.save_pretrained(model, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
 def test_untied_config_without_lm_head_is_an_error(tmp_path):
     _save_changed_fixture(tmp_path, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(ValueError, match="missing 'lm_head.weight'"):
