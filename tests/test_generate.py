@@ -510,6 +510,13 @@ def test_a_model_with_bidirectional_layers_is_refused_before_decoding():
                                 r"or None"),
     (dict(seed=None), "seed=None must be an integer"),
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
+    # truncated, or a TypeError / OverflowError from inside
+    (dict(prompt_lengths=[2.5]), r"prompt_lengths=\[2.5\] must be integers"),
+    (dict(temperature=1.0, top_k=2.7), "top_k=2.7 must be integers"),
+    (dict(banned_after=3), "banned_after=3 must be a pair"),
+    (dict(eos_token_id=2**40), f"eos_token_id={2**40} is no token id"),
+    (dict(seed=2**70), "seed=.* must fit 64 bits"),
+    (dict(on_token=5), "on_token=5 must be a function"),
 ])
 def test_arguments_that_must_be_integers_are_named(model, kwargs, match):
     """A list of eos ids (as HF configs give), seed=None or a float length were jit's or

@@ -239,6 +239,11 @@ def _per_row(name, value, b, dtype, off):
     """A setting given as None, a number or a sequence [b] -> (array [b], any row uses it)."""
     if value is None:
         return np.full((b,), off, dtype), False
+    given = np.asarray(value)
+    if np.issubdtype(dtype, np.integer) and given.size and not (
+            np.issubdtype(given.dtype, np.integer)):
+        # a float was truncated (prompt_lengths 2.5 read as 2)
+        raise ValueError(f"generate: {name}={value} must be integers")
     arr = np.broadcast_to(np.asarray(value, dtype), (b,)) if np.ndim(value) == 0 else \
         np.asarray(value, dtype)
     if arr.shape != (b,):
@@ -307,6 +312,10 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     if top_p is None and (use_decay or np.any(bound > 0)):  # Megatron's: no top_p, no decay
         raise ValueError(f"generate: top_p_decay={top_p_decay} and top_p_bound={top_p_bound} "
                          "change top_p, which is None (off); give top_p (1.0: from no filter)")
+    if banned_after is not None and (not isinstance(banned_after, (tuple, list))
+                                     or len(banned_after) != 2):
+        raise ValueError(f"generate: banned_after={banned_after!r} must be a pair (after, "
+                         "banned), each a token id or one per row")
     after, banned = banned_after if banned_after is not None else (None, None)
     after, use_ban = per_row("banned_after", after, np.int32, -1)
     banned, _ = per_row("banned_after", banned, np.int32, -1)
@@ -548,6 +557,14 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
             # one eos id: an HF config's list of them is a common mistake
             raise ValueError(f"generate: {name}={value!r} must be an integer"
                              + (" (one token id) or None" if may_be_none else ""))
+    if not -2**63 <= seed < 2**63:
+        raise ValueError(f"generate: seed={seed} must fit 64 bits")
+    if eos_token_id is not None and not 0 <= eos_token_id < 2**31:  # the tokens' int32
+        raise ValueError(f"generate: eos_token_id={eos_token_id} is no token id (0 to "
+                         f"2**31 - 1)")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"generate: on_token={on_token!r} must be a function (step, tokens) "
+                         "or None")
     input_ids = jnp.asarray(input_ids)
     prepared = prepare(model, input_ids, max_new_tokens, temperature, top_k, top_p,
                        prompt_lengths=prompt_lengths,
