@@ -437,9 +437,14 @@ class Mamba2LM(nnx.Module):
 
         seq_idx [b, l]: the cache holds only the last document of each row (so left padding
         given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
-        that grow with the tokens (the prompt and every token to come; default l)."""
+        that grow with the tokens (the prompt and every token to come; default l, which
+        leaves an attention layer no slot for a step)."""
         check_tokens(f"{type(self).__name__}.prefill", input_ids, seq_idx=seq_idx)
         cache_len = cache_len or input_ids.shape[1]
+        if self.cache_grows and cache_len < input_ids.shape[1]:
+            raise ValueError(f"prefill: cache_len={cache_len} slots cannot hold the prompt's "
+                             f"{input_ids.shape[1]} tokens; give the prompt's tokens + every "
+                             "token to come")
         stream, cache = self._layers(self.embed(input_ids), seq_idx, SINGLE_DEVICE,
                                      cache_len=cache_len, scan=False, initial_states=cache)
         return self._vocab(self._final(stream), self.head_weight()), cache
@@ -465,6 +470,14 @@ class Mamba2LM(nnx.Module):
         mamba_jax.generate.plan); default "xla" for every layer. weights:
         `decode_weights(steps)`, built once before a decode loop; None builds them here."""
         steps = steps or ("xla",) * len(self.layers)
+        for layer_cache in cache:  # outside jit, where a growing cache's length is known
+            length = getattr(layer_cache, "length", None)
+            if length is not None and not isinstance(length, jax.core.Tracer) \
+                    and int(length) >= layer_cache.k.shape[1]:
+                # its write would land on the last slot, silently
+                raise ValueError(f"step: the attention cache is full ({layer_cache.k.shape[1]} "
+                                 "slots); prefill with cache_len = the prompt's tokens + every "
+                                 "token to come")
         if weights is None:
             weights = self.decode_weights(steps)
         residual = self.embed(token_ids)

@@ -148,6 +148,18 @@ def test_step_by_step_logits_equal_the_full_forward(model):
     assert int(cache[1].length) == 13  # the attention layer's KV cache holds every token
 
 
+def test_a_cache_with_no_slot_for_the_next_token_is_named(model):
+    # The step's write landed on the last slot, overwriting a key: wrong logits, silently
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 100, (2, 5)))
+    _, cache = model.prefill(ids)  # the default: the prompt's 5 slots, none to come
+    with pytest.raises(ValueError, match=r"step: the attention cache is full \(5 slots\); "
+                                         r"prefill with cache_len = the prompt's tokens"):
+        model.step(ids[:, 0], cache)
+    with pytest.raises(ValueError, match=r"prefill: cache_len=4 slots cannot hold the "
+                                         r"prompt's 5 tokens"):
+        model.prefill(ids, cache_len=4)
+
+
 def test_hybrid_greedy_generation_equals_repeated_argmax_and_left_padding(model):
     prompt = jnp.asarray(np.random.default_rng(4).integers(0, 100, (2, 6)))
     out = mamba_jax.generate(model, prompt, max_new_tokens=7)
