@@ -639,7 +639,8 @@ def _train(argv, held: contextlib.ExitStack):
         if not math.isfinite(loss):
             raise SystemExit(f"step {step}: the loss is {loss}; stopping without saving "
                              "(the last checkpoint is the last good state). Lower --lr, "
-                             "raise --warmup or use --dtype float32")
+                             "raise --warmup" + (" or use --dtype float32"
+                                                 if args.dtype != "float32" else ""))
         elapsed = time.perf_counter() - began
         tokens_per_s = args.batch_size * args.seq_len / elapsed
         return {"step": step, "loss": loss, "lr": float(lrs[step - 1]),

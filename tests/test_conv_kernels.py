@@ -143,3 +143,18 @@ def test_parts_that_no_power_of_two_of_16_divides_take_xla(monkeypatch):
     assert conv.kernels_run(jnp.zeros((1, 32, 96)), jnp.zeros((4, 96)), 3, 32, (64, 16, 16))
     with pytest.raises(ValueError, match="do not sum"):
         conv.causal_conv1d(x, w, parts=(64, 16))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_inputs_of_other_shapes_than_x_asks_are_named(implementation):
+    # A length past the rows gave 7 outputs from XLA and 20 from the kernels; the others
+    # failed inside, a broadcast or a reshape
+    x = jnp.zeros((2, 13, 32))
+    for kwargs, match in [(dict(length=20), r"length=20 outputs of x's 13 rows; give 1 to 13"),
+                          (dict(weight=jnp.zeros((4, 16))), r"weight has shape \(4, 16\); x "
+                                                            r"\(2, 13, 32\) needs \(4, 32\)"),
+                          (dict(bias=jnp.zeros(16)), r"bias has shape \(16,\)"),
+                          (dict(doc=jnp.zeros((2, 5), jnp.int32)), r"doc has shape \(2, 5\)")]:
+        with pytest.raises(ValueError, match=match):
+            conv.causal_conv1d(x, **{"weight": jnp.zeros((4, 32)), **kwargs},
+                               implementation=implementation)

@@ -94,3 +94,5 @@ def test_bad_shapes_are_named():
         selective_scan(x, dt, A, Bm[:, :, :4], C)
     with pytest.raises(ValueError, match="A must be"):
         selective_scan(x, dt, A.T, Bm, C)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        selective_scan(x, dt, A, Bm, C, chunk_size=0, implementation="xla")

@@ -50,6 +50,16 @@ def causal_conv1d(x, weight, bias=None, doc=None, *, left=None, length=None, par
                          f"{IMPLEMENTATIONS}")
     if parts is not None and sum(parts) != e:
         raise ValueError(f"causal_conv1d: parts={parts} do not sum to the {e} channels")
+    # Shapes that broadcast or slice into another result (a length past the rows gave
+    # fewer outputs from XLA and more from the kernels) or fail deep inside
+    for name, value, shape in (("weight", weight, (k, *channels)),
+                               ("bias", bias, tuple(channels)), ("doc", doc, (b, rows))):
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"causal_conv1d: {name} has shape {tuple(value.shape)}; x "
+                             f"{tuple(x.shape)} needs {shape}")
+    if not 1 <= length <= rows:
+        raise ValueError(f"causal_conv1d: length={length} outputs of x's {rows} rows; give "
+                         f"1 to {rows}")
     if implementation == "auto":
         implementation = "triton" if kernels_run(x, weight, left, length, parts) else "xla"
     if implementation == "xla":

@@ -45,6 +45,9 @@ def selective_scan(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=False,
     """The selective scan; see the module docstring for shapes and dtypes. chunk_size: the
     XLA form's chunk (memory per chunk [b, chunk_size, d, n] float32)."""
     _check_shapes(x, dt, A, B, C, D, dt_bias, initial_state, seq_idx)
+    if not (isinstance(chunk_size, int) and chunk_size > 0):
+        raise ValueError(f"selective_scan: chunk_size must be a positive int, got "
+                         f"{chunk_size!r}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"selective_scan: implementation={implementation!r} is not one of "
                          f"{IMPLEMENTATIONS}")
