@@ -204,7 +204,7 @@ def state_specs(states, axis_names: AxisNames = AxisNames()):
         return type(state)(*(jax.tree.map(lambda a, name=name: spec(
             a, _TP_AXIS.get((type(state), name), 1)), value)
             for name, value in zip(state._fields, state)))
-    return None if states is None else tuple(map(layer, states))
+    return None if states is None else type(states)(map(layer, states))
 
 
 def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,

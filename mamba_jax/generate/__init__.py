@@ -147,10 +147,12 @@ def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan:
     return first, cache
 
 
-LEARNED_STATE_PADDING = (
-    "generate: left-padded rows (prompt_lengths) of a model with a learnable initial state "
-    "(mamba2.learnable_init_state): the state enters a row's first document, its padding, "
-    "so the prompt would start from zeros; give rows of different lengths one at a time")
+def _learned_state_padding(where: str, lengths: str) -> ValueError:
+    return ValueError(
+        f"{where}: left-padded rows ({lengths}) of a model with a learnable initial state "
+        "(mamba2.learnable_init_state): the state enters a row's first document, its "
+        "padding, so the prompt would start from zeros; give rows of different lengths one "
+        "at a time")
 
 
 def learned_state(model) -> bool:
@@ -298,7 +300,7 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
                              f"be in [1, seqlen={l}]")
     _check_ids(model, input_ids, prompt_lengths)
     if prompt_lengths is not None and np.any(prompt_lengths < l) and learned_state(model):
-        raise ValueError(LEARNED_STATE_PADDING)
+        raise _learned_state_padding("generate", "prompt_lengths")
     limits, _ = per_row("max_new_tokens_per_row", max_new_tokens_per_row, np.int32,
                         max_new_tokens)
     if not np.all((limits >= 1) & (limits <= max_new_tokens)):
@@ -367,8 +369,7 @@ def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
     b, l = input_ids.shape
     lengths = np.full((b,), l, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     if np.any(lengths < l) and learned_state(model):
-        raise ValueError(LEARNED_STATE_PADDING.replace("generate:", "token_logprobs:")
-                         .replace("prompt_lengths", "lengths"))
+        raise _learned_state_padding("token_logprobs", "lengths")
     return _score(model, input_ids, lengths, top_n=top_n)
 
 
