@@ -351,7 +351,7 @@ class Mamba2LM(nnx.Module):
         scan=False calls the layers one after the other: none of those, for a program that
         holds a copy of the layer per layer (a prefill; training without --scan-layers)."""
         policy = remat_policy(remat, ctx.fsdp > 1)
-        initial_states = self._check_initial_states(initial_states)
+        initial_states = self._check_initial_states(initial_states, residual.shape[0])
         stream = Stream.start(residual, self.dtype)
         caches = []
         for first, end in _runs(self.config.layers):
@@ -381,11 +381,12 @@ class Mamba2LM(nnx.Module):
                               for i in range(end - first))
         return stream, tuple(caches)
 
-    def _check_initial_states(self, initial_states) -> tuple:
+    def _check_initial_states(self, initial_states, batch: int) -> tuple:
         """initial_states (None, or one entry per layer) -> one per layer; a ValueError where
-        a layer that cannot continue a sequence is given a state, or a run of layers of one
-        kind is given states for some layers and not for others (its layers run as one
-        scan)."""
+        a layer that cannot continue a sequence is given a state, a state is not of its
+        layer's kind or batch (it failed inside, an attribute or a concatenation), or a run
+        of layers of one kind is given states for some layers and not for others (its
+        layers run as one scan)."""
         n = len(self.layers)
         if initial_states is None:
             return (None,) * n
@@ -398,6 +399,17 @@ class Mamba2LM(nnx.Module):
                                  f"{type(layer.mixer).__name__}, which cannot continue from a "
                                  "state (Mamba2 layers can); give None for it, or run the "
                                  "whole sequence at once")
+            if state is None:
+                continue
+            kind = type(jax.eval_shape(lambda mixer=layer.mixer: mixer.init_cache(1)))
+            if not isinstance(state, kind):
+                raise ValueError(f"initial_states[{i}] is {type(state).__name__}, not the "
+                                 f"{kind.__name__} layer {i} takes (as return_states gives "
+                                 "it)")
+            rows = {a.shape[0] for a in jax.tree.leaves(state)}
+            if rows != {batch}:
+                raise ValueError(f"initial_states[{i}] holds states of {sorted(rows)} rows for "
+                                 f"a batch of {batch}: give one per row")
         for first, end in _runs(self.config.layers):
             given = {initial_states[i] is None for i in range(first, end)}
             if len(given) > 1:
@@ -470,6 +482,19 @@ class Mamba2LM(nnx.Module):
         mamba_jax.generate.plan); default "xla" for every layer. weights:
         `decode_weights(steps)`, built once before a decode loop; None builds them here."""
         steps = steps or ("xla",) * len(self.layers)
+        if jnp.ndim(token_ids) != 1 or not jnp.issubdtype(jnp.result_type(token_ids),
+                                                           jnp.integer):
+            raise ValueError(f"step: token_ids of shape {jnp.shape(token_ids)} and dtype "
+                             f"{jnp.result_type(token_ids)}; give one integer id per row, [b]")
+        # each layer's rows: its cache's first array's (a step kernel's counter comes last)
+        rows = {jax.tree.leaves(c)[0].shape[0] for c in cache if jax.tree.leaves(c)}
+        kinds = [type(jax.eval_shape(lambda mixer=layer.mixer: mixer.init_cache(1, 1)))
+                 for layer in self.layers]
+        if len(cache) != len(self.layers) or rows - {jnp.shape(token_ids)[0]} \
+                or any(type(c) is not kind for c, kind in zip(cache, kinds)):
+            raise ValueError(f"step: the cache must be this model's, for {jnp.shape(token_ids)[0]} "
+                             f"rows (a prefill's of these rows, or init_cache's): one entry "
+                             f"per layer, {len(self.layers)}")
         for layer_cache in cache:  # outside jit, where a growing cache's length is known
             length = getattr(layer_cache, "length", None)
             if length is not None and not isinstance(length, jax.core.Tracer) \

@@ -158,6 +158,18 @@ def test_a_cache_with_no_slot_for_the_next_token_is_named(model):
     with pytest.raises(ValueError, match=r"prefill: cache_len=4 slots cannot hold the "
                                          r"prompt's 5 tokens"):
         model.prefill(ids, cache_len=4)
+    # Tokens of another shape, a cache of other rows or of another model's layers: a
+    # concatenation's, an index's or an attribute's error inside
+    _, cache = model.prefill(ids, cache_len=8)
+    mamba_only = Mamba2LM(Mamba2Config.preset("tiny", n_layer=model.config.n_layer),
+                          rngs=nnx.Rngs(0))
+    for call, match in [(lambda: model.step(ids[:, :1], cache), r"token_ids of shape \(2, 1\)"),
+                        (lambda: model.step(ids[:1, 0], cache), "the cache must be this "
+                                                                "model's, for 1 rows"),
+                        (lambda: model.step(ids[:, 0], mamba_only.prefill(ids)[1]),
+                         "the cache must be this model's, for 2 rows")]:
+        with pytest.raises(ValueError, match=f"step: {match}"):
+            call()
 
 
 def test_hybrid_greedy_generation_equals_repeated_argmax_and_left_padding(model):

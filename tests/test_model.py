@@ -130,6 +130,7 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
     # They were broadcasting and indexing errors deep in a layer (or a conv's channel count).
     model = Mamba2LM(tiny(), rngs=nnx.Rngs(0))
     ids = jnp.zeros((2, 8), jnp.int32)
+    _, states = model(ids, return_states=True)
     for call, match in [
             (lambda: model(ids[0]), r"Mamba2LM: input_ids of shape \(8,\) and dtype int32; "
                                     r"give \[batch, seqlen\] integer token ids"),
@@ -138,7 +139,14 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
                                              r"takes one value per token, the inputs' "
                                              r"\[batch, seqlen\] = \(2, 8\)"),
             (lambda: model.loss(ids, ids[:, 1:]), r"Mamba2LM.loss: targets has shape \(2, 7\)"),
-            (lambda: model.prefill(ids, ids[0]), r"Mamba2LM.prefill: seq_idx has shape \(8,\)")]:
+            (lambda: model.prefill(ids, ids[0]), r"Mamba2LM.prefill: seq_idx has shape \(8,\)"),
+            # states of another batch, or not the layer's kind: a concatenation's or an
+            # attribute's error inside
+            (lambda: model(ids[:1], initial_states=states), r"initial_states\[0\] holds "
+                                                           r"states of \[2\] rows for a "
+                                                           r"batch of 1"),
+            (lambda: model(ids, initial_states=[s.ssm_state for s in states]),
+             r"initial_states\[0\] is \w+, not the MambaCache layer 0 takes")]:
         with pytest.raises(ValueError, match=match):
             call()
 
