@@ -75,18 +75,25 @@ def holds_model(path) -> bool:
     return (Path(path) / "config.json").exists()
 
 
-def holds_checkpoints(path) -> bool:
-    """Whether `path` is a trainer's --checkpoint-dir: Orbax step folders (numbered, with
-    Orbax's _CHECKPOINT_METADATA), or the run's train_config.json without a model's
-    config.json (written as a run starts, before its first checkpoint)."""
+def holds_steps(path) -> bool:
+    """Whether `path` holds Orbax step folders (numbered, with Orbax's _CHECKPOINT_METADATA):
+    checkpoints a trainer can resume."""
     path = Path(path)
     try:
-        return path.is_dir() and (
-            (path / "train_config.json").exists() and not holds_model(path)
-            or any(child.name.isdigit() and (child / "_CHECKPOINT_METADATA").exists()
-                   for child in path.iterdir()))
+        return path.is_dir() and any(child.name.isdigit()
+                                     and (child / "_CHECKPOINT_METADATA").exists()
+                                     for child in path.iterdir())
     except OSError:  # a folder this user may not list holds none of ours
         return False
+
+
+def holds_checkpoints(path) -> bool:
+    """Whether `path` is a trainer's --checkpoint-dir: Orbax step folders, or the run's
+    train_config.json without a model's config.json (written as a run starts, before its
+    first checkpoint)."""
+    path = Path(path)
+    return (path / "train_config.json").exists() and not holds_model(path) \
+        or holds_steps(path)
 
 
 def check_outside_checkpoints(name: str, path) -> None:

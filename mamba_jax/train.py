@@ -49,8 +49,8 @@ from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fingerprint,
                             is_indexed, load_data, parse_blend)
-from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model, locked,
-                             replace_text)
+from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model,
+                             holds_steps, locked, replace_text)
 from mamba_jax.formats import export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
@@ -500,7 +500,9 @@ def _train(argv, held: contextlib.ExitStack):
             print(f"vocab_size {tokenizer.get_vocab_size()}: the tokenizer's ({args.tokenizer}); "
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
         cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
-    if out:
+    if out:  # a run that will restore checkpoints may replace its own export there
+        _check_out(args, out, resumed=(args.resume or args.resume_if_exists)
+                   and holds_steps(args.checkpoint_dir))
         try:  # the export's layout must fit the model: say so now, not after training
             check_exportable(cfg)
         except ValueError as error:
@@ -533,8 +535,6 @@ def _train(argv, held: contextlib.ExitStack):
               "(prepare more documents or a larger --eval-fraction to evaluate)",
               file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
-    if out:  # a resume's checkpoints are there now (_open_checkpoints refuses them otherwise)
-        _check_out(args, out, resumed=bool(ckpt and ckpt.steps()))
 
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     graphdef, abstract_params = nnx.split(nnx.eval_shape(build))

@@ -432,7 +432,7 @@ def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(
     with pytest.raises(SystemExit, match=f"--out {out} already holds a model"):
         main([*SMALL, "--steps", "2", "--checkpoint-dir", str(ck), "--resume-if-exists",
               "--out", str(out)])
-    shutil.rmtree(ck)
+    assert not ck.exists()  # refused before it made anything
     shutil.move(tmp_path / "kept", ck)
     # The run that wrote it, resumed to more steps (from another folder), exports there again.
     monkeypatch.chdir(ROOT)
