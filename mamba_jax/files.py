@@ -102,7 +102,9 @@ def check_outside_checkpoints(name: str, path) -> None:
     from the commands that read the folder, replace the run's tokenizer and train_config.json
     copies, and a numbered folder would be taken for a corrupt checkpoint."""
     path = Path(path).resolve()
-    folder = next((p for p in (path, *path.parents) if holds_checkpoints(p)), None)
+    # Above it, a folder of steps: a train_config.json alone there may be a user's copy
+    folder = path if holds_checkpoints(path) else next(
+        (p for p in path.parents if holds_steps(p)), None)
     if folder is not None:
         where = "is" if folder == path else "is inside"
         raise ValueError(f"{name} {path} {where} the training checkpoints folder {folder}, "
