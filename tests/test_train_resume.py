@@ -394,6 +394,10 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
                                              "a folder outside it"):
             write()
     assert sorted(p.name for p in ck.iterdir()) == before
+    project = tmp_path / "project"  # a run's train_config.json copied there: no checkpoints
+    project.mkdir()
+    shutil.copy(ck / "train_config.json", project)
+    convert([str(final), str(project / "hf"), "--to", "hf"])
     # A newest step that cannot be read (corrupt, or pruned by the run while read): the one
     # before, said in a line; it was TensorStore's traceback.
     torn = tmp_path / "torn"
