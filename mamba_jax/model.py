@@ -393,7 +393,8 @@ class Mamba2LM(nnx.Module):
         if len(initial_states) != n:
             raise ValueError(f"initial_states has {len(initial_states)} entries for {n} "
                              "layers: give one per layer (None for a layer without state)")
-        for i, (layer, state) in enumerate(zip(self.layers, initial_states)):
+        kinds = self._cache_kinds()
+        for i, (layer, state, kind) in enumerate(zip(self.layers, initial_states, kinds)):
             if state is not None and not layer.mixer.takes_initial_state:
                 raise ValueError(f"initial_states[{i}] (or a prefill's cache): layer {i} is "
                                  f"{type(layer.mixer).__name__}, which cannot continue from a "
@@ -401,7 +402,6 @@ class Mamba2LM(nnx.Module):
                                  "whole sequence at once")
             if state is None:
                 continue
-            kind = type(jax.eval_shape(lambda mixer=layer.mixer: mixer.init_cache(1)))
             if not isinstance(state, kind):
                 raise ValueError(f"initial_states[{i}] is {type(state).__name__}, not the "
                                  f"{kind.__name__} layer {i} takes (as return_states gives "
@@ -434,6 +434,11 @@ class Mamba2LM(nnx.Module):
     def cache_grows(self) -> bool:
         """Whether the decoding cache has a slot per token (an attention layer's keys)."""
         return any(layer.mixer.cache_grows for layer in self.layers)
+
+    def _cache_kinds(self) -> tuple:
+        """Per layer, the type of its state (its cache's, as init_cache and return_states
+        give it: MambaCache, Mamba3State, AttentionCache, or NoneType)."""
+        return tuple(map(type, jax.eval_shape(lambda: self.init_cache(1, 1))))
 
     def init_cache(self, batch_size: int, cache_len: int = 0) -> tuple:
         """An empty decoding cache: per layer its mixer's (None for an MLP), cache_len slots
@@ -488,10 +493,8 @@ class Mamba2LM(nnx.Module):
                              f"{jnp.result_type(token_ids)}; give one integer id per row, [b]")
         # each layer's rows: its cache's first array's (a step kernel's counter comes last)
         rows = {jax.tree.leaves(c)[0].shape[0] for c in cache if jax.tree.leaves(c)}
-        kinds = [type(jax.eval_shape(lambda mixer=layer.mixer: mixer.init_cache(1, 1)))
-                 for layer in self.layers]
         if len(cache) != len(self.layers) or rows - {jnp.shape(token_ids)[0]} \
-                or any(type(c) is not kind for c, kind in zip(cache, kinds)):
+                or any(type(c) is not kind for c, kind in zip(cache, self._cache_kinds())):
             raise ValueError(f"step: the cache must be this model's, for {jnp.shape(token_ids)[0]} "
                              f"rows (a prefill's of these rows, or init_cache's): one entry "
                              f"per layer, {len(self.layers)}")

@@ -546,13 +546,14 @@ def _train(argv, held: contextlib.ExitStack):
     opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
     effective = {"model": cfg.to_dict(), "train": {
         k: v for k, v in vars(args).items() if k not in ("set", "resume", "resume_if_exists")}}
-    if args.checkpoint_dir:  # absolute: a resume from another folder finds its export's
-        effective["train"]["checkpoint_dir"] = str(Path(args.checkpoint_dir).resolve())
-    # What the data and the tokenizer are, wherever they are found (_note_changes)
-    effective["train"]["data_identity"] = [[weight, fingerprint(path)]
-                                           for weight, path in parse_blend(args.data)]
-    effective["train"]["tokenizer_sha256"] = hashlib.sha256(
-        tokenizer.to_str().encode()).hexdigest()
+    if args.checkpoint_dir:
+        # Absolute: a resume from another folder finds its export's. And what the data and
+        # the tokenizer are, wherever they are found (a resume's same_model, _note_changes):
+        # read only by a resume, so hashed only for a run that keeps checkpoints.
+        effective["train"].update(
+            checkpoint_dir=str(Path(args.checkpoint_dir).resolve()),
+            data_identity=[[weight, fingerprint(path)] for weight, path in parse_blend(args.data)],
+            tokenizer_sha256=hashlib.sha256(tokenizer.to_str().encode()).hexdigest())
 
     start, resumed = 0, False
     if ckpt:
