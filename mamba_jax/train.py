@@ -772,7 +772,12 @@ def _fits_in_memory(args):
     except jax.errors.JaxRuntimeError as error:
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
-        fixes = [f"split the step's rows into more micro-batches (--grad-accum "
+        # float32 compute first: the trainer's default, it keeps twice the activations of
+        # the bfloat16 that mamba_ssm's users train under (autocast)
+        fixes = (["compute in bfloat16 (--dtype bfloat16: about half the activations; the "
+                  "parameters, optimizer state and SSM states stay float32)"]
+                 if args.dtype == "float32" else [])
+        fixes += [f"split the step's rows into more micro-batches (--grad-accum "
                  f"{2 * args.grad_accum}: the same tokens a step, fewer activations at once) "
                  "or lower --batch-size"]
         if args.remat != "full":

@@ -506,7 +506,12 @@ def test_a_step_out_of_device_memory_names_the_batch_and_the_fixes(tmp_path, mon
     assert "--batch-size 8 x --seq-len 32 does not fit in the device's memory " \
            "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate 42.00GiB.)" in err
     assert "--grad-accum 2" in err and "--remat block or full" in err and "--scan-layers" in err
+    assert "--dtype bfloat16" in err  # SMALL computes in float32
     assert [p.name for p in ck.iterdir() if p.name.isdigit()] == ["2"]
+    with pytest.raises(UserExit):  # a bfloat16 run is not told to use bfloat16
+        train.main([*SMALL, "--steps", "5", "--dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert "does not fit in the device's memory" in err and "--dtype" not in err
     monkeypatch.setattr(train, "make_train_step", failing("INTERNAL: something else", 0))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         train.main([*SMALL, "--steps", "2", "--out", "none"])
