@@ -361,7 +361,7 @@ def breakdown(rng, shapes, configs, warmup, reps):
                                          config=config)[0]
             parts = {"forward": (forward, (x, dt, cs, B, C, s0)),
                      "chunk states": (chunk_states, (x, dt, cs, B, s0)),
-                     "backward state kernel (dx_apart: walk and dx)": (bwd(0), args),
+                     "backward state kernel": (bwd(0), args),
                      "both backward kernels": (bwd(3), args),
                      "ssd fwd+bwd": (forward_and_backward(whole), (inputs, options, dy))}
             times = {name: median_time(lambda: jax.block_until_ready(f(*a)), warmup, reps)

@@ -638,7 +638,7 @@ def main(argv=None):
     p.add_argument("--ssd-variants", nargs="+", default=None, metavar="CONFIG",
                    help="throughput: in each mesh's process, one step per SSD kernel config "
                         "(bench.ssd's --breakdown CONFIG: '' the default, "
-                        "'dx_apart=True' ...), taking turns over one state")
+                        "'keep_states=True' ...), taking turns over one state")
     p.add_argument("--rounds", type=int, default=2,
                    help="throughput --ssd-variants: turns each step takes")
     p.add_argument("--breakdown", action="store_true",

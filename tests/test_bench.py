@@ -567,10 +567,10 @@ def test_ssd_variants_trace_under_their_config_and_take_turns_over_one_state(mon
     from pallas_kernels.ssd import triton
 
     original = triton.Config
-    with default_config("dx_apart=True,chunk=32"):
-        assert triton.Config().dx_apart and triton.Config().chunk == 32
-        assert triton.Config(chunk=128) == triton.Config(dx_apart=True, chunk=128)
-    assert triton.Config is original and not triton.Config().dx_apart
+    with default_config("keep_states=True,chunk=32"):
+        assert triton.Config().keep_states and triton.Config().chunk == 32
+        assert triton.Config(chunk=128) == triton.Config(keep_states=True, chunk=128)
+    assert triton.Config is original and not triton.Config().keep_states
 
     calls = []
 
@@ -586,12 +586,12 @@ def test_ssd_variants_trace_under_their_config_and_take_turns_over_one_state(mon
     monkeypatch.setattr(train_step, "Steps", Steps)
     train_step.variants(argparse.Namespace(
         preset="tiny", mesh="dp=1", remat="none", loss_chunk=None, layers=None,
-        scan_layers=False, ssd_variants=["", "dx_apart=True"], rounds=2, batch=2, seq_len=8,
+        scan_layers=False, ssd_variants=["", "keep_states=True"], rounds=2, batch=2, seq_len=8,
         steps=1, breakdown=False))
-    assert calls == [("", None), ("dx_apart=True", 1), ("", 2), ("dx_apart=True", 3)]
+    assert calls == [("", None), ("keep_states=True", 1), ("", 2), ("keep_states=True", 3)]
     reported = [json.loads(line[7:]) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["ssd"], r["round"]) for r in reported] == [("", 1), ("dx_apart=True", 1),
-                                                          ("", 2), ("dx_apart=True", 2)]
+    assert [(r["ssd"], r["round"]) for r in reported] == [("", 1), ("keep_states=True", 1),
+                                                          ("", 2), ("keep_states=True", 2)]
 
 
 def test_ssd_variants_rows_compare_within_their_round(monkeypatch, capsys):
@@ -604,15 +604,15 @@ def test_ssd_variants_rows_compare_within_their_round(monkeypatch, capsys):
 
     argvs = []
     monkeypatch.setattr(train_step, "in_process", lambda gpus, argv, timeout, xla_flags: (
-        argvs.append(argv) or [measured("", 1, 1.0), measured("dx_apart=True", 1, 0.9),
-                               measured("", 2, 2.0), measured("dx_apart=True", 2, 1.0)]))
-    train_step.main(["throughput", "--preset", "tiny", "--ssd-variants", "", "dx_apart=True",
+        argvs.append(argv) or [measured("", 1, 1.0), measured("keep_states=True", 1, 0.9),
+                               measured("", 2, 2.0), measured("keep_states=True", 2, 1.0)]))
+    train_step.main(["throughput", "--preset", "tiny", "--ssd-variants", "", "keep_states=True",
                      "--rounds", "2", "--steps", "1"])
     assert argvs[0][:2] == ["_child", "variants"]
-    assert argvs[0][-5:] == ["--rounds", "2", "--ssd-variants", "", "dx_apart=True"]
+    assert argvs[0][-5:] == ["--rounds", "2", "--ssd-variants", "", "keep_states=True"]
     rows = capsys.readouterr().out.splitlines()
     assert [line.split("|")[1].strip() for line in rows if "ssd" in line] == [
-        "dp=1 ssd default round 1", "dp=1 ssd dx_apart=True round 1",
-        "dp=1 ssd default round 2", "dp=1 ssd dx_apart=True round 2"]
+        "dp=1 ssd default round 1", "dp=1 ssd keep_states=True round 1",
+        "dp=1 ssd default round 2", "dp=1 ssd keep_states=True round 2"]
     assert [line.split("|")[5].strip() for line in rows if "vs first row" in line] == [
         "1.000x step time", "0.900x step time", "1.000x step time", "0.500x step time"]

@@ -25,7 +25,6 @@ NaN fails every comparison.
 A new backend subclasses `BackendCases` with its module and a small config.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -165,10 +164,10 @@ class TestTritonOtherOptions(BackendCases):
     backend = triton
     # The non-default options, together: recomputed states in float32 (which changes only bf16
     # inputs: float32 inputs keep float32 states either way), one head per dB/dC program
-    # (every group's dB and dC summed from r partials), the states kept from the forward
-    # kernel and dx computed apart from the backward's walk; and D per channel, [h, p].
+    # (every group's dB and dC summed from r partials) and the states kept from the forward
+    # kernel; and D per channel, [h, p].
     config = triton.Config(chunk=16, block_p=8, states_in_input_dtype=False,
-                           backward_bc_heads=1, keep_states=True, dx_apart=True)
+                           backward_bc_heads=1, keep_states=True)
     D_per_channel = True
 
 
@@ -369,41 +368,3 @@ def test_the_dbdc_kernel_pipelines_its_loop_over_heads_alone(bc_heads, monkeypat
                                config=config)[0].sum())(args["x"])
     assert launched["ssd_backward_bc"] == (3 if bc_heads is None else 1)
     assert launched["ssd_backward_state"] == 1
-
-
-@pytest.mark.parametrize("options", ["plain", "mamba3"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_dx_apart_from_the_walk_equals_the_walk_with_dx(options, dtype):
-    """Config.dx_apart (a walk of the state gradients, then dx chunk by chunk) against the
-    one walk that does both, on the same inputs: every output of `triton.backward` within
-    float32 summation order (dD sums its chunks in another order), with documents, D and
-    an initial state's gradient; "mamba3" adds Mamba-3's per-position skip, its own-token
-    weights eta over tokens of 2 positions and B and C turned by per-head angles."""
-    rng = np.random.default_rng()
-    b, l, h, p, g, n, t = 2, 64, 4, 32, 2, 16, 16
-    arr = lambda *shape, d=jnp.float32: jnp.asarray(rng.standard_normal(shape), d)
-    x, B, C, dy = arr(b, l, h, p, d=dtype), arr(b, l, g, n, d=dtype), arr(b, l, g, n, d=dtype), \
-        arr(b, l, h, p, d=dtype)
-    dt = jnp.asarray(rng.uniform(0.01, 0.2, (b, h, l)), jnp.float32)
-    a = -dt * jnp.asarray(rng.uniform(0.5, 2, (1, h, 1)), jnp.float32)
-    cs = jnp.cumsum(a.reshape(b, h, l // t, t), -1).reshape(b, h, l)
-    doc = jnp.asarray(np.cumsum(document_starts(rng, b, l), axis=1), jnp.int32)
-    kw = dict(D=arr(h, p), rank=1)
-    if options == "mamba3":
-        kw.update(skip=arr(b, h, l), eta=0.1 * arr(b, h, l), rank=2, rotation=(
-            arr(b, l // 2, h, 2), 0.1 * arr(h, 2, n), 0.1 * arr(h, 2, n)))
-    config = triton.Config(chunk=t)
-    states = triton.chunk_states(x, dt, cs, B, arr(b, h, p, n), doc, config=config,
-                                 rotation=kw.get("rotation"), interpret=True)
-    results = [triton.backward(x, dt, cs, B, C, doc, states, dy, arr(b, h, p, n) * 0 + 1.0,
-                               config=dataclasses.replace(config, dx_apart=apart),
-                               interpret=True, **kw) for apart in (False, True)]
-    names = ("dx", "ddt", "dcs", "dB", "dC", "dinit", "dD", "dskip", "deta")
-    for name, one, apart in zip(names, *results):
-        if one is None:
-            assert apart is None, name
-            continue
-        one, apart = np.asarray(one, np.float32), np.asarray(apart, np.float32)
-        assert np.all(np.isfinite(apart)), name
-        np.testing.assert_allclose(apart, one, rtol=1e-5, atol=1e-5 * np.abs(one).max(),
-                                   err_msg=name)

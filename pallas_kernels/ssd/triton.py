@@ -23,11 +23,6 @@ Four kernels, and a fifth for scanning a row in parts (`weighted_state`, vjp.py)
   gradient of the state leaving the chunk; per chunk dx (with the D skip's), the dt-gradient
   of the x dt product, and the part of the cumsum gradient that comes through the leaving
   state; D's gradient summed over the chunks. Saves each chunk's dS.
-- or, with `Config.dx_apart`, the state kernel's two jobs apart: `_backward_walk_kernel`,
-  grid (b, h, p / bp), the chunk_states walk transposed (dy and C in, each chunk's dS out),
-  and `_backward_dx_kernel`, grid (b, c, h), a chunk's dx and the rest from the dS it reads
-  back: the walk is the forward's (`_walk_chunks`) run backward, the chunk the state
-  kernel's (`_chunk_dx`).
 - `_backward_bc_kernel`, grid (b, c, g * q): chunks in parallel; loops over r / q heads of
   the group accumulating dB and dC in registers (no atomics, no per-head copies of dB/dC),
   and writes each head's remaining cumsum gradient. q (Config.backward_bc_heads) partial
@@ -140,13 +135,6 @@ class Config:
     # 16.94 against 17.56 (16 rows are 4 of its tokens, and its biases' partial sums, a
     # [rank, n] per program and head, were 1 GB in float32).
     turned_back_rows: int | None = None
-    # The backward's dx (with dt's and the skips' gradients) computed apart from its walk: a
-    # walk of the state gradients alone (`_backward_walk_kernel`: chunk_states' walk
-    # transposed, reading dy and C, writing each chunk's state gradient) and a kernel of
-    # b x chunks x h programs that computes each chunk's dx from the gradient it reads back
-    # (`_backward_dx_kernel`), instead of one walk that does both and holds dx's products
-    # and the carried gradient in registers at once. Not yet measured on a GPU: off.
-    dx_apart: bool = False
 
     def turns_in_backward(self, b, h):
         """Whether the backward kernels turn B and C themselves (`backward_turns`) for x
@@ -400,31 +388,22 @@ def _chunk_states_kernel(x_ref, dt_ref, cs_ref, B_ref, init_ref, *rest, t, r, bp
 
 
 def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, final_ref,
-                 states_ref, *, t, r, bp, bs, read_out, rank=1, backward=False):
+                 states_ref, *, t, r, bp, bs, read_out, rank=1):
     """The forward's walk over the chunks of one (batch, head, headdim block) with the state
     [bp, n] in registers (as power-of-two sub-blocks [bs, n]), writing the final state and,
     given states_ref, the state entering each chunk. read_out (C_ref, D_ref or None, skip_ref
     or None, eta_ref or None, y_ref) also computes y, over tokens of `rank` positions; without
-    it the walk reads only x and B (the backward's recomputation of the states).
-
-    backward: the same walk transposed, from the last chunk to the first, of the state's
-    gradient: x_ref is dy, B_ref C (turned with C's biases), init_ref the final state's
-    gradient, and each chunk adds dy^T C weighted by the decay from the chunk's entry
-    (read-out weights, not x's to_end * dt; dt_ref unused); it writes the gradient of the
-    state leaving each chunk and, as final_ref, the initial state's."""
+    it the walk reads only x and B (the backward's recomputation of the states)."""
     bi, hi, pi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gi, dtype = hi // r, x_ref.dtype
     cols = _sub_blocks(pi * bp, bp, bs)
-    nchunks = x_ref.shape[1] // t
 
-    def body(i, states):  # states: per sub-block [bs, n], the state entering chunk k
-        k = nchunks - 1 - i if backward else i
+    def body(k, states):  # states: per sub-block [bs, n], the state entering chunk k
         t0 = pl.multiple_of(k * t, t)
         ts = pl.ds(t0, t)
         Bk, Ck = _chunk_BC(B_ref, None if read_out is None else read_out[0], rotation, bi, ts,
                            gi, hi)
-        dt = None if backward else dt_ref[bi, hi, ts]
-        cs = cs_ref[bi, hi, ts]
+        dt, cs = dt_ref[bi, hi, ts], cs_ref[bi, hi, ts]
         within, doc, doc_last, doc_entry = _chunk_masks(doc_ref, bi, t0, t, rank)
         within_decay, from_entry, to_end, across = _decays(
             cs, cs_ref[bi, hi, t0 + t - 1], within, doc, doc_last, doc_entry)
@@ -447,11 +426,11 @@ def _walk_chunks(x_ref, dt_ref, cs_ref, B_ref, init_ref, doc_ref, rotation, fina
                 if skip is not None:  # the per-position skip, likewise
                     y = y + skip[:, None] * x.astype(jnp.float32)
                 y_ref[bi, ts, hi, ps] = y.astype(y_ref.dtype)
-            weights = from_entry if backward else to_end * dt
-            leaving.append(state * across + _dot(_weighted(x, weights), Bk, (0, 0)))
+            leaving.append(state * across + _dot(_weighted(x, to_end * dt), Bk, (0, 0)))
         return tuple(leaving)
 
-    finals = jax.lax.fori_loop(0, nchunks, body, tuple(init_ref[bi, hi, ps, :] for ps in cols))
+    finals = jax.lax.fori_loop(0, x_ref.shape[1] // t, body,
+                               tuple(init_ref[bi, hi, ps, :] for ps in cols))
     for ps, final in zip(cols, finals):
         final_ref[bi, hi, ps, :] = final
 
@@ -494,44 +473,14 @@ def _backward_state_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dfinal_r
             dD_ref[bi, hi, ps] = dD
 
 
-def _backward_walk_kernel(dy_ref, cs_ref, C_ref, dfinal_ref, *rest, t, r, bp, bs, has_doc,
-                          has_rotation):
-    doc_ref, rest = split_optional(rest, has_doc)
-    rotation, (dinit_ref, dstates_ref) = _split_rotation(rest, has_rotation)
-    _walk_chunks(dy_ref, None, cs_ref, C_ref, dfinal_ref, doc_ref, rotation, dinit_ref,
-                 dstates_ref, t=t, r=r, bp=bp, bs=bs, read_out=None, backward=True)
-
-
-def _backward_dx_kernel(x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, dstates_ref, *rest, t, r,
-                        bs, rank, has_doc, has_D, has_skip, has_eta, has_rotation):
-    """One chunk of one head, grid (b, c, h): the state kernel's chunk without its walk, the
-    leaving state's gradient read from dstates_ref; D's gradient as the chunk's partial
-    [b, c, h, p]."""
-    D_ref, rest = split_optional(rest, has_D)
-    skip_ref, rest = split_optional(rest, has_skip)
-    eta_ref, rest = split_optional(rest, has_eta)
-    doc_ref, rest = split_optional(rest, has_doc)
-    rotation, (dx_ref, ddt_ref, dcs_ref, *extra) = _split_rotation(rest, has_rotation)
-    dD_ref, extra = split_optional(extra, has_D)
-    dskip_ref, _ = split_optional(extra, has_skip)
-    bi, k, hi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = _sub_blocks(0, x_ref.shape[-1], bs)
-    x_dys, *_ = _chunk_dx(
-        (x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, D_ref, skip_ref, eta_ref, doc_ref,
-         rotation), (dx_ref, ddt_ref, dcs_ref, dskip_ref), bi, hi, 0, k, cols,
-        [dstates_ref[bi, k, hi, ps, :] for ps in cols], t=t, r=r, rank=rank)
-    if has_D:
-        for ps, x_dy in zip(cols, x_dys):
-            dD_ref[bi, k, hi, ps] = x_dy
-
-
 def _chunk_dx(inputs, outputs, bi, hi, pi, k, cols, dstates, *, t, r, rank):
     """Chunk k of head hi given the gradient of the state leaving it (per sub-block of cols,
     [bs, n]): writes dx (with the D and per-position skips'), the dt-gradient of the x dt
     product, the part of the cumsum gradient that comes through the leaving state, and
     dskip, at headdim block pi. -> (per sub-block sum_t x dy [bs] (D's gradient) or
     nothing without D, per sub-block dy [t, bs], the chunk's C [t, n], its decays from the
-    entry [t] and across it), what a walk needs to carry the gradient to the chunk's entry."""
+    entry [t] and across it), what the walk needs to carry the gradient to the chunk's
+    entry."""
     x_ref, dt_ref, cs_ref, B_ref, C_ref, dy_ref, D_ref, skip_ref, eta_ref, doc_ref, rotation = (
         inputs)
     dx_ref, ddt_ref, dcs_ref, dskip_ref = outputs
@@ -829,39 +778,18 @@ def backward(x, dt, cs, B, C, doc, states, dy, dfinal, *, config, D=None, skip=N
                  has_rotation=rotation is not None)
     dstates_shape = jax.ShapeDtypeStruct(states.shape, _states_dtype(config, x))
     optional = present(D, skip, eta, doc)
-    if config.dx_apart:
-        # The walk alone (chunk_states' transposed), then dx and the rest chunk by chunk.
-        # C read where the walk reads B: turned with C's biases in B's place
-        swapped = None if rotation is None else (rotation[0], rotation[2], rotation[1])
-        walk = functools.partial(_backward_walk_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
-                                 has_doc=doc is not None, has_rotation=rotation is not None)
-        dinit, dstates = call(walk, (b, h, p // bp), [f32((b, h, p, n)), dstates_shape],
-                              config.forward_warps, config.forward_stages, interpret,
-                              "ssd_backward_walk")(
-            dy, cs, C, dfinal, *present(doc), *_rotation_args(swapped, config, B))
-        kernel = functools.partial(_backward_dx_kernel, t=t, r=r, bs=_sub_block(p), **flags)
-        dx, ddt, dcs_end, *extra = call(
-            kernel, (b, l // t, h),
-            [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((1, b, h, l)), f32((1, b, h, l))]
-            + ([] if D is None else [f32((b, l // t, h, p))])
-            + ([] if skip is None else [f32((1, b, h, l))]),
-            config.backward_state_warps, config.backward_stages, interpret, "ssd_backward_dx",
-        )(x, dt, cs, B, C, dy, dstates, *optional, *turning)
-        dD, extra = split_optional(extra, D is not None)
-        dD = None if dD is None else dD.sum(1)
-    else:
-        kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
-                                   **flags)
-        dx, ddt, dcs_end, dstates, dinit, *extra = call(
-            kernel, (b, h, p // bp),
-            [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
-             f32((p // bp, b, h, l)), dstates_shape, f32((b, h, p, n))]
-            + ([] if D is None else [f32((b, h, p))])
-            + ([] if skip is None else [f32((p // bp, b, h, l))]),
-            config.backward_state_warps, config.backward_stages, interpret,
-            "ssd_backward_state",
-        )(x, dt, cs, B, C, dy, dfinal, *optional, *turning)
-        dD, extra = split_optional(extra, D is not None)
+    kernel = functools.partial(_backward_state_kernel, t=t, r=r, bp=bp, bs=_sub_block(bp),
+                               **flags)
+    dx, ddt, dcs_end, dstates, dinit, *extra = call(
+        kernel, (b, h, p // bp),
+        [jax.ShapeDtypeStruct(x.shape, x.dtype), f32((p // bp, b, h, l)),
+         f32((p // bp, b, h, l)), dstates_shape, f32((b, h, p, n))]
+        + ([] if D is None else [f32((b, h, p))])
+        + ([] if skip is None else [f32((p // bp, b, h, l))]),
+        config.backward_state_warps, config.backward_stages, interpret,
+        "ssd_backward_state",
+    )(x, dt, cs, B, C, dy, dfinal, *optional, *turning)
+    dD, extra = split_optional(extra, D is not None)
     dskip, _ = split_optional(extra, skip is not None)
     group_heads = r
     if rotation is not None:  # a dB/dC output a head
