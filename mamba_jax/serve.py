@@ -346,7 +346,14 @@ class Engine:
             chosen, top = token_logprobs(self.model, ids, lengths, TOP_LOGPROBS)
             return np.asarray(chosen), tuple(map(np.asarray, top))
 
-        chosen, top = await asyncio.get_running_loop().run_in_executor(self.executor, score)
+        try:
+            chosen, top = await asyncio.get_running_loop().run_in_executor(self.executor, score)
+        except Exception as err:  # noqa: BLE001 - the model's (NaN logits), not the request's
+            log.error("scoring failed for %d sequence(s): %s: %s", len(sequences),
+                      type(err).__name__, err)
+            raise web.HTTPInternalServerError(
+                text=_error_body(None, f"scoring failed: {type(err).__name__}: {err}"),
+                content_type="application/json") from None
         mine = [slice(l - len(s), None) for s in sequences]  # each row's own positions
         return ([chosen[i, at].tolist() for i, at in enumerate(mine)],
                 [[list(zip(values, ids)) for values, ids in zip(top[0][i, at].tolist(),

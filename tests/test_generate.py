@@ -10,7 +10,7 @@ import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.data import DEFAULT_CORPUS
 from mamba_jax.generate import (DECODE_COMPILER_OPTIONS, _jit_decode, _prefill, prefill,
-                                prepare, sample_logits)
+                                prepare, sample_logits, token_logprobs)
 from mamba_jax.generate.plan import decode_plan, resolve_implementation
 from pallas_kernels import fallback
 from pallas_kernels.ssd.step import Int8State
@@ -200,6 +200,36 @@ def test_streaming_delivers_every_step_in_order(model):
     seen = []  # the next stream is its own
     mamba_jax.generate(model, prompt, max_new_tokens=3, on_token=lambda step, _: seen.append(step))
     assert seen == [0, 1, 2]
+
+
+def test_nan_logits_are_an_error_naming_the_row_and_token_never_a_token():
+    """A row whose logits are NaN (here: once it has read a token whose embedding is NaN)
+    ends generate with a ValueError naming the row and new token, where argmax picked token
+    0 from them; its stream gets padding from there; token_logprobs names the position."""
+    cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16, chunk_size=16,
+                              vocab_size=250, tie_embeddings=False)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    prompt = np.random.default_rng(3).integers(0, 250, (2, 5))
+    new = np.asarray(mamba_jax.generate(model, prompt, max_new_tokens=8))[:, 5:]
+    # a token that row 1 samples as new token j, and neither prompt holds nor row 0 samples
+    j, k = next((j, int(t)) for j, t in enumerate(new[1][:6])
+                if t not in prompt and t not in new[0])
+    model.embedding.value = model.embedding.value.at[k].set(jnp.nan)
+    seen = []
+    with pytest.raises(ValueError, match=rf"generate: the model's logits are NaN \(row 1, "
+                                         rf"new token {j + 1}\): .* --dtype float32"):
+        mamba_jax.generate(model, prompt, 8, on_token=lambda _, tokens: seen.append(tokens))
+    np.testing.assert_array_equal(np.asarray(seen).T, [new[0], [*new[1][:j + 1], *[0] * (7 - j)]])
+    # in both prompts: the prefill's logits, both rows
+    both = np.concatenate([prompt, [[k], [k]]], axis=1)
+    with pytest.raises(ValueError, match=r"NaN \(row 0, new token 0, and 1 more row\(s\)\)"):
+        mamba_jax.generate(model, both, 4, temperature=1.0, top_p=0.9)
+    # row 1 reads k at position 5 + j (a NaN reaches the chunk's earlier positions too:
+    # 0 x NaN in the chunk's masked products)
+    ids = np.concatenate([prompt, new], axis=1)
+    with pytest.raises(ValueError, match=r"token_logprobs: .*NaN \(row 1, position \d+\)"):
+        token_logprobs(model, ids)
+    assert np.all(np.isfinite(token_logprobs(model, ids[:1])[0]))  # row 0 never reads k
 
 
 def test_bfloat16_state_cache_keeps_its_dtype_and_follows_the_float32_one(model):

@@ -14,6 +14,7 @@ import threading
 import time
 
 import aiohttp
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from aiohttp import web
@@ -583,6 +584,39 @@ def test_a_failed_generation_is_a_500_naming_it_and_a_stream_ends_with_done(mode
     assert body["error"]["message"] == "generation failed: RuntimeError: the device is gone"
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == body["error"]["message"]
+
+
+def test_nan_logits_are_a_500_naming_them_in_generation_and_in_scoring(checkpoint, model,
+                                                                      monkeypatch):
+    """A model whose logits are NaN: a completion is a 500 that says so (argmax gave token 0
+    before); scoring NaN log-probabilities likewise, not NaN in the JSON."""
+    broken = mamba_jax.from_pretrained(checkpoint)
+    broken.norm_f.weight.value = broken.norm_f.weight.value.at[0].set(jnp.nan)
+
+    async def go(app, path, body, method="POST"):
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+                async with s.request(method, url + path, json=body) as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+
+    status, body = run(go(make_app(broken, byte_tokenizer(), LIMITS), "/v1/completions",
+                          {"prompt": "hi", "max_tokens": 3}))
+    assert status == 500 and body["error"]["message"].startswith(
+        "generation failed: ValueError: generate: the model's logits are NaN (row 0, new "
+        "token 0)")
+
+    status, body = run(go(make_app(broken, byte_tokenizer(), LIMITS), "/api",
+                          {"prompts": ["hi"], "tokens_to_generate": 0, "logprobs": True},
+                          "PUT"))
+    assert status == 500 and body["error"]["message"].startswith(  # "hi" left-padded to 16
+        "scoring failed: ValueError: token_logprobs: the model's logits are NaN (row 0, "
+        "position 14)")
 
 
 # ------------------------------------------------------------------ Megatron's /api fields

@@ -127,12 +127,19 @@ def _sample(logits, key, settings: Settings, sampling: Sampling, step, previous)
                          top_p if sampling.top_p else None)
 
 
+def _picked_nan(logits, token):
+    """[b] bool: whether the token sampled from logits [b, v] is where a logit is NaN. Every
+    sampler here picks a NaN where a row has one (argmax and the Gumbel draw's argmax take a
+    NaN as the largest, and no filter removes it), so this reads b values, not b x v."""
+    return jnp.isnan(jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0])
+
+
 @functools.partial(jax.jit, static_argnames=("sampling", "plan", "cache_len",
                                              "ssm_state_dtype"))
 def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan: DecodePlan,
              cache_len=None, ssm_state_dtype="float32"):
-    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], the cache as the
-    decode loop of `plan` carries it).
+    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], -1 where the row's
+    logits are NaN, the cache as the decode loop of `plan` carries it).
 
     model: the Mamba2LM itself, a pytree (see generate). cache_len: the slots of the caches
     that grow with the tokens (None for a model without them, so its prefill compiles once
@@ -142,9 +149,17 @@ def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan:
     logits, cache = model.prefill(input_ids, seq_idx=seq_idx, cache_len=cache_len)
     cache = model.cache_for_decoding(cache, plan.steps, ssm_state_dtype)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
-    first = _sample(logits[:, -1, :vocab], jax.random.fold_in(key, 0), settings, sampling, 0,
-                    input_ids[:, -1])
-    return first, cache
+    logits = logits[:, -1, :vocab]
+    first = _sample(logits, jax.random.fold_in(key, 0), settings, sampling, 0, input_ids[:, -1])
+    return jnp.where(_picked_nan(logits, first), -1, first), cache
+
+
+def _nan_logits(where: str, position: str, rows) -> ValueError:
+    """The error for NaN logits at `position` of the first of rows (row indices)."""
+    more = f", and {len(rows) - 1} more row(s)" if len(rows) > 1 else ""
+    return ValueError(f"{where}: the model's logits are NaN (row {rows[0]}, {position}{more}): "
+                      "its weights hold NaN or infinity, or its activations overflow (a "
+                      "bfloat16 model may where float32 does not: --dtype float32)")
 
 
 def _learned_state_padding(where: str, lengths: str) -> ValueError:
@@ -190,11 +205,12 @@ _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_new_tokens,
                  sampling, eos_token_id, stream, plan: DecodePlan):
-    """first [b] (the prefill's token), limits [b] (tokens each row may generate, <= t) ->
-    (tokens [b, t] int32, final cache).
+    """first [b] (the prefill's token, -1 for NaN logits), limits [b] (tokens each row may
+    generate, <= t) -> (tokens [b, t] int32, final cache, [b] int32: the new token at which
+    a row's logits were NaN, -1 for none).
 
-    A row is done after its eos_token_id or its limit; later positions hold eos_token_id
-    (0 without one). With `stream`, each step's tokens [b] reach the host through an ordered
+    A row is done after its eos_token_id or its limit, or at NaN logits; later positions
+    hold eos_token_id (0 without one). With `stream`, each step's tokens [b] reach the host through an ordered
     io_callback: one program still runs the whole decode (no per-segment dispatch, as a loop
     run in compiled segments would need), and the non-streaming program has no host sync.
     """
@@ -203,28 +219,33 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     stop = -1 if eos_token_id is None else eos_token_id
     pad = 0 if eos_token_id is None else eos_token_id
     b = first.shape[0]
+    failed = jnp.where(first < 0, 0, -1)
+    first = jnp.where(first < 0, pad, first)
     if stream:
         io_callback(_emit, None, stream_id, 0, first, ordered=True)
     out = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
 
     def cond(carry):
-        i, _, _, done, _ = carry
+        i, _, _, done, _, _ = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        i, token, cache, done, out = carry
+        i, token, cache, done, out, failed = carry
         logits, cache = model.step(token, cache, weights, plan.steps)
-        token = _sample(logits[:, :vocab], jax.random.fold_in(key, i), settings, sampling, i,
-                        token)
-        token = jnp.where(done, pad, token)
+        logits = logits[:, :vocab]
+        token = _sample(logits, jax.random.fold_in(key, i), settings, sampling, i, token)
+        nan = _picked_nan(logits, token) & ~done
+        failed = jnp.where(nan, i, failed)
+        token = jnp.where(done | nan, pad, token)
         if stream:
             io_callback(_emit, None, stream_id, i, token, ordered=True)
-        done = done | (token == stop) | (i + 1 >= limits)
-        return i + 1, token, cache, done, out.at[:, i].set(token)
+        done = done | nan | (token == stop) | (i + 1 >= limits)
+        return i + 1, token, cache, done, out.at[:, i].set(token), failed
 
-    carry = (jnp.int32(1), first, cache, (first == stop) | (limits <= 1), out)
-    _, _, cache, _, out = jax.lax.while_loop(cond, body, carry)
-    return out, cache
+    carry = (jnp.int32(1), first, cache, (failed >= 0) | (first == stop) | (limits <= 1), out,
+             failed)
+    _, _, cache, _, out, failed = jax.lax.while_loop(cond, body, carry)
+    return out, cache, failed
 
 
 @functools.cache
@@ -364,13 +385,20 @@ def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
     float32, log p(input_ids[:, j + 1] | input_ids[:, :j + 1]) from the raw logits (no
     temperature; Megatron-LM's logprobs), and with top_n > 0 the top_n most likely tokens'
     (log-probabilities, ids) [b, l - 1, top_n] each, else None). Positions in the padding
-    are meaningless. One forward pass, compiled per (shapes, top_n)."""
+    are meaningless. One forward pass, compiled per (shapes, top_n); a ValueError where a
+    row's own positions have NaN log-probabilities."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     b, l = input_ids.shape
     lengths = np.full((b,), l, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     if np.any(lengths < l) and learned_state(model):
         raise _learned_state_padding("token_logprobs", "lengths")
-    return _score(model, input_ids, lengths, top_n=top_n)
+    chosen, top = _score(model, input_ids, lengths, top_n=top_n)
+    # position j scores token j + 1 given the tokens to j: a row's own from l - length on
+    nan = np.isnan(np.asarray(chosen)) & (np.arange(l - 1)[None, :] >= (l - lengths)[:, None])
+    if np.any(nan):
+        rows = np.flatnonzero(nan.any(axis=1))
+        raise _nan_logits("token_logprobs", f"position {np.argmax(nan[rows[0]])}", rows)
+    return chosen, top
 
 
 def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
@@ -467,8 +495,9 @@ def prepare(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, to
 
 
 def prefill(model, input_ids, prepared: Prepared, seed=0):
-    """The first program: the prompt input_ids [b, l] -> (the first new token [b], the cache
-    after the prompt, as the decode loop carries it)."""
+    """The first program: the prompt input_ids [b, l] -> (the first new token [b], -1 where
+    the row's logits are NaN (decode raises for it), the cache after the prompt, as the
+    decode loop carries it)."""
     # The model goes to both programs as the pytree it is (flax's Modules are pytrees): its
     # structure keys the compile cache through a treedef that hashes in microseconds, where
     # nnx.split and a static GraphDef cost ~11 ms and ~2 ms a call on the host for a
@@ -482,7 +511,8 @@ def prefill(model, input_ids, prepared: Prepared, seed=0):
 def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *,
            on_token=None, compiler_options=DECODE_COMPILER_OPTIONS):
     """The second program: prefill's (first, cache) -> the new tokens [b, max_new_tokens]
-    int32 (generate's stopping and streaming). The cache is donated. compiler_options: the
+    int32 (generate's stopping and streaming); a ValueError where a row's logits were NaN
+    (its stream, if any, got padding from there on). The cache is donated. compiler_options: the
     decode loop's XLA options (DECODE_COMPILER_OPTIONS: one CUDA graph on a GPU)."""
     p = prepared
     stream_id = -1
@@ -490,7 +520,7 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
         stream_id = next(_STREAM_IDS)
         _STREAMS[stream_id] = on_token
     try:
-        out, _ = _jit_decode(tuple(sorted(compiler_options.items())))(
+        out, _, failed = _jit_decode(tuple(sorted(compiler_options.items())))(
             model, first, cache, jax.random.key(seed), p.settings, p.limits,
             np.int32(stream_id), max_new_tokens=p.max_new_tokens, sampling=p.sampling,
             eos_token_id=eos_token_id, stream=on_token is not None, plan=p.plan)
@@ -501,6 +531,10 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
         failure = _FAILURES.pop(stream_id, None)
     if failure is not None:
         raise failure
+    failed = np.asarray(failed)
+    if np.any(failed >= 0):
+        rows = np.flatnonzero(failed >= 0)
+        raise _nan_logits("generate", f"new token {failed[rows[0]]}", rows)
     return out
 
 
