@@ -212,6 +212,7 @@ class Checkpointer:
         serve, convert), while the run may still write and prune them. One that cannot be
         read (corrupt, or removed by the run's --keep meanwhile) is said in one line and the
         one before it tried; nothing is set aside. ValueError when none can be read."""
+        global _restore_failed
         log = log or sys.stderr
         _quiet_failed_restores()
         steps = self.steps()
@@ -220,6 +221,7 @@ class Checkpointer:
                 return candidate, read(candidate)
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
                 if step is not None:
+                    _restore_failed = True  # its reads' stragglers are quieted too
                     raise ValueError(f"checkpoint {self.directory / str(step)} cannot be read "
                                      f"({_reason(error)})") from None
                 self._report(candidate, error, log)
