@@ -778,8 +778,8 @@ def _fits_in_memory(args):
                   "parameters, optimizer state and SSM states stay float32)"]
                  if args.dtype == "float32" else [])
         fixes += [f"split the step's rows into more micro-batches (--grad-accum "
-                 f"{2 * args.grad_accum}: the same tokens a step, fewer activations at once) "
-                 "or lower --batch-size"]
+                  f"{2 * args.grad_accum}: the same tokens a step, fewer activations at once) "
+                  "or lower --batch-size"]
         if args.remat != "full":
             fixes.append("recompute more in the backward pass (--remat "
                          + ("block or full)" if args.remat == "none" else "full)"))

@@ -210,9 +210,10 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     a row's logits were NaN, -1 for none).
 
     A row is done after its eos_token_id or its limit, or at NaN logits; later positions
-    hold eos_token_id (0 without one). With `stream`, each step's tokens [b] reach the host through an ordered
-    io_callback: one program still runs the whole decode (no per-segment dispatch, as a loop
-    run in compiled segments would need), and the non-streaming program has no host sync.
+    hold eos_token_id (0 without one). With `stream`, each step's tokens [b] reach the host
+    through an ordered io_callback: one program still runs the whole decode (no per-segment
+    dispatch, as a loop run in compiled segments would need), and the non-streaming program
+    has no host sync.
     """
     weights = model.decode_weights(plan.steps)
     vocab = model.config.vocab_size
@@ -512,8 +513,9 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
            on_token=None, compiler_options=DECODE_COMPILER_OPTIONS):
     """The second program: prefill's (first, cache) -> the new tokens [b, max_new_tokens]
     int32 (generate's stopping and streaming); a ValueError where a row's logits were NaN
-    (its stream, if any, got padding from there on). The cache is donated. compiler_options: the
-    decode loop's XLA options (DECODE_COMPILER_OPTIONS: one CUDA graph on a GPU)."""
+    (its stream, if any, got padding from there on). The cache is donated.
+    compiler_options: the decode loop's XLA options (DECODE_COMPILER_OPTIONS: one CUDA graph
+    on a GPU)."""
     p = prepared
     stream_id = -1
     if on_token is not None:
