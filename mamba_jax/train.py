@@ -624,8 +624,9 @@ def _train(argv, held: contextlib.ExitStack):
                   "nothing to train (raise --steps to train on)", file=sys.stderr)
     flops = train_flops_per_token(cfg, args.seq_len)
     peak = peak_flops(args.dtype)
-    # A resumed run supersedes what a killed one logged after its checkpoint.
-    resumed_from = start if args.resume or args.resume_if_exists else None
+    # A resumed run supersedes what a killed one logged after its checkpoint; a run that
+    # restored nothing (--resume-if-exists finding none) appends, as any fresh run does.
+    resumed_from = start if resumed else None
     metrics = (MetricsWriter(args.metrics_file, args.tensorboard, resumed_from) if lead
                else MetricsWriter())
     progress = Progress(args.steps, first=start)

@@ -519,3 +519,14 @@ def test_a_step_out_of_device_memory_names_the_batch_and_the_fixes(tmp_path, mon
     monkeypatch.setattr(train, "make_train_step", failing("INTERNAL: something else", 0))
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         train.main([*SMALL, "--steps", "2", "--out", "none"])
+
+
+def test_a_resume_if_exists_run_that_restores_nothing_appends_to_the_metrics_file(tmp_path):
+    """Only a run that restores a checkpoint supersedes the metrics logged after it; one that
+    finds none to restore appends, as a fresh run does (it emptied the file)."""
+    metrics = tmp_path / "m.jsonl"
+    main([*SMALL, "--steps", "2", "--metrics-file", str(metrics)])
+    main([*SMALL, "--steps", "2", "--metrics-file", str(metrics), "--checkpoint-dir",
+          str(tmp_path / "ck"), "--resume-if-exists"])
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == \
+        [1, 2, 1, 2]
