@@ -96,15 +96,20 @@ def holds_checkpoints(path) -> bool:
         or holds_steps(path)
 
 
+def checkpoints_above(path) -> Path | None:
+    """The nearest folder above `path` that holds Orbax steps (holds_steps), or None: a
+    path inside a trainer's checkpoints (a train_config.json alone above may be a user's
+    copy, so only steps say so)."""
+    return next((p for p in Path(path).resolve().parents if holds_steps(p)), None)
+
+
 def check_outside_checkpoints(name: str, path) -> None:
     """Refuse (ValueError) a `path` to write other files to that is a trainer's
     --checkpoint-dir or inside one: a model or dataset there would hide the checkpoints
     from the commands that read the folder, replace the run's tokenizer and train_config.json
     copies, and a numbered folder would be taken for a corrupt checkpoint."""
     path = Path(path).resolve()
-    # Above it, a folder of steps: a train_config.json alone there may be a user's copy
-    folder = path if holds_checkpoints(path) else next(
-        (p for p in path.parents if holds_steps(p)), None)
+    folder = path if holds_checkpoints(path) else checkpoints_above(path)
     if folder is not None:
         where = "is" if folder == path else "is inside"
         raise ValueError(f"{name} {path} {where} the training checkpoints folder {folder}, "

@@ -49,8 +49,8 @@ from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fingerprint,
                             is_indexed, load_data, parse_blend)
-from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model,
-                             holds_steps, locked, replace_text)
+from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
+                             holds_model, holds_steps, locked, replace_text)
 from mamba_jax.formats import export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
                                train_flops_per_token)
@@ -479,6 +479,12 @@ def _train(argv, held: contextlib.ExitStack):
         # Orbax takes its folders for steps: a numbered --out would be a corrupt checkpoint
         raise SystemExit(f"--out {out} is inside --checkpoint-dir {args.checkpoint_dir}, "
                          "whose folders are the checkpoints: give an --out outside it")
+    if args.checkpoint_dir and (above := checkpoints_above(args.checkpoint_dir)):
+        # a step of another run's (or of its own) checkpoints: a run there would write
+        # steps into that checkpoint, and a --resume-if-exists start afresh inside it
+        raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} is inside the training "
+                         f"checkpoints folder {above}: give that folder to resume its run, "
+                         "or a folder of its own")
     writes = [("--checkpoint-dir", args.checkpoint_dir)]
     if lead:  # the lead alone logs and exports
         writes += [("--metrics-file", args.metrics_file), ("--tensorboard", args.tensorboard),

@@ -530,3 +530,18 @@ def test_a_resume_if_exists_run_that_restores_nothing_appends_to_the_metrics_fil
           str(tmp_path / "ck"), "--resume-if-exists"])
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == \
         [1, 2, 1, 2]
+
+
+def test_a_checkpoint_dir_inside_a_checkpoints_folder_is_refused_and_left_as_it_was(tmp_path):
+    """--checkpoint-dir naming one of a run's steps (or a folder inside it): a
+    --resume-if-exists run started afresh there, writing its steps and files into that
+    checkpoint."""
+    ck = tmp_path / "ck"
+    main([*SMALL, "--steps", "2", "--save-every", "2", "--checkpoint-dir", str(ck)])
+    before = sorted(p.relative_to(ck) for p in ck.rglob("*"))
+    for inside in (ck / "2", ck / "2" / "new"):
+        with pytest.raises(UserExit, match=rf"--checkpoint-dir {inside} is inside the training "
+                                           rf"checkpoints folder {ck}: give that folder"):
+            main([*SMALL, "--steps", "4", "--checkpoint-dir", str(inside),
+                  "--resume-if-exists"])
+    assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before
