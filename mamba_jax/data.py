@@ -62,7 +62,7 @@ import numpy as np
 from mamba_jax.cli import HelpFormatter, command
 from mamba_jax.files import check_outside_checkpoints, check_writable, holds_model, locked
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
-                                 copy_tokenizer, load_tokenizer, special_tokens)
+                                 copy_tokenizer, load_tokenizer, special_ends, special_tokens)
 
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "licenses.txt"
 FORMAT_VERSION = 1
@@ -152,12 +152,13 @@ def _not_utf8(path, error: UnicodeDecodeError) -> ValueError:
 
 
 def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
-    """Yield (document_starts, text_piece) for one input file, reading it line by line.
+    """Yield (document_starts, whole_document, text) for one input file, reading it line by
+    line.
 
     A .jsonl / .json file has a JSON object per line, whose json_keys fields are each a
-    document; any other file is one document of plain text, handed out in pieces of whole
-    lines so that a large file never sits in memory (a piece boundary is a line boundary,
-    where tokenizers rarely merge).
+    document, whole; any other file is one document of plain text, handed out in pieces of
+    whole lines so that a large file never sits in memory (a piece boundary is a line
+    boundary, where tokenizers rarely merge).
     """
     # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
     with open(path, encoding="utf-8-sig") as f:
@@ -175,16 +176,16 @@ def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
                                      f"field(s) {fields} are strings, on every line "
                                      "(--json-keys names them)") from None
                 for text in texts:
-                    yield True, text
+                    yield True, True, text
         else:
             piece, first = [], True
             for line in f:
                 piece.append(line)
                 if len(piece) == lines_per_piece:
-                    yield first, "".join(piece)
+                    yield first, False, "".join(piece)
                     piece, first = [], False
             if piece or first:
-                yield first, "".join(piece)
+                yield first, False, "".join(piece)
 
 
 def _tokenize_file(job):
@@ -192,29 +193,41 @@ def _tokenize_file(job):
     non-empty document; returns the shard's path, the documents' lengths, the largest id."""
     path, tokenizer_spec, dtype, tmp, eod_id, json_keys = job
     tokenizer = load_tokenizer(tokenizer_spec)
+    # A document in pieces gets the special tokens of one encode (a BOS) once, at its ends
+    prefix, suffix = special_ends(tokenizer)
     shard = Path(tempfile.mkstemp(dir=tmp, suffix=".bin")[1])
-    lengths, max_token = [], -1
+    lengths, max_token, in_pieces = [], -1, False
     with open(shard, "wb") as out:
+
+        def write(ids):
+            nonlocal max_token
+            ids = np.asarray(ids, np.int64)
+            if ids.size:
+                max_token = max(max_token, int(ids.max()))
+                if ids.max() > np.iinfo(dtype).max:
+                    raise ValueError(f"{path}: token id {ids.max()} does not fit {dtype}")
+            lengths[-1] += ids.size
+            out.write(ids.astype(dtype).tobytes())
 
         def end_document():
             nonlocal max_token
+            if in_pieces and lengths:
+                write(suffix)
             if eod_id is not None and lengths and lengths[-1]:
                 out.write(np.asarray([eod_id], dtype).tobytes())
                 lengths[-1] += 1
                 max_token = max(max_token, eod_id)
 
         try:
-            for starts_doc, text in _documents(Path(path), json_keys):
-                ids = np.asarray(tokenizer.encode(text).ids, np.int64)
-                if ids.size:
-                    max_token = max(max_token, int(ids.max()))
-                    if ids.max() > np.iinfo(dtype).max:
-                        raise ValueError(f"{path}: token id {ids.max()} does not fit {dtype}")
+            for starts_doc, whole, text in _documents(Path(path), json_keys):
                 if starts_doc:
                     end_document()
                     lengths.append(0)
-                lengths[-1] += ids.size
-                out.write(ids.astype(dtype).tobytes())
+                    in_pieces = not whole
+                    if in_pieces:
+                        write(prefix)
+                write(tokenizer.encode(text).ids if whole else
+                      tokenizer.encode(text, add_special_tokens=False).ids)
         except UnicodeDecodeError as error:
             raise _not_utf8(path, error) from None
         end_document()

@@ -70,7 +70,8 @@ class SentencePieceTokenizer:
             raise ValueError(f"tokenizer {path} is not a SentencePiece model ({error}); pass "
                              "a tokenizer.model or a tokenizer.json") from None
 
-    def encode(self, text: str) -> Encoding:
+    def encode(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        """tokenizers' signature; it adds no special tokens either way."""
         return Encoding(self.processor.encode_as_ids(text))
 
     def decode(self, ids) -> str:
@@ -121,6 +122,19 @@ def copy_tokenizer(spec, directory) -> str:
     name = tokenizer_file_name(load_tokenizer(spec))
     shutil.copyfile(spec, Path(directory) / name)
     return name
+
+
+def special_ends(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer's post-processor puts before and after a text's own (a BOS
+    template's ([bos], []), RoBERTa's ([<s>], [</s>]); none for SentencePieceTokenizer,
+    which adds none): a text encoded in pieces without them (add_special_tokens=False) is
+    then given them once, at its ends. Found by encoding a probe with and without them."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        return [], []
+    inner = tokenizer.encode("a", add_special_tokens=False).ids
+    whole = tokenizer.encode("a").ids
+    at = next(i for i in range(len(whole) - len(inner) + 1) if whole[i:i + len(inner)] == inner)
+    return whole[:at], whole[at + len(inner):]
 
 
 def load_tokenizer(spec):

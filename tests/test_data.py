@@ -43,6 +43,30 @@ def test_large_plain_text_is_streamed_in_pieces_into_one_document(tmp_path):
     assert meta["n_docs"] == 1 and meta["n_tokens"] == len(text)
 
 
+def test_a_text_in_pieces_gets_the_special_tokens_of_one_encode(tmp_path):
+    """A tokenizer whose template wraps a text in <s> ... </s>: a large text file (three
+    pieces) is one document with them once, at its ends, as encoding it whole gives (each
+    piece gave them in the middle); a JSON document keeps its own."""
+    from tokenizers import processors
+
+    tokenizer = bpe_tokenizer(tmp_path / "plain.json")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|padding|> $A <|endoftext|>", special_tokens=[("<|padding|>", 1),
+                                                               ("<|endoftext|>", 0)])
+    tokenizer.save(str(tmp_path / "wrapped.json"))
+    text = "".join(f"line {i}\n" for i in range(10000))
+    (tmp_path / "big.txt").write_text(text)
+    (tmp_path / "doc.jsonl").write_text(json.dumps({"text": "one line"}) + "\n")
+    meta = prepare([tmp_path / "big.txt", tmp_path / "doc.jsonl"],
+                   str(tmp_path / "wrapped.json"), tmp_path / "ds", eval_fraction=0.0)
+    tokens = np.asarray(np.memmap(tmp_path / "ds" / "tokens.bin", dtype=meta["dtype"],
+                                  mode="r"))
+    whole, doc = tokenizer.encode(text).ids, tokenizer.encode("one line").ids
+    assert whole[0] == 1 and whole[-1] == 0 and doc[0] == 1
+    eod = tokens[len(whole)]  # each document ends with the end-of-text token once more
+    np.testing.assert_array_equal(tokens, whole + [eod] + doc + [eod])
+
+
 def test_batches_are_deterministic_and_resume_exactly(corpus, tmp_path):
     prepare([DEFAULT_CORPUS], "bytes", tmp_path / "ds", eval_fraction=0.0)
     ds = TokenDataset.load(tmp_path / "ds", vocab_size=256)
