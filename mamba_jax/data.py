@@ -23,13 +23,15 @@ A prepared dataset is a directory:
                   appended), the sources, and `train_docs`: the documents before it train,
                   the rest are held out.
 
-Input: text files (one document each) and JSON-lines files (.jsonl, .json), one JSON object
-per line whose --json-keys fields (Megatron's flag; "text" by default) are its documents, in
-key order (Megatron's preprocess_data writes a dataset per key instead).
+Input: text files (one document each) and JSON-lines files (.jsonl, .json, .ndjson, any
+case), one JSON object per line whose --json-keys fields (Megatron's flag; "text" by
+default) are its documents, in key order (Megatron's preprocess_data writes a dataset per key
+instead); with --json-keys every input must be JSON lines.
 
---data (the trainer) takes a dataset directory, a text file, a Megatron dataset by its path
-prefix (PREFIX.bin + PREFIX.idx, trained as they are: no re-tokenising; the last
-EVAL_FRACTION of its documents held out), or a blend `W1 PATH1 W2 PATH2 ...` (BlendedDataset).
+--data (the trainer) takes a dataset directory, a text file (not JSON lines), a Megatron
+dataset by its path prefix (PREFIX.bin + PREFIX.idx, trained as they are: no re-tokenising;
+the last EVAL_FRACTION of its documents held out), or a blend `W1 PATH1 W2 PATH2 ...`
+(BlendedDataset).
 
 The end-of-document token is the tokenizer's end-of-sequence token (tokenizer.special_tokens,
 e.g. GPT-NeoX's <|endoftext|>), so that a model learns to stop where generation's eos stops
@@ -151,18 +153,26 @@ def _not_utf8(path, error: UnicodeDecodeError) -> ValueError:
 # ---------------------------------------------------------------- preparing
 
 
+# The suffixes of JSON-lines files (any case): every other input is plain text
+JSON_LINES = (".jsonl", ".json", ".ndjson")
+
+
+def is_json_lines(path) -> bool:
+    return Path(path).suffix.lower() in JSON_LINES
+
+
 def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
     """Yield (document_starts, whole_document, text) for one input file, reading it line by
     line.
 
-    A .jsonl / .json file has a JSON object per line, whose json_keys fields are each a
-    document, whole; any other file is one document of plain text, handed out in pieces of
+    A JSON-lines file (JSON_LINES) has a JSON object per line, whose json_keys fields are
+    each a document, whole; any other file is one document of plain text, handed out in pieces of
     whole lines so that a large file never sits in memory (a piece boundary is a line
     boundary, where tokenizers rarely merge).
     """
     # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
     with open(path, encoding="utf-8-sig") as f:
-        if path.suffix in (".jsonl", ".json"):
+        if is_json_lines(path):
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -297,8 +307,10 @@ def _install(work: Path, out: Path):
 
 def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=None,
             log=sys.stderr, *, append_eod: bool = True, overwrite: bool = False,
-            json_keys=("text",)):
+            json_keys=None):
     """Tokenize text / JSON-lines files into a dataset directory `out` (see module doc).
+    json_keys: the documents' fields of each JSON line (default ["text"]); given, every
+    input must be JSON lines (JSON_LINES: a text file would ignore them).
 
     Files are tokenized in parallel (one process per file), each streamed to a shard, and
     the shards are joined in input order. A dataset already in `out` is refused unless
@@ -310,8 +322,15 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
         if not path.is_file():
             raise FileNotFoundError(f"prepare: input {path} " + (
                 "is a directory; name the files in it" if path.is_dir() else "does not exist"))
+    if json_keys is not None and (text := [p for p in inputs if not is_json_lines(p)]):
+        raise ValueError(f"prepare: --json-keys names fields of JSON lines, but {text[0]} is "
+                         f"read as plain text (one document): JSON-lines files are named "
+                         f"{', '.join(JSON_LINES)}; rename it, or leave --json-keys out")
+    json_keys = json_keys or ["text"]
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"prepare: --eval-fraction={eval_fraction} must be in [0, 1)")
+    if workers is not None and workers < 1:
+        raise ValueError(f"prepare: --workers={workers} must be at least 1")
     tokenizer = load_tokenizer(tokenizer_spec)
     vocab = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab)
@@ -379,6 +398,10 @@ def _check_not_a_part(path: Path):
             (path.parent / "meta.json").is_file():
         raise ValueError(f"--data {path} is a file of the dataset {path.parent}; give the "
                          f"folder: --data {path.parent}")
+    if is_json_lines(path):  # read as text, its JSON syntax would be trained on
+        raise ValueError(f"--data {path} is JSON lines, which --data does not read directly: "
+                         f"python -m mamba_jax.data prepare {path} --tokenizer T --out DIR, "
+                         "then --data DIR")
     prefix = path.with_suffix("")
     if path.suffix in (".bin", ".idx") and is_indexed(prefix):
         raise ValueError(f"--data {path} is a file of the Megatron dataset {prefix}; give its "
@@ -669,8 +692,9 @@ def main(argv=None):
                                              "(one document per line and --json-keys field)")
     p.add_argument("--tokenizer", required=True,
                    help="tokenizer.json or SentencePiece tokenizer.model path, or 'bytes'")
-    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                   help="the fields of each JSON line that are documents (Megatron's flag)")
+    p.add_argument("--json-keys", nargs="+", metavar="KEY",
+                   help="the fields of each JSON line that are documents (Megatron's flag; "
+                        "default: text)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the dataset already in --out (refused otherwise)")
@@ -682,7 +706,7 @@ def main(argv=None):
                    help="processes (default: one per input file, at most the cores)")
     args = parser.parse_args(argv)
     if not args.inputs:
-        taken = [key for key in args.json_keys if Path(key).exists()]
+        taken = [key for key in args.json_keys or [] if Path(key).exists()]
         p.error("the following arguments are required: inputs" + (
             f" (--json-keys took {', '.join(taken)} as field names: give the inputs before "
             "--json-keys)" if taken else ""))

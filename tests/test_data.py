@@ -240,6 +240,29 @@ def test_prepare_ends_each_document_with_the_tokenizers_end_of_text(corpus, tmp_
     assert byte_level["eod_id"] is None and "has no end-of-document token" in log.getvalue()
 
 
+def test_json_lines_by_any_of_their_names_and_json_keys_only_with_them(corpus, tmp_path):
+    """.ndjson and .JSONL are JSON lines (they were prepared as text: the JSON syntax
+    trained on); --json-keys with a text input, a JSON-lines --data and --workers 0 are
+    refused by name."""
+    lines = (corpus / "b.jsonl").read_text()
+    (tmp_path / "b.ndjson").write_text(lines)
+    (tmp_path / "B.JSONL").write_text(lines)
+    expected = prepare([corpus / "b.jsonl"], "bytes", tmp_path / "ref", eval_fraction=0.0)
+    for name in ("b.ndjson", "B.JSONL"):
+        meta = prepare([tmp_path / name], "bytes", tmp_path / f"ds-{name}", eval_fraction=0.0)
+        assert (meta["n_docs"], meta["n_tokens"]) == (expected["n_docs"], expected["n_tokens"])
+    with pytest.raises(ValueError, match=rf"--json-keys names fields of JSON lines, but "
+                                         rf"{corpus / 'a.txt'} is read as plain text"):
+        prepare([corpus / "b.jsonl", corpus / "a.txt"], "bytes", tmp_path / "mixed",
+                json_keys=["text"])
+    assert not (tmp_path / "mixed").exists()
+    with pytest.raises(ValueError, match=r"--data .*b.ndjson is JSON lines, which --data does "
+                                         r"not read directly: python -m mamba_jax.data prepare"):
+        TokenDataset.load(tmp_path / "b.ndjson", vocab_size=256)
+    with pytest.raises(ValueError, match=r"--workers=0 must be at least 1"):
+        prepare([corpus / "a.txt"], "bytes", tmp_path / "w", workers=0)
+
+
 def test_prepare_progress_writes_no_carriage_returns_into_a_log_file(tmp_path):
     files = []
     for i in range(25):
