@@ -41,13 +41,16 @@ TOKENS = P(BATCH_AXES, "cp")  # a [b, l] array of tokens: rows over dp, fsdp; se
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
     """"dp=2,tp=4" -> {"dp": 2, "fsdp": 1, "tp": 4}."""
-    sizes = dict.fromkeys(AXES, 1)
+    sizes, given = dict.fromkeys(AXES, 1), set()
     for part in filter(None, (s.strip() for s in spec.split(","))):
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or name not in AXES or not value.strip().isdigit() or int(value) < 1:
             raise ValueError(f"mesh spec {spec!r}: {part!r} should be AXIS=SIZE with AXIS one "
                              f"of {AXES} and SIZE a positive integer, e.g. 'dp=2,tp=4'")
+        if name in given:
+            raise ValueError(f"mesh spec {spec!r} gives {name} twice: give each axis once")
+        given.add(name)
         sizes[name] = int(value)
     return sizes
 

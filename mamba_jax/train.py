@@ -403,8 +403,9 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
 
 
 def _out_dir(args) -> str | None:
-    """Where the final export goes: --out with {preset} filled in, or None for --out none."""
-    return None if args.out.lower() == "none" else args.out.format(preset=args.preset)
+    """Where the final export goes: --out with {preset} filled in (any other brace is the
+    path's own), or None for --out none."""
+    return None if args.out.lower() == "none" else args.out.replace("{preset}", args.preset)
 
 
 def _replaceable(args, out: str, resumed: bool) -> bool:

@@ -100,6 +100,8 @@ def test_mesh_spec_errors_name_the_sizes_and_the_devices():
         parallel.make_mesh("tp=4")
     with pytest.raises(ValueError, match="'pp=2' should be AXIS=SIZE"):
         parallel.make_mesh("pp=2,tp=4")
+    with pytest.raises(ValueError, match="gives dp twice"):  # the last one was taken
+        parallel.make_mesh("dp=4,dp=2,tp=4")
 
 
 def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():

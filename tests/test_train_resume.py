@@ -545,3 +545,10 @@ def test_a_checkpoint_dir_inside_a_checkpoints_folder_is_refused_and_left_as_it_
             main([*SMALL, "--steps", "4", "--checkpoint-dir", str(inside),
                   "--resume-if-exists"])
     assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before
+
+
+def test_an_out_with_braces_of_its_own_is_written_there(tmp_path):
+    """--out fills in {preset} alone: another brace is the path's (it was str.format's
+    KeyError, IndexError or ValueError)."""
+    main([*SMALL, "--steps", "1", "--out", str(tmp_path / "runs{x}" / "{preset}-{")])
+    assert (tmp_path / "runs{x}" / "tiny-{" / "config.json").is_file()
