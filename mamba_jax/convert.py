@@ -309,6 +309,9 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     # Write to temporary names and rename, so an interrupted save never leaves a torn pair.
     save_file(tensors, path / "model.safetensors.tmp", metadata={"format": "pt"})
     (path / "config.json.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    # safetensors writes its file for its owner alone (0600): given config.json's mode (the
+    # umask's), so that a shared or served model folder is whole to its readers
+    os.chmod(path / "model.safetensors.tmp", (path / "config.json.tmp").stat().st_mode & 0o777)
     os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
     os.replace(path / "config.json.tmp", path / "config.json")
 

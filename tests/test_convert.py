@@ -63,6 +63,9 @@ def test_save_then_load_round_trips_every_parameter(tmp_path, fmt, tie, bias):
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    # the weights readable as the config is (safetensors wrote them 0600)
+    mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
+    assert mode("model.safetensors") == mode("config.json")
 
 
 @pytest.mark.parametrize("limit,written", [((0.0, float("inf")), None),
