@@ -19,9 +19,15 @@ import functools
 import signal
 import sys
 
+class MissingDependency(ImportError):
+    """An optional package an input needs (torch for a pytorch_model.bin), named with the way
+    to do without it: the user's to install, not a fault of the code."""
+
+
 # The library's exceptions for bad input (ValueError, which includes UnicodeDecodeError and
-# json.JSONDecodeError) and for files that are missing, unreadable or cannot be written.
-USER_ERRORS = (ValueError, OSError)
+# json.JSONDecodeError), for files that are missing, unreadable or cannot be written, and for
+# an input that needs an optional package.
+USER_ERRORS = (ValueError, OSError, MissingDependency)
 
 
 class UserExit(SystemExit):

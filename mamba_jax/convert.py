@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mamba_jax.cli import HelpFormatter, command
+from mamba_jax.cli import HelpFormatter, MissingDependency, command
 from mamba_jax.config import Mamba2Config
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_checkpoints,
                              holds_model, replace_text)
@@ -99,7 +99,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
         try:
             import torch
         except ImportError:
-            raise ImportError(
+            raise MissingDependency(
                 f"{path / 'pytorch_model.bin'} is a PyTorch pickle and reading it needs torch, "
                 "which is not installed. Either `pip install torch` (CPU is enough), or convert "
                 "it once where torch is installed: `python -c \"import torch, safetensors.torch;"

@@ -366,10 +366,16 @@ def test_a_truncated_safetensors_file_is_named(tmp_path, capsys):
     assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
 
 
-def test_the_hint_for_pytorch_bin_without_torch_loads_weights_only(tmp_path, monkeypatch):
+def test_the_hint_for_pytorch_bin_without_torch_loads_weights_only(tmp_path, monkeypatch,
+                                                                   capsys):
     shutil.copy(FIXTURES / "hf_ngroups1_tied" / "config.json", tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match=r"torch.load\('pytorch_model.bin', "
                                           r"map_location='cpu', weights_only=True\)"):
         mamba_jax.from_pretrained(tmp_path)
+    # the commands say it in one line, status 2 (it was a traceback, status 1)
+    from mamba_jax.convert import main as convert
+    with pytest.raises(SystemExit) as refused:
+        convert([str(tmp_path), str(tmp_path / "out"), "--to", "hf"])
+    assert refused.value.code == 2 and "Traceback" not in capsys.readouterr().err
