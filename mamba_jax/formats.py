@@ -543,6 +543,10 @@ def _mamba2_ssm_cfg(cfg: Mamba2Config) -> dict:
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
     a = cfg.attention
+    # MambaLMHeadModel builds every RMSNorm with its default epsilon: its config has no field
+    if cfg.norm_eps != Mamba2Config.norm_eps:
+        raise ValueError(f"format='mamba_ssm' has no norm epsilon (its norms take "
+                         f"{Mamba2Config.norm_eps}); this model has norm_eps={cfg.norm_eps}")
     mixers, mlp = mamba_ssm_blocks(cfg)
     if "3" in mixers:
         ssm = {"layer": "Mamba3", **{f: getattr(cfg.mamba3, f) for f in _MAMBA3_FIELDS}}

@@ -379,3 +379,13 @@ def test_the_hint_for_pytorch_bin_without_torch_loads_weights_only(tmp_path, mon
     with pytest.raises(SystemExit) as refused:
         convert([str(tmp_path), str(tmp_path / "out"), "--to", "hf"])
     assert refused.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_norm_eps_the_mamba_ssm_layout_cannot_hold_is_refused(tmp_path):
+    """mamba_ssm's config has no norm epsilon: a Mamba-3 model (which only that layout
+    holds) with another one was written, and reloaded with 1e-5 (logits 0.96 apart)."""
+    model = Mamba2LM(Mamba2Config.preset("mamba3-tiny", norm_eps=0.5), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"format='mamba_ssm' has no norm epsilon \(its norms "
+                                         r"take 1e-05\); this model has norm_eps=0.5"):
+        mamba_jax.save_pretrained(model, tmp_path / "m3")
+    assert not (tmp_path / "m3").exists()
