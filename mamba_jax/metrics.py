@@ -122,6 +122,28 @@ class MetricsWriter:
             self.tensorboard.close()
 
 
+def check_metrics_file(path) -> None:
+    """Refuse (ValueError) an existing --metrics-file whose first line is no step's record:
+    the rows appended to it would spoil what it holds (a model's config.json, a dataset's
+    meta.json)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError):
+        first = "unreadable"
+    if first.strip():
+        try:
+            record = json.loads(first)
+        except ValueError:
+            record = None
+        if not (isinstance(record, dict) and "step" in record):
+            raise ValueError(f"--metrics-file {path} holds something else than metrics (its "
+                             "first line is no record of a step), which the run's rows "
+                             "would spoil: give a new file, or a run's metrics file")
+
+
 def _keep_rows_up_to(path: Path, step: int):
     """Rewrite the JSON-lines file `path` without the rows of steps after `step` (and
     without a line a kill cut short)."""

@@ -52,8 +52,8 @@ from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fin
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, replace_text)
 from mamba_jax.formats import export_format
-from mamba_jax.metrics import (MetricsWriter, Progress, peak_flops, peak_memory_gib,
-                               train_flops_per_token)
+from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
+                               peak_memory_gib, train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM, check_causal
 from mamba_jax.optim import (SCHEDULES, init_opt_state, make_optimizer, make_train_step,
                              train_compiler_options, warmup_steps)
@@ -493,6 +493,8 @@ def _train(argv, held: contextlib.ExitStack):
     for flag, path in writes:
         if path:
             check_writable(flag, path, folder=flag != "--metrics-file")
+    if lead and args.metrics_file:
+        check_metrics_file(args.metrics_file)
     if out:  # another run's checkpoints (its own are refused above, made or not)
         check_outside_checkpoints("--out", out)
     if args.checkpoint_dir and holds_model(args.checkpoint_dir):

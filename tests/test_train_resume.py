@@ -552,3 +552,14 @@ def test_an_out_with_braces_of_its_own_is_written_there(tmp_path):
     KeyError, IndexError or ValueError)."""
     main([*SMALL, "--steps", "1", "--out", str(tmp_path / "runs{x}" / "{preset}-{")])
     assert (tmp_path / "runs{x}" / "tiny-{" / "config.json").is_file()
+
+
+def test_a_metrics_file_that_holds_something_else_is_refused_and_kept(tmp_path):
+    """--metrics-file naming a model's config.json: the rows appended to it broke the model
+    (rc 0); refused before training, the file as it was."""
+    config = tmp_path / "config.json"
+    config.write_text('{\n  "d_model": 64\n}\n')
+    with pytest.raises(UserExit, match=rf"--metrics-file {config} holds something else than "
+                                       r"metrics"):
+        main([*SMALL, "--steps", "1", "--metrics-file", str(config)])
+    assert config.read_text() == '{\n  "d_model": 64\n}\n'
