@@ -47,8 +47,8 @@ from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config
 from mamba_jax.convert import check_exportable, export
-from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fingerprint,
-                            is_indexed, load_data, parse_blend)
+from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, dataset_tokenizer,
+                            fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, replace_text)
 from mamba_jax.formats import export_format
@@ -536,13 +536,16 @@ def _train(argv, held: contextlib.ExitStack):
         raise SystemExit(str(e)) from None
     # Each evaluation needs a window per data shard: with fewer held-out windows, say so
     # now and train without it rather than fail at the first evaluation.
-    evaluating = dataset.eval_windows(args.seq_len) >= n_shards
+    evaluating = dataset.evaluates(args.seq_len, n_shards)
     if not evaluating and lead:
-        print(f"--data {dataset.name}: the held-out split has "
-              f"{dataset.eval_windows(args.seq_len)} windows of --seq-len {args.seq_len} + 1 "
-              f"tokens, fewer than the {n_shards} data shards, so this run does not evaluate "
-              "(prepare more documents or a larger --eval-fraction to evaluate)",
-              file=sys.stderr)
+        windows, blend = dataset.eval_windows(args.seq_len), isinstance(dataset, BlendedDataset)
+        short = (f"no dataset's held-out split has {n_shards} windows of --seq-len "
+                 f"{args.seq_len} + 1 tokens ({windows} in all), one for each data shard"
+                 if blend else
+                 f"the held-out split has {windows} windows of --seq-len {args.seq_len} + 1 "
+                 f"tokens, fewer than the {n_shards} data shards")
+        print(f"--data {dataset.name}: {short}, so this run does not evaluate (prepare more "
+              "documents or a larger --eval-fraction to evaluate)", file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
 
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)

@@ -253,6 +253,25 @@ def test_prepared_data_with_document_boundaries_and_tensorboard(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
+def test_a_blend_whose_datasets_each_hold_fewer_windows_than_shards_does_not_evaluate(
+        tmp_path, capsys):
+    """Two datasets of 6 held-out windows each on 8 data shards: each dataset's batches are
+    evaluated apart, so none fills the shards (the loss was the mean of nothing: NaN)."""
+    text = DEFAULT_CORPUS.read_text()
+    for name in ("a", "b"):
+        for i in range(2):
+            (tmp_path / f"{name}{i}.txt").write_text(text[i * 200:(i + 1) * 200])
+        prepare([tmp_path / f"{name}0.txt", tmp_path / f"{name}1.txt"], "bytes",
+                tmp_path / name, eval_fraction=0.5)
+    main([*SMALL, "--data", "0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "b"),
+          "--steps", "2", "--eval-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")])
+    err = capsys.readouterr().err
+    assert "no dataset's held-out split has 8 windows of --seq-len 32 + 1 tokens (12 in all)" \
+        in err and "this run does not evaluate" in err
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [row.get("eval_loss") for row in rows] == [None, None]
+
+
 def test_a_dataset_without_held_out_windows_trains_without_evaluation_then_saves_and_exports(
         tmp_path, capsys):
     (tmp_path / "one.txt").write_text(DEFAULT_CORPUS.read_text()[:20000])
