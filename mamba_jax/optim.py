@@ -47,20 +47,29 @@ def weight_decay_mask(params):
                         params, is_leaf=is_param)
 
 
-def warmup_steps(steps, warmup):
+WSD_DECAY_FRACTION = 0.2  # "wsd": the last fifth of the steps decays
+
+
+def _wsd_decay(steps):
+    return max(int(steps * WSD_DECAY_FRACTION), 1)
+
+
+def warmup_steps(steps, warmup, schedule="cosine"):
     """The steps the schedule warms up over: warmup, shortened to leave a step after it (the
-    warmup's first step applies a rate of 0, so a one-step run does not warm up at all)."""
-    return max(min(warmup, steps - 1), 0)
+    warmup's first step applies a rate of 0, so a one-step run does not warm up at all), and
+    for "wsd" to leave its decay whole (it was cut off at the last step, short of lr/10)."""
+    room = steps - _wsd_decay(steps) if schedule == "wsd" else steps - 1
+    return max(min(warmup, room), 0)
 
 
-def make_schedule(lr, steps, warmup, schedule="cosine", decay_fraction=0.2):
+def make_schedule(lr, steps, warmup, schedule="cosine"):
     """Learning rate by step: linear warmup to lr, then cosine to lr/10 ("cosine"), or hold
-    lr and decay linearly to lr/10 over the last decay_fraction of the steps ("wsd")."""
-    warmup = warmup_steps(steps, warmup)
+    lr and decay linearly to lr/10 over the last WSD_DECAY_FRACTION of the steps ("wsd")."""
+    warmup = warmup_steps(steps, warmup, schedule)
     if schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, 2), lr * 0.1)
     if schedule == "wsd":
-        decay = max(int(steps * decay_fraction), 1)
+        decay = _wsd_decay(steps)
         stable = max(steps - warmup - decay, 0)
         return optax.join_schedules(
             [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),

@@ -55,8 +55,8 @@ from mamba_jax.formats import export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM, check_causal
-from mamba_jax.optim import (SCHEDULES, init_opt_state, make_optimizer, make_train_step,
-                             train_compiler_options, warmup_steps)
+from mamba_jax.optim import (SCHEDULES, WSD_DECAY_FRACTION, init_opt_state, make_optimizer,
+                             make_train_step, train_compiler_options, warmup_steps)
 from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
 
 
@@ -623,11 +623,14 @@ def _train(argv, held: contextlib.ExitStack):
               f"remat {args.remat}, layers {'scanned' if args.scan_layers else 'unrolled'}, "
               f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)
-        if (warmup := warmup_steps(args.steps, args.warmup)) < args.warmup:
+        if (warmup := warmup_steps(args.steps, args.warmup, args.schedule)) < args.warmup:
             instead = (f"warms up over {warmup} step{'s' * (warmup > 1)}" if warmup else
                        "starts at its peak")
-            print(f"--warmup {args.warmup} is not below --steps {args.steps}: the learning "
-                  f"rate {instead} instead", file=sys.stderr)
+            why = (f"is not below --steps {args.steps}" if args.warmup >= args.steps else
+                   f"leaves --schedule wsd no room for its decay over the last "
+                   f"{WSD_DECAY_FRACTION:.0%} of --steps {args.steps}")
+            print(f"--warmup {args.warmup} {why}: the learning rate {instead} instead",
+                  file=sys.stderr)
         if saves_nothing:
             print(f"--save-every {args.save_every} without --checkpoint-dir: this run saves "
                   "no checkpoints (add --checkpoint-dir DIR to save them)", file=sys.stderr)

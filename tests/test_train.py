@@ -157,11 +157,21 @@ def test_no_weight_decay_on_A_log_D_dt_bias_norms_and_biases():
                        "mixer.C_conv", "mixer.out_proj"}
 
 
-def test_wsd_schedule_warms_up_holds_then_decays():
-    lr = make_schedule(1.0, steps=100, warmup=10, schedule="wsd", decay_fraction=0.2)
+def test_wsd_schedule_warms_up_holds_then_decays(capsys):
+    lr = make_schedule(1.0, steps=100, warmup=10, schedule="wsd")
     assert float(lr(0)) == 0.0 and float(lr(10)) == pytest.approx(1.0)
     assert float(lr(50)) == pytest.approx(1.0) and float(lr(79)) == pytest.approx(1.0)
     assert float(lr(90)) == pytest.approx(0.55) and float(lr(100)) == pytest.approx(0.1)
+    # a warmup into the last fifth is shortened: the decay still reaches lr/10 (it ended at
+    # 0.595 of the peak, cut off)
+    lr = make_schedule(1.0, steps=100, warmup=90, schedule="wsd")
+    assert float(lr(80)) == pytest.approx(1.0) and float(lr(100)) == pytest.approx(0.1)
+    capsys.readouterr()
+    main(["--steps", "10", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--warmup", "9", "--schedule", "wsd", "--out", "none"])
+    assert ("--warmup 9 leaves --schedule wsd no room for its decay over the last 20% of "
+            "--steps 10: the learning rate warms up over 8 steps instead") in \
+        capsys.readouterr().err
 
 
 def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
