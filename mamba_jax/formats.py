@@ -156,7 +156,8 @@ _MAMBA_SSM_FIELDS = {
                 "dt_scale": _number, "use_fast_path": _flag,
                 # Mamba3's own arguments
                 "rope_fraction": _number, "A_floor": _number, "is_outproj_norm": _flag,
-                "is_mimo": _flag, "mimo_rank": _WIDTH, "fuse_pregate_headwise_norm": _flag},
+                "is_mimo": _flag, "mimo_rank": _WIDTH, "fuse_pregate_headwise_norm": _flag,
+                "dropout": _number},
     "attn_cfg": {"num_heads": _WIDTH, "num_heads_kv": _optional(_WIDTH),
                  "head_dim": _optional(_WIDTH), "rotary_emb_dim": _integer(MAX_WIDTH, low=0),
                  "rotary_emb_base": _number, "rotary_emb_interleaved": _flag,
@@ -338,6 +339,9 @@ def _mamba3_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
     Mamba-3 (3), attention (*) and MLP (-) layers as its Blocks are."""
     # How mamba_ssm runs the MIMO out-projection norm (fused or not), not what it computes.
     ssm.pop("fuse_pregate_headwise_norm", None)
+    # mamba_ssm's Mamba3 accepts a dropout argument and applies none
+    _require(ssm.pop("dropout", 0.0) == 0.0, path, "ssm_cfg.dropout must be 0.0 (mamba_ssm's "
+             "Mamba3 accepts it and drops nothing)")
     unknown = sorted(set(ssm) - set(_MAMBA3_FIELDS))
     _require(not unknown, path, f"ssm_cfg has fields Mamba3 does not take: {unknown}")
     return _blocks_config(d, path, "3", mamba3=ssm)

@@ -7,6 +7,7 @@ tests/fixtures/make_mamba3_fixtures.py) for the mixer, the LM and greedy decodin
 mamba_ssm checkpoints round-trip. The shared cases (mesh equality, decoding steps against
 the forward, int8 states, checkpoint tables) run in tests/test_layer_kinds.py, on MIMO."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -262,6 +263,16 @@ def test_mamba_ssm_checkpoints_round_trip_their_tensors_and_config(tmp_path, che
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+    # mamba_ssm's Mamba3 accepts dropout=0.0 (and uses none): so does its config here
+    written = json.loads((tmp_path / "config.json").read_text())
+    for dropout, refused in ((0.0, False), (0.1, True)):
+        written["ssm_cfg"]["dropout"] = dropout
+        (tmp_path / "config.json").write_text(json.dumps(written))
+        if refused:
+            with pytest.raises(ValueError, match=r"ssm_cfg.dropout must be 0.0"):
+                load_config(tmp_path)
+        else:
+            assert load_config(tmp_path)[0] == model.config
 
 
 def test_a_bad_mamba3_section_is_named():
