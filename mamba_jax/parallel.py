@@ -280,8 +280,9 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
     """jax.distributed.initialize() when launched as several processes.
 
     Arguments left None come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-    JAX_PROCESS_ID, else from jax's cluster detection (SLURM, Open MPI, ...). With no
-    address and no process count there is one process and nothing to do.
+    JAX_PROCESS_ID; with none of them, a process of an srun step or an mpirun of several
+    tasks (SLURM_STEP_NUM_TASKS, OMPI_COMM_WORLD_SIZE) lets jax's cluster detection give all
+    three. Otherwise there is one process and nothing to do.
     """
     env = os.environ.get
     coordinator_address = coordinator_address or env("JAX_COORDINATOR_ADDRESS")
@@ -289,6 +290,18 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
         num_processes = int(env("JAX_NUM_PROCESSES"))
     if process_id is None and env("JAX_PROCESS_ID"):
         process_id = int(env("JAX_PROCESS_ID"))
+    if coordinator_address is None and num_processes is None:
+        # Set by the launcher in each task it starts (a batch script's own shell has no
+        # step of several tasks, so it is one process)
+        tasks = max(int(env(name, "1") or 1) for name in ("SLURM_STEP_NUM_TASKS",
+                                                            "OMPI_COMM_WORLD_SIZE"))
+        if tasks > 1:
+            jax.distributed.initialize()
+            return
+        if process_id is not None:
+            raise ValueError(f"--process-id {process_id} alone: several processes need "
+                             "--num-processes and --coordinator-address too (or a launcher "
+                             "jax detects: srun, mpirun)")
     if coordinator_address is not None or num_processes not in (None, 1):
         try:
             jax.distributed.initialize(coordinator_address, num_processes, process_id)

@@ -383,6 +383,23 @@ def test_several_processes_without_a_coordinator_name_the_flags(monkeypatch):
                        r"coordinator_address should be defined\. Give every process "
                        r"--coordinator-address HOST:PORT"):
         parallel.initialize_distributed(None, 2, None)
+    with pytest.raises(ValueError, match=r"--process-id 1 alone: several processes need"):
+        parallel.initialize_distributed(None, None, 1)  # it trained as process 0 of 1
+    # An srun step or an mpirun of several tasks: jax's cluster detection gives the rest (it
+    # was never asked)
+    calls = []
+    monkeypatch.setattr(parallel.jax.distributed, "initialize", lambda *a: calls.append(a))
+    for name in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+        monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+        parallel.initialize_distributed()
+        monkeypatch.setenv(name, "1")
+        parallel.initialize_distributed()
+        assert calls == []
+        monkeypatch.setenv(name, "4")
+        parallel.initialize_distributed()
+        assert calls == [()]
+        calls.clear()
 
 
 @pytest.mark.parametrize("module,argv,default", [
