@@ -606,8 +606,10 @@ def _train(argv, held: contextlib.ExitStack):
     rows = NamedSharding(mesh, parallel.TOKENS)
 
     def evaluate(params):
-        losses = []
-        for batch in dataset.eval_batches(args.batch_size, args.seq_len):
+        # in the step's micro-batches (as many windows in all): --grad-accum is what makes
+        # the step fit, and a forward over --batch-size rows at once need not
+        losses, micro = [], args.batch_size // args.grad_accum
+        for batch in dataset.eval_batches(micro, args.seq_len, 4 * args.grad_accum):
             keep = len(batch["inputs"]) - len(batch["inputs"]) % n_shards  # whole shards
             if keep:
                 losses.append(eval_loss(params, *(parallel.global_array(batch[n][:keep], rows)

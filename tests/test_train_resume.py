@@ -582,3 +582,23 @@ def test_a_metrics_file_that_holds_something_else_is_refused_and_kept(tmp_path):
                                        r"metrics"):
         main([*SMALL, "--steps", "1", "--metrics-file", str(config)])
     assert config.read_text() == '{\n  "d_model": 64\n}\n'
+
+
+def test_evaluation_runs_in_the_steps_micro_batches(tmp_path, monkeypatch):
+    """--grad-accum 2: evaluation's forward takes the step's 8 rows at a time (it took all
+    16 at once: a run that fits by --grad-accum ran out of memory at its first evaluation),
+    over as many windows as before (4 batches of 16)."""
+    from mamba_jax.data import TokenDataset
+
+    rows, original = [], TokenDataset.eval_batches
+
+    def recording(self, *args):
+        for batch in original(self, *args):
+            rows.append(len(batch["inputs"]))
+            yield batch
+    monkeypatch.setattr(TokenDataset, "eval_batches", recording)
+    main([*SMALL, "--steps", "1", "--batch-size", "16", "--grad-accum", "2", "--eval-every",
+          "1", "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert rows == [8] * 8
+    [row] = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert np.isfinite(row["eval_loss"])
