@@ -228,7 +228,7 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
     Mamba2Config fields that override the preset's)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    model_overrides = {}
+    model_overrides, tokenizer_source = {}, "--tokenizer"
     if args.config:
         path = Path(args.config)
         if not path.is_file():
@@ -247,8 +247,11 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
                              f"with underscores: {sorted(known)}")
         for key, value in recipe.items():
             _check_recipe_value(path, key, value, actions[key])
+        if "tokenizer" in recipe and args.tokenizer is None:  # named so in what it says
+            tokenizer_source = f"the tokenizer of --config {path}"
         parser.set_defaults(**recipe)
         args = parser.parse_args(argv)
+    args.tokenizer_source = tokenizer_source
     if isinstance(args.data, str):  # a recipe's data = "PATH"
         args.data = [args.data]
     try:
@@ -324,14 +327,15 @@ def resolve_tokenizer(args) -> str:
     paths = [path for _, path in parse_blend(args.data)]
     prepared = {path: dataset_tokenizer(path, meta) for path in paths
                 if (meta := dataset_meta(path)) is not None}
-    chosen, source = args.tokenizer, "--tokenizer"
+    chosen, source = args.tokenizer, args.tokenizer_source
     for path, prepared_with in prepared.items():
         if chosen is None:
             chosen, source = prepared_with, f"the tokenizer --data {path} was prepared with"
         elif load_tokenizer(chosen).to_str() != load_tokenizer(prepared_with).to_str():
             raise SystemExit(f"--data {path} was prepared with {prepared_with}, not {source} "
                              f"({chosen}); prepare every dataset with one tokenizer, and give "
-                             "it as --tokenizer or leave --tokenizer out")
+                             "it as --tokenizer or leave --tokenizer out"
+                             + (" (and out of the recipe)" if source != "--tokenizer" else ""))
     indexed = [path for path in paths if is_indexed(path)]
     if chosen is None and indexed:
         raise SystemExit(f"--data {indexed[0]} is a Megatron indexed dataset, which does not "
@@ -502,7 +506,12 @@ def _train(argv, held: contextlib.ExitStack):
                          "config.json), which the commands that read the folder would take "
                          "for its checkpoints: give the checkpoints a folder of their own")
     args.tokenizer = resolve_tokenizer(args)
-    tokenizer = load_tokenizer(args.tokenizer)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except FileNotFoundError as error:  # a recipe's tokenizer.json, relative to the folder
+        if args.tokenizer_source == "--tokenizer":
+            raise
+        raise SystemExit(f"{args.tokenizer_source}: {error}") from None
     cfg = model_config(args.preset, overrides)
     if tokenizer.get_vocab_size() > cfg.vocab_size and "vocab_size" not in overrides:
         if lead:
@@ -557,7 +566,8 @@ def _train(argv, held: contextlib.ExitStack):
                                args.clip, args.schedule)
     opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
     effective = {"model": cfg.to_dict(), "train": {
-        k: v for k, v in vars(args).items() if k not in ("set", "resume", "resume_if_exists")}}
+        k: v for k, v in vars(args).items()
+        if k not in ("set", "resume", "resume_if_exists", "tokenizer_source")}}
     if args.checkpoint_dir:
         # Absolute: a resume from another folder finds its export's. And what the data and
         # the tokenizer are, wherever they are found (a resume's same_model, _note_changes):

@@ -174,6 +174,30 @@ def test_wsd_schedule_warms_up_holds_then_decays(capsys):
         capsys.readouterr().err
 
 
+def test_a_recipes_tokenizer_is_named_as_the_recipes_where_it_is_wrong(tmp_path, capsys):
+    """A recipe's tokenizer against a dataset's, or a recipe's tokenizer.json not found from
+    this folder: the message names the recipe (it named a --tokenizer never given)."""
+    from bpe import bpe_tokenizer
+
+    from mamba_jax.data import DEFAULT_CORPUS, prepare
+
+    bpe_tokenizer(tmp_path / "tokenizer.json")
+    prepare([DEFAULT_CORPUS], str(tmp_path / "tokenizer.json"), tmp_path / "ds")
+    recipe = tmp_path / "r.toml"
+    flags = ["--config", str(recipe), "--steps", "1", "--batch-size", "8", "--seq-len", "32",
+             "--out", "none"]
+    recipe.write_text('tokenizer = "bytes"\n')
+    with pytest.raises(SystemExit):
+        main([*flags, "--data", str(tmp_path / "ds")])
+    assert (f"was prepared with {tmp_path / 'ds' / 'tokenizer.json'}, not the tokenizer of "
+            f"--config {recipe} (bytes)") in capsys.readouterr().err
+    recipe.write_text('tokenizer = "no/such/tokenizer.json"\n')
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert (f"the tokenizer of --config {recipe}: tokenizer file no/such/tokenizer.json not "
+            "found") in capsys.readouterr().err
+
+
 def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('steps = 50\nbatch_size = 8\nseq_len = 32\nlr = 1e-3\n'
