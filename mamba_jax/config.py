@@ -167,10 +167,22 @@ class ModelFields:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "Mamba2Config":
-        """A named configuration (PRESETS) with overrides (as `replace` takes them)."""
+        """A named configuration (PRESETS) with overrides (as `replace` takes them). An
+        override of a section that no layer of the result reads is refused: it would change
+        nothing (d_state, a Mamba2 field, on a Mamba-3 preset)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets are {sorted(PRESETS)}")
-        return PRESETS[name].replace(**overrides)
+        cfg = PRESETS[name].replace(**overrides)
+        read = {section for symbol in set(cfg.layers)
+                for section in (KINDS[symbol].name, *KINDS[symbol].reads)}
+        for key in overrides:
+            section = key if key in SECTIONS else _resolve(key)[0]
+            if section is not None and section not in read:
+                kinds = ", ".join(f"{KINDS[s].name}.* for its {s} layers" for s in
+                                  dict.fromkeys(cfg.layers))
+                raise ValueError(f"{key} sets cfg.{section}, which no layer of "
+                                 f"{name!r} (layers {cfg.layers!r}) reads: set {kinds}")
+        return cfg
 
     def replace(self, **changes: Any) -> "Mamba2Config":
         """A copy with changes: shared fields by name, a section's fields as "section.field"

@@ -198,3 +198,17 @@ def test_megatron_layer_flags_set_the_layers_on_the_command_line_and_in_recipes(
 def test_bad_ratios_name_the_value_and_the_fix(changes, match):
     with pytest.raises(ValueError, match=match):
         Mamba2Config(n_layer=10, attn_num_heads=8, **changes)
+
+
+def test_an_override_of_a_section_no_layer_reads_is_refused():
+    """d_state (a Mamba2 field) on a Mamba-3 or Mamba-1 preset changed nothing, silently;
+    a kind's own section, and the Mamba2 sizes that the bidirectional kind reads, are
+    taken."""
+    for preset, key in (("mamba3-tiny", "d_state"), ("tiny-mamba1", "mamba2.d_state"),
+                        ("mamba3-tiny", "mamba2.learnable_init_state"), ("tiny", "mamba3")):
+        value = {} if key == "mamba3" else True if "learnable" in key else 64
+        with pytest.raises(ValueError, match=rf"{key} sets cfg\.\w+, which no layer of "
+                                             rf"'{preset}' \(layers '\w+'\) reads: set "):
+            Mamba2Config.preset(preset, **{key: value})
+    assert Mamba2Config.preset("mamba3-tiny", **{"mamba3.d_state": 64}).mamba3.d_state == 64
+    assert Mamba2Config.preset("tiny", layer_pattern="BB", d_state=32).mamba2.d_state == 32

@@ -59,6 +59,7 @@ class BidirectionalMamba2(Mamba2Mixer):
     symbol = "B"
     name = "bidirectional"
     Config = BidirectionalSection
+    reads = ("mamba2",)  # its sizes
     checkpoint_keys = {}  # no published format has this layer
     step_kernels = ()
     takes_initial_state = False

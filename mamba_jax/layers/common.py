@@ -239,7 +239,8 @@ class Mixer(nnx.Module):
     layer_pattern symbol to one subclass.
 
     A subclass declares, as class attributes: `symbol` (its layer_pattern symbol), `name`
-    (its config section, cfg.<name>), `Config` (that section's frozen dataclass),
+    (its config section, cfg.<name>), `Config` (that section's frozen dataclass), `reads`
+    (the other sections it reads: none, or a kind's whose sizes it shares),
     `checkpoint_keys` (per checkpoint format, its torch tensors as
     mamba_jax.layers.checkpoint_keys entries over its parameters), `step_kernels` (the
     decode step implementations it has beside "xla": "kernel", a kernel between XLA's
@@ -278,6 +279,7 @@ class Mixer(nnx.Module):
     symbol: ClassVar[str]
     name: ClassVar[str]
     Config: ClassVar[type]
+    reads: ClassVar[tuple[str, ...]] = ()
     checkpoint_keys: ClassVar[dict[str, dict[str, Any]]]
     step_kernels: ClassVar[tuple[str, ...]] = ()
     step_kernel_max_batch: ClassVar[int | None] = None
