@@ -721,7 +721,7 @@ def _train(argv, held: contextlib.ExitStack):
                 record["eval_loss"] = evaluate(params)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
             log(record)
-    if stop.signal:
+    if stop.signal and step < args.steps:
         if lead:
             print(f"{stop.signal.name}: stopped after step {step}; " + (
                 f"checkpoint saved in {args.checkpoint_dir}" if ckpt else
@@ -730,6 +730,8 @@ def _train(argv, held: contextlib.ExitStack):
         # A run that did not finish is no success: `train && generate` stops, and a
         # scheduler sees a job to run again. 128 + the signal, as a shell reports it.
         raise SystemExit(128 + stop.signal)
+    if stop.signal and lead:  # during the last step or its save: nothing was cut short
+        print(f"{stop.signal.name} after the last step: the run is complete", file=sys.stderr)
 
     if out:
         if n_proc > 1:

@@ -602,3 +602,27 @@ def test_evaluation_runs_in_the_steps_micro_batches(tmp_path, monkeypatch):
     assert rows == [8] * 8
     [row] = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert np.isfinite(row["eval_loss"])
+
+
+def test_a_stop_request_during_the_last_step_completes_the_run(tmp_path, monkeypatch, capsys):
+    """SIGTERM while the last step runs: the run is whole, so it exports and succeeds (it was
+    "stopped after step 3", status 143, and no export)."""
+    import os
+
+    from mamba_jax import train
+
+    build = train.make_train_step
+
+    def make(loss_fn, tx, **options):
+        step, calls = build(loss_fn, tx, **options), []
+
+        def run(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # recorded by the run's handler
+            return step(*args)
+        return run
+    monkeypatch.setattr(train, "make_train_step", make)
+    main([*SMALL, "--steps", "3", "--out", str(tmp_path / "out")])
+    assert "SIGTERM after the last step: the run is complete" in capsys.readouterr().err
+    assert (tmp_path / "out" / "config.json").is_file()
