@@ -179,7 +179,14 @@ def test_prepare_never_writes_into_a_models_folder(corpus, tmp_path, capsys):
                                       "whose tokenizer a dataset there would replace: choose "
                                       "another --out")
     assert (out / "tokenizer.json").read_text() == "the model's"
-    assert not (out / "tokens.bin").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors",
+                                                     "tokenizer.json"]  # no .lock either
+    # a first prepare that fails leaves no --out folder behind
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(SystemExit):
+        main(["prepare", str(tmp_path / "bad.jsonl"), "--tokenizer", "bytes", "--out",
+              str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("out,refusal", [("file", "a file, not a folder"),
