@@ -159,6 +159,7 @@ JSON_LINES = (".jsonl", ".json", ".ndjson")
 
 
 def is_json_lines(path) -> bool:
+    """Whether prepare reads `path` as JSON lines (by its suffix), not as plain text."""
     return Path(path).suffix.lower() in JSON_LINES
 
 
@@ -167,9 +168,9 @@ def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
     line.
 
     A JSON-lines file (JSON_LINES) has a JSON object per line, whose json_keys fields are
-    each a document, whole; any other file is one document of plain text, handed out in pieces of
-    whole lines so that a large file never sits in memory (a piece boundary is a line
-    boundary, where tokenizers rarely merge).
+    each a document, whole; any other file is one document of plain text, handed out in
+    pieces of whole lines so that a large file never sits in memory (a piece boundary is a
+    line boundary, where tokenizers rarely merge).
     """
     # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
     with open(path, encoding="utf-8-sig") as f:

@@ -289,7 +289,8 @@ def test_layouts_refuse_the_layer_kinds_they_have_no_place_for(tmp_path):
     """Mamba-3 layers: NemotronH (Mamba2, attention, MLP) and transformers' Mamba classes
     have no place for them (NemotronH's writer failed on the layer symbol, a KeyError,
     where the rest of the config fit); mamba_ssm's layout holds them."""
-    cfg = Mamba2Config.preset("mamba3-tiny", **{"mamba2.dt_limit": (0.001, math.inf)})
+    # (replace takes a section no layer reads: NemotronH's writer reads mamba2's dt_limit)
+    cfg = Mamba2Config.preset("mamba3-tiny").replace(**{"mamba2.dt_limit": (0.001, math.inf)})
     model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"format='nemotron_h' holds Mamba2 \(M\), attention "
                                          r"\(\*\) and MLP \(-\) layers, not layers '33'; "

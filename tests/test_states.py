@@ -132,9 +132,10 @@ def test_every_kinds_states_from_a_mesh_are_the_one_devices(layers):
     """Each Mamba kind's state after the whole sequence under cp (the last part's, on every
     device: Mamba-1's and Mamba-3's were their own parts') and tp (Mamba-3's k [b, r, h, n]
     sharded over its heads, not its ranks); attention's, the keys of every token, named."""
+    sections = {"3": {"mamba3.d_state": 16, "mamba3.headdim": 32},
+                "*": {"attention.num_heads": 4, "attention.num_heads_kv": 2}}
     cfg = Mamba2Config.preset("tiny", n_layer=2, layer_pattern=layers, **{
-        "mamba3.d_state": 16, "mamba3.headdim": 32, "attention.num_heads": 4,
-        "attention.num_heads_kv": 2})
+        key: value for symbol in layers for key, value in sections.get(symbol, {}).items()})
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     ids = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)

@@ -211,7 +211,8 @@ def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
     assert effective["model"]["mamba2"]["headdim"] == 16
     assert mamba_jax.from_pretrained(out).config.mamba2.d_state == 32
     # A recipe in the flat spelling of configs before sections still loads.
-    recipe.write_text('[model]\nd_model = 64\nheaddim = 16\nattn_num_heads = 4\n')
+    recipe.write_text('[model]\nd_model = 64\nheaddim = 16\nattn_num_heads = 4\n'
+                      'attn_num_heads_kv = 4\nlayer_pattern = "M*"\nn_layer = 2\n')
     _, cfg = parse_args(["--config", str(recipe)])
     assert (cfg.mamba2.headdim, cfg.attention.num_heads) == (16, 4)
     recipe.write_text("stepz = 3\n")
