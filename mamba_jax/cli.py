@@ -19,6 +19,7 @@ import functools
 import signal
 import sys
 
+
 class MissingDependency(ImportError):
     """An optional package an input needs (torch for a pytorch_model.bin), named with the way
     to do without it: the user's to install, not a fault of the code."""

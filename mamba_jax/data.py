@@ -62,8 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from mamba_jax.cli import HelpFormatter, command
-from mamba_jax.files import (LOCK_NAME, check_outside_checkpoints, check_writable, holds_model,
-                             locked)
+from mamba_jax.files import check_outside_checkpoints, check_writable, holds_model, locked
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
                                  copy_tokenizer, load_tokenizer, special_ends, special_tokens)
 
@@ -222,13 +221,10 @@ def _tokenize_file(job):
             out.write(ids.astype(dtype).tobytes())
 
         def end_document():
-            nonlocal max_token
             if in_pieces and lengths:
                 write(suffix)
             if eod_id is not None and lengths and lengths[-1]:
-                out.write(np.asarray([eod_id], dtype).tobytes())
-                lengths[-1] += 1
-                max_token = max(max_token, eod_id)
+                write([eod_id])
 
         try:
             for starts_doc, whole, text in _documents(Path(path), json_keys):
@@ -342,59 +338,53 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
     workers = workers or min(len(inputs), os.cpu_count())
     _check_replaceable(out, tokenizer_spec, overwrite)  # before the lock: a refusal writes
     # nothing into a model's folder; again under it, against another prepare meanwhile
-    made = not out.exists()
-    try:
-        with locked(out, "prepare"):
-            _check_replaceable(out, tokenizer_spec, overwrite)
-            if append_eod and eod is None:
-                print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token "
-                      f"(none of {', '.join(SPECIAL_TOKENS['eos'])}); documents are joined "
-                      "without one", file=log)
-            for stale in out.glob(_WORK_PREFIX + "*"):
-                shutil.rmtree(stale)
-                print(f"prepare: removed {stale}, left by a prepare that was interrupted",
-                      file=log)
-            with tempfile.TemporaryDirectory(dir=out, prefix=_WORK_PREFIX) as work:
-                work = Path(work)
-                results = _tokenize_all([(str(p), str(tokenizer_spec), dtype, work,
-                                          None if eod is None else eod[1], tuple(json_keys))
-                                         for p in inputs],
-                                        workers, log)
-                lengths = [n for _, file_lengths, _ in results for n in file_lengths]
-                if not lengths:
-                    raise ValueError(f"prepare: {', '.join(map(str, inputs))} "
-                                     f"{'holds' if len(inputs) == 1 else 'hold'} no text (JSON "
-                                     f"lines: their --json-keys fields {list(json_keys)} empty); "
-                                     "give files with documents in them")
-                with open(work / "tokens.bin", "wb") as joined:
-                    for shard, _, _ in results:
-                        with open(shard, "rb") as f:
-                            while block := f.read(1 << 24):
-                                joined.write(block)
-                docs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-                n_eval = _held_out(len(lengths), eval_fraction)
-                bytes_level = str(tokenizer_spec) == "bytes"
-                meta = {"version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
-                        "n_tokens": int(docs[-1]), "n_docs": len(lengths),
-                        "train_docs": len(lengths) - n_eval,
-                        "max_token": max(m for _, _, m in results), "vocab_size": vocab,
-                        "tokenizer": "bytes",
-                        "tokenizer_source": str(tokenizer_spec),
-                        "eod_token": None if eod is None else eod[0],
-                        "eod_id": None if eod is None else eod[1],
-                        "sources": [str(p) for p in inputs]}
-                np.save(work / "docs.npy", docs)
-                write_index(work / "tokens.idx", lengths, dtype)
-                if not bytes_level:
-                    meta["tokenizer"] = copy_tokenizer(tokenizer_spec, work)
-                    if _is_given_tokenizer(out / meta["tokenizer"], tokenizer_spec):
-                        (work / meta["tokenizer"]).unlink()  # --tokenizer is the copy: keep it
-                (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-                _install(work, out)
-    except BaseException:
-        if made and [p.name for p in out.iterdir()] == [LOCK_NAME]:
-            shutil.rmtree(out)  # a failed first prepare leaves no folder behind
-        raise
+    with locked(out, "prepare"):
+        _check_replaceable(out, tokenizer_spec, overwrite)
+        if append_eod and eod is None:
+            print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token "
+                  f"(none of {', '.join(SPECIAL_TOKENS['eos'])}); documents are joined "
+                  "without one", file=log)
+        for stale in out.glob(_WORK_PREFIX + "*"):
+            shutil.rmtree(stale)
+            print(f"prepare: removed {stale}, left by a prepare that was interrupted",
+                  file=log)
+        with tempfile.TemporaryDirectory(dir=out, prefix=_WORK_PREFIX) as work:
+            work = Path(work)
+            results = _tokenize_all([(str(p), str(tokenizer_spec), dtype, work,
+                                      None if eod is None else eod[1], tuple(json_keys))
+                                     for p in inputs],
+                                    workers, log)
+            lengths = [n for _, file_lengths, _ in results for n in file_lengths]
+            if not lengths:
+                raise ValueError(f"prepare: {', '.join(map(str, inputs))} "
+                                 f"{'holds' if len(inputs) == 1 else 'hold'} no text (JSON "
+                                 f"lines: their --json-keys fields {list(json_keys)} empty); "
+                                 "give files with documents in them")
+            with open(work / "tokens.bin", "wb") as joined:
+                for shard, _, _ in results:
+                    with open(shard, "rb") as f:
+                        while block := f.read(1 << 24):
+                            joined.write(block)
+            docs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            n_eval = _held_out(len(lengths), eval_fraction)
+            bytes_level = str(tokenizer_spec) == "bytes"
+            meta = {"version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+                    "n_tokens": int(docs[-1]), "n_docs": len(lengths),
+                    "train_docs": len(lengths) - n_eval,
+                    "max_token": max(m for _, _, m in results), "vocab_size": vocab,
+                    "tokenizer": "bytes",
+                    "tokenizer_source": str(tokenizer_spec),
+                    "eod_token": None if eod is None else eod[0],
+                    "eod_id": None if eod is None else eod[1],
+                    "sources": [str(p) for p in inputs]}
+            np.save(work / "docs.npy", docs)
+            write_index(work / "tokens.idx", lengths, dtype)
+            if not bytes_level:
+                meta["tokenizer"] = copy_tokenizer(tokenizer_spec, work)
+                if _is_given_tokenizer(out / meta["tokenizer"], tokenizer_spec):
+                    (work / meta["tokenizer"]).unlink()  # --tokenizer is the copy: keep it
+            (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            _install(work, out)
     return meta
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -43,11 +44,13 @@ def check_writable(name: str, path, folder: bool) -> None:
 @contextlib.contextmanager
 def locked(directory, user: str):
     """Hold `directory`/.lock exclusively for the block (created with the directory if
-    missing). A second holder, in this process or another, gets a BlockingIOError naming the
+    missing; a directory it made that a failed block left holding the lock alone is removed
+    again). A second holder, in this process or another, gets a BlockingIOError naming the
     directory and `user` (what holds it, e.g. "training run") at once. The lock is flock's:
     the system drops it when the holder exits, however it exits, so no stale lock remains.
     """
     directory = Path(directory)
+    made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / LOCK_NAME, "a") as handle:
         try:
@@ -58,6 +61,10 @@ def locked(directory, user: str):
                                   "another directory") from None
         try:
             yield
+        except BaseException:
+            if made and [p.name for p in directory.iterdir()] == [LOCK_NAME]:
+                shutil.rmtree(directory)
+            raise
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 

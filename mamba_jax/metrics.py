@@ -129,19 +129,17 @@ def check_metrics_file(path) -> None:
     try:
         with open(path, encoding="utf-8") as f:
             first = f.readline()
+        if not first.strip():
+            return
+        record = json.loads(first)
     except FileNotFoundError:
         return
-    except (OSError, UnicodeDecodeError):
-        first = "unreadable"
-    if first.strip():
-        try:
-            record = json.loads(first)
-        except ValueError:
-            record = None
-        if not (isinstance(record, dict) and "step" in record):
-            raise ValueError(f"--metrics-file {path} holds something else than metrics (its "
-                             "first line is no record of a step), which the run's rows "
-                             "would spoil: give a new file, or a run's metrics file")
+    except (OSError, ValueError):  # unreadable, not UTF-8, or no JSON
+        record = None
+    if not (isinstance(record, dict) and "step" in record):
+        raise ValueError(f"--metrics-file {path} holds something else than metrics (its first "
+                         "line is no record of a step), which the run's rows would spoil: "
+                         "give a new file, or a run's metrics file")
 
 
 def _keep_rows_up_to(path: Path, step: int):

@@ -126,11 +126,9 @@ def copy_tokenizer(spec, directory) -> str:
 
 def special_ends(tokenizer) -> tuple[list[int], list[int]]:
     """The ids a tokenizer's post-processor puts before and after a text's own (a BOS
-    template's ([bos], []), RoBERTa's ([<s>], [</s>]); none for SentencePieceTokenizer,
+    template's ([bos], []), RoBERTa's ([<s>], [</s>]); ([], []) for SentencePieceTokenizer,
     which adds none): a text encoded in pieces without them (add_special_tokens=False) is
     then given them once, at its ends. Found by encoding a probe with and without them."""
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        return [], []
     inner = tokenizer.encode("a", add_special_tokens=False).ids
     whole = tokenizer.encode("a").ids
     at = next(i for i in range(len(whole) - len(inner) + 1) if whole[i:i + len(inner)] == inner)

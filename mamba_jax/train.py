@@ -778,12 +778,12 @@ def _note_changes(before: dict, now: dict) -> None:
     one where it changed the learning rate's schedule (from the checkpoint's own run flags
     `before`): allowed (a longer run is a resume with more --steps), but the resumed steps
     then differ from what the interrupted run's would have been."""
+    differs = lambda k: (before[_IDENTITY[k]] != now[_IDENTITY[k]]
+                         if _IDENTITY.get(k) in before else before.get(k) != now[k])
     for flags, effect in ((_DATA_ORDER, "the steps from here train on other batches than "
                                         "that run would have"),
                           (_SCHEDULE, "the learning rate from here follows this run's "
                                       "schedule, not that run's")):
-        differs = lambda k: (before[_IDENTITY[k]] != now[_IDENTITY[k]]
-                             if _IDENTITY.get(k) in before else before.get(k) != now[k])
         changed = [f"--{k.replace('_', '-')} " + (
             f"{before.get(k)} -> {now[k]}" if before.get(k) != now[k] else
             f"{now[k]} (its contents changed)") for k in flags if differs(k)]
