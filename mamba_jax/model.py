@@ -77,9 +77,15 @@ def check_tokens(where: str, input_ids, **per_token):
     """Refuse input_ids that are not [b, l] integer ids, and per-token inputs (seq_idx,
     targets, mask; None where not given) not of their shape: shapes are static, so this
     holds under jit too, where the mismatch was a broadcasting error deep in a layer."""
-    if jnp.ndim(input_ids) != 2 or not jnp.issubdtype(jnp.result_type(input_ids), jnp.integer):
+    if not hasattr(input_ids, "dtype"):  # a list: jnp.result_type's TypeError on it
+        raise ValueError(f"{where}: input_ids is a {type(input_ids).__name__}; give an array "
+                         "of [batch, seqlen] integer token ids (jnp.asarray(ids, jnp.int32))")
+    if jnp.ndim(input_ids) != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise ValueError(f"{where}: input_ids of shape {jnp.shape(input_ids)} and dtype "
-                         f"{jnp.result_type(input_ids)}; give [batch, seqlen] integer token ids")
+                         f"{input_ids.dtype}; give [batch, seqlen] integer token ids")
+    if jnp.shape(input_ids)[1] == 0:
+        raise ValueError(f"{where}: input_ids of shape {jnp.shape(input_ids)} hold no token; "
+                         "give at least one a row")
     check_per_token(where, jnp.shape(input_ids), **per_token)
 
 

@@ -135,6 +135,9 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
             (lambda: model(ids[0]), r"Mamba2LM: input_ids of shape \(8,\) and dtype int32; "
                                     r"give \[batch, seqlen\] integer token ids"),
             (lambda: model(ids.astype(jnp.float32)), r"and dtype float32"),
+            # a list has no dtype: jnp.result_type's TypeError; no token: the conv's message
+            (lambda: model([[1, 2]]), r"Mamba2LM: input_ids is a list; give an array"),
+            (lambda: model(ids[:, :0]), r"Mamba2LM: input_ids of shape \(2, 0\) hold no token"),
             (lambda: model(ids, ids[:, :4]), r"Mamba2LM: seq_idx has shape \(2, 4\); it "
                                              r"takes one value per token, the inputs' "
                                              r"\[batch, seqlen\] = \(2, 8\)"),
