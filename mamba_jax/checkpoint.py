@@ -13,6 +13,11 @@ checkpoints untouched and the partial one invisible. The state is restored strai
 shardings of `abstract_state` (jax.ShapeDtypeStruct leaves with `sharding`), so a run saved
 on one mesh resumes on another with no conversion step.
 
+Each checkpoint's meta records a checksum of every array it holds (`checksums`), computed on
+the devices as it is saved and again after a restore: Orbax reads bytes changed on disk
+without complaint (a flipped byte is a wrong weight), so a checkpoint whose arrays differ from
+what was saved counts as one that cannot be read.
+
 A save that fails (a full disk, a lost mount) is a CheckpointSaveError of one line, raised by
 the next check / save / wait / close, with Orbax's partial directory of that step removed;
 the checkpoints before it stay as they were. A checkpoint that cannot be read is set aside
@@ -31,12 +36,64 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 
 class CheckpointSaveError(OSError):
     """A checkpoint could not be written: the run must stop (its message says which)."""
+
+
+class ChangedArrays(ValueError):
+    """A restored checkpoint's arrays are not those that were saved (bytes changed on disk)."""
+
+
+_CHECKSUMS = "array_checksums"  # meta's key for them; read_meta returns meta without it
+
+
+@jax.jit
+def _checksum(x: jax.Array) -> jax.Array:
+    """uint32: the sum, wrapping, of x's bits as 32-bit words, each times an odd weight of
+    its position (2i + 1). Integer sums do not depend on their order, so the value is the
+    same on any mesh; a changed word (odd weight) or two swapped ones change it."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize == 8:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    for axis in range(words.ndim):  # the row-major position, wrapping past 2^32 words
+        index = index * words.shape[axis] + jax.lax.broadcasted_iota(jnp.uint32, words.shape,
+                                                                     axis)
+    return jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+
+
+def checksums(tree) -> dict[str, int]:
+    """{path: checksum} of every array in `tree` (jax.tree_util.keystr paths). A program a
+    shape, not one for the tree: a model's layers share a few shapes (on a CPU, mamba2-130m's
+    state of 1,230 arrays took 2.7 s the first time, against 6.3 as one program)."""
+    sums = jax.device_get(jax.tree.map(_checksum, tree))
+    return {jax.tree_util.keystr(path): int(value)
+            for path, value in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+def _check_checksums(tree, saved: dict | None) -> None:
+    """ChangedArrays where an array of `tree` (restored) has another checksum than `saved`
+    (a checkpoint's record, None in those written before it); paths it lacks are not
+    checked."""
+    if saved is None:
+        return
+    changed = [path for path, value in checksums(tree).items()
+               if path in saved and saved[path] != value]
+    if changed:
+        raise ChangedArrays(f"{len(changed)} of its arrays differ from what was saved "
+                            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): "
+                            "its files were changed or damaged")
 
 
 class _WithoutOrbaxTracebacks(logging.Filter):
@@ -129,6 +186,7 @@ class Checkpointer:
         """Start saving `state` (a pytree of arrays) and `meta` (JSON) as checkpoint `step`;
         returns once the arrays are copied off the devices, the write goes on behind."""
         self.wait()  # a failure of the previous save is reported as that step's
+        meta = {**meta, _CHECKSUMS: checksums(state)}
         try:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
@@ -177,8 +235,8 @@ class Checkpointer:
 
         check_meta(step, meta) runs on each candidate's meta before its arrays are read and
         may raise (a checkpoint of another model is an error, not a reason to go back). A
-        checkpoint that fails to read (corrupt or truncated files) is reported and the one
-        before it is tried; once one restores, the unreadable newer ones are set aside
+        checkpoint that fails to read (corrupt or truncated files, or arrays other than
+        their checksums say) is reported and the one before it is tried; once one restores, the unreadable newer ones are set aside
         (renamed <step>.corrupt-<time>). When none restores, that is an error: starting
         over would write over them.
         """
@@ -196,6 +254,7 @@ class Checkpointer:
             try:
                 state = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state))).state
+                _check_checksums(state, self._checksums(step))
             except Exception as error:  # noqa: BLE001
                 unreadable.append(self._report(step, error, log))
                 continue
@@ -235,19 +294,30 @@ class Checkpointer:
               "trying the one before", file=log)
         return step
 
-    def read_meta(self, step: int) -> dict:
-        """The JSON meta saved with checkpoint `step`."""
+    def _meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON meta saved with checkpoint `step` (as given to save)."""
+        meta = dict(self._meta(step))
+        meta.pop(_CHECKSUMS, None)
+        return meta
+
+    def _checksums(self, step: int) -> dict | None:
+        return self._meta(step).get(_CHECKSUMS)
+
     def restore_part(self, step: int, abstract_part):
         """The subtree of checkpoint `step`'s state that `abstract_part` describes (e.g.
-        {"params": ...} without the optimizer state), read into its shardings."""
-        return self.manager.restore(step, args=ocp.args.Composite(
+        {"params": ...} without the optimizer state), read into its shardings; ChangedArrays
+        where its arrays are not those that were saved."""
+        part = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
                 item=abstract_part,
                 restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_part),
                 partial_restore=True))).state
+        _check_checksums(part, self._checksums(step))
+        return part
 
     def _set_aside(self, steps: list[int], restored: int, log) -> None:
         """Rename the unreadable checkpoints `steps` to <step>.corrupt-<time> (on process 0,

@@ -10,7 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax.checkpoint import CheckpointSaveError, Checkpointer, abstract_like
+import orbax.checkpoint as ocp
+
+from mamba_jax.checkpoint import (ChangedArrays, CheckpointSaveError, Checkpointer,
+                                  abstract_like, checksums)
 
 
 def state(seed):
@@ -89,6 +92,67 @@ def test_a_corrupt_checkpoint_is_one_line_not_its_reads_tracebacks(tmp_path):
     assert err[0].startswith(f"checkpoint {tmp_path / '2'} cannot be restored (")
     assert "See full TensorStore details" not in err[0]
     assert err[1].startswith("checkpoint 2 set aside as ")
+
+
+def _change_a_byte(step_dir):
+    """Flip one byte amid a checkpoint's largest array data file, where a random float32
+    array's bytes are stored as they are (they do not compress): Orbax reads it back
+    without complaint."""
+    data = max(step_dir.glob("state/**/d/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(raw)
+
+
+def big_state(seed):
+    return {"params": {"w": jax.random.normal(jax.random.key(seed), (256, 256))},
+            "opt_state": (jnp.int32(seed),)}
+
+
+def test_arrays_changed_on_disk_are_caught_by_their_checksums(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, big_state(1), {"data_step": 1})
+    ckpt.save(2, big_state(2), {"data_step": 2})
+    ckpt.close()
+    _change_a_byte(tmp_path / "2")
+    # What Orbax alone reads: a changed weight, no error.
+    manager = ocp.CheckpointManager(tmp_path, item_names=("state", "meta"))
+    read = manager.restore(2, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_like(big_state(0))))).state
+    assert not np.array_equal(np.asarray(read["params"]["w"]),
+                              np.asarray(big_state(2)["params"]["w"]))
+    manager.close()
+    with pytest.raises(ChangedArrays, match=r"1 of its arrays differ from what was saved "
+                                            r"\(\['params'\]\['w'\]\): its files were "
+                                            r"changed or damaged"):
+        Checkpointer(tmp_path, read_only=True).restore_part(
+            2, {"params": abstract_like(big_state(0))["params"]})
+    log = io.StringIO()
+    ckpt = Checkpointer(tmp_path)
+    step, restored, meta = ckpt.restore_latest(abstract_like(big_state(0)), log=log)
+    assert step == 1 and meta == {"data_step": 1}  # the checksums are not the caller's meta
+    assert_same(restored, big_state(1))
+    assert "checkpoint 2 set aside as " in log.getvalue()
+    ckpt.close()
+
+
+def test_checksums_are_the_same_on_any_mesh_and_old_checkpoints_still_restore(tmp_path):
+    one = big_state(3)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+    sharded = jax.device_put(one, jax.tree.map(
+        lambda x: NamedSharding(mesh, P("dp", "tp") if x.ndim == 2 else P()), one))
+    assert checksums(sharded) == checksums(one)
+    w = one["params"]["w"]
+    swapped = {**one, "params": {"w": w.at[0, :2].set(w[0, 1::-1])}}  # two entries swapped
+    assert checksums(swapped)["['params']['w']"] != checksums(one)["['params']['w']"]
+    # A checkpoint written before the checksums (meta without them) restores.
+    manager = ocp.CheckpointManager(tmp_path, item_names=("state", "meta"))
+    manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(one),
+                                            meta=ocp.args.JsonSave({"data_step": 3})))
+    manager.close()
+    step, restored, _ = Checkpointer(tmp_path).restore_latest(abstract_like(one))
+    assert step == 3
+    assert_same(restored, one)
 
 
 def test_when_no_checkpoint_restores_it_is_an_error_not_a_fresh_start(tmp_path):
