@@ -237,8 +237,8 @@ class Checkpointer:
         may raise (a checkpoint of another model is an error, not a reason to go back). A
         checkpoint that fails to read (corrupt or truncated files, or arrays other than
         their checksums say) is reported and the one before it is tried; once one
-        restores, the unreadable newer ones are set aside (renamed <step>.corrupt-<time>). When none restores, that is an error: starting
-        over would write over them.
+        restores, the unreadable newer ones are set aside (renamed <step>.corrupt-<time>).
+        When none restores, that is an error: starting over would write over them.
         """
         log = log or sys.stderr
         _quiet_failed_restores()
