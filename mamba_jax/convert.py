@@ -34,7 +34,7 @@ from flax import nnx
 from mamba_jax.cli import HelpFormatter, MissingDependency, command
 from mamba_jax.config import Mamba2Config
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_checkpoints,
-                             holds_model, replace_text)
+                             holds_model, model_file, replace_text)
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
                                mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
@@ -150,9 +150,17 @@ def check_exportable(cfg: Mamba2Config, format: str = "hf") -> str:
     """The layout save_pretrained(format=format) writes a model of cfg in, or the
     ValueError it would raise there: a config field or a layer's parameter the layout
     cannot hold. From the config alone (no model built): the trainer asks before training."""
+    names = param_shapes(cfg)
+    for i, symbol in enumerate(cfg.layers):  # first: no other layout is the fix for these
+        held = {p for table in KINDS[symbol].checkpoint_keys.values()
+                for entry in table.values() for p in entry.params}
+        if unheld := sorted(set(_layer_params(names, i)) - held):
+            raise ValueError(f"layer {i}'s parameters {unheld} have no tensor in any layout "
+                             f"({', '.join(FORMATS)}): the trainer's checkpoints "
+                             "(--checkpoint-dir) keep them, and generate, serve and "
+                             "load_training_checkpoint read those")
     fmt = export_format(cfg, format)
     config_dict(cfg, fmt)
-    names = param_shapes(cfg)
     for i, symbol in enumerate(cfg.layers):
         _held_table(_layer_params(names, i), symbol, fmt, i)
     return fmt
@@ -275,7 +283,7 @@ def from_pretrained(path, dtype=None) -> Mamba2LM:
     return model_from_params(cfg, params, jnp.float32 if dtype is None else dtype)
 
 
-def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
+def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> list[str]:
     """Write config.json and model.safetensors (float32) in the HF, mamba_ssm or NemotronH
     layout. "hf" is Mamba2ForCausalLM for a Mamba2-only model, MambaForCausalLM (or
     FalconMambaForCausalLM, with mamba1.bc_dt_rms) for a Mamba-1-only one and
@@ -287,14 +295,21 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     mamba_ssm (whose from_pretrained reads only pytorch_model.bin):
     `MambaLMHeadModel(MambaConfig(**json.load(...)))` then
     `load_state_dict(safetensors.torch.load_file(path + "/model.safetensors"))`.
+
+    A model already in `path` is replaced: its weight files and the trainer's
+    train_config.json that the new ones do not replace are removed (their names returned).
     """
     from safetensors.numpy import save_file
 
     if format not in FORMATS:
         raise ValueError(f"save_pretrained: format={format!r}; use one of {FORMATS}")
+    if not isinstance(model, Mamba2LM):
+        raise ValueError(f"save_pretrained writes a Mamba2LM's checkpoint, not a "
+                         f"{type(model).__name__}'s (no layout holds an encoder): keep its "
+                         "parameters with Orbax (nnx.state(model)), as the trainer does")
     cfg = model.config
-    format = export_format(cfg, format)
-    config = config_dict(cfg, format)  # first: it refuses what the layout cannot express
+    format = check_exportable(cfg, format)  # first: it refuses what the layout cannot hold
+    config = config_dict(cfg, format)
     params = flat_params(model)
     # Parameters of another config (nnx.update with another model's) would be written
     # beside this config.json: a checkpoint no loader takes
@@ -314,6 +329,31 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> None:
     os.chmod(path / "model.safetensors.tmp", (path / "config.json.tmp").stat().st_mode & 0o777)
     os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
     os.replace(path / "config.json.tmp", path / "config.json")
+    return _remove_replaced(path)
+
+
+def _remove_replaced(path: Path) -> list[str]:
+    """Remove what a model replaced in `path` leaves beside the new config.json and
+    model.safetensors: its other weight files (an index and its shards, pytorch_model.bin:
+    read by tools that look for them, mamba_ssm's loader among them) and the trainer's
+    train_config.json (which says that the trainer's run exported the folder). Returns
+    their names."""
+    removed = []
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = _index_shards(index)
+        except ValueError:
+            shards = []  # not an index we could read: its files are not known
+        for shard in shards:  # (an index of one shard may name the file just written)
+            if shard not in ("model.safetensors", "config.json") and (path / shard).is_file():
+                (path / shard).unlink()
+                removed.append(shard)
+    for name in ("model.safetensors.index.json", "pytorch_model.bin", "train_config.json"):
+        if (path / name).is_file():
+            (path / name).unlink()
+            removed.append(name)
+    return removed
 
 
 @command("python -m mamba_jax.convert")
@@ -341,9 +381,9 @@ def main(argv=None):
     check_writable("dst", args.dst, folder=True)
     check_outside_checkpoints("dst", args.dst)
     if holds_model(args.dst) and not args.overwrite:
-        raise SystemExit(f"{args.dst} already holds a model (its config.json): give another "
-                         "output dir, or --overwrite to replace it")
-    tokenizer = None
+        raise SystemExit(f"{args.dst} already holds a model (its {model_file(args.dst)}): give "
+                         "another output dir, or --overwrite to replace it")
+    tokenizer = tokenizer_dir = None
     if is_training_checkpoint(args.src):
         model, meta = load_training_checkpoint(args.src, args.step)
         tokenizer = load_tokenizer(training_tokenizer(args.src, meta))
@@ -354,12 +394,14 @@ def main(argv=None):
                          "not one")
         model, source = from_pretrained(args.src), args.src
         if found := find_tokenizer(args.src):
-            tokenizer = load_tokenizer(found)
-    export(model, args.dst, tokenizer, format=args.to)
+            tokenizer, tokenizer_dir = load_tokenizer(found), args.src
+    removed = export(model, args.dst, tokenizer, format=args.to, tokenizer_dir=tokenizer_dir)
     written = export_format(model.config, args.to)
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
     print(f"wrote {args.dst} ({layout}) from {source}")
+    if removed:
+        print(f"removed the replaced model's {', '.join(removed)}")
     kept = find_tokenizer(args.dst) if tokenizer is None else None
     if kept:  # src has none: dst is another folder, and this is the replaced model's
         print(f"{kept} is the replaced model's, kept: {args.src} has no tokenizer; remove it "
@@ -386,22 +428,29 @@ def _index_shards(index: Path) -> list[str]:
     return shards
 
 
-def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf") -> None:
+def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
+           tokenizer_dir=None) -> list[str]:
     """save_pretrained, then the tokenizer (if given) beside the weights (tokenizer.json, or
     a SentencePiece model's tokenizer.model, the other of the two removed: a replaced
-    model's tokenizer.json would otherwise be found before this one's tokenizer.model),
-    its bos / eos / pad ids in config.json where the layout has them
-    (formats.with_token_ids; null for a tokenizer without them)."""
-    save_pretrained(model, path, format=format)
+    model's tokenizer.json would otherwise be found before this one's tokenizer.model;
+    kept where `path` is `tokenizer_dir`, the folder the tokenizer was read from, whose
+    files are its own), its bos / eos / pad ids in config.json where the layout has them
+    (formats.with_token_ids; null for a tokenizer without them). Returns the names of the
+    replaced model's files removed (save_pretrained)."""
+    removed = save_pretrained(model, path, format=format)
     if tokenizer is None:
-        return
+        return removed
     path = Path(path)
     written = save_tokenizer(tokenizer, path)
-    for name in set(TOKENIZER_FILES) - {written.name}:
-        (path / name).unlink(missing_ok=True)
+    if tokenizer_dir is None or not os.path.samefile(tokenizer_dir, path):
+        for name in set(TOKENIZER_FILES) - {written.name}:
+            if (path / name).is_file():
+                (path / name).unlink()
+                removed.append(name)
     config = json.loads((path / "config.json").read_text())
     replace_text(path / "config.json", json.dumps(
         with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
+    return removed
 
 
 def is_training_checkpoint(path) -> bool:

@@ -62,7 +62,8 @@ from pathlib import Path
 import numpy as np
 
 from mamba_jax.cli import HelpFormatter, command
-from mamba_jax.files import check_outside_checkpoints, check_writable, holds_model, locked
+from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model, locked,
+                             model_file)
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
                                  copy_tokenizer, load_tokenizer, special_ends, special_tokens)
 
@@ -276,8 +277,9 @@ def _check_replaceable(out: Path, tokenizer_spec, overwrite: bool):
     """Refuse to write over a dataset in `out` unless overwrite, and into a model's folder
     at all (the dataset's tokenizer would replace the model's)."""
     if holds_model(out):
-        raise FileExistsError(f"prepare: --out {out} holds a model (its config.json), whose "
-                              "tokenizer a dataset there would replace: choose another --out")
+        raise FileExistsError(f"prepare: --out {out} holds a model (its {model_file(out)}), "
+                              "whose tokenizer a dataset there would replace: choose another "
+                              "--out")
     check_outside_checkpoints("prepare: --out", out)
     existing = [name for name in DATASET_FILES if (out / name).exists()
                 and not _is_given_tokenizer(out / name, tokenizer_spec)]

@@ -77,9 +77,20 @@ def replace_text(path, text: str) -> None:
     os.replace(temporary, path)
 
 
+# A model's files, any of which an export there would replace: its config.json, or weights
+# whose config.json is gone.
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin")
+
+
+def model_file(path) -> str | None:
+    """The first of MODEL_FILES in `path`, or None: what says it holds a model."""
+    return next((name for name in MODEL_FILES if (Path(path) / name).exists()), None)
+
+
 def holds_model(path) -> bool:
-    """Whether `path` holds a model that an export there would replace (its config.json)."""
-    return (Path(path) / "config.json").exists()
+    """Whether `path` holds a model that an export there would replace (model_file)."""
+    return model_file(path) is not None
 
 
 def holds_steps(path) -> bool:

@@ -239,7 +239,8 @@ def config_from_hf(d: dict, path="config.json") -> Mamba2Config:
         conv_bias=d.get("use_conv_bias", True), bias=d.get("use_bias", False),
         norm_eps=d.get("layer_norm_epsilon", 1e-5),
         residual_in_fp32=d.get("residual_in_fp32", True),
-        tie_embeddings=d.get("tie_word_embeddings", True)))
+        # transformers' Mamba2Config unties by default (its Mamba and FalconMamba tie)
+        tie_embeddings=d.get("tie_word_embeddings", False)))
 
 
 def _attn_from_mamba_ssm(d: dict, path) -> dict:

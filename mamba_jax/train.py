@@ -50,7 +50,7 @@ from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, dataset_tokenizer,
                             fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
-                             holds_model, holds_steps, locked, replace_text)
+                             holds_model, holds_steps, locked, model_file, replace_text)
 from mamba_jax.formats import export_format
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
@@ -413,7 +413,7 @@ def _out_dir(args) -> str | None:
 
 
 def _replaceable(args, out: str, resumed: bool) -> bool:
-    """Whether the export may write --out: it holds no model (its config.json), or
+    """Whether the export may write --out: it holds no model (files.model_file), or
     --overwrite-out, or the run `resumed` from checkpoints of the --checkpoint-dir that the
     model's own train_config.json names (a restarted job exports where it did; a run that
     started afresh there, with --resume-if-exists, is another run)."""
@@ -433,8 +433,8 @@ def _replaceable(args, out: str, resumed: bool) -> bool:
 def _check_out(args, out: str, resumed: bool) -> None:
     """Refuses, before training, an --out whose model the export at the end would replace."""
     if not _replaceable(args, out, resumed):
-        raise SystemExit(f"--out {out} already holds a model (its config.json), which this "
-                         "run's final export would replace: give another --out, --out none, "
+        raise SystemExit(f"--out {out} already holds a model (its {model_file(out)}), which "
+                         "this run's final export would replace: give another --out, --out none, "
                          "or --overwrite-out to replace it")
 
 
@@ -738,8 +738,11 @@ def _train(argv, held: contextlib.ExitStack):
             params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
         if lead:
             out = _export_dir(args, out, resumed)
-            export(nnx.merge(graphdef, params), out, tokenizer)
+            removed = export(nnx.merge(graphdef, params), out, tokenizer)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
+            if removed := [name for name in removed if name != "train_config.json"]:
+                print(f"removed the replaced model's {', '.join(removed)} from {out}",
+                      file=sys.stderr)
             layout = export_format(cfg, "hf")
             named = "" if layout == "hf" else f" ({layout}'s layout)"
             print(f"saved {out}{named}; try: python -m mamba_jax.generate --checkpoint "

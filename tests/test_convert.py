@@ -279,6 +279,81 @@ def _shard(tmp_path, first_keys, overlap):
         {"weight_map": weight_map}))
 
 
+def test_an_export_over_a_model_removes_the_files_it_does_not_replace(tmp_path, capsys):
+    """The replaced model's shards and index (read by tools that look for them), and the
+    trainer's train_config.json (by which a resumed run took the folder for its own export
+    and replaced the converted model without a word)."""
+    from mamba_jax.convert import main
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    _shard(dst, {"backbone.embeddings.weight"}, None)
+    (dst / "train_config.json").write_text('{"train": {"checkpoint_dir": "ck"}}\n')
+    (dst / "notes.txt").write_text("a user's file\n")
+    main([str(FIXTURES / "hf_ngroups2_tied"), str(dst), "--to", "hf", "--overwrite"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "removed the replaced model's model-1.safetensors, model-2.safetensors, "
+        "model.safetensors.index.json, train_config.json")
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors",
+                                                     "notes.txt"]
+    # Converted in place, its shards become the one file.
+    src = tmp_path / "src"
+    src.mkdir()
+    _shard(src, {"backbone.embeddings.weight"}, None)
+    expected = mamba_jax.from_pretrained(src)(jnp.ones((1, 5), jnp.int32))
+    main([str(src), str(src), "--to", "mamba_ssm", "--overwrite"])
+    assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(mamba_jax.from_pretrained(src)(jnp.ones((1, 5), jnp.int32)),
+                                  expected)
+
+
+def test_a_folder_of_weights_without_config_is_a_model_convert_keeps(tmp_path, capsys):
+    from mamba_jax.cli import UserExit
+    from mamba_jax.convert import main
+    shutil.copy(FIXTURES / "hf_ngroups1_untied" / "model.safetensors", tmp_path)
+    kept = (tmp_path / "model.safetensors").read_bytes()
+    with pytest.raises(UserExit):
+        main([str(FIXTURES / "hf_ngroups2_untied"), str(tmp_path), "--to", "hf"])
+    assert capsys.readouterr().err == (
+        f"python -m mamba_jax.convert: {tmp_path} already holds a model (its "
+        "model.safetensors): give another output dir, or --overwrite to replace it\n")
+    assert (tmp_path / "model.safetensors").read_bytes() == kept
+
+
+def test_converted_in_place_a_model_keeps_both_its_tokenizer_files(tmp_path):
+    from mamba_jax.convert import main
+    from mamba_jax.tokenizer import byte_tokenizer, save_tokenizer
+    _copy_fixture(tmp_path)
+    save_tokenizer(byte_tokenizer(), tmp_path)
+    sentencepiece = FIXTURES / "megatron" / "tokenizer.model"
+    shutil.copy(sentencepiece, tmp_path)  # Hugging Face folders often hold both
+    main([str(tmp_path), str(tmp_path), "--to", "mamba_ssm", "--overwrite"])
+    assert (tmp_path / "tokenizer.model").read_bytes() == sentencepiece.read_bytes()
+    assert (tmp_path / "tokenizer.json").is_file()
+
+
+def test_an_hf_mamba2_config_without_tie_word_embeddings_is_untied_as_transformers_reads_it(
+        tmp_path):
+    # transformers' Mamba2Config defaults to False: the lm_head was dropped for the
+    # embedding's rows, other logits without a word
+    _copy_fixture(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("tie_word_embeddings") is False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = jnp.asarray(np.load(FIXTURES / "hf_ngroups1_untied" / "input_ids.npy"))
+    np.testing.assert_array_equal(
+        mamba_jax.from_pretrained(tmp_path)(ids),
+        mamba_jax.from_pretrained(FIXTURES / "hf_ngroups1_untied")(ids))
+
+
+def test_an_encoder_is_not_saved_as_a_language_model(tmp_path):
+    from mamba_jax.encoder import Mamba2Encoder
+    encoder = Mamba2Encoder(Mamba2Config.preset("tiny"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"save_pretrained writes a Mamba2LM's checkpoint, "
+                                         r"not a Mamba2Encoder's"):
+        mamba_jax.save_pretrained(encoder, tmp_path / "enc")
+    assert not (tmp_path / "enc").exists()
+
+
 def test_two_shards_holding_one_tensor_are_refused(tmp_path):
     _shard(tmp_path, {"lm_head.weight"}, overlap=None)
     mamba_jax.from_pretrained(tmp_path)  # disjoint shards load

@@ -379,8 +379,10 @@ def test_a_model_the_export_cannot_hold_is_refused_before_training(tmp_path, cap
               str(tmp_path / "out")])
     assert refused.value.code == 2
     err = capsys.readouterr().err
-    assert err.endswith(f"--out {tmp_path / 'out'}: format 'hf' cannot hold layer 0's "
-                        "parameters ['init_states']; or --out none\n")
+    assert err.endswith(f"--out {tmp_path / 'out'}: layer 0's parameters ['init_states'] "
+                        "have no tensor in any layout (hf, mamba_ssm, nemotron_h): the "
+                        "trainer's checkpoints (--checkpoint-dir) keep them, and generate, "
+                        "serve and load_training_checkpoint read those; or --out none\n")
     assert "1/1" not in err  # no step ran
 
 
