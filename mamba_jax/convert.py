@@ -36,7 +36,7 @@ from mamba_jax.config import Mamba2Config
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_checkpoints,
                              holds_model, model_file, replace_text)
 from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
-                               mamba_ssm_blocks, with_token_ids)
+                               layout_notes, mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.model import Mamba2LM
@@ -400,6 +400,8 @@ def main(argv=None):
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
     print(f"wrote {args.dst} ({layout}) from {source}")
+    for note in layout_notes(model.config, written):
+        print(f"note: {note}")
     if removed:
         print(f"removed the replaced model's {', '.join(removed)}")
     kept = find_tokenizer(args.dst) if tokenizer is None else None

@@ -623,6 +623,17 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
     }
 
 
+def layout_notes(cfg: Mamba2Config, fmt: str) -> list[str]:
+    """What the layout fmt (as export_format gives it) computes otherwise than cfg, beyond
+    the fields it refuses: a line each, for an export to say."""
+    notes = []
+    if fmt == "nemotron_h" and cfg.residual_in_fp32:
+        notes.append("NemotronH keeps the residual in the compute dtype (transformers, and a "
+                     "reload here, do not read residual_in_fp32): its bf16 logits differ "
+                     "slightly from this model's, float32 ones do not")
+    return notes
+
+
 def with_token_ids(config: dict, token_ids: dict) -> dict:
     """A written config dict with the tokenizer's {"bos_token_id", "eos_token_id",
     "pad_token_id"} (ids or None), where the layout has them: the HF layouts

@@ -51,7 +51,7 @@ from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, datase
                             fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
-from mamba_jax.formats import export_format
+from mamba_jax.formats import export_format, layout_notes
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM, check_causal
@@ -745,6 +745,8 @@ def _train(argv, held: contextlib.ExitStack):
                       file=sys.stderr)
             layout = export_format(cfg, "hf")
             named = "" if layout == "hf" else f" ({layout}'s layout)"
+            for note in layout_notes(cfg, layout):
+                print(f"note: {note}", file=sys.stderr)
             print(f"saved {out}{named}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",
                   file=sys.stderr)

@@ -16,6 +16,7 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config
+from mamba_jax.checkpoint import Checkpointer
 from mamba_jax.convert import load_config
 from mamba_jax.formats import config_from_nemotron_h
 from mamba_jax.model import Mamba2LM
@@ -138,6 +139,28 @@ def test_fields_are_read_as_transformers_reads_them():
     assert mamba_jax.layers.mamba2.dims(ignored).d_inner == 128 * 80
     assert cfg.mamba2.dt_limit == (0.001, math.inf) and not cfg.residual_in_fp32
     assert not cfg.tie_embeddings
+
+
+def test_an_export_with_the_residual_in_float32_says_nemotron_h_does_not_keep_it(
+        tmp_path, capsys):
+    from mamba_jax.convert import main
+    from mamba_jax.formats import layout_notes
+    name = "Nemotron-H-4B-Base-8K"
+    cfg = load_config(FIXTURES / name)[0]
+    assert layout_notes(cfg, "nemotron_h") == []  # as read: the residual in compute dtype
+    kept = cfg.replace(residual_in_fp32=True)
+    assert layout_notes(kept, "mamba_ssm") == []
+    ckpt = Checkpointer(tmp_path / "src", async_save=False)  # a trainer's: it keeps the field
+    ckpt.save(1, {"params": nnx.state(Mamba2LM(kept, rngs=nnx.Rngs(0)))},
+              {"step": 1, "config": {"model": kept.to_dict(), "train": {}}})
+    ckpt.close()
+    capsys.readouterr()
+    main([str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "nemotron_h"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "note: NemotronH keeps the residual in the compute dtype (transformers, and a reload "
+        "here, do not read residual_in_fp32): its bf16 logits differ slightly from this "
+        "model's, float32 ones do not")
+    assert not mamba_jax.from_pretrained(tmp_path / "dst").config.residual_in_fp32
 
 
 def test_mtp_tensors_are_skipped_and_a_tied_model_writes_its_head(tmp_path):
