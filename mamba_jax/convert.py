@@ -199,8 +199,11 @@ def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)  # mamba_ssm's state_dict lists the tied head too
     elif "lm_head.weight" not in tensors:
-        raise ValueError("checkpoint is missing 'lm_head.weight' and the config says the "
-                         "embeddings are not tied")
+        raise ValueError("checkpoint is missing 'lm_head.weight', and its embeddings are "
+                         + ("never tied in NemotronH (its tie_word_embeddings is not read)"
+                            if fmt == "nemotron_h" else "untied by its config (a "
+                            "transformers Mamba2 config without tie_word_embeddings unties "
+                            "them, as transformers does)"))
     else:
         out["lm_head"] = take("lm_head.weight", shapes["lm_head"])
     for i, (symbol, (norm_key, src)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):

@@ -143,8 +143,22 @@ def test_a_model_whose_parameters_are_another_configs_is_not_saved(tmp_path):
 
 def test_untied_config_without_lm_head_is_an_error(tmp_path):
     _save_changed_fixture(tmp_path, lambda t: t.pop("lm_head.weight"))
-    with pytest.raises(ValueError, match="missing 'lm_head.weight'"):
+    with pytest.raises(ValueError, match="missing 'lm_head.weight', and its embeddings are "
+                                         "untied by its config"):
         mamba_jax.from_pretrained(tmp_path)
+    # NemotronH never ties: a config saying it does is not read (it was "the config says
+    # the embeddings are not tied", against the file)
+    nemotron = tmp_path / "nemotron"
+    shutil.copytree(FIXTURES / "nemotron_h_hybrid", nemotron)
+    config = json.loads((nemotron / "config.json").read_text())
+    (nemotron / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tensors = load_file(nemotron / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, nemotron / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 'lm_head.weight', and its embeddings are "
+                                         r"never tied in NemotronH \(its tie_word_embeddings "
+                                         r"is not read\)"):
+        mamba_jax.from_pretrained(nemotron)
 
 
 def test_missing_files_are_named(tmp_path):
