@@ -113,6 +113,16 @@ def test_top_k_keeps_only_the_k_most_likely():
     assert draws == {1, 4}
 
 
+def test_extreme_temperatures_keep_the_order_of_the_logits():
+    # The filters ran on logits / temperature: at 1e38 every one rounded to 0 (top_k kept
+    # all), and at 2e-38 the two largest overflowed to inf (their tie drew the first).
+    logits = jnp.asarray([[1.0, 9.0, 3.0, 8.0, 2.0]])
+    huge = {int(sample_logits(logits, jax.random.key(s), 1e38, top_k=2)[0]) for s in range(64)}
+    assert huge == {1, 3}
+    tiny = {int(sample_logits(logits, jax.random.key(s), 2e-38)[0]) for s in range(16)}
+    assert tiny == {1}
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = jnp.asarray([[0.5, 0.3, 0.15, 0.05]])
     logits = jnp.log(probs)

@@ -86,15 +86,19 @@ def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     b, v = logits.shape
     t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,))[:, None]
-    scaled = logits / jnp.where(t > 0, t, 1.0)
+    # Less the row's largest logit before the division: the largest stays 0, where at a
+    # temperature near 0 two large logits both overflowed to inf (their tie sampled the
+    # first), and at a huge one every logit rounded to the same 0.
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.where(t > 0, t, 1.0)
     if top_k is not None or top_p is not None:
         ranked = -jnp.sort(-scaled, axis=-1)  # [b, v], most likely first
         cutoff = jnp.full((b, 1), -jnp.inf)
-        if top_k is not None:
+        if top_k is not None:  # on the logits: their order is the scaled ones' before rounding
             k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (b,))
             k = jnp.where(k > 0, jnp.minimum(k, v), v)[:, None]
-            cutoff = jnp.take_along_axis(ranked, k - 1, axis=-1)
-            ranked = jnp.where(ranked < cutoff, -jnp.inf, ranked)
+            kth = jnp.take_along_axis(-jnp.sort(-logits, axis=-1), k - 1, axis=-1)
+            scaled = jnp.where(logits < kth, -jnp.inf, scaled)
+            ranked = -jnp.sort(-scaled, axis=-1)
         if top_p is not None:
             p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))[:, None]
             probs = jax.nn.softmax(ranked, axis=-1)
