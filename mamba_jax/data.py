@@ -533,9 +533,9 @@ class TokenDataset:
         """How many windows of seq_len + 1 tokens the held-out range holds (0: none)."""
         return max(0, (len(self.tokens) - self.train_end - 1) // seq_len)
 
-    def evaluates(self, seq_len: int, shards: int) -> bool:
-        """Whether an evaluation's batches hold a window for each of `shards` data shards."""
-        return self.eval_windows(seq_len) >= shards
+    def evaluates(self, seq_len: int) -> bool:
+        """Whether the held-out split holds a window to evaluate."""
+        return self.eval_windows(seq_len) > 0
 
     def prompt(self, tokenizer, max_chars: int = 24) -> str:
         """The first words of the first training document (an example prompt)."""
@@ -635,9 +635,8 @@ class BlendedDataset:
     def eval_windows(self, seq_len: int) -> int:
         return sum(d.eval_windows(seq_len) for d in self.datasets)
 
-    def evaluates(self, seq_len: int, shards: int) -> bool:
-        # each dataset's batches are their own: windows of two cannot fill one
-        return any(d.evaluates(seq_len, shards) for d in self.datasets)
+    def evaluates(self, seq_len: int) -> bool:
+        return any(d.evaluates(seq_len) for d in self.datasets)
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """Each dataset's TokenDataset.eval_batches, one after the other."""

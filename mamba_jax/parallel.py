@@ -141,10 +141,11 @@ def _shard_map(body, mesh, specs, n_batch_args, out_specs):
 
 
 def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
-                 loss_chunk=None, scan_layers=True):
+                 loss_chunk=None, scan_layers=True, per_row=False):
     """loss(params, inputs [b, l], targets [b, l], seq_idx=None) -> mean next-token
-    cross-entropy (nats): Mamba2LM.loss on every device, averaged over the mesh. seq_idx
-    [b, l]: packed documents (no state crosses a boundary).
+    cross-entropy (nats): Mamba2LM.loss on every device, averaged over the mesh (per_row:
+    each row's mean, [b] float32). seq_idx [b, l]: packed documents (no state crosses a
+    boundary).
 
     params are placed as `specs`; the token arrays as TOKENS (rows over dp and fsdp, the
     sequence over cp). remat: "none", "block" or "full" activation checkpointing of each
@@ -158,9 +159,12 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
         token_loss = nnx.merge(graphdef, params).loss(inputs, targets, seq_idx, ctx=ctx,
                                                       remat=remat, loss_chunk=loss_chunk,
                                                       scan_layers=scan_layers)
+        if per_row:
+            return lax.psum(token_loss.sum(-1), "cp") / (token_loss.shape[-1] * mesh.shape["cp"])
         return lax.psum(token_loss.sum(), token_axes) / (token_loss.size * n_shards)
-    plain = _shard_map(body, mesh, specs, 2, P())
-    packed = _shard_map(body, mesh, specs, 3, P())
+    out_spec = P(BATCH_AXES) if per_row else P()
+    plain = _shard_map(body, mesh, specs, 2, out_spec)
+    packed = _shard_map(body, mesh, specs, 3, out_spec)
 
     def loss(params, inputs, targets, seq_idx=None):
         if seq_idx is None:

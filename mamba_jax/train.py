@@ -543,16 +543,14 @@ def _train(argv, held: contextlib.ExitStack):
                               loss_chunk=args.loss_chunk)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    # Each evaluation needs a window per data shard: with fewer held-out windows, say so
-    # now and train without it rather than fail at the first evaluation.
-    evaluating = dataset.evaluates(args.seq_len, n_shards)
+    # Without a held-out window, say so now and train without evaluating rather than fail
+    # at the first evaluation.
+    evaluating = dataset.evaluates(args.seq_len)
     if not evaluating and lead:
-        windows, blend = dataset.eval_windows(args.seq_len), isinstance(dataset, BlendedDataset)
-        short = (f"no dataset's held-out split has {n_shards} windows of --seq-len "
-                 f"{args.seq_len} + 1 tokens ({windows} in all), one for each data shard"
-                 if blend else
-                 f"the held-out split has {windows} windows of --seq-len {args.seq_len} + 1 "
-                 f"tokens, fewer than the {n_shards} data shards")
+        blend = isinstance(dataset, BlendedDataset)
+        short = (f"no dataset's held-out split has a window of --seq-len {args.seq_len} + 1 "
+                 "tokens" if blend else f"the held-out split has no window of --seq-len "
+                 f"{args.seq_len} + 1 tokens")
         print(f"--data {dataset.name}: {short}, so this run does not evaluate (prepare more "
               "documents or a larger --eval-fraction to evaluate)", file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
@@ -607,24 +605,31 @@ def _train(argv, held: contextlib.ExitStack):
             replace_text(Path(args.checkpoint_dir, "train_config.json"),
                          json.dumps(effective, indent=2) + "\n")
 
-    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=args.remat,
-                                    sequence_parallel=args.sequence_parallel,
-                                    loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
-    eval_loss = jax.jit(loss_fn, compiler_options=train_compiler_options(args.deterministic))
+    loss_options = dict(remat=args.remat, sequence_parallel=args.sequence_parallel,
+                        loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
+    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, **loss_options)
+    eval_loss = jax.jit(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options,
+                                              per_row=True),
+                        compiler_options=train_compiler_options(args.deterministic))
     train_step = make_train_step(loss_fn, tx, deterministic=args.deterministic)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
     rows = NamedSharding(mesh, parallel.TOKENS)
 
     def evaluate(params):
+        """The mean loss of the held-out windows, each row weighing the same: the same on
+        every mesh and --grad-accum (a batch that the data shards do not divide is filled
+        with copies of its first rows, whose losses are not counted)."""
         # in the step's micro-batches (as many windows in all): --grad-accum is what makes
         # the step fit, and a forward over --batch-size rows at once need not
         losses, micro = [], args.batch_size // args.grad_accum
         for batch in dataset.eval_batches(micro, args.seq_len, 4 * args.grad_accum):
-            keep = len(batch["inputs"]) - len(batch["inputs"]) % n_shards  # whole shards
-            if keep:
-                losses.append(eval_loss(params, *(parallel.global_array(batch[n][:keep], rows)
-                                                  for n in _token_fields(args))))
-        return float(np.mean(losses))
+            n = len(batch["inputs"])
+            filled = np.arange(-n % n_shards + n) % n  # row r for r < n, then row 0s
+            per_row = eval_loss(params, *(parallel.global_array(batch[name][filled], rows)
+                                          for name in _token_fields(args)))
+            losses.append(np.asarray(multihost_utils.process_allgather(per_row, tiled=True)
+                                     if n_proc > 1 else per_row)[:n])
+        return float(np.mean(np.concatenate(losses)))
 
     if lead:
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))

@@ -253,23 +253,25 @@ def test_prepared_data_with_document_boundaries_and_tensorboard(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
-def test_a_blend_whose_datasets_each_hold_fewer_windows_than_shards_does_not_evaluate(
-        tmp_path, capsys):
-    """Two datasets of 6 held-out windows each on 8 data shards: each dataset's batches are
-    evaluated apart, so none fills the shards (the loss was the mean of nothing: NaN)."""
+def test_the_evaluation_is_the_same_on_every_mesh(tmp_path):
+    """Two datasets of 6 held-out windows each, on 8 data shards and on 2: every window
+    counts once, each row alike (batches the shards did not divide were cut, or skipped,
+    and their means averaged: the loss differed by mesh, or was NaN)."""
     text = DEFAULT_CORPUS.read_text()
     for name in ("a", "b"):
         for i in range(2):
             (tmp_path / f"{name}{i}.txt").write_text(text[i * 200:(i + 1) * 200])
         prepare([tmp_path / f"{name}0.txt", tmp_path / f"{name}1.txt"], "bytes",
                 tmp_path / name, eval_fraction=0.5)
-    main([*SMALL, "--data", "0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "b"),
-          "--steps", "2", "--eval-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")])
-    err = capsys.readouterr().err
-    assert "no dataset's held-out split has 8 windows of --seq-len 32 + 1 tokens (12 in all)" \
-        in err and "this run does not evaluate" in err
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [row.get("eval_loss") for row in rows] == [None, None]
+    evaluations = []
+    for mesh in ("dp=8", "dp=2,tp=4"):
+        metrics = tmp_path / f"{mesh}.jsonl"
+        main([*SMALL, "--data", "0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "b"),
+              "--steps", "1", "--eval-every", "1", "--mesh", mesh, "--metrics-file",
+              str(metrics)])
+        evaluations.append(json.loads(metrics.read_text())["eval_loss"])
+    assert np.isfinite(evaluations[0])
+    np.testing.assert_allclose(evaluations[0], evaluations[1], rtol=1e-6)
 
 
 def test_a_dataset_without_held_out_windows_trains_without_evaluation_then_saves_and_exports(
@@ -280,7 +282,7 @@ def test_a_dataset_without_held_out_windows_trains_without_evaluation_then_saves
     main([*SMALL, "--data", str(tmp_path / "ds"), "--steps", "3", "--eval-every", "2",
           "--checkpoint-dir", str(ck), "--out", str(out)])
     err = capsys.readouterr().err
-    assert "the held-out split has 0 windows" in err and "this run does not evaluate" in err
+    assert "the held-out split has no window" in err and "this run does not evaluate" in err
     assert [p.name for p in ck.iterdir() if p.name.isdigit()] == ["3"]
     assert mamba_jax.from_pretrained(out).config.n_layer == 1
     # The example prompt comes from the training data.
