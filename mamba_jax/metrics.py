@@ -86,8 +86,9 @@ class MetricsWriter:
 
     resume_step: the run continues from a checkpoint of this step, so the records a killed
     run wrote after it are superseded: the JSON-lines file keeps only the rows of steps up
-    to it (rewritten through a temporary file), and TensorBoard is told to drop the events
-    from the next step on (purge_step).
+    to it (rewritten through a temporary file; the others moved to a file beside it, said
+    in a line, as the file may have held another run's), and TensorBoard is told to drop
+    the events from the next step on (purge_step).
     """
 
     def __init__(self, jsonl_path=None, tensorboard_dir=None, resume_step: int | None = None):
@@ -143,14 +144,24 @@ def check_metrics_file(path) -> None:
 
 
 def _keep_rows_up_to(path: Path, step: int):
-    """Rewrite the JSON-lines file `path` without the rows of steps after `step` (and
-    without a line a kill cut short)."""
-    kept = []
+    """Rewrite the JSON-lines file `path` without the rows of steps after `step` and the
+    lines that are no step's record (one a kill cut short), which go to
+    `<path>.after-step-<step>[-<n>]` (a new file), said on stderr."""
+    kept, moved = [], []
     for line in path.read_text().splitlines():
         try:
             row_step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
-            continue
-        if row_step <= step:
-            kept.append(line + "\n")
+            row_step = None
+        (kept if row_step is not None and row_step <= step else moved).append(line + "\n")
+    if not moved:
+        return
+    aside = path.with_name(f"{path.name}.after-step-{step}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.after-step-{step}-{n}")
+    aside.write_text("".join(moved))
     replace_text(path, "".join(kept))
+    print(f"--metrics-file {path}: the {len(moved)} rows after step {step}, which this run "
+          f"writes again from its checkpoint, moved to {aside}", file=sys.stderr)

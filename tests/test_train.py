@@ -266,7 +266,8 @@ def tensorboard_events(directory):
     return events
 
 
-def test_metrics_of_a_resumed_run_supersede_what_the_killed_run_logged_after_it(tmp_path):
+def test_metrics_of_a_resumed_run_supersede_what_the_killed_run_logged_after_it(tmp_path,
+                                                                              capsys):
     from tensorboardX.proto.event_pb2 import SessionLog
 
     jsonl, tb = tmp_path / "m.jsonl", tmp_path / "tb"
@@ -283,6 +284,17 @@ def test_metrics_of_a_resumed_run_supersede_what_the_killed_run_logged_after_it(
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0),
                                                         (5, 2.0)]
+    # The rows it superseded are kept beside it (the file may have been another run's), and
+    # said; a second resume from that step keeps its own.
+    aside = tmp_path / "m.jsonl.after-step-3"
+    assert aside.read_text() == ('{"step": 4, "loss": 1.0}\n{"step": 5, "loss": 1.0}\n'
+                                 '{"step": 6, "lo\n')
+    assert capsys.readouterr().err == (f"--metrics-file {jsonl}: the 3 rows after step 3, "
+                                       "which this run writes again from its checkpoint, "
+                                       f"moved to {aside}\n")
+    MetricsWriter(jsonl, resume_step=3).close()
+    assert (tmp_path / "m.jsonl.after-step-3-2").read_text().count("\n") == 2
+    assert aside.read_text().count("\n") == 3
     # TensorBoard drops the older events from the step of a SessionLog START on.
     starts = [e.step for e in tensorboard_events(tb)
               if e.HasField("session_log") and e.session_log.status == SessionLog.START]
