@@ -84,8 +84,8 @@ except ImportError as missing:
 
 from mamba_jax import compilation_cache
 from mamba_jax.cli import HelpFormatter, command, require_at_least
-from mamba_jax.generate import (add_decode_arguments, decode_options, generate,
-                                learned_state, load_for_generation, token_logprobs)
+from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, decode_options,
+                                generate, learned_state, load_for_generation, token_logprobs)
 from mamba_jax.tokenizer import special_token_ids
 
 log = logging.getLogger("mamba_jax.serve")
@@ -506,12 +506,16 @@ async def _parse(request: web.Request, schema: dict, max_new_field: str, limits:
     return values
 
 
+def _check_prompts(limits: Limits, count: int, field: str) -> None:
+    """Refuse a request of more than the server's --max-prompts prompts (rows)."""
+    if count > limits.max_prompts:
+        raise BadRequest(field, f"{field}: {count} prompts; at most {limits.max_prompts} per "
+                         "request (the server's limit)")
+
+
 def _tokenized(engine: Engine, prompts, field, add_bos=False) -> list[list[int]]:
     """Every prompt's ids (Engine.tokenize), at most the server's --max-prompts of them."""
-    lim = engine.limits
-    if len(prompts) > lim.max_prompts:
-        raise BadRequest(field, f"{field}: {len(prompts)} prompts; at most {lim.max_prompts} "
-                         "per request (the server's limit)")
+    _check_prompts(engine.limits, len(prompts), field)
     names = [f"{field}[{i}]" if len(prompts) > 1 else field for i in range(len(prompts))]
     return [engine.tokenize(p, name, add_bos) for p, name in zip(prompts, names)]
 
@@ -521,9 +525,7 @@ def _rows(engine: Engine, ids, field, max_new, temperature, top_k, top_p, stream
     """Queue every prompt's ids (checked first, so a 400 or 503 leaves nothing running);
     extra: _Row's optional settings."""
     lim = engine.limits
-    if len(ids) > lim.max_prompts:
-        raise BadRequest(field, f"{field}: {len(ids)} prompts; at most {lim.max_prompts} per "
-                         "request (the server's limit)")
+    _check_prompts(lim, len(ids), field)
     tokens = sum(len(i) + max_new for i in ids)
     if tokens > lim.max_queued_tokens:
         raise BadRequest(field, f"{field}: the request needs {tokens} prompt and new tokens, "
@@ -648,8 +650,10 @@ async def completions(request: web.Request):
     stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
     if v["stream"] and v["logprobs"] is not None:
         raise BadRequest("logprobs", "logprobs are not streamed; ask for them without stream")
-    ids = [i for i in _tokenized(engine, prompts, "prompt") for _ in range(v["n"])]
     # n copies of each prompt: where they pass a limit the prompts alone do not, n is named
+    # (checked before they are made: a huge n held the server while it built them)
+    _check_prompts(engine.limits, len(prompts) * v["n"], "prompt" if v["n"] == 1 else "n")
+    ids = [i for i in _tokenized(engine, prompts, "prompt") for _ in range(v["n"])]
     rows = _rows(engine, ids, "prompt" if v["n"] == 1 else "n", v["max_tokens"],
                  v["temperature"], 0, v["top_p"], stream=v["stream"])
     prompts = [p for p in prompts for _ in range(v["n"])]
@@ -765,6 +769,9 @@ def _check_serving_flags(args):
     before the model loads (minutes for a large one)."""
     require_at_least(args, ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
                             "max_queued_tokens"))
+    if args.max_new_tokens > MOST_NEW_TOKENS:  # generate's bound: each request would fail
+        raise SystemExit(f"--max-new-tokens={args.max_new_tokens} must be at most "
+                         f"{MOST_NEW_TOKENS} (generate allocates the output whole up front)")
     if not (math.isfinite(args.batch_window_ms) and args.batch_window_ms >= 0):
         raise SystemExit(f"--batch-window-ms={args.batch_window_ms} must be a number >= 0")
     if not 0 <= args.port <= 65535:

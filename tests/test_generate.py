@@ -408,6 +408,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_but_left_padding_is_not_re
             mamba_jax.generate(model, jnp.asarray(ids, jnp.int32), 2)
     with pytest.raises(ValueError, match="input_ids must be integer token ids, got float32"):
         mamba_jax.generate(model, jnp.asarray([[1.0, 2.0]]), 2)
+    # Scoring too (its NaN check blamed the weights)
+    with pytest.raises(ValueError, match=f"token_logprobs: input_ids hold \\[{rows}\\]"):
+        token_logprobs(model, jnp.asarray([[1, rows, 2]], jnp.int32))
     # Left padding before each row's prompt is never read, whatever it holds.
     padded = mamba_jax.generate(model, jnp.asarray([[-1, 5, 6], [4, 5, 6]], jnp.int32), 2,
                                 prompt_lengths=[2, 3])

@@ -541,6 +541,8 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
                                                                           held, first):
             many = await complete(s, url, prompt=["a"] * 5, max_tokens=2)
             copies = await complete(s, url, prompt=["a"] * 2, max_tokens=2, n=3)
+            # refused before its copies are made (they held the server, their memory grew)
+            huge = await complete(s, url, prompt="a", max_tokens=2, n=10**12)
             alone_too_big = await complete(s, url, prompt=["aaaaaaaaaa"] * 3, max_tokens=10)
             queued = asyncio.create_task(complete(s, url, prompt=["five!"] * 2,
                                                   max_tokens=10))  # 30 tokens
@@ -549,9 +551,12 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
                               json={"prompt": "five!", "max_tokens": 10}) as r:
                 busy = r.status, await r.json(), r.headers.get("Retry-After")
             held.release.set()
-            return many, copies, alone_too_big, busy, (await first)[0], (await queued)[0]
+            return (many, copies, huge, alone_too_big, busy, (await first)[0],
+                    (await queued)[0])
 
-    many, copies, alone_too_big, busy, first, queued = run(go())
+    many, copies, huge, alone_too_big, busy, first, queued = run(go())
+    assert huge[0] == 400 and huge[1]["error"]["field"] == "n"
+    assert f"{10**12} prompts; at most 4 per request" in huge[1]["error"]["message"]
     assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]
     # 2 prompts are within the limit, their 3 completions each not: n is the field named
     assert copies[0] == 400 and copies[1]["error"]["field"] == "n"
@@ -803,6 +808,8 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
     (["--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
     (["--batch-window-ms", "-5"], "--batch-window-ms=-5.0 must be a number >= 0"),
     (["--batch-window-ms", "nan"], "--batch-window-ms=nan must be a number >= 0"),
+    # generate's bound: every request past it was a 500
+    (["--max-new-tokens", "2000000"], "--max-new-tokens=2000000 must be at most 1048576"),
 ])
 def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, capsys):
     from mamba_jax.serve import main
@@ -829,10 +836,17 @@ def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_mode
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, capsys):
+def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, capsys):
     from mamba_jax.serve import main
 
     with pytest.raises(SystemExit, match="no such directory") as refused:
         main(["--checkpoint", str(tmp_path / "absent"), "--port", "0"])
     assert refused.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
+    # A tokenizer of more tokens than the embedding's rows (every request was a 500)
+    sentencepiece = os.path.join(ROOT, "tests", "fixtures", "megatron", "tokenizer.model")
+    with pytest.raises(SystemExit, match=rf"the tokenizer has 512 tokens, more than the 256 "
+                                         rf"rows of {checkpoint}'s embedding: give the "
+                                         "tokenizer the model was trained with"):
+        main(["--checkpoint", str(checkpoint), "--tokenizer", str(sentencepiece), "--port",
+              "0"])

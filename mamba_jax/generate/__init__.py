@@ -354,12 +354,12 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     return (Settings(t, k, p, decay, bound, after, banned), sampling, prompt_lengths, limits)
 
 
-def _check_ids(model, input_ids, prompt_lengths):
+def _check_ids(model, input_ids, prompt_lengths, where="generate"):
     """Refuse token ids that are no integers, or (where the ids are on this host) outside
     the embedding's rows, which its gather would clamp to another token, silently. Each
     row's prompt only: its left padding (before prompt_lengths) is never read."""
     if not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(f"generate: input_ids must be integer token ids, got {input_ids.dtype}")
+        raise ValueError(f"{where}: input_ids must be integer token ids, got {input_ids.dtype}")
     if not getattr(input_ids, "is_fully_addressable", True):
         return
     ids = np.asarray(input_ids)
@@ -369,7 +369,7 @@ def _check_ids(model, input_ids, prompt_lengths):
     rows = model.config.padded_vocab_size
     outside = prompt[(prompt < 0) | (prompt >= rows)]
     if outside.size:
-        raise ValueError(f"generate: input_ids hold {np.unique(outside)[:8].tolist()}, outside "
+        raise ValueError(f"{where}: input_ids hold {np.unique(outside)[:8].tolist()}, outside "
                          f"the model's token ids [0, {rows}): were they made by another "
                          "model's tokenizer?")
 
@@ -397,6 +397,7 @@ def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
     lengths = np.full((b,), l, np.int32) if lengths is None else np.asarray(lengths, np.int32)
     if np.any(lengths < l) and learned_state(model):
         raise _learned_state_padding("token_logprobs", "lengths")
+    _check_ids(model, input_ids, lengths, "token_logprobs")
     chosen, top = _score(model, input_ids, lengths, top_n=top_n)
     # position j scores token j + 1 given the tokens to j: a row's own from l - length on
     nan = np.isnan(np.asarray(chosen)) & (np.arange(l - 1)[None, :] >= (l - lengths)[:, None])
@@ -443,6 +444,10 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     # scores only the ids the tokenizer has, as from the trainer's own checkpoint, whose
     # config keeps the tokenizer's size. The padded rows (the weights' shape) stay.
     cfg = model.config
+    if tok.get_vocab_size() > cfg.padded_vocab_size:  # its ids past the rows: other tokens
+        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, more than the "
+                         f"{cfg.padded_vocab_size} rows of {path}'s embedding: give the "
+                         "tokenizer the model was trained with")
     if tok.get_vocab_size() < cfg.vocab_size:
         model.config = cfg.replace(vocab_size=tok.get_vocab_size(),
                                    pad_vocab_size_multiple=cfg.padded_vocab_size)
