@@ -103,6 +103,9 @@ class Limits:
     max_queued_tokens: int = 1 << 18
 
 
+MAX_BODY_BYTES = 1 << 20  # a request's body (aiohttp's default)
+
+
 def _error_body(field: str | None, message: str) -> str:
     return json.dumps({"error": {"message": message, "field": field}})
 
@@ -441,6 +444,12 @@ async def _body(request: web.Request):
                          "encoding; send UTF-8 JSON") from None
     except UnicodeDecodeError as err:
         raise BadRequest("body", f"the request body is not {charset} text: {err}") from None
+    except web.HTTPRequestEntityTooLarge as err:  # aiohttp's answer is plain text
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=MAX_BODY_BYTES, actual_size=request.content_length or MAX_BODY_BYTES + 1,
+            text=_error_body("body", f"the request body is over {MAX_BODY_BYTES} bytes, the "
+                             "server's limit: send fewer or shorter prompts a request"),
+            content_type="application/json") from err
     try:
         body = json.loads(text)
     except RecursionError:
@@ -745,7 +754,8 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
     generate_options: keyword arguments of every generate call (ssm_state_dtype,
     step_implementation)."""
     # A client that disconnects cancels its handler, which cancels its prompts.
-    app = web.Application(handler_args={"handler_cancellation": True})
+    app = web.Application(handler_args={"handler_cancellation": True},
+                          client_max_size=MAX_BODY_BYTES)
     app[MODEL_NAME] = model_name
     app[STARTED] = int(time.time())
 
@@ -806,7 +816,9 @@ def main(argv=None):
     parser.add_argument("--max-prompts", type=int, default=Limits.max_prompts,
                         help="prompts in one request")
     parser.add_argument("--max-queued-tokens", type=int, default=Limits.max_queued_tokens,
-                        help="prompt and new tokens of all waiting prompts; more is a 503")
+                        help="prompt and new tokens of all waiting prompts: a request "
+                             "that needs more alone is a 400, one that finds the queue too "
+                             "full a 503")
     add_decode_arguments(parser)
     compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
@@ -822,7 +834,7 @@ def main(argv=None):
                          "a prompt at a time")
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
                     args.batch_window_ms / 1e3, args.max_prompts, args.max_queued_tokens)
-    web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).name,
+    web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).resolve().name,
                          decode_options(args)),
                 host=args.host, port=args.port)
 

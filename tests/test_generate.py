@@ -1,3 +1,5 @@
+import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -496,7 +498,8 @@ def test_generate_cli_names_a_folder_without_a_model_by_its_config(tmp_path, cap
     assert capsys.readouterr().err.count("\n") == 1
 
 
-@pytest.mark.parametrize("url,why", [("notaurl", "not an http URL"),
+@pytest.mark.parametrize("url,why", [("notaurl", "no http:// or https:// before the address"),
+                                     ("127.0.0.1:9", "no http:// or https:// before the address"),
                                      ("http://127.0.0.1:9", "cannot reach it")])
 def test_generate_cli_names_a_server_it_cannot_reach(url, why, capsys):
     from mamba_jax.generate.__main__ import main
@@ -506,6 +509,36 @@ def test_generate_cli_names_a_server_it_cannot_reach(url, why, capsys):
     assert refused.value.code == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and captured.out == ""  # no prompt echoed first
+
+
+def test_generate_cli_names_a_prompt_not_in_utf8_and_a_step_of_a_checkpoint_dir(
+        byte_checkpoint, tmp_path, capsys):
+    from mamba_jax.generate.__main__ import main
+
+    # b"caf\xff" as Python gives a command line's bytes that are not UTF-8 (a traceback)
+    with pytest.raises(SystemExit, match=r"--prompt holds bytes that are not UTF-8 text "
+                                         r"\(b'\\xff'\); give it in UTF-8") as refused:
+        main(["--checkpoint", str(byte_checkpoint), "--prompt", "caf\udcff"])
+    assert refused.value.code == 2
+    step = tmp_path / "ck" / "10"  # a trainer's step folder (it was "config.json not found")
+    step.mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(SystemExit, match=rf"--checkpoint {step} is step 10 of the trainer's "
+                                         rf"--checkpoint-dir {step.parent}: give that folder"):
+        main(["--checkpoint", str(step), "--prompt", "Hi"])
+
+
+def test_generate_cli_prints_nothing_after_the_end_of_text_token(byte_checkpoint, tmp_path,
+                                                                 capsys):
+    from mamba_jax.generate.__main__ import main
+
+    model = mamba_jax.from_pretrained(byte_checkpoint)
+    first = int(mamba_jax.generate(model, jnp.asarray([list(b"Hello")]), 1)[0, -1])
+    shutil.copytree(byte_checkpoint, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "eos_token_id": first}))
+    main(["--checkpoint", str(tmp_path / "m"), "--prompt", "Hello", "--max-new-tokens", "6"])
+    assert capsys.readouterr().out == "Hello\n"  # was Hello and six of the end token
 
 
 def test_top_k_0_is_off_as_documented(byte_checkpoint, capsys):

@@ -404,6 +404,19 @@ def test_bodies_that_are_not_plain_json_or_finite_numbers_are_400s(url, path, bo
     assert (status, error["error"]["field"]) == (400, field)
 
 
+def test_a_body_over_the_servers_limit_is_a_413_in_json(url):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = json.dumps({"prompt": "a" * (1 << 20)}).encode()
+            async with s.post(url + "/v1/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json()  # aiohttp's own answer was plain text
+
+    status, error = run(go())
+    assert status == 413 and error["error"]["field"] == "body"
+    assert error["error"]["message"].startswith("the request body is over 1048576 bytes")
+
+
 def test_a_whole_surrogate_pair_is_text(url, model):
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -850,3 +863,13 @@ def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, caps
                                          "tokenizer the model was trained with"):
         main(["--checkpoint", str(checkpoint), "--tokenizer", str(sentencepiece), "--port",
               "0"])
+
+
+def test_a_checkpoint_given_as_dot_names_the_model_by_its_folder(checkpoint, monkeypatch):
+    from mamba_jax import serve
+
+    served = []
+    monkeypatch.setattr(serve.web, "run_app", lambda app, **_: served.append(app))
+    monkeypatch.chdir(checkpoint)
+    serve.main(["--checkpoint", ".", "--port", "0"])
+    assert served[0][serve.MODEL_NAME] == checkpoint.name  # it was ""

@@ -421,6 +421,7 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
 
     from mamba_jax.convert import (from_pretrained, is_training_checkpoint, load_config,
                                    load_training_checkpoint, training_tokenizer)
+    from mamba_jax.files import holds_model, holds_steps
     from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
 
     path = Path(checkpoint)
@@ -428,6 +429,11 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
         what = "a file, not a folder" if path.exists() else "no such directory"
         raise FileNotFoundError(f"--checkpoint {path}: {what}; give the folder of a saved model "
                                 "(its config.json and weights) or a trainer's --checkpoint-dir")
+    if path.name.isdigit() and holds_steps(path.parent) and not holds_model(path):
+        raise FileNotFoundError(f"--checkpoint {path} is step {path.name} of the trainer's "
+                                f"--checkpoint-dir {path.parent}: give that folder (its newest "
+                                f"step), or export this step with `python -m mamba_jax.convert "
+                                f"{path.parent} OUT --step {path.name} --to hf`")
     if is_training_checkpoint(path):
         model, meta = load_training_checkpoint(path, dtype=jnp.dtype(dtype))
         tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import math
+import urllib.parse
 
 import jax.numpy as jnp
 
@@ -60,6 +61,15 @@ def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
     _check_sampling(args)
+    try:  # bytes of another encoding in the command line arrive as lone surrogates
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = args.prompt[error.start:error.end].encode("utf-8", "surrogateescape")
+        raise SystemExit(f"--prompt holds bytes that are not UTF-8 text ({bad!r}); give it "
+                         "in UTF-8") from None
+    if args.server and urllib.parse.urlsplit(args.server).scheme not in ("http", "https"):
+        raise SystemExit(f"--server {args.server}: no http:// or https:// before the address; "
+                         "give e.g. http://127.0.0.1:6000")
     if args.server:
         given = _parser()  # the command line alone: no option defaulted
         for action in given._actions:
@@ -85,7 +95,10 @@ def main(argv=None):
                          f"{model.config.vocab_size} (0 is off)")
     out = generate(model, jnp.asarray([ids]), args.max_new_tokens, args.temperature,
                    args.top_k, args.top_p, args.seed, eos, **decode_options(args))
-    print(tokenizer.decode([int(t) for t in out[0]]))
+    new = [int(t) for t in out[0, len(ids):]]
+    if eos in new:  # what follows it is the output's filling, not text
+        new = new[:new.index(eos)]
+    print(tokenizer.decode(ids + new))
 
 
 def _check_sampling(args):
