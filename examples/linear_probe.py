@@ -3,7 +3,8 @@ The model runs on a mesh (mamba_jax.parallel.make_hidden_fn: the final norm's ou
 only logits); a logistic regression, trained with optax on the frozen states, reads a
 property of each token from them.
 
-    python examples/linear_probe.py      # any number of devices; on a CPU, try
+    python examples/linear_probe.py      # any number of devices (the same 32 rows on 1, 2,
+                                         # 4 or 8 of them); on a CPU, try
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/linear_probe.py
 """
 
@@ -29,8 +30,9 @@ def main(mesh_spec=None, steps=200, seed=0):
     hidden_fn = jax.jit(parallel.make_hidden_fn(graphdef, specs, mesh))
 
     rng = np.random.default_rng(seed)
-    rows = 2 * mesh.shape["dp"] * mesh.shape["fsdp"]
-    ids = rng.integers(0, cfg.vocab_size, (2 * rows, 32)).astype(np.int32)
+    shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+    rows = -(-32 // shards) * shards  # 32, or the least multiple of the data shards above
+    ids = rng.integers(0, cfg.vocab_size, (rows, 32)).astype(np.int32)
     states = hidden_fn(params, jax.device_put(ids, NamedSharding(mesh, parallel.TOKENS)))
     features = np.asarray(states, np.float32).reshape(-1, cfg.d_model)  # [tokens, d]
     labels = (ids.reshape(-1) % 2 == 0).astype(np.float32)

@@ -120,7 +120,9 @@ class ModelFields:
         if pattern and len(pattern) != self.n_layer:
             raise ValueError(f"Mamba2Config: layer_pattern {pattern!r} has {len(pattern)} "
                              f"layers but n_layer={self.n_layer}; set n_layer={len(pattern)} "
-                             "(one layer per symbol, as Megatron's --num-layers)")
+                             "(one layer per symbol, as Megatron's --num-layers), or a "
+                             f"layer_pattern of {self.n_layer} symbols (the trainer's "
+                             "--hybrid-override-pattern)")
         if pattern and self.attn_layer_idx:
             raise ValueError(f"Mamba2Config: give layer_pattern={pattern!r} or attn_layer_idx="
                              f"{list(self.attn_layer_idx)} (mamba_ssm's form), not both")
@@ -323,6 +325,11 @@ def _resolve(name: str) -> tuple[str | None, str]:
         return None, name
     raise ValueError(f"Mamba2Config has no field {name!r}; fields are {sorted(shared)} and "
                      f"each section's as SECTION.FIELD, sections {sorted(SECTIONS)}")
+
+
+def check_field(name: str) -> None:
+    """A ValueError naming the fields where `replace` takes no field `name`."""
+    _resolve(name)
 
 
 def _merge(base: dict, changes: dict) -> dict:

@@ -96,9 +96,11 @@ def check_layout(cfg, mesh, *, batch_size=None, seq_len=None, sequence_parallel=
     halo = max([cfg.mamba2.d_conv - 1] * ("M" in cfg.layers)
                + [cfg.mamba1.d_conv - 1] * ("1" in cfg.layers) + [0])
     if cp > 1 and halo and seq_len // cp < halo:
+        split = cp * tp if sequence_parallel and tp > 1 else cp  # what must divide it
+        least = -(-cp * halo // split) * split
         raise ValueError(f"sequence length {seq_len} over cp={cp} leaves {seq_len // cp} "
                          f"tokens per device, fewer than the conv's halo d_conv-1 = {halo}; "
-                         f"use a sequence of at least {cp * halo} tokens or a smaller cp")
+                         f"use a sequence of at least {least} tokens or a smaller cp")
     if sequence_parallel and tp > 1 and seq_len % (cp * tp):
         raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp = {cp}*{tp}, "
                          f"which context and sequence parallelism split it over; use a "

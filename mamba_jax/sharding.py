@@ -131,7 +131,8 @@ def param_specs(params, mesh, axis_names: AxisNames = AxisNames()):
             elif axis in REPLICATED_WHEN_UNEVEN:
                 placed.append(None)
             else:
-                works = [s for s in range(1, dim + 1) if dim % s == 0]
+                works = [s for s in range(1, dim + 1)  # of the sizes the devices allow
+                         if dim % s == 0 and mesh.size % s == 0]
                 what = _AXIS_HELP.get(axis, axis).format(size=size)
                 raise ValueError(f"{mesh_axis}={size} does not divide the {dim} {axis} of "
                                  f"{name} {tuple(variable.shape)} ({what}): use {mesh_axis} "

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, require_at_least
-from mamba_jax.config import PRESETS, Mamba2Config
+from mamba_jax.config import PRESETS, Mamba2Config, check_field
 from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, dataset_tokenizer,
                             fingerprint, is_indexed, load_data, parse_blend)
@@ -239,6 +239,13 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
             raise SystemExit(f"--config {path}: not a TOML recipe ({error}); recipes are in "
                              "train/") from None
         model_overrides = recipe.pop("model", {})
+        try:  # named here, as the recipe's: --set's are named as they are given
+            for key, value in model_overrides.items():
+                for name in ([f"{key}.{field}" for field in value] if isinstance(value, dict)
+                             else [key]):
+                    check_field(name)
+        except ValueError as error:
+            raise SystemExit(f"--config {path} [model]: {error}") from None
         actions = {a.dest: a for a in parser._actions}
         known = set(actions) - {"help", "config", "set"}
         unknown = sorted(set(recipe) - known)
@@ -319,6 +326,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
     return args, model_config(args.preset, overrides)
 
 
+def _load_named(tokenizer: str, source: str, data: str):
+    """load_tokenizer(tokenizer), one that a recipe names and is not there refused naming
+    the recipe (its path is the recipe's, not the command line's) and --data's own."""
+    try:
+        return load_tokenizer(tokenizer)
+    except FileNotFoundError as error:
+        if source == "--tokenizer":
+            raise
+        raise SystemExit(f"{source}: {error}; or leave it out of the recipe to train with the "
+                         f"tokenizer --data {data} was prepared with") from None
+
+
 def resolve_tokenizer(args) -> str:
     """--tokenizer, else the tokenizer the --data datasets were prepared with (their
     meta.json), else bytes (text files). A --tokenizer other than a dataset's, or datasets
@@ -331,7 +350,8 @@ def resolve_tokenizer(args) -> str:
     for path, prepared_with in prepared.items():
         if chosen is None:
             chosen, source = prepared_with, f"the tokenizer --data {path} was prepared with"
-        elif load_tokenizer(chosen).to_str() != load_tokenizer(prepared_with).to_str():
+        elif _load_named(chosen, source, path).to_str() != \
+                load_tokenizer(prepared_with).to_str():
             raise SystemExit(f"--data {path} was prepared with {prepared_with}, not {source} "
                              f"({chosen}); prepare every dataset with one tokenizer, and give "
                              "it as --tokenizer or leave --tokenizer out"
@@ -470,7 +490,8 @@ def _train(argv, held: contextlib.ExitStack):
     n_proc = jax.process_count()
     if args.batch_size % (n_proc * args.grad_accum):
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by processes x "
-                         f"--grad-accum = {n_proc} x {args.grad_accum}")
+                         f"--grad-accum = {n_proc} x {args.grad_accum}: use a multiple of "
+                         f"{n_proc * args.grad_accum}, or another --grad-accum")
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         raise SystemExit("--resume needs --checkpoint-dir")
     # A --save-every (a recipe's included) without --checkpoint-dir saves nothing: said at
@@ -503,8 +524,9 @@ def _train(argv, held: contextlib.ExitStack):
         check_outside_checkpoints("--out", out)
     if args.checkpoint_dir and holds_model(args.checkpoint_dir):
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds a model (its "
-                         "config.json), which the commands that read the folder would take "
-                         "for its checkpoints: give the checkpoints a folder of their own")
+                         f"{model_file(args.checkpoint_dir)}), which the commands that read "
+                         "the folder would take for its checkpoints: give the checkpoints a "
+                         "folder of their own")
     args.tokenizer = resolve_tokenizer(args)
     try:
         tokenizer = load_tokenizer(args.tokenizer)

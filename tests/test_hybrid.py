@@ -76,7 +76,9 @@ def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
 
 @pytest.mark.parametrize("changes,match", [
     (dict(layer_pattern="M-E*"), r"unknown symbol 'E' at position 2\n    M-E\*\n      \^"),
-    (dict(layer_pattern="M*", n_layer=3), r"'M\*' has 2 layers but n_layer=3; set n_layer=2"),
+    (dict(layer_pattern="M*", n_layer=3), r"'M\*' has 2 layers but n_layer=3; set n_layer=2 "
+                                          r"\(.*\), or a layer_pattern of 3 symbols \(the "
+                                          r"trainer's --hybrid-override-pattern\)"),
     (dict(layer_pattern="M-", n_layer=2, d_intermediate=0),
      r"MLP layers .* mlp.d_intermediate=0"),
     (dict(layer_pattern="M*", n_layer=2, attn_layer_idx=[1]), "not both"),

@@ -107,11 +107,15 @@ def test_mesh_spec_errors_name_the_sizes_and_the_devices():
 def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
     cfg = tiny_config(d_model=48)  # nheads 6
     with pytest.raises(ValueError, match=r"tp=4 does not divide the 6 heads of "
-                                         r"layers\.0\.mixer\..* use tp in \[1, 2, 3, 6\]"):
+                                         r"layers\.0\.mixer\..* use tp in \[1, 2\]"):  # 3, 6: not on 8
         parallel.check_layout(cfg, parallel.make_mesh("dp=2,tp=4"))
     with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by cp\*tp = "
                                          r"1\*4"):
         parallel.check_layout(tiny_config(), parallel.make_mesh("dp=2,tp=4"), seq_len=30)
+    # a length it suggests is one the mesh splits (it said 12, which cp*tp = 8 does not divide)
+    with pytest.raises(ValueError, match=r"fewer than the conv's halo d_conv-1 = 3; use a "
+                                         r"sequence of at least 16 tokens"):
+        parallel.check_layout(tiny_config(), parallel.make_mesh("cp=4,tp=2"), seq_len=4)
 
 
 def free_port():

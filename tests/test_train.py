@@ -196,6 +196,13 @@ def test_a_recipes_tokenizer_is_named_as_the_recipes_where_it_is_wrong(tmp_path,
         main(flags)
     assert (f"the tokenizer of --config {recipe}: tokenizer file no/such/tokenizer.json not "
             "found") in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # with a prepared --data: it named neither
+        main([*flags, "--data", str(tmp_path / "ds")])
+    assert capsys.readouterr().err.endswith(
+        f"the tokenizer of --config {recipe}: tokenizer file no/such/tokenizer.json not found"
+        ": pass --tokenizer PATH/tokenizer.json or PATH/tokenizer.model (SentencePiece), or "
+        "--tokenizer bytes for byte-level models; or leave it out of the recipe to train with "
+        f"the tokenizer --data {tmp_path / 'ds'} was prepared with\n")
 
 
 def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
@@ -218,6 +225,12 @@ def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
     recipe.write_text("stepz = 3\n")
     with pytest.raises(SystemExit, match=r"unknown keys \['stepz'\]"):
         main(["--config", str(recipe)])
+    for table, name in (("[model]\ndmodel = 64\n", "Mamba2Config has no field 'dmodel'"),
+                        ("[model.mamba2]\nstate = 16\n", "Mamba2Config.mamba2 has no field "
+                                                          "'state'")):
+        recipe.write_text(table)  # named as the recipe's, as its other keys are
+        with pytest.raises(SystemExit, match=rf"--config {recipe} \[model\]: {name}"):
+            main(["--config", str(recipe)])
 
 
 def test_every_recipe_in_train_dir_parses_to_its_preset():
@@ -344,6 +357,9 @@ def test_optimizer_flags_that_would_train_wrongly_are_refused(flag, value, messa
     (["--mesh", "dp=2,fsdp=2,tp=2", "--batch-size", "6"],
      "--batch-size 6 rows do not split over the mesh's dp x fsdp = 4 data shards: use a "
      "--batch-size that is a multiple of 4"),
+    (["--mesh", "dp=8", "--batch-size", "8", "--grad-accum", "3"],
+     "--batch-size 8 must be divisible by processes x --grad-accum = 1 x 3: use a multiple of "
+     "3, or another --grad-accum"),
 ])
 def test_a_batch_the_mesh_cannot_split_is_named_by_its_flags(flags, message, capsys):
     """The rows a step shards come from --batch-size and --grad-accum: the refusal names
