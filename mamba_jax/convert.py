@@ -386,8 +386,9 @@ def main(argv=None):
     if holds_model(args.dst) and not args.overwrite:
         raise SystemExit(f"{args.dst} already holds a model (its {model_file(args.dst)}): give "
                          "another output dir, or --overwrite to replace it")
-    tokenizer = tokenizer_dir = None
-    if is_training_checkpoint(args.src):
+    tokenizer = None
+    training = is_training_checkpoint(args.src)
+    if training:
         model, meta = load_training_checkpoint(args.src, args.step)
         tokenizer = load_tokenizer(training_tokenizer(args.src, meta))
         source = f"step {meta['step']} of {args.src}"
@@ -397,8 +398,9 @@ def main(argv=None):
                          "not one")
         model, source = from_pretrained(args.src), args.src
         if found := find_tokenizer(args.src):
-            tokenizer, tokenizer_dir = load_tokenizer(found), args.src
-    removed = export(model, args.dst, tokenizer, format=args.to, tokenizer_dir=tokenizer_dir)
+            tokenizer = load_tokenizer(found)
+    removed = export(model, args.dst, tokenizer, format=args.to,
+                     source=None if training else args.src)
     written = export_format(model.config, args.to)
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
@@ -433,28 +435,40 @@ def _index_shards(index: Path) -> list[str]:
     return shards
 
 
+# Beside a Hugging Face model, files that belong to its tokenizer or its generation
+# settings, which transformers reads before what config.json says (bos / eos / pad ids).
+_TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json",
+                         "added_tokens.json")
+_GENERATION_CONFIG = "generation_config.json"
+
+
 def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
-           tokenizer_dir=None) -> list[str]:
+           source=None) -> list[str]:
     """save_pretrained, then the tokenizer (if given) beside the weights (tokenizer.json, or
-    a SentencePiece model's tokenizer.model, the other of the two removed: a replaced
-    model's tokenizer.json would otherwise be found before this one's tokenizer.model;
-    kept where `path` is `tokenizer_dir`, the folder the tokenizer was read from, whose
-    files are its own), its bos / eos / pad ids in config.json where the layout has them
-    (formats.with_token_ids; null for a tokenizer without them). Returns the names of the
-    replaced model's files removed (save_pretrained)."""
+    a SentencePiece model's tokenizer.model), its bos / eos / pad ids in config.json where
+    the layout has them (formats.with_token_ids; null for a tokenizer without them).
+
+    A model replaced in `path` (other than `source`, the folder the model was read from,
+    whose files are its own) leaves nothing that would be read as this one's: its
+    generation_config.json, and where a tokenizer is written its tokenizer of the other
+    kind (found before this one's) and its tokenizer's companions (tokenizer_config.json
+    ...) are removed. Returns the names of the replaced model's files removed (with
+    save_pretrained's)."""
     removed = save_pretrained(model, path, format=format)
-    if tokenizer is None:
-        return removed
     path = Path(path)
-    written = save_tokenizer(tokenizer, path)
-    if tokenizer_dir is None or not os.path.samefile(tokenizer_dir, path):
-        for name in set(TOKENIZER_FILES) - {written.name}:
-            if (path / name).is_file():
-                (path / name).unlink()
-                removed.append(name)
-    config = json.loads((path / "config.json").read_text())
-    replace_text(path / "config.json", json.dumps(
-        with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
+    in_place = source is not None and os.path.samefile(source, path)
+    stale = [] if in_place else [_GENERATION_CONFIG]
+    if tokenizer is not None:
+        written = save_tokenizer(tokenizer, path)
+        if not in_place:
+            stale += sorted(set(TOKENIZER_FILES) - {written.name}) + list(_TOKENIZER_COMPANIONS)
+        config = json.loads((path / "config.json").read_text())
+        replace_text(path / "config.json", json.dumps(
+            with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
+    for name in stale:
+        if (path / name).is_file():
+            (path / name).unlink()
+            removed.append(name)
     return removed
 
 

@@ -303,19 +303,26 @@ def test_an_export_over_a_model_removes_the_files_it_does_not_replace(tmp_path, 
     _shard(dst, {"backbone.embeddings.weight"}, None)
     (dst / "train_config.json").write_text('{"train": {"checkpoint_dir": "ck"}}\n')
     (dst / "notes.txt").write_text("a user's file\n")
-    main([str(FIXTURES / "hf_ngroups2_tied"), str(dst), "--to", "hf", "--overwrite"])
+    # the replaced model's ids, which transformers' generate reads before config.json's
+    (dst / "generation_config.json").write_text('{"eos_token_id": 7}\n')
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        (dst / name).write_text("the replaced model's\n")
+    main([str(FIXTURES / "trained_tiny"), str(dst), "--to", "hf", "--overwrite"])
     assert capsys.readouterr().out.splitlines()[1] == (
         "removed the replaced model's model-1.safetensors, model-2.safetensors, "
-        "model.safetensors.index.json, train_config.json")
+        "model.safetensors.index.json, train_config.json, generation_config.json, "
+        "tokenizer.model, tokenizer_config.json")
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors",
-                                                     "notes.txt"]
-    # Converted in place, its shards become the one file.
+                                                     "notes.txt", "tokenizer.json"]
+    # Converted in place, its shards become the one file; its other files are its own.
     src = tmp_path / "src"
     src.mkdir()
     _shard(src, {"backbone.embeddings.weight"}, None)
+    (src / "generation_config.json").write_text('{"eos_token_id": 7}\n')
     expected = mamba_jax.from_pretrained(src)(jnp.ones((1, 5), jnp.int32))
     main([str(src), str(src), "--to", "mamba_ssm", "--overwrite"])
-    assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in src.iterdir()) == ["config.json", "generation_config.json",
+                                                     "model.safetensors"]
     np.testing.assert_array_equal(mamba_jax.from_pretrained(src)(jnp.ones((1, 5), jnp.int32)),
                                   expected)
 
