@@ -135,11 +135,16 @@ def _key_table(symbol: str, fmt: str) -> dict:
     return kind.checkpoint_keys[fmt]
 
 
+def _held_params(table: dict) -> set[str]:
+    """The parameters a layer kind's checkpoint-key table (Mixer.checkpoint_keys) holds."""
+    return {p for entry in table.values() for p in entry.params}
+
+
 def _held_table(mine: dict, symbol: str, fmt: str, i: int) -> dict:
     """Layer i's checkpoint keys in fmt, refusing parameters of it (`mine`, by name) that
     the layout has no key for (e.g. a learnable initial state)."""
     table = _key_table(symbol, fmt)
-    held = {p for entry in table.values() for p in entry.params}
+    held = _held_params(table)
     if set(mine) - held:
         raise ValueError(f"format {fmt!r} cannot hold layer {i}'s parameters "
                          f"{sorted(set(mine) - held)}")
@@ -152,8 +157,7 @@ def check_exportable(cfg: Mamba2Config, format: str = "hf") -> str:
     cannot hold. From the config alone (no model built): the trainer asks before training."""
     names = param_shapes(cfg)
     for i, symbol in enumerate(cfg.layers):  # first: no other layout is the fix for these
-        held = {p for table in KINDS[symbol].checkpoint_keys.values()
-                for entry in table.values() for p in entry.params}
+        held = set().union(*map(_held_params, KINDS[symbol].checkpoint_keys.values()))
         if unheld := sorted(set(_layer_params(names, i)) - held):
             raise ValueError(f"layer {i}'s parameters {unheld} have no tensor in any layout "
                              f"({', '.join(FORMATS)}): the trainer's checkpoints "
