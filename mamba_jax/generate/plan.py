@@ -57,8 +57,9 @@ def resolve_implementation(implementation: str, model, backend: str | None = Non
         return "xla"
     refused = sorted(k.name for k in kinds if not k.kernels_support(model.config))
     if refused:  # the kernels would be faster here: say why they do not run
+        sections = ", ".join(repr(getattr(model.config, name)) for name in refused)
         fallback.log_once("decode step", f"the {', '.join(refused)} step kernels do not take "
-                          f"this model's shapes ({', '.join(repr(getattr(model.config, n)) for n in refused)})")
+                          f"this model's shapes ({sections})")
         return "xla"
     return "triton"
 
