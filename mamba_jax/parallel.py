@@ -82,11 +82,26 @@ def check_layout(cfg, mesh, *, batch_size=None, seq_len=None, sequence_parallel=
     the batch and the sequence."""
     param_specs(nnx.state(nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0))), nnx.Param),
                 mesh)
-    shards = mesh.shape["dp"] * mesh.shape["fsdp"]
+    check_split(cfg, dict(mesh.shape), batch_size=batch_size, seq_len=seq_len,
+                sequence_parallel=sequence_parallel, loss_chunk=loss_chunk)
+
+
+def _sizes(mesh, axis_names: AxisNames) -> dict[str, int]:
+    """{role: the size of the mesh axis axis_names gives it} (1 where the mesh lacks it)."""
+    return {role: sharding.axis_size(mesh, getattr(axis_names, role))
+            for role in ("dp", "fsdp", "cp", "tp")}
+
+
+def check_split(cfg, sizes: dict, *, batch_size=None, seq_len=None, sequence_parallel=True,
+                loss_chunk=None):
+    """check_layout's batch and sequence part, the mesh as {role: size}: the model's
+    functions on a mesh (make_loss_fn, make_hidden_fn) call it on their inputs' shapes,
+    where a sequence too short for cp gave other numbers without an error."""
+    shards = sizes["dp"] * sizes["fsdp"]
     if batch_size is not None and batch_size % shards:
         raise ValueError(f"batch size {batch_size} is not divisible by dp*fsdp = {shards}; "
                          f"use a multiple of {shards}")
-    cp, tp = mesh.shape["cp"], mesh.shape["tp"]
+    cp, tp = sizes["cp"], sizes["tp"]
     if seq_len is None:
         return
     if seq_len % cp:
@@ -169,6 +184,9 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     packed = _shard_map(body, mesh, specs, 3, out_spec)
 
     def loss(params, inputs, targets, seq_idx=None):
+        check_split(nnx.merge(graphdef, params).config, dict(mesh.shape),
+                    batch_size=inputs.shape[0], seq_len=inputs.shape[1],
+                    sequence_parallel=sequence_parallel, loss_chunk=loss_chunk)
         if seq_idx is None:
             return plain(params, inputs, targets)
         return packed(params, inputs, targets, seq_idx)
@@ -234,6 +252,10 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
     out = P(*tokens, None)
 
     def hidden(params, inputs, seq_idx=None, initial_states=None):
+        check_split(nnx.merge(graphdef, params).config, _sizes(mesh, axis_names),
+                    batch_size=inputs.shape[0], seq_len=inputs.shape[1],
+                    sequence_parallel=sequence_parallel)
+
         def body(params, inputs, seq_idx, initial_states):
             model = nnx.merge(graphdef, params)
             options = {} if initial_states is None else {"initial_states": initial_states}

@@ -104,6 +104,25 @@ def test_mesh_spec_errors_name_the_sizes_and_the_devices():
         parallel.make_mesh("dp=4,dp=2,tp=4")
 
 
+def test_the_mesh_functions_refuse_a_sequence_the_mesh_cannot_split():
+    """Two tokens a device under cp=4, fewer than the conv's halo: make_hidden_fn and
+    make_loss_fn returned other numbers than one device's, without an error."""
+    from flax import nnx
+
+    from mamba_jax import Mamba2LM
+
+    graphdef, params = nnx.split(Mamba2LM(tiny_config(n_layer=1), rngs=nnx.Rngs(0)))
+    mesh = parallel.make_mesh("dp=2,cp=4")
+    specs = parallel.param_specs(params, mesh)
+    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    ids = jax.device_put(np.zeros((2, 8), np.int32), NamedSharding(mesh, parallel.TOKENS))
+    halo = r"sequence length 8 over cp=4 leaves 2 tokens per device, fewer than the conv's halo"
+    with pytest.raises(ValueError, match=halo):
+        parallel.make_hidden_fn(graphdef, specs, mesh)(params, ids)
+    with pytest.raises(ValueError, match=halo):
+        parallel.make_loss_fn(graphdef, specs, mesh)(params, ids, ids)
+
+
 def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
     cfg = tiny_config(d_model=48)  # nheads 6
     with pytest.raises(ValueError, match=r"tp=4 does not divide the 6 heads of "
