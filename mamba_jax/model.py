@@ -357,7 +357,8 @@ class Mamba2LM(nnx.Module):
         scan=False calls the layers one after the other: none of those, for a program that
         holds a copy of the layer per layer (a prefill; training without --scan-layers)."""
         policy = remat_policy(remat, ctx.fsdp > 1)
-        initial_states = self._check_initial_states(initial_states, residual.shape[0])
+        initial_states = self._check_initial_states(initial_states, residual.shape[0],
+                                                    whole=ctx.tp == 1 and ctx.cp == 1)
         stream = Stream.start(residual, self.dtype)
         caches = []
         for first, end in _runs(self.config.layers):
@@ -387,19 +388,22 @@ class Mamba2LM(nnx.Module):
                               for i in range(end - first))
         return stream, tuple(caches)
 
-    def _check_initial_states(self, initial_states, batch: int) -> tuple:
+    def _check_initial_states(self, initial_states, batch: int, whole: bool = True) -> tuple:
         """initial_states (None, or one entry per layer) -> one per layer; a ValueError where
         a layer that cannot continue a sequence is given a state, a state is not of its
-        layer's kind or batch (it failed inside, an attribute or a concatenation), or a run
-        of layers of one kind is given states for some layers and not for others (its
-        layers run as one scan)."""
+        layer's kind or batch (it failed inside, an attribute or a concatenation), where
+        `whole` (no tp or cp split of the states: a device's parts have other shapes) its
+        arrays are not of the shapes return_states gives (another model's, or a conv window
+        of another length, read without an error), or a run of layers of one kind is given
+        states for some layers and not for others (its layers run as one scan)."""
         n = len(self.layers)
         if initial_states is None:
             return (None,) * n
         if len(initial_states) != n:
             raise ValueError(f"initial_states has {len(initial_states)} entries for {n} "
                              "layers: give one per layer (None for a layer without state)")
-        kinds = self._cache_kinds()
+        shapes = jax.eval_shape(lambda: self.init_cache(1))
+        kinds = tuple(map(type, shapes))
         for i, (layer, state, kind) in enumerate(zip(self.layers, initial_states, kinds)):
             if state is not None and not layer.mixer.takes_initial_state:
                 raise ValueError(f"initial_states[{i}] (or a prefill's cache): layer {i} is "
@@ -416,6 +420,13 @@ class Mamba2LM(nnx.Module):
             if rows != {batch}:
                 raise ValueError(f"initial_states[{i}] holds states of {sorted(rows)} rows for "
                                  f"a batch of {batch}: give one per row")
+            if whole:
+                got, want = ([tuple(a.shape[1:]) for a in jax.tree.leaves(c)]
+                             for c in (state, shapes[i]))
+                if got != want:
+                    raise ValueError(f"initial_states[{i}] holds arrays of shapes {got} a row, "
+                                     f"where layer {i} takes {want} (as return_states gives "
+                                     "them): the states of another model?")
         for first, end in _runs(self.config.layers):
             given = {initial_states[i] is None for i in range(first, end)}
             if len(given) > 1:

@@ -131,6 +131,8 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
     model = Mamba2LM(tiny(), rngs=nnx.Rngs(0))
     ids = jnp.zeros((2, 8), jnp.int32)
     _, states = model(ids, return_states=True)
+    _, other_states = Mamba2LM(tiny().replace(**{"mamba2.d_state": 8}), rngs=nnx.Rngs(0))(
+        ids, return_states=True)
     for call, match in [
             (lambda: model(ids[0]), r"Mamba2LM: input_ids of shape \(8,\) and dtype int32; "
                                     r"give \[batch, seqlen\] integer token ids"),
@@ -149,7 +151,14 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
                                                            r"states of \[2\] rows for a "
                                                            r"batch of 1"),
             (lambda: model(ids, initial_states=[s.ssm_state for s in states]),
-             r"initial_states\[0\] is \w+, not the MambaCache layer 0 takes")]:
+             r"initial_states\[0\] is \w+, not the MambaCache layer 0 takes"),
+            # a conv window of another length was read without an error (other numbers), a
+            # state of another model failed in a concatenation
+            (lambda: model(ids, initial_states=[s._replace(conv_state=s.conv_state[..., :2])
+                                                for s in states]),
+             r"initial_states\[0\] holds arrays of shapes \[\(\d+, 2\), .*\] a row, where "
+             r"layer 0 takes \[\(\d+, 4\), "),
+            (lambda: model(ids, initial_states=other_states), r"the states of another model")]:
         with pytest.raises(ValueError, match=match):
             call()
 
