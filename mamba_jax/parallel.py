@@ -203,24 +203,32 @@ def make_logits_fn(graphdef, specs, mesh, *, sequence_parallel=True):
     return _shard_map(body, mesh, specs, 1, P(BATCH_AXES, "cp", "tp"))
 
 
-def token_spec(axis_names: AxisNames = AxisNames()) -> P:
+def token_spec(axis_names: AxisNames = AxisNames(), mesh=None) -> P:
     """TOKENS on a mesh whose axes axis_names names: rows over dp and fsdp, the sequence
-    over cp."""
-    return P((axis_names.dp, axis_names.fsdp), axis_names.cp)
+    over cp (given `mesh`, over those of them it has)."""
+    names = axis_names if mesh is None else axis_names.on(mesh)
+    return P(_rows(names), names.cp)
+
+
+def _rows(names: AxisNames) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are split over: dp and fsdp, but a None (absent) one."""
+    return tuple(name for name in (names.dp, names.fsdp) if name is not None)
 
 
 # The axis of a state's field that tp shards where it is not axis 1: Mamba-3's k [b, r, h, n]
 _TP_AXIS = {(Mamba3State, "k"): 2}
 
 
-def state_specs(states, axis_names: AxisNames = AxisNames()):
+def state_specs(states, axis_names: AxisNames = AxisNames(), mesh=None):
     """A PartitionSpec per leaf of per-layer states (Mamba2LM.hidden's initial_states and
     the states it returns): rows over dp and fsdp, the channels or heads (axis 1, _TP_AXIS
     where not) over tp, the rest whole (a state is the same on every cp device). Under tp a
     MambaCache's conv_state then holds the ranks' channels one rank after the other (each
     rank's x, B, C in turn), not a one-device cache's order: states a sharded call returns
-    go back into one with the same tp, as they are."""
-    rows = (axis_names.dp, axis_names.fsdp)
+    go back into one with the same tp, as they are. Given `mesh`, over the axes it has."""
+    if mesh is not None:
+        axis_names = axis_names.on(mesh)
+    rows = _rows(axis_names)
 
     def spec(a, axis=1):
         return P(rows, *(None,) * (axis - 1), axis_names.tp, *(None,) * (a.ndim - axis - 1))
@@ -248,7 +256,7 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
     differentiable: a custom training loop takes gradients through them. remat,
     scan_layers: as Mamba2LM.hidden's."""
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel, axis_names)
-    tokens = token_spec(axis_names)
+    tokens = token_spec(axis_names, mesh)
     out = P(*tokens, None)
 
     def hidden(params, inputs, seq_idx=None, initial_states=None):
@@ -270,12 +278,12 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
                              "parts; return its states from Mamba2LM.hidden on one device, or "
                              "decode with generate()")
         states_out = state_specs(nnx.eval_shape(
-            lambda: nnx.merge(graphdef, params).init_cache(1)), axis_names) if return_states \
-            else None
+            lambda: nnx.merge(graphdef, params).init_cache(1)), axis_names, mesh) \
+            if return_states else None
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
             in_specs=(specs, batch, None if seq_idx is None else tokens,
-                      state_specs(initial_states, axis_names)),
+                      state_specs(initial_states, axis_names, mesh)),
             out_specs=(out, states_out) if return_states else out)(
                 params, inputs, seq_idx, initial_states)
     return hidden
@@ -289,8 +297,9 @@ def make_block_fn(graphdef, specs, mesh, *, sequence_parallel=True,
     stream's rows over dp and fsdp, its sequence over cp and, under sequence parallel, tp
     (as between the trainer's layers); seq_idx [b, l] as the tokens."""
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel, axis_names)
-    tokens = token_spec(axis_names)
-    sequence = (axis_names.cp, axis_names.tp) if ctx.sequence_parallel else axis_names.cp
+    tokens, present = token_spec(axis_names, mesh), axis_names.on(mesh)
+    sequence = tuple(name for name in (present.cp, present.tp) if name is not None) \
+        if ctx.sequence_parallel else present.cp
     stream = P(tokens[0], sequence, None)
 
     def body(params, residual, seq_idx):

@@ -69,10 +69,15 @@ class AxisNames(NamedTuple):
     mesh may call them anything, e.g. AxisNames(dp="data", tp="model"); a role the mesh
     lacks has size 1."""
 
-    dp: str = "dp"
-    fsdp: str = "fsdp"
-    cp: str = "cp"
-    tp: str = "tp"
+    dp: str | None = "dp"
+    fsdp: str | None = "fsdp"
+    cp: str | None = "cp"
+    tp: str | None = "tp"
+
+    def on(self, mesh) -> "AxisNames":
+        """These names with None for the roles `mesh` lacks (a spec cannot name an axis the
+        mesh does not have)."""
+        return AxisNames(*(name if name in mesh.axis_names else None for name in self))
 
 
 def axis_size(mesh, name: str) -> int:

@@ -123,6 +123,36 @@ def test_the_mesh_functions_refuse_a_sequence_the_mesh_cannot_split():
         parallel.make_loss_fn(graphdef, specs, mesh)(params, ids, ids)
 
 
+@pytest.mark.parametrize("shape,axes", [((2, 4), ("data", "model")),
+                                        ((2, 1, 2, 2), ("data", "shard", "seq", "model"))])
+def test_hidden_states_on_a_mesh_of_the_users_names_equal_one_devices(shape, axes):
+    """README's Research use: a mesh named as the user likes, lacking roles or not (the
+    specs named fsdp and cp, which a two-axis mesh lacks: a device_put error); its states
+    continue a sequence as one device's do."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from mamba_jax import Mamba2LM
+    from mamba_jax.sharding import AxisNames
+
+    model = Mamba2LM(tiny_config(), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    mesh = jax.make_mesh(shape, axes)
+    names = AxisNames(dp="data", fsdp="shard", cp="seq", tp="model")
+    specs = parallel.param_specs(params, mesh, names)
+    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    ids = np.random.default_rng(0).integers(0, 100, (4, 32)).astype(np.int32)
+    placed = jax.device_put(ids, NamedSharding(mesh, parallel.token_spec(names, mesh)))
+    hidden, states = parallel.make_hidden_fn(graphdef, specs, mesh, axis_names=names,
+                                             return_states=True)(params, placed)
+    np.testing.assert_allclose(hidden, model.hidden(jnp.asarray(ids)), atol=2e-5)
+    after = parallel.make_hidden_fn(graphdef, specs, mesh, axis_names=names)(
+        params, placed, initial_states=states)
+    _, alone = model.hidden(jnp.asarray(ids), return_states=True)
+    np.testing.assert_allclose(after, model.hidden(jnp.asarray(ids), initial_states=alone),
+                               atol=2e-5)
+
+
 def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
     cfg = tiny_config(d_model=48)  # nheads 6
     with pytest.raises(ValueError, match=r"tp=4 does not divide the 6 heads of "
