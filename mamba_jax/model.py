@@ -431,8 +431,9 @@ class Mamba2LM(nnx.Module):
             given = {initial_states[i] is None for i in range(first, end)}
             if len(given) > 1:
                 raise ValueError(f"initial_states: layers {first}..{end - 1} "
-                                 f"({self.config.layers[first]}) run as one scan; give a state "
-                                 "for all of them or for none")
+                                 f"({self.config.layers[first]}) run as one (a scan, or unrolled "
+                                 "by scan_layers=False); give a state for all of them or for "
+                                 "none")
         return tuple(initial_states)
 
     def _final(self, stream: Stream, ctx: ParallelContext = SINGLE_DEVICE):

@@ -158,7 +158,8 @@ def build_parser():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--schedule", choices=SCHEDULES, default="cosine")
     p.add_argument("--warmup", type=int, default=30,
-                   help="steps of linear warmup (shortened to --steps - 1 where longer)")
+                   help="steps of linear warmup (shortened to --steps - 1 where longer, "
+                        "and with --schedule wsd to leave its decay over the last fifth)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument("--seed", type=int, default=0)
