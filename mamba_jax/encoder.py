@@ -66,8 +66,13 @@ class Mamba2Encoder(nnx.Module):
                remat="none", scan_layers=True):
         """inputs as __call__'s -> the final norm's output [b, l, d] in the compute dtype
         (every position of this device's part, as Mamba2LM.hidden)."""
+        if not hasattr(inputs, "dtype"):  # a list: its dtype is no attribute
+            raise ValueError(f"Mamba2Encoder: inputs is a {type(inputs).__name__}; give an "
+                             "array of [batch, seqlen] token ids or [batch, seqlen, d_model] "
+                             "features")
         if jnp.issubdtype(inputs.dtype, jnp.integer):
-            check_tokens("Mamba2Encoder", inputs, seq_idx=seq_idx)
+            check_tokens("Mamba2Encoder", inputs, self.config.padded_vocab_size,
+                         seq_idx=seq_idx)
             residual = self.embed(inputs, ctx)
         else:
             if inputs.ndim != 3 or inputs.shape[-1] != self.config.d_model:

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -73,10 +74,11 @@ def cross_entropy(logits, targets, ctx: ParallelContext = SINGLE_DEVICE):
     return jnp.log(sum_exp) + top - target_logit
 
 
-def check_tokens(where: str, input_ids, **per_token):
+def check_tokens(where: str, input_ids, rows: int | None = None, **per_token):
     """Refuse input_ids that are not [b, l] integer ids, and per-token inputs (seq_idx,
     targets, mask; None where not given) not of their shape: shapes are static, so this
-    holds under jit too, where the mismatch was a broadcasting error deep in a layer."""
+    holds under jit too, where the mismatch was a broadcasting error deep in a layer. With
+    `rows` (the embedding's), ids outside [0, rows) too, where they are values (check_ids)."""
     if not hasattr(input_ids, "dtype"):  # a list: jnp.result_type's TypeError on it
         raise ValueError(f"{where}: input_ids is a {type(input_ids).__name__}; give an array "
                          "of [batch, seqlen] integer token ids (jnp.asarray(ids, jnp.int32))")
@@ -87,6 +89,23 @@ def check_tokens(where: str, input_ids, **per_token):
         raise ValueError(f"{where}: input_ids of shape {jnp.shape(input_ids)} hold no token; "
                          "give at least one a row")
     check_per_token(where, jnp.shape(input_ids), **per_token)
+    if rows is not None:
+        check_ids(where, "input_ids", input_ids, rows)
+
+
+def check_ids(where: str, name: str, ids, rows: int) -> None:
+    """Refuse token ids outside [0, rows) where they are values on this host (not under jit):
+    the embedding's gather wraps a negative id to another token and makes a row past the
+    last NaN, and the loss of a target outside is the logsumexp alone."""
+    if isinstance(ids, jax.core.Tracer) or not getattr(ids, "is_fully_addressable", True):
+        return
+    values = np.asarray(ids)
+    outside = values[(values < 0) | (values >= rows)]
+    if outside.size:
+        raise ValueError(f"{where}: {name} hold {np.unique(outside)[:8].tolist()}, outside the "
+                         f"model's token ids [0, {rows})"
+                         + ("; there is no ignore index: the loss is per position, so weight "
+                            "or drop positions in it" if name == "targets" else ""))
 
 
 def check_per_token(where: str, shape: tuple, **per_token):
@@ -281,7 +300,8 @@ class Mamba2LM(nnx.Module):
         states a previous call returned; gradients flow into it. return_states: also return
         each layer's state after the last token (its decoding cache; under cp every device
         gets the end of the whole sequence): (hidden, states)."""
-        check_tokens(type(self).__name__, input_ids, seq_idx=seq_idx)
+        check_tokens(type(self).__name__, input_ids, self.config.padded_vocab_size,
+                     seq_idx=seq_idx)
         stream, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
                                       cache_len=input_ids.shape[1] if return_states else None,
                                       scan=scan_layers, initial_states=initial_states)
@@ -299,7 +319,12 @@ class Mamba2LM(nnx.Module):
         loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
         backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l,
         v/tp] (at 64K tokens and a 50K vocabulary that is 13 GB of float32 per row)."""
-        check_tokens(f"{type(self).__name__}.loss", input_ids, targets=targets)
+        where = f"{type(self).__name__}.loss"
+        check_tokens(where, input_ids, targets=targets)
+        if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
+            raise ValueError(f"{where}: targets of dtype {jnp.result_type(targets)}; give "
+                             "integer token ids")
+        check_ids(where, "targets", targets, self.config.padded_vocab_size)
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
                              initial_states=initial_states, return_states=return_states,
                              scan_layers=scan_layers)
@@ -474,7 +499,8 @@ class Mamba2LM(nnx.Module):
         given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
         that grow with the tokens (the prompt and every token to come; default l, which
         leaves an attention layer no slot for a step)."""
-        check_tokens(f"{type(self).__name__}.prefill", input_ids, seq_idx=seq_idx)
+        check_tokens(f"{type(self).__name__}.prefill", input_ids,
+                     self.config.padded_vocab_size, seq_idx=seq_idx)
         cache_len = cache_len or input_ids.shape[1]
         if self.cache_grows and cache_len < input_ids.shape[1]:
             raise ValueError(f"prefill: cache_len={cache_len} slots cannot hold the prompt's "

@@ -106,6 +106,8 @@ def test_encoder_pools_the_tokens_it_is_given():
         encoder(jnp.zeros((2, 20, 8)))
     with pytest.raises(ValueError, match="pool='max'"):
         encoder(ids, pool="max")
+    with pytest.raises(ValueError, match="Mamba2Encoder: inputs is a list; give an array"):
+        encoder(ids.tolist())  # an AttributeError on its dtype
     # Per-token inputs of another shape, and a mask nothing would read, are named.
     with pytest.raises(ValueError, match=r"Mamba2Encoder: mask has shape \(2, 7\); it takes "
                                          r"one value per token, the inputs' \[batch, seqlen\] "

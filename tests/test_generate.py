@@ -410,9 +410,20 @@ def test_token_ids_outside_the_vocabulary_are_refused_but_left_padding_is_not_re
             mamba_jax.generate(model, jnp.asarray(ids, jnp.int32), 2)
     with pytest.raises(ValueError, match="input_ids must be integer token ids, got float32"):
         mamba_jax.generate(model, jnp.asarray([[1.0, 2.0]]), 2)
-    # Scoring too (its NaN check blamed the weights)
+    # Scoring too (its NaN check blamed the weights), and its other arguments (errors of
+    # numpy, jax's top_k or the conv, or truncated lengths)
     with pytest.raises(ValueError, match=f"token_logprobs: input_ids hold \\[{rows}\\]"):
         token_logprobs(model, jnp.asarray([[1, rows, 2]], jnp.int32))
+    ids = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    for args, match in [((ids[:, :1],), r"input_ids must be \[batch, seqlen >= 2\]"),
+                        ((ids[0],), r"input_ids must be \[batch, seqlen >= 2\]"),
+                        ((ids, [3, 2, 1]), r"lengths=\[3, 2, 1\] must be 2 integers in "
+                                           r"\[1, seqlen=3\]"),
+                        ((ids, [2.5, 3]), r"lengths=\[2.5, 3.0\] must be 2 integers"),
+                        ((ids, [0, 3]), r"lengths=\[0, 3\] must be"),
+                        ((ids, None, -1), r"top_n=-1 must be in \[0, vocab_size=")]:
+        with pytest.raises(ValueError, match=f"token_logprobs: {match}"):
+            token_logprobs(model, *args)
     # Left padding before each row's prompt is never read, whatever it holds.
     padded = mamba_jax.generate(model, jnp.asarray([[-1, 5, 6], [4, 5, 6]], jnp.int32), 2,
                                 prompt_lengths=[2, 3])

@@ -140,6 +140,15 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
             # a list has no dtype: jnp.result_type's TypeError; no token: the conv's message
             (lambda: model([[1, 2]]), r"Mamba2LM: input_ids is a list; give an array"),
             (lambda: model(ids[:, :0]), r"Mamba2LM: input_ids of shape \(2, 0\) hold no token"),
+            # the gather wrapped -1 to the last row, and a row past the last made NaN; a
+            # target of -100 (an ignore index elsewhere) scored the logsumexp alone
+            (lambda: model(ids.at[0, 3].set(-1)), r"Mamba2LM: input_ids hold \[-1\], outside "
+                                                  r"the model's token ids \[0, 256\)"),
+            (lambda: model.prefill(ids.at[1, 0].set(256)), r"input_ids hold \[256\]"),
+            (lambda: model.loss(ids, ids.at[0, 0].set(-100)),
+             r"Mamba2LM.loss: targets hold \[-100\], outside the model's token ids \[0, 256\); "
+             r"there is no ignore index"),
+            (lambda: model.loss(ids, ids.astype(jnp.float32)), r"targets of dtype float32"),
             (lambda: model(ids, ids[:, :4]), r"Mamba2LM: seq_idx has shape \(2, 4\); it "
                                              r"takes one value per token, the inputs' "
                                              r"\[batch, seqlen\] = \(2, 8\)"),

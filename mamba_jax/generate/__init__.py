@@ -392,13 +392,27 @@ def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
     (log-probabilities, ids) [b, l - 1, top_n] each, else None). Positions in the padding
     are meaningless. One forward pass, compiled per (shapes, top_n); a ValueError where a
     row's own positions have NaN log-probabilities."""
-    input_ids = jnp.asarray(input_ids, jnp.int32)
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"token_logprobs: input_ids must be [batch, seqlen >= 2] (each token "
+                         f"after the first is scored), got {input_ids.shape}")
     b, l = input_ids.shape
-    lengths = np.full((b,), l, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if lengths is None:
+        lengths = np.full((b,), l, np.int32)
+    else:
+        given = np.asarray(lengths)
+        if not (np.issubdtype(given.dtype, np.integer) and given.shape == (b,)
+                and np.all((given >= 1) & (given <= l))):
+            raise ValueError(f"token_logprobs: lengths={np.asarray(lengths).tolist()} must be "
+                             f"{b} integers in [1, seqlen={l}], one a row")
+        lengths = given.astype(np.int32)
+    if not 0 <= top_n <= model.config.vocab_size:
+        raise ValueError(f"token_logprobs: top_n={top_n} must be in [0, vocab_size="
+                         f"{model.config.vocab_size}]")
     if np.any(lengths < l) and learned_state(model):
         raise _learned_state_padding("token_logprobs", "lengths")
     _check_ids(model, input_ids, lengths, "token_logprobs")
-    chosen, top = _score(model, input_ids, lengths, top_n=top_n)
+    chosen, top = _score(model, input_ids.astype(jnp.int32), lengths, top_n=top_n)
     # position j scores token j + 1 given the tokens to j: a row's own from l - length on
     nan = np.isnan(np.asarray(chosen)) & (np.arange(l - 1)[None, :] >= (l - lengths)[:, None])
     if np.any(nan):
