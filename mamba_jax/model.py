@@ -445,9 +445,11 @@ class Mamba2LM(nnx.Module):
             if rows != {batch}:
                 raise ValueError(f"initial_states[{i}] holds states of {sorted(rows)} rows for "
                                  f"a batch of {batch}: give one per row")
-            if whole:
-                got, want = ([tuple(a.shape[1:]) for a in jax.tree.leaves(c)]
-                             for c in (state, shapes[i]))
+            if whole:  # field by field: either of a MambaCache's may be None (zeros)
+                pairs = [(value, expected) for value, expected in zip(state, shapes[i])
+                         if value is not None]
+                got, want = ([tuple(a.shape[1:]) for pair in pairs for a in
+                              jax.tree.leaves(pair[side])] for side in (0, 1))
                 if got != want:
                     raise ValueError(f"initial_states[{i}] holds arrays of shapes {got} a row, "
                                      f"where layer {i} takes {want} (as return_states gives "

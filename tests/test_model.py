@@ -170,6 +170,11 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
             (lambda: model(ids, initial_states=other_states), r"the states of another model")]:
         with pytest.raises(ValueError, match=match):
             call()
+    # A field given as None is zeros (the shapes are checked field by field)
+    zeros = [s._replace(conv_state=jnp.zeros_like(s.conv_state)) for s in states]
+    np.testing.assert_array_equal(
+        model(ids, initial_states=[s._replace(conv_state=None) for s in states]),
+        model(ids, initial_states=zeros))
 
 
 def test_the_layers_one_after_the_other_are_traced_once_a_run(monkeypatch):
