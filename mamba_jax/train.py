@@ -647,7 +647,7 @@ def _train(argv, held: contextlib.ExitStack):
         losses, micro = [], args.batch_size // args.grad_accum
         for batch in dataset.eval_batches(micro, args.seq_len, 4 * args.grad_accum):
             n = len(batch["inputs"])
-            filled = np.arange(-n % n_shards + n) % n  # row r for r < n, then row 0s
+            filled = np.arange(-n % n_shards + n) % n  # rows 0..n-1, then 0, 1, ... again
             per_row = eval_loss(params, *(parallel.global_array(batch[name][filled], rows)
                                           for name in _token_fields(args)))
             losses.append(np.asarray(multihost_utils.process_allgather(per_row, tiled=True)
