@@ -286,7 +286,11 @@ def from_pretrained(path, dtype=None) -> Mamba2LM:
     """
     path = Path(path)
     cfg, fmt = load_config(path)
-    params = torch_to_params(_read_tensors(path), cfg, fmt)
+    tensors = _read_tensors(path)  # (its errors name their file)
+    try:
+        params = torch_to_params(tensors, cfg, fmt)
+    except ValueError as error:  # a tensor's name alone: say whose
+        raise ValueError(f"{path}: {error}") from None
     return model_from_params(cfg, params, jnp.float32 if dtype is None else dtype)
 
 
