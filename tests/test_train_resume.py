@@ -271,7 +271,8 @@ def test_the_evaluation_is_the_same_on_every_mesh(tmp_path):
               str(metrics)])
         evaluations.append(json.loads(metrics.read_text())["eval_loss"])
     assert np.isfinite(evaluations[0])
-    np.testing.assert_allclose(evaluations[0], evaluations[1], rtol=1e-6)
+    # float32 sums in another order under tp; the old averages differed by 1.5e-3
+    np.testing.assert_allclose(evaluations[0], evaluations[1], rtol=1e-5)
 
 
 def test_a_dataset_without_held_out_windows_trains_without_evaluation_then_saves_and_exports(
