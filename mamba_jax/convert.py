@@ -94,7 +94,14 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
         return read_safetensors([path / "model.safetensors"])
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return read_safetensors([path / s for s in _index_shards(index)])
+        out = read_safetensors([path / s for s in _index_shards(index)])
+        # an entry no shard holds: the index and the shards are of other versions
+        named = json.loads(index.read_text())["weight_map"]
+        if absent := sorted(key for key in named if key not in out):
+            raise ValueError(f"{index}: names {absent[:3]}{' ...' if len(absent) > 3 else ''}"
+                             f", which no shard holds ({named[absent[0]]} should): the index "
+                             "and the shards are of different versions; download them again")
+        return out
     if (path / "pytorch_model.bin").is_file():
         try:
             import torch

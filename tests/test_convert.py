@@ -384,6 +384,17 @@ def test_two_shards_holding_one_tensor_are_refused(tmp_path):
         mamba_jax.from_pretrained(tmp_path)
 
 
+def test_an_index_naming_a_tensor_no_shard_holds_is_refused(tmp_path):
+    _shard(tmp_path, {"lm_head.weight"}, overlap=None)
+    index = tmp_path / "model.safetensors.index.json"
+    entries = json.loads(index.read_text())
+    entries["weight_map"]["backbone.extra.weight"] = "model-2.safetensors"  # was ignored
+    index.write_text(json.dumps(entries))
+    with pytest.raises(ValueError, match=r"names \['backbone.extra.weight'\], which no shard "
+                                         r"holds \(model-2.safetensors should\)"):
+        mamba_jax.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("where", ["../elsewhere/model-1.safetensors", "absolute"])
 def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, where):
     ckpt = tmp_path / "ckpt"
