@@ -89,6 +89,10 @@ def check_tokens(where: str, input_ids, rows: int | None = None, **per_token):
         raise ValueError(f"{where}: input_ids of shape {jnp.shape(input_ids)} hold no token; "
                          "give at least one a row")
     check_per_token(where, jnp.shape(input_ids), **per_token)
+    seq_idx = per_token.get("seq_idx")
+    if seq_idx is not None and not jnp.issubdtype(jnp.result_type(seq_idx), jnp.integer):
+        raise ValueError(f"{where}: seq_idx of dtype {jnp.result_type(seq_idx)}; give integer "
+                         "document ids, one a token")
     if rows is not None:
         check_ids(where, "input_ids", input_ids, rows)
 

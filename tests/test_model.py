@@ -149,6 +149,7 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_named_before_any_layer():
              r"Mamba2LM.loss: targets hold \[-100\], outside the model's token ids \[0, 256\); "
              r"there is no ignore index"),
             (lambda: model.loss(ids, ids.astype(jnp.float32)), r"targets of dtype float32"),
+            (lambda: model(ids, ids.astype(jnp.float32)), r"seq_idx of dtype float32"),
             (lambda: model(ids, ids[:, :4]), r"Mamba2LM: seq_idx has shape \(2, 4\); it "
                                              r"takes one value per token, the inputs' "
                                              r"\[batch, seqlen\] = \(2, 8\)"),
