@@ -26,6 +26,7 @@ import types
 import typing
 from typing import Any
 
+from mamba_jax.layers.common import FLOAT32_MAX
 from mamba_jax.layers.registry import KINDS
 
 
@@ -289,9 +290,12 @@ def _check_types(fields, where: str):
                      str: "a string", type(None): "null (None)"}
             raise ValueError(f"{where}.{field.name}={value!r} must be "
                              f"{' or '.join(names[kind] for kind in kinds)}")
-        if float in kinds and _ADMITS[float](value) and not math.isfinite(value):
-            # an infinite dt bound or eps passed the range checks and gave NaN logits
-            raise ValueError(f"{where}.{field.name}={value!r} must be a finite number")
+        if float in kinds and _ADMITS[float](value) and not (
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            # an infinite dt bound or eps passed the range checks and gave NaN logits, and
+            # so did one past float32's range, in which the parameters are made
+            raise ValueError(f"{where}.{field.name}={value!r} must be a finite number within "
+                             f"float32's range (at most {FLOAT32_MAX:.4g})")
 
 
 def _section(kind, values: dict):

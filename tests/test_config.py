@@ -45,7 +45,18 @@ def test_non_positive_size_names_the_field(field, value):
     ("mamba1.dt_scale", math.inf, r"mamba1.dt_scale=inf must be a finite number"),
     ("mamba3.dt_max", math.nan, r"mamba3.dt_max=nan must be a finite number"),
     ("mamba2.A_init_range", (1.0, math.inf), r"mamba2.A_init_range=\(1.0, inf\) must be "
-                                             r"\(lo, hi\) with 0 < lo <= hi < inf")])
+                                             r"\(lo, hi\) with 0 < lo <= hi < inf"),
+    # past float32's range, in which the parameters are made: inf, NaN logits or zeros
+    ("norm_eps", 1e39, r"norm_eps=1e\+39 must be a finite number within float32's range"),
+    ("mamba3.A_floor", 1e39, r"mamba3.A_floor=1e\+39 must be a finite number within"),
+    ("mamba2.A_init_range", (1, 1e300), r"mamba2.A_init_range=\(1, 1e\+300\) lies beyond "
+                                        r"float32's range"),
+    ("mamba2.dt_limit", (1e39, math.inf), r"mamba2.dt_limit=\(1e\+39, inf\) lies beyond"),
+    # a string of two characters was read as two numbers ("18": (1.0, 8.0)), others failed
+    # in float() or iter() without the field's name
+    ("mamba2.A_init_range", "18", r"mamba2.A_init_range='18' must be two numbers, "
+                                  r"\[low, high\]"),
+    ("mamba2.dt_limit", 5, r"mamba2.dt_limit=5 must be two numbers")])
 def test_a_value_of_another_type_than_its_field_is_named(field, value, match):
     # A hand-edited config.json's "false" was a true boolean, and "4" heads a string.
     with pytest.raises(ValueError, match=rf"Mamba2Config.{match}"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import numbers
 from typing import Any, ClassVar
 
 import jax
@@ -311,3 +312,19 @@ class Mixer(nnx.Module):
     def kernels_support(cls, cfg) -> bool:
         """Whether this kind's step kernels take cfg's shapes."""
         return True
+
+
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)  # what the parameters are made in
+
+
+def number_pair(name: str, value) -> tuple[float, float]:
+    """A config's (low, high) as a tuple of floats; a ValueError naming it where it is not a
+    list or tuple of two numbers (a string of two characters read as two numbers), or a
+    finite one lies beyond float32's range (the parameters made from it were inf)."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)):
+        raise ValueError(f"Mamba2Config.{name}={value!r} must be two numbers, [low, high]")
+    if any(math.isfinite(v) and abs(v) > FLOAT32_MAX for v in value):
+        raise ValueError(f"Mamba2Config.{name}={value!r} lies beyond float32's range (at most "
+                         f"{FLOAT32_MAX:.4g}), in which the layer's parameters are made")
+    return tuple(float(v) for v in value)

@@ -31,7 +31,7 @@ from flax import nnx
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, conv_window, dense,
                                      dt_bias_init, gated_rms_norm, groups_of_local_heads,
-                                     matmul, param, split_last, uniform)
+                                     matmul, number_pair, param, split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels import conv as conv_kernels
 from pallas_kernels import norm as norm_kernels
@@ -74,8 +74,8 @@ class Mamba2Section:
 
     def __post_init__(self):
         # Lists from JSON become tuples, so configs stay hashable and compare equal.
-        object.__setattr__(self, "dt_limit", tuple(float(v) for v in self.dt_limit))
-        object.__setattr__(self, "A_init_range", tuple(float(v) for v in self.A_init_range))
+        for name in ("dt_limit", "A_init_range"):
+            object.__setattr__(self, name, number_pair(f"mamba2.{name}", getattr(self, name)))
 
 
 class Dims(NamedTuple):
