@@ -185,6 +185,13 @@ class ModelFields:
                                   dict.fromkeys(cfg.layers))
                 raise ValueError(f"{key} sets cfg.{section}, which no layer of "
                                  f"{name!r} (layers {cfg.layers!r}) reads: set {kinds}")
+            fields = (set(overrides[key]) if key == "mamba2" and isinstance(overrides[key], dict)
+                      else {_resolve(key)[1]} if section == "mamba2" else set())
+            if "expand" in fields and cfg.mamba2.nheads is not None:
+                raise ValueError(f"mamba2.expand is not read where mamba2.nheads is set: the "
+                                 f"Mamba2 width of {name!r} so is nheads x headdim = "
+                                 f"{cfg.mamba2.nheads} x {cfg.mamba2.headdim}; set "
+                                 "mamba2.nheads instead")
         return cfg
 
     def replace(self, **changes: Any) -> "Mamba2Config":

@@ -223,3 +223,13 @@ def test_an_override_of_a_section_no_layer_reads_is_refused():
             Mamba2Config.preset(preset, **{key: value})
     assert Mamba2Config.preset("mamba3-tiny", **{"mamba3.d_state": 64}).mamba3.d_state == 64
     assert Mamba2Config.preset("tiny", layer_pattern="BB", d_state=32).mamba2.d_state == 32
+
+
+def test_expand_where_nheads_sets_the_width_is_refused():
+    # Nemotron Nano 2's width is its 128 heads of 80: expand was taken and changed nothing
+    for name, overrides in [("nemotron-nano-9b-v2", {"mamba2.expand": 7}),
+                            ("tiny", {"mamba2": {"nheads": 4, "expand": 5}})]:
+        with pytest.raises(ValueError, match=r"mamba2.expand is not read where mamba2.nheads "
+                                             r"is set: .* set mamba2.nheads instead"):
+            Mamba2Config.preset(name, **overrides)
+    assert Mamba2Config.preset("tiny", **{"mamba2.expand": 4}).mamba2.expand == 4
