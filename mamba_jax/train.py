@@ -582,10 +582,20 @@ def _train(argv, held: contextlib.ExitStack):
     graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
     specs = parallel.param_specs(abstract_params, mesh)
     param_shardings = parallel.shardings(mesh, specs)
-    params = parallel.init_params(build, param_shardings)
-    tx, lr_at = make_optimizer(params, args.lr, args.steps, args.warmup, args.weight_decay,
-                               args.clip, args.schedule)
-    opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
+    tx, lr_at = make_optimizer(abstract_params, args.lr, args.steps, args.warmup,
+                               args.weight_decay, args.clip, args.schedule)
+    try:
+        params = parallel.init_params(build, param_shardings)
+        opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
+    except jax.errors.JaxRuntimeError as error:  # before any step: the model alone
+        if not _out_of_memory(error):
+            raise
+        size = sum(x.size for x in jax.tree.leaves(abstract_params))
+        raise SystemExit(f"the model ({size / 1e6:.1f}M parameters, {3 * 4 * size / 2**30:.1f} "
+                         "GiB with AdamW's two float32 moments) does not fit in the devices' "
+                         f"memory ({str(error).splitlines()[0][:160]}): shard it over more "
+                         "devices (--mesh fsdp=N), or a smaller model (--preset, --set)"
+                         ) from None
     effective = {"model": cfg.to_dict(), "train": {
         k: v for k, v in vars(args).items()
         if k not in ("set", "resume", "resume_if_exists", "tokenizer_source")}}
@@ -825,6 +835,12 @@ def _note_changes(before: dict, now: dict) -> None:
                   file=sys.stderr)
 
 
+def _out_of_memory(error: Exception) -> bool:
+    """Whether a JaxRuntimeError is a device out of memory: XLA's RESOURCE_EXHAUSTED, or the
+    CPU client's INTERNAL "Out of memory allocating" of a dispatch over several devices."""
+    return "RESOURCE_EXHAUSTED" in str(error) or "Out of memory allocating" in str(error)
+
+
 @contextlib.contextmanager
 def _fits_in_memory(args):
     """A device out of memory in the steps (XLA's RESOURCE_EXHAUSTED, at the first step's
@@ -833,7 +849,7 @@ def _fits_in_memory(args):
     try:
         yield
     except jax.errors.JaxRuntimeError as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
+        if not _out_of_memory(error):
             raise
         # float32 compute first: the trainer's default, it keeps twice the activations of
         # the bfloat16 that mamba_ssm's users train under (autocast)

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import struct
 
@@ -636,3 +637,24 @@ def test_deterministic_compiles_the_step_with_xla_deterministic_ops(tmp_path, mo
             "xla_gpu_enable_cublaslt": False} in jit_options
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert len(losses) == 2 and np.all(np.isfinite(losses))
+
+
+def test_a_model_too_large_for_the_devices_is_one_line(tmp_path):
+    """A billion-row padded vocabulary on one CPU device: the parameters' allocation failed
+    in the init, a traceback (the steps' out-of-memory message came later). A process of
+    its own: the tests' 8 CPU devices allocate it lazily, and fail in the step."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device
+    done = subprocess.run([sys.executable, "-m", "mamba_jax.train", "--set",
+                           "pad_vocab_size_multiple=1000000000", "--steps", "1", "--out",
+                           "none", "--batch-size", "8", "--seq-len", "16"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**env, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("python -m mamba_jax.train: the model (128000.2M parameters, "
+                           "1430.5 GiB with AdamW's two float32 moments) does not fit in the "
+                           "devices' memory (")
+    assert "Traceback" not in done.stderr
