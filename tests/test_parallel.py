@@ -155,8 +155,9 @@ def test_hidden_states_on_a_mesh_of_the_users_names_equal_one_devices(shape, axe
 
 def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
     cfg = tiny_config(d_model=48)  # nheads 6
+    # 3 and 6 divide the heads, not the 8 devices
     with pytest.raises(ValueError, match=r"tp=4 does not divide the 6 heads of "
-                                         r"layers\.0\.mixer\..* use tp in \[1, 2\]"):  # 3, 6: not on 8
+                                         r"layers\.0\.mixer\..* use tp in \[1, 2\]"):
         parallel.check_layout(cfg, parallel.make_mesh("dp=2,tp=4"))
     with pytest.raises(ValueError, match=r"sequence length 30 is not divisible by cp\*tp = "
                                          r"1\*4"):
