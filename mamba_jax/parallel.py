@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import sharding
-from mamba_jax.model import Mamba2LM, Stream
+from mamba_jax.model import Mamba2LM, Stream, check_per_token
 from mamba_jax.sharding import AxisNames, ParallelContext
 from pallas_kernels.mamba3 import Mamba3State
 
@@ -184,6 +184,8 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     packed = _shard_map(body, mesh, specs, 3, out_spec)
 
     def loss(params, inputs, targets, seq_idx=None):
+        # the arrays' own shapes: inside, a device's parts' were named
+        check_per_token("make_loss_fn", inputs.shape[:2], targets=targets, seq_idx=seq_idx)
         check_split(nnx.merge(graphdef, params).config, dict(mesh.shape),
                     batch_size=inputs.shape[0], seq_len=inputs.shape[1],
                     sequence_parallel=sequence_parallel, loss_chunk=loss_chunk)
@@ -260,6 +262,7 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
     out = P(*tokens, None)
 
     def hidden(params, inputs, seq_idx=None, initial_states=None):
+        check_per_token("make_hidden_fn", inputs.shape[:2], seq_idx=seq_idx)
         check_split(nnx.merge(graphdef, params).config, _sizes(mesh, axis_names),
                     batch_size=inputs.shape[0], seq_len=inputs.shape[1],
                     sequence_parallel=sequence_parallel)

@@ -121,6 +121,12 @@ def test_the_mesh_functions_refuse_a_sequence_the_mesh_cannot_split():
         parallel.make_hidden_fn(graphdef, specs, mesh)(params, ids)
     with pytest.raises(ValueError, match=halo):
         parallel.make_loss_fn(graphdef, specs, mesh)(params, ids, ids)
+    # targets of another shape are named by the arrays' shapes, not a device's parts'
+    with pytest.raises(ValueError, match=r"make_loss_fn: targets has shape \(2, 4\); it takes "
+                                         r"one value per token, the inputs' \[batch, seqlen\] "
+                                         r"= \(2, 8\)"):
+        parallel.make_loss_fn(graphdef, specs, mesh)(params, ids, jax.device_put(
+            np.zeros((2, 4), np.int32), NamedSharding(mesh, parallel.TOKENS)))
 
 
 @pytest.mark.parametrize("shape,axes", [((2, 4), ("data", "model")),
