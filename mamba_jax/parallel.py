@@ -209,12 +209,13 @@ def token_spec(axis_names: AxisNames = AxisNames(), mesh=None) -> P:
     """TOKENS on a mesh whose axes axis_names names: rows over dp and fsdp, the sequence
     over cp (given `mesh`, over those of them it has)."""
     names = axis_names if mesh is None else axis_names.on(mesh)
-    return P(_rows(names), names.cp)
+    return P(_present(names.dp, names.fsdp), names.cp)
 
 
-def _rows(names: AxisNames) -> tuple[str, ...]:
-    """The mesh axes a batch's rows are split over: dp and fsdp, but a None (absent) one."""
-    return tuple(name for name in (names.dp, names.fsdp) if name is not None)
+def _present(*names) -> tuple[str, ...]:
+    """The mesh axes among `names` but a None (absent) one: what one array axis is split
+    over (a batch's rows over dp and fsdp)."""
+    return tuple(name for name in names if name is not None)
 
 
 # The axis of a state's field that tp shards where it is not axis 1: Mamba-3's k [b, r, h, n]
@@ -230,7 +231,7 @@ def state_specs(states, axis_names: AxisNames = AxisNames(), mesh=None):
     go back into one with the same tp, as they are. Given `mesh`, over the axes it has."""
     if mesh is not None:
         axis_names = axis_names.on(mesh)
-    rows = _rows(axis_names)
+    rows = _present(axis_names.dp, axis_names.fsdp)
 
     def spec(a, axis=1):
         return P(rows, *(None,) * (axis - 1), axis_names.tp, *(None,) * (a.ndim - axis - 1))
@@ -262,8 +263,9 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
     out = P(*tokens, None)
 
     def hidden(params, inputs, seq_idx=None, initial_states=None):
+        whole = nnx.merge(graphdef, params)  # its config and cache's kinds, outside the map
         check_per_token("make_hidden_fn", inputs.shape[:2], seq_idx=seq_idx)
-        check_split(nnx.merge(graphdef, params).config, _sizes(mesh, axis_names),
+        check_split(whole.config, _sizes(mesh, axis_names),
                     batch_size=inputs.shape[0], seq_len=inputs.shape[1],
                     sequence_parallel=sequence_parallel)
 
@@ -275,14 +277,13 @@ def make_hidden_fn(graphdef, specs, mesh, *, sequence_parallel=True,
             return model.hidden(inputs, seq_idx, ctx=ctx, remat=remat,
                                 scan_layers=scan_layers, **options)
         batch = P(*tokens, *(None,) * (inputs.ndim - 2))
-        if return_states and nnx.merge(graphdef, params).cache_grows:
+        if return_states and whole.cache_grows:
             raise ValueError("make_hidden_fn(return_states=True): an attention layer's state "
                              "is the keys and values of every token, which a mesh holds in "
                              "parts; return its states from Mamba2LM.hidden on one device, or "
                              "decode with generate()")
-        states_out = state_specs(nnx.eval_shape(
-            lambda: nnx.merge(graphdef, params).init_cache(1)), axis_names, mesh) \
-            if return_states else None
+        states_out = state_specs(nnx.eval_shape(lambda: whole.init_cache(1)), axis_names,
+                                 mesh) if return_states else None
         return jax.shard_map(
             body, mesh=mesh, check_vma=False,
             in_specs=(specs, batch, None if seq_idx is None else tokens,
@@ -301,8 +302,7 @@ def make_block_fn(graphdef, specs, mesh, *, sequence_parallel=True,
     (as between the trainer's layers); seq_idx [b, l] as the tokens."""
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel, axis_names)
     tokens, present = token_spec(axis_names, mesh), axis_names.on(mesh)
-    sequence = tuple(name for name in (present.cp, present.tp) if name is not None) \
-        if ctx.sequence_parallel else present.cp
+    sequence = _present(present.cp, present.tp) if ctx.sequence_parallel else present.cp
     stream = P(tokens[0], sequence, None)
 
     def body(params, residual, seq_idx):

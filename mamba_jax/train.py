@@ -327,16 +327,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
     return args, model_config(args.preset, overrides)
 
 
-def _load_named(tokenizer: str, source: str, data: str):
+def _load_named(tokenizer: str, source: str, data: str | None = None):
     """load_tokenizer(tokenizer), one that a recipe names and is not there refused naming
-    the recipe (its path is the recipe's, not the command line's) and --data's own."""
+    the recipe (its path is the recipe's, not the command line's) and, where --data was
+    prepared with one (`data`), that one."""
     try:
         return load_tokenizer(tokenizer)
     except FileNotFoundError as error:
         if source == "--tokenizer":
             raise
-        raise SystemExit(f"{source}: {error}; or leave it out of the recipe to train with the "
-                         f"tokenizer --data {data} was prepared with") from None
+        raise SystemExit(f"{source}: {error}" + (
+            "" if data is None else f"; or leave it out of the recipe to train with the "
+            f"tokenizer --data {data} was prepared with")) from None
 
 
 def resolve_tokenizer(args) -> str:
@@ -529,12 +531,7 @@ def _train(argv, held: contextlib.ExitStack):
                          "the folder would take for its checkpoints: give the checkpoints a "
                          "folder of their own")
     args.tokenizer = resolve_tokenizer(args)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-    except FileNotFoundError as error:  # a recipe's tokenizer.json, relative to the folder
-        if args.tokenizer_source == "--tokenizer":
-            raise
-        raise SystemExit(f"{args.tokenizer_source}: {error}") from None
+    tokenizer = _load_named(args.tokenizer, args.tokenizer_source)
     cfg = model_config(args.preset, overrides)
     if tokenizer.get_vocab_size() > cfg.vocab_size and "vocab_size" not in overrides:
         if lead:
