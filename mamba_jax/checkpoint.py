@@ -245,7 +245,8 @@ class Checkpointer:
         steps, unreadable = self.steps(), []
         for step in reversed(steps):
             try:
-                meta = self.read_meta(step)
+                meta = dict(self._meta(step))  # one read: the caller's meta, the sums
+                saved = meta.pop(_CHECKSUMS, None)
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
                 unreadable.append(self._report(step, error, log))
                 continue
@@ -254,7 +255,7 @@ class Checkpointer:
             try:
                 state = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state))).state
-                _check_checksums(state, self._checksums(step))
+                _check_checksums(state, saved)
             except Exception as error:  # noqa: BLE001
                 unreadable.append(self._report(step, error, log))
                 continue
