@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mamba_jax.cli import HelpFormatter, MissingDependency, command
+from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_overrides,
+                           require_at_least)
 from mamba_jax.config import Mamba2Config
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_checkpoints,
                              holds_model, model_file, replace_text)
@@ -39,14 +40,25 @@ from mamba_jax.formats import (config_dict, config_from, detect_format, export_f
                                layout_notes, mamba_ssm_blocks, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
+from mamba_jax.megatron_files import TRACKER, is_megatron_checkpoint
 from mamba_jax.model import Mamba2LM
-from mamba_jax.sharding import param_name
+from mamba_jax.sharding import logical_axes, param_name
 from mamba_jax.tokenizer import (TOKENIZER_FILES, find_tokenizer, load_tokenizer, save_tokenizer,
                                  special_token_ids)
 
 FORMATS = ("hf", "mamba_ssm", "nemotron_h")
-_EMBEDDING_KEY = {"hf": "backbone.embeddings.weight", "mamba_ssm": "backbone.embedding.weight",
-                  "nemotron_h": "backbone.embeddings.weight"}
+# Per layout: the embedding's, the final norm's and the (untied) head's keys.
+_TOP_KEYS = {"hf": ("backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"),
+             "mamba_ssm": ("backbone.embedding.weight", "backbone.norm_f.weight",
+                           "lm_head.weight"),
+             "nemotron_h": ("backbone.embeddings.weight", "backbone.norm_f.weight",
+                            "lm_head.weight"),
+             "megatron": ("embedding.word_embeddings.weight", "decoder.final_norm.weight",
+                          "output_layer.weight")}
+# Megatron-LM's layer norms, fused into each kind's first projection (its TE layer spec).
+_MEGATRON_NORM_KEYS = {"M": "mixer.in_proj.layer_norm_weight",
+                       "*": "self_attention.linear_qkv.layer_norm_weight",
+                       "-": "mlp.linear_fc1.layer_norm_weight"}
 
 
 def load_config(path) -> tuple[Mamba2Config, str]:
@@ -121,6 +133,11 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 def _layer_keys(cfg: Mamba2Config, fmt: str) -> list[tuple[str, str]]:
     """Per layer of ours: (its norm's key, the prefix of its mixer's keys) in fmt."""
+    if fmt == "megatron":  # the norm fused into the layer's first projection
+        for symbol in cfg.layers:
+            _key_table(symbol, fmt)  # a kind the layout lacks, named
+        return [(f"decoder.layers.{i}.{_MEGATRON_NORM_KEYS[symbol]}", f"decoder.layers.{i}.")
+                for i, symbol in enumerate(cfg.layers)]
     if fmt != "mamba_ssm":
         return [(f"backbone.layers.{i}.norm.weight", f"backbone.layers.{i}.mixer.")
                 for i in range(len(cfg.layers))]
@@ -147,15 +164,16 @@ def _held_params(table: dict) -> set[str]:
     return {p for entry in table.values() for p in entry.params}
 
 
-def _held_table(mine: dict, symbol: str, fmt: str, i: int) -> dict:
-    """Layer i's checkpoint keys in fmt, refusing parameters of it (`mine`, by name) that
-    the layout has no key for (e.g. a learnable initial state)."""
+def _held_table(mine, symbol: str, fmt: str, i: int) -> dict:
+    """Layer i's checkpoint keys in fmt, each entry over the parameters the layer has,
+    refusing parameters of it (`mine`, by name) that the layout has no key for (e.g. a
+    learnable initial state)."""
     table = _key_table(symbol, fmt)
     held = _held_params(table)
     if set(mine) - held:
         raise ValueError(f"format {fmt!r} cannot hold layer {i}'s parameters "
                          f"{sorted(set(mine) - held)}")
-    return table
+    return checkpoint_keys.held_table(table, mine)
 
 
 def check_exportable(cfg: Mamba2Config, format: str = "hf") -> str:
@@ -183,81 +201,101 @@ def _layer_params(flat: dict, i: int) -> dict:
     return {name[len(prefix):]: value for name, value in flat.items() if name.startswith(prefix)}
 
 
-def torch_to_params(tensors: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
-    """Checkpoint tensors (torch layout) -> our parameters by flat name ("layers.0.mixer.A_log").
+def tensor_map(cfg: Mamba2Config, fmt: str, shapes: dict | None = None) -> dict:
+    """Every tensor of the fmt layout that a model of cfg has: its key -> its key-table
+    entry (mamba_jax.layers.checkpoint_keys) over our parameters' flat names. The head
+    only where it is untied. shapes: param_shapes(cfg), where the caller has them. A
+    parameter the layout has no tensor for is a ValueError naming it."""
+    shapes = param_shapes(cfg) if shapes is None else shapes
+    embedding, norm_f, head = _TOP_KEYS[fmt]
+    out = {embedding: checkpoint_keys.AsIs("embedding"),
+           norm_f: checkpoint_keys.Flat("norm_f.weight")}
+    if not cfg.tie_embeddings:
+        out[head] = checkpoint_keys.AsIs("lm_head")
+    for i, (symbol, (norm_key, prefix)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
+        out[norm_key] = checkpoint_keys.Flat(f"layers.{i}.norm.weight")
+        for key, entry in _held_table(_layer_params(shapes, i), symbol, fmt, i).items():
+            entry.params = tuple(f"layers.{i}.mixer.{name}" for name in entry.params)
+            out[prefix + key] = entry
+    return out
+
+
+def torch_to_params(tensors, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
+    """Checkpoint tensors (torch layout; a mapping, read a key at a time) -> our parameters
+    by flat name ("layers.0.mixer.A_log").
 
     Raises ValueError naming the key, expected and found shape on any mismatch, and on
     missing or unexpected keys.
     """
     # NemotronH's keys are `model.` in memory (what a state_dict gives) and `backbone.` on disk.
-    tensors = {("backbone." + key[6:] if fmt == "nemotron_h" and key.startswith("model.")
-                else key): value for key, value in tensors.items()}
+    names = {("backbone." + key[6:] if fmt == "nemotron_h" and key.startswith("model.")
+              else key): key for key in tensors}
     if fmt == "nemotron_h":  # multi-token-prediction layers, which transformers skips too
-        tensors = {key: value for key, value in tensors.items() if not key.startswith("mtp.")}
+        names = {key: name for key, name in names.items() if not key.startswith("mtp.")}
     shapes = param_shapes(cfg)
 
     def take(key, shape):
-        if key not in tensors:
+        if key not in names:
             raise ValueError(f"checkpoint is missing {key!r} (expected shape {shape})")
-        t = tensors.pop(key)
+        t = tensors[names.pop(key)]
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, expected "
                              f"{tuple(shape)} for this config")
         return t
 
-    out = {"embedding": take(_EMBEDDING_KEY[fmt], shapes["embedding"]),
-           "norm_f.weight": take("backbone.norm_f.weight", shapes["norm_f.weight"])}
+    head = _TOP_KEYS[fmt][2]
     if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # mamba_ssm's state_dict lists the tied head too
-    elif "lm_head.weight" not in tensors:
-        raise ValueError("checkpoint is missing 'lm_head.weight', and its embeddings are "
-                         + ("never tied in NemotronH (its tie_word_embeddings is not read)"
-                            if fmt == "nemotron_h" else "untied by its config (a "
-                            "transformers Mamba2 config without tie_word_embeddings unties "
-                            "them, as transformers does)"))
-    else:
-        out["lm_head"] = take("lm_head.weight", shapes["lm_head"])
-    for i, (symbol, (norm_key, src)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
-        out[f"layers.{i}.norm.weight"] = take(norm_key, shapes[f"layers.{i}.norm.weight"])
-        mixer = checkpoint_keys.from_torch(_key_table(symbol, fmt),
-                                           lambda key, shape: take(src + key, shape),
-                                           _layer_params(shapes, i))
-        out.update({f"layers.{i}.mixer.{name}": value for name, value in mixer.items()})
-    if tensors:
-        raise ValueError(f"checkpoint has tensors this config does not use: {sorted(tensors)}")
-    missing = sorted(set(shapes) - set(out))
-    if missing:
-        raise ValueError(f"format {fmt!r} holds no tensor for our parameters {missing}")
+        names.pop(head, None)  # mamba_ssm's state_dict lists the tied head too
+    elif head not in names:
+        raise ValueError(f"checkpoint is missing {head!r}, and its embeddings are "
+                         + {"nemotron_h": "never tied in NemotronH (its tie_word_embeddings "
+                                          "is not read)",
+                            "megatron": "untied by its arguments "
+                                        "(untie_embeddings_and_output_weights)"}.get(
+                             fmt, "untied by its config (a transformers Mamba2 config "
+                                  "without tie_word_embeddings unties them, as transformers "
+                                  "does)"))
+    out = {}
+    for key, entry in tensor_map(cfg, fmt, shapes).items():
+        wanted = [shapes[p] for p in entry.params]
+        out.update(zip(entry.params, entry.from_torch(take(key, entry.torch_shape(wanted)),
+                                                      wanted)))
+    if names:
+        raise ValueError(f"checkpoint has tensors this config does not use: {sorted(names)}")
     return out
 
 
 def params_to_torch(params: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
     """Our flat parameters -> tensors in the fmt layout (inverse of torch_to_params)."""
-    out = {_EMBEDDING_KEY[fmt]: params["embedding"],
-           "backbone.norm_f.weight": params["norm_f.weight"]}
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = params["lm_head"]
-    elif fmt in ("mamba_ssm", "nemotron_h"):
+    out = {key: entry.to_torch([params[p] for p in entry.params])
+           for key, entry in tensor_map(cfg, fmt, {k: v.shape for k, v in params.items()})
+           .items()}
+    if cfg.tie_embeddings and fmt in ("mamba_ssm", "nemotron_h"):
         # mamba_ssm's state_dict lists the tied head too, and load_state_dict is strict;
         # NemotronHForCausalLM never ties its head, so it reads it from the file.
-        out["lm_head.weight"] = params["embedding"]
-    for i, (symbol, (norm_key, dst)) in enumerate(zip(cfg.layers, _layer_keys(cfg, fmt))):
-        out[norm_key] = params[f"layers.{i}.norm.weight"]
-        mine = _layer_params(params, i)
-        table = _held_table(mine, symbol, fmt, i)
-        out.update({dst + key: value
-                    for key, value in checkpoint_keys.to_torch(table, mine).items()})
+        out[_TOP_KEYS[fmt][2]] = params["embedding"]
     return {key: np.ascontiguousarray(value, np.float32) for key, value in out.items()}
 
 
 # ---------------------------------------------------------------- models
 
 
+def _abstract_params(cfg: Mamba2Config) -> dict:
+    """A model of cfg's parameters (abstract: nothing allocated) by flat name."""
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
+    return {param_name(path): variable for path, variable in jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
+
+
 def param_shapes(cfg: Mamba2Config) -> dict[str, tuple]:
     """The shapes of a model of cfg's parameters by flat name, without building one."""
-    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return {param_name(path): tuple(leaf.shape) for path, leaf in leaves}
+    return {name: tuple(v.shape) for name, v in _abstract_params(cfg).items()}
+
+
+def param_axes(cfg: Mamba2Config) -> dict[str, tuple]:
+    """The logical axes (sharding.RULES' names) of a model of cfg's parameters by flat
+    name, without building one."""
+    return {name: logical_axes(v, name) for name, v in _abstract_params(cfg).items()}
 
 
 def flat_params(model: Mamba2LM) -> dict[str, np.ndarray]:
@@ -285,15 +323,28 @@ def model_from_params(cfg: Mamba2Config, params: dict, dtype=jnp.float32) -> Mam
     return model
 
 
-def from_pretrained(path, dtype=None) -> Mamba2LM:
+def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM:
     """Load a Hugging Face Mamba2ForCausalLM, MambaForCausalLM, FalconMambaForCausalLM or
-    NemotronHForCausalLM, or a mamba_ssm MambaLMHeadModel checkpoint dir.
+    NemotronHForCausalLM, or a mamba_ssm MambaLMHeadModel checkpoint dir, or a Megatron-LM
+    checkpoint (its --save dir or one iteration's folder; legacy at any tensor-parallel
+    size, or torch_dist: mamba_jax.megatron, which needs torch).
 
-    Parameters become float32; `dtype` is the compute dtype (default float32).
+    Parameters become float32; `dtype` is the compute dtype (default float32). overrides:
+    for a Megatron-LM checkpoint, config fields (as --set names them) over its saved
+    arguments, or in place of them where it saved none; a config.json gives the others'.
     """
+    from mamba_jax import megatron
+
     path = Path(path)
-    cfg, fmt = load_config(path)
-    tensors = _read_tensors(path)  # (its errors name their file)
+    if is_megatron_checkpoint(path) and not holds_model(path):
+        (cfg, tensors), fmt = megatron.read_megatron(path, overrides), "megatron"
+    elif overrides:
+        raise ValueError(f"{path}: its config.json gives the model's config; config fields "
+                         f"({', '.join(overrides)}) are taken for a Megatron-LM checkpoint "
+                         "only")
+    else:
+        cfg, fmt = load_config(path)
+        tensors = _read_tensors(path)  # (its errors name their file)
     try:
         params = torch_to_params(tensors, cfg, fmt)
     except ValueError as error:  # a tensor's name alone: say whose
@@ -376,33 +427,59 @@ def _remove_replaced(path: Path) -> list[str]:
 
 @command("python -m mamba_jax.convert")
 def main(argv=None):
+    from mamba_jax import megatron
+
     parser = argparse.ArgumentParser(
         prog="python -m mamba_jax.convert", formatter_class=HelpFormatter,
         description="Convert a Mamba2, Mamba-1 or hybrid checkpoint dir between the HF "
-                    "(Mamba2, Mamba, FalconMamba, NemotronH) and mamba_ssm layouts (reads "
-                    "any; also turns pytorch_model.bin into model.safetensors), or export a "
-                    "step of a trainer's --checkpoint-dir (Orbax) to one of them.")
-    parser.add_argument("src", help="checkpoint dir (config.json + weights), or a trainer's "
+                    "(Mamba2, Mamba, FalconMamba, NemotronH), mamba_ssm and Megatron-LM "
+                    "layouts (reads any, Megatron's legacy and torch_dist at any "
+                    "tensor-parallel size; also turns pytorch_model.bin into "
+                    "model.safetensors), or export a step of a trainer's --checkpoint-dir "
+                    "(Orbax) to one of them.")
+    parser.add_argument("src", help="checkpoint dir (config.json + weights), a Megatron-LM "
+                                    "--save dir or iteration folder, or a trainer's "
                                     "--checkpoint-dir")
     parser.add_argument("dst", help="output dir (refused if it holds a model, unless "
                                     "--overwrite)")
-    parser.add_argument("--to", choices=FORMATS, required=True,
+    parser.add_argument("--to", choices=(*FORMATS, "megatron"), required=True,
                         help="the layout: hf is transformers' Mamba2ForCausalLM (or Mamba's, "
                              "or NemotronH's for a hybrid), and mamba_ssm's for a model with "
-                             "Mamba-3 layers, which transformers lacks")
+                             "Mamba-3 layers, which transformers lacks; megatron is "
+                             "Megatron-LM's legacy layout (needs torch)")
+    parser.add_argument("--target-tp-size", type=int, default=1,
+                        help="with --to megatron: its tensor-parallel size (one "
+                             "mp_rank_TT folder a rank)")
+    parser.add_argument("--megatron-keys", choices=sorted(megatron.KEY_LAYOUTS),
+                        default="0.19",
+                        help="with --to megatron: the Megatron-LM versions whose tensor names "
+                             "to write: 0.19 (core 0.19 and later), 0.8 (core_r0.8.0 to "
+                             "0.18), 2024 (its first Mamba layer, which "
+                             "tools/checkpoint/hybrid_conversion.py reads)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a Megatron-LM src's config field (repeatable), over its saved "
+                             "arguments or where it saved none, e.g. layer_pattern=M*M- "
+                             "mamba2.ngroups=8")
     parser.add_argument("--step", type=int, default=None,
                         help="with a trainer's --checkpoint-dir: the step to export (default: "
                              "the newest)")
     parser.add_argument("--overwrite", action="store_true",
                         help="let the output replace the model in dst")
     args = parser.parse_args(argv)
+    if args.to != "megatron" and (args.target_tp_size != 1 or args.megatron_keys != "0.19"):
+        parser.error("--target-tp-size and --megatron-keys go with --to megatron")
+    require_at_least(args, ["target_tp_size"])
     check_writable("dst", args.dst, folder=True)
     check_outside_checkpoints("dst", args.dst)
-    if holds_model(args.dst) and not args.overwrite:
-        raise SystemExit(f"{args.dst} already holds a model (its {model_file(args.dst)}): give "
-                         "another output dir, or --overwrite to replace it")
+    held = model_file(args.dst) or (TRACKER if is_megatron_checkpoint(args.dst) else None)
+    if held and not args.overwrite:
+        raise SystemExit(f"{args.dst} already holds a model (its {held}): give another output "
+                         "dir, or --overwrite to replace it")
     tokenizer = None
     training = is_training_checkpoint(args.src)
+    if args.set and training:
+        parser.error("--set gives a Megatron-LM src's config; a trainer's checkpoints hold "
+                     "theirs")
     if training:
         model, meta = load_training_checkpoint(args.src, args.step)
         tokenizer = load_tokenizer(training_tokenizer(args.src, meta))
@@ -411,9 +488,21 @@ def main(argv=None):
         if args.step is not None:
             parser.error(f"--step picks a step of a trainer's --checkpoint-dir; {args.src} is "
                          "not one")
-        model, source = from_pretrained(args.src), args.src
+        model = from_pretrained(args.src, overrides=parse_overrides(args.set))
+        source = args.src
         if found := find_tokenizer(args.src):
             tokenizer = load_tokenizer(found)
+    if args.to == "megatron":
+        folder = megatron.save_megatron(model, args.dst, args.target_tp_size,
+                                        args.megatron_keys)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, args.dst)
+        print(f"wrote {folder} (Megatron-LM legacy, tensor-parallel size "
+              f"{args.target_tp_size}, the tensor names of Megatron-LM "
+              f"{args.megatron_keys}) from {source}; load it in Megatron-LM with --finetune")
+        for note in layout_notes(model.config, "megatron"):
+            print(f"note: {note}")
+        return
     removed = export(model, args.dst, tokenizer, format=args.to,
                      source=None if training else args.src)
     written = export_format(model.config, args.to)

@@ -3,8 +3,9 @@
 Layouts: Hugging Face `Mamba2ForCausalLM`, `MambaForCausalLM` and `FalconMambaForCausalLM`
 ("hf", told apart by model_type), mamba_ssm `MambaLMHeadModel` ("mamba_ssm", Mamba2,
 Mamba-1 or Mamba-3 layers with optional attention blocks and MLPs), Hugging Face
-`NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers). Every field a layout has
-and we cannot represent is refused by name rather than silently dropped.
+`NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers), and the arguments a
+Megatron-LM checkpoint saves ("megatron"; its folders: mamba_jax.megatron). Every field a
+layout has and we cannot represent is refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import math
 import re
 
-from mamba_jax.config import Mamba2Config
+from mamba_jax.config import Mamba2Config, hybrid_pattern
 from mamba_jax.layers import mamba1, mamba2
 
 # mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this (multiple_of=128).
@@ -623,10 +624,178 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
     }
 
 
+# ---------------------------------------------------------------- Megatron-LM's arguments
+# A Megatron-LM checkpoint's config is the argparse namespace its training run saved
+# (`args`): its flags' values, with Megatron's defaults where a run gave none. The fields of
+# it that shape a hybrid model of Mamba2 (M), attention (*) and MLP (-) layers:
+_MEGATRON_FIELDS = {
+    "hidden_size": _WIDTH, "num_layers": _optional(_LAYERS),
+    "hybrid_layer_pattern": _optional(_text), "hybrid_override_pattern": _optional(_text),
+    "hybrid_attention_ratio": _number, "hybrid_mlp_ratio": _number,
+    "mamba_state_dim": _WIDTH, "mamba_head_dim": _WIDTH, "mamba_num_groups": _WIDTH,
+    "mamba_num_heads": _optional(_WIDTH), "num_attention_heads": _optional(_WIDTH),
+    "num_query_groups": _optional(_WIDTH), "group_query_attention": _flag,
+    "kv_channels": _optional(_WIDTH), "ffn_hidden_size": _optional(_integer(MAX_MLP)),
+    "swiglu": _flag, "squared_relu": _flag, "openai_gelu": _flag, "add_bias_linear": _flag,
+    "add_qkv_bias": _flag, "untie_embeddings_and_output_weights": _flag,
+    "normalization": _text, "norm_epsilon": _number, "apply_layernorm_1p": _flag,
+    "qk_layernorm": _flag, "position_embedding_type": _text, "rotary_percent": _number,
+    "rotary_base": _number, "rotary_interleaved": _flag, "fp32_residual_connection": _flag,
+    "padded_vocab_size": _optional(_VOCAB), "num_experts": _optional(_integer(MAX_WIDTH, 0))}
+# Megatron-LM's defaults (megatron/training/arguments.py) of those a namespace may lack.
+MEGATRON_DEFAULTS = {
+    "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0, "mamba_state_dim": 128,
+    "mamba_head_dim": 64, "mamba_num_groups": 8, "group_query_attention": False,
+    "swiglu": False, "squared_relu": False, "openai_gelu": False, "add_bias_linear": True,
+    "add_qkv_bias": False, "untie_embeddings_and_output_weights": False,
+    "normalization": "LayerNorm", "norm_epsilon": 1e-5, "apply_layernorm_1p": False,
+    "qk_layernorm": False, "position_embedding_type": "learned_absolute",
+    "rotary_percent": 1.0, "rotary_base": 10000, "rotary_interleaved": False,
+    "fp32_residual_connection": False}
+# The layer symbols of Megatron-LM's hybrid patterns we have no kind for.
+_MEGATRON_OTHER_LAYERS = {"E": "MoE", "G": "gated delta net", "D": "DeepSeek sparse attention",
+                          "+": "multi-latent attention"}
+# Megatron-LM's Mamba mixer normalises y * silu(z) with a fixed epsilon (its RMSNormGated).
+MEGATRON_MAMBA_NORM_EPS = 1e-5
+
+
+def megatron_pattern(args: dict) -> str | None:
+    """The layers of a Megatron-LM hybrid's arguments: its --hybrid-layer-pattern (or the
+    older --hybrid-override-pattern) without pipeline-stage separators (|) and without the
+    multi-token-prediction layers after a /, else the pattern its ratios allocate over
+    --num-layers; None where the arguments give neither."""
+    pattern = args.get("hybrid_layer_pattern") or args.get("hybrid_override_pattern")
+    if pattern:
+        return pattern.split("/")[0].replace("|", "")
+    if args.get("num_layers"):
+        return hybrid_pattern(args["num_layers"], args["hybrid_attention_ratio"],
+                              args["hybrid_mlp_ratio"])
+    return None
+
+
+def config_from_megatron(args: dict, vocab_rows: int, path="args") -> Mamba2Config:
+    """A Megatron-LM checkpoint's arguments (the saved namespace's fields, a dict) ->
+    Mamba2Config. vocab_rows: the embedding's rows (Megatron's padded vocabulary, which the
+    logits have too). What Megatron computes and we cannot (MoE and other layer kinds,
+    LayerNorm, position embeddings other than RoPE, MLP biases, query-key norms) is
+    refused by name. dt is not clamped (Megatron's Mamba mixer passes no dt_limit)."""
+    _check_fields(args, path, _MEGATRON_FIELDS, ("hidden_size",))
+    args = {**MEGATRON_DEFAULTS, **{k: v for k, v in args.items() if v is not None}}
+    pattern = megatron_pattern(args)
+    _require(pattern, path, "holds no layer pattern (hybrid_layer_pattern, "
+             "hybrid_override_pattern, or num_layers with the hybrid ratios)")
+    other = sorted({f"{s} ({_MEGATRON_OTHER_LAYERS.get(s, 'unknown')})"
+                    for s in pattern if s not in "M*-"})
+    _require(not other, path, f"layer pattern {pattern!r} has layers we have no kind for: "
+             f"{', '.join(other)}; Mamba2 (M), attention (*) and MLP (-) layers are supported")
+    _require(not args.get("num_experts"), path, f"num_experts={args.get('num_experts')}: MoE "
+             "layers are not supported")
+    for flag, ok in (("normalization", "RMSNorm"), ("apply_layernorm_1p", False),
+                     ("qk_layernorm", False)):
+        _require(args[flag] == ok, path, f"{flag}={args[flag]!r} is not supported (only "
+                 f"{ok!r})")
+    position = args["position_embedding_type"]
+    _require(position in ("none", "rope"), path, f"position_embedding_type={position!r} is "
+             "not supported ('none' or 'rope')")
+    _require("-" not in pattern or not args["add_bias_linear"], path,
+             "add_bias_linear=True gives the MLP layers biases, which our MLP has none of")
+    d = args["hidden_size"]
+    _require("M" not in pattern or args["norm_epsilon"] == MEGATRON_MAMBA_NORM_EPS, path,
+             f"norm_epsilon={args['norm_epsilon']}: Megatron's Mamba mixer norm takes "
+             f"{MEGATRON_MAMBA_NORM_EPS} whatever it says, and our layers take one epsilon")
+    _require("*" not in pattern or args.get("num_attention_heads"), path,
+             "num_attention_heads is required with attention layers")
+    rows = args.get("padded_vocab_size")
+    _require(rows in (None, vocab_rows), path, f"padded_vocab_size={rows}, but the "
+             f"embedding has {vocab_rows} rows")
+    sections = {}
+    if "M" in pattern:
+        headdim, nheads = args["mamba_head_dim"], args.get("mamba_num_heads")
+        sections["mamba2"] = dict(
+            d_state=args["mamba_state_dim"], headdim=headdim, ngroups=args["mamba_num_groups"],
+            chunk_size=128, nheads=None if nheads in (None, 2 * d // headdim) else nheads)
+    if "*" in pattern:
+        heads = args["num_attention_heads"]
+        head_dim = args.get("kv_channels") or d // heads
+        sections["attention"] = dict(
+            num_heads=heads, head_dim=head_dim,
+            num_heads_kv=(args.get("num_query_groups") or heads)
+            if args["group_query_attention"] else heads,
+            rotary_emb_dim=int(head_dim * args["rotary_percent"]) if position == "rope" else 0,
+            rotary_emb_base=float(args["rotary_base"]),
+            rotary_interleaved=args["rotary_interleaved"],
+            qkv_bias=args["add_qkv_bias"] or args["add_bias_linear"],
+            out_bias=args["add_bias_linear"])
+    if "-" in pattern:
+        sections["mlp"] = dict(
+            d_intermediate=args.get("ffn_hidden_size") or 4 * d,
+            activation="swiglu" if args["swiglu"] else "relu2" if args["squared_relu"]
+            else "gelu_tanh" if args["openai_gelu"] else "gelu")
+    return Mamba2Config.from_dict(dict(
+        d_model=d, n_layer=len(pattern), layer_pattern=pattern, vocab_size=vocab_rows,
+        pad_vocab_size_multiple=1, norm_eps=args["norm_epsilon"],
+        residual_in_fp32=args["fp32_residual_connection"],
+        tie_embeddings=not args["untie_embeddings_and_output_weights"], **sections))
+
+
+def megatron_args_dict(cfg: Mamba2Config) -> dict:
+    """cfg as the fields of a Megatron-LM checkpoint's saved arguments that build its model
+    (mamba_jax.megatron adds the parallel sizes and the run's); a ValueError naming what
+    Megatron's hybrid model cannot express."""
+    layers, m, a = cfg.layers, cfg.mamba2, cfg.attention
+    mlp = "-" in layers
+    problems = [text for bad, text in (
+        (set(layers) - set("M*-"), f"layers {layers!r} (Megatron's hybrid has Mamba2 (M), "
+                                   "attention (*) and MLP (-) layers)"),
+        ("M" in layers and (m.bias or not m.conv_bias or m.d_conv != 4),
+         f"mamba2.bias={m.bias}, conv_bias={m.conv_bias}, d_conv={m.d_conv} (Megatron's "
+         "Mamba mixer has no projection biases and a biased conv of 4 taps)"),
+        ("M" in layers and cfg.norm_eps != MEGATRON_MAMBA_NORM_EPS,
+         f"norm_eps={cfg.norm_eps} (Megatron's Mamba mixer norm takes "
+         f"{MEGATRON_MAMBA_NORM_EPS})"),
+        ("*" in layers and a.out_bias and (not a.qkv_bias or mlp),
+         "attention.out_bias without qkv_bias, or beside MLP layers (Megatron's "
+         "add_bias_linear gives every linear layer a bias)")) if bad]
+    if problems:
+        raise ValueError("format 'megatron' cannot express " + "; ".join(problems))
+    heads, kv = (a.num_heads, a.num_heads_kv) if "*" in layers else (None, None)
+    return {
+        "hidden_size": cfg.d_model, "num_layers": len(layers),
+        "hybrid_layer_pattern": layers, "hybrid_override_pattern": layers,
+        "hybrid_attention_ratio": 0.0, "hybrid_mlp_ratio": 0.0,
+        "mamba_state_dim": m.d_state, "mamba_head_dim": m.headdim,
+        "mamba_num_groups": m.ngroups, "mamba_num_heads": mamba2.dims(cfg).h,
+        "num_attention_heads": heads, "num_query_groups": kv,
+        "group_query_attention": kv is not None and kv < heads,
+        "kv_channels": a.head_dim if heads else None,
+        "ffn_hidden_size": cfg.mlp.d_intermediate if mlp else None,
+        "swiglu": mlp and cfg.mlp.activation == "swiglu",
+        "squared_relu": mlp and cfg.mlp.activation == "relu2",
+        "openai_gelu": mlp and cfg.mlp.activation == "gelu_tanh",
+        "add_bias_linear": a.out_bias and "*" in layers,
+        "add_qkv_bias": a.qkv_bias and "*" in layers,
+        "untie_embeddings_and_output_weights": not cfg.tie_embeddings,
+        "normalization": "RMSNorm", "norm_epsilon": cfg.norm_eps, "apply_layernorm_1p": False,
+        "qk_layernorm": False,
+        "position_embedding_type": "rope" if heads and a.rotary_emb_dim else "none",
+        "rotary_percent": a.rotary_emb_dim / a.head_dim if heads else 1.0,
+        "rotary_base": a.rotary_emb_base, "rotary_interleaved": a.rotary_interleaved,
+        "use_rotary_position_embeddings": bool(heads and a.rotary_emb_dim),
+        "add_position_embedding": False,
+        "fp32_residual_connection": cfg.residual_in_fp32,
+        "padded_vocab_size": cfg.padded_vocab_size, "num_experts": None}
+
+
 def layout_notes(cfg: Mamba2Config, fmt: str) -> list[str]:
     """What the layout fmt (as export_format gives it) computes otherwise than cfg, beyond
     the fields it refuses: a line each, for an export to say."""
     notes = []
+    if fmt == "megatron" and "M" in cfg.layers and cfg.mamba2.dt_limit != (0.0, math.inf):
+        notes.append(f"Megatron-LM does not clamp dt; this model clamps it to "
+                     f"{cfg.mamba2.dt_limit} (NemotronH's clamp at dt_min)")
+    if fmt == "megatron" and "-" in cfg.layers and cfg.mlp.activation == "gelu_tanh":
+        notes.append("Megatron-LM's loader does not take --openai-gelu from a checkpoint's "
+                     "arguments: give it to the run that loads this one")
     if fmt == "nemotron_h" and cfg.residual_in_fp32:
         notes.append("NemotronH keeps the residual in the compute dtype (transformers, and a "
                      "reload here, do not read residual_in_fp32): its bf16 logits differ "

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
-from mamba_jax.cli import HelpFormatter, command, require_at_least
+from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
 from mamba_jax.convert import check_exportable, export
 from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, dataset_tokenizer,
@@ -58,51 +58,6 @@ from mamba_jax.model import REMAT, Mamba2LM, check_causal
 from mamba_jax.optim import (SCHEDULES, WSD_DECAY_FRACTION, init_opt_state, make_optimizer,
                              make_train_step, train_compiler_options, warmup_steps)
 from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
-
-
-def parse_overrides(pairs: list[str]) -> dict:
-    """["mamba2.ngroups=2", "mamba2.dt_limit=0.001,0.1"] -> {"mamba2.ngroups": 2,
-    "mamba2.dt_limit": (0.001, 0.1)}: names as Mamba2Config.replace takes them (a section's
-    field as SECTION.FIELD, or its flat name: ngroups=2), values parsed to the field's type."""
-    out = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE, e.g. mamba2.ngroups=2")
-        try:
-            default = Mamba2Config.field_default(name)
-        except ValueError as error:
-            raise SystemExit(f"--set {pair!r}: {error}") from None
-        try:
-            if isinstance(default, bool):
-                if text.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(text)
-                value = text.lower() in ("true", "1")
-            elif isinstance(default, tuple):
-                value = tuple(float(v) for v in text.strip("()[]").split(","))
-            elif default is None or isinstance(default, str):
-                # a field that takes a number or a word (mamba2.nheads: None or an int;
-                # mamba1.dt_rank: "auto" or an int): the config checks which it takes
-                value = _number_or_word(text)
-            else:
-                value = type(default)(text)
-        except ValueError:
-            raise SystemExit(f"--set {pair!r}: {text!r} is not a valid "
-                             f"{type(default).__name__} for {name}") from None
-        out[name] = value
-    return out
-
-
-def _number_or_word(text: str):
-    """'8' -> 8, '0.5' -> 0.5, 'none' -> None, any other text as it is."""
-    if text.lower() in ("none", "null"):
-        return None
-    for number in (int, float):
-        try:
-            return number(text)
-        except ValueError:
-            pass
-    return text
 
 
 SAVE_EVERY = 500  # --save-every's default

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mamba_jax.layers.checkpoint_keys import Flat, Linear
+from mamba_jax.layers.checkpoint_keys import Flat, GroupedQKV, Linear
 from mamba_jax.layers.common import Mixer, dense, groups_of_local_heads, matmul, param, uniform
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
@@ -139,6 +139,13 @@ _MAMBA_SSM_KEYS = {"in_proj.weight": Linear("q_proj", "k_proj", "v_proj"),
 _NEMOTRON_H_KEYS = {"q_proj.weight": Linear("q_proj"), "k_proj.weight": Linear("k_proj"),
                     "v_proj.weight": Linear("v_proj"),
                     "o_proj.weight": Linear("o_proj", inputs=2)}
+# Megatron-LM's SelfAttention: linear_qkv per KV group [q.. | k | v] (add_qkv_bias or
+# add_bias_linear gives it a bias), linear_proj (its bias: add_bias_linear).
+_MEGATRON_KEYS = {"self_attention.linear_qkv.weight": GroupedQKV("q_proj", "k_proj", "v_proj"),
+                  "self_attention.linear_qkv.bias": GroupedQKV("q_bias", "k_bias", "v_bias",
+                                                               inputs=0),
+                  "self_attention.linear_proj.weight": Linear("o_proj", inputs=2),
+                  "self_attention.linear_proj.bias": Flat("out_bias")}
 
 
 class Attention(Mixer):
@@ -150,8 +157,9 @@ class Attention(Mixer):
     name = "attention"
     Config = AttentionSection
     # mamba_ssm's MHA fuses in_proj [q | k | v]; NemotronH has one projection each and no
-    # biases.
-    checkpoint_keys = {"mamba_ssm": _MAMBA_SSM_KEYS, "nemotron_h": _NEMOTRON_H_KEYS}
+    # biases; Megatron-LM's linear_qkv interleaves them by KV group.
+    checkpoint_keys = {"mamba_ssm": _MAMBA_SSM_KEYS, "nemotron_h": _NEMOTRON_H_KEYS,
+                       "megatron": _MEGATRON_KEYS}
     step_kernels = ("fused",)
     cache_grows = True
 

@@ -170,8 +170,11 @@ class Mamba2Mixer(Mixer):
     symbol = "M"
     name = "mamba2"
     Config = Mamba2Section
-    # HF Mamba2ForCausalLM, mamba_ssm and NemotronH name a Mamba2 layer's tensors alike.
-    checkpoint_keys = {"hf": _KEYS, "mamba_ssm": _KEYS, "nemotron_h": _KEYS}
+    # HF Mamba2ForCausalLM, mamba_ssm and NemotronH name a Mamba2 layer's tensors alike;
+    # Megatron-LM too, under the layer's `mixer.` (its layer norm fused into in_proj:
+    # mamba_jax.megatron).
+    checkpoint_keys = {"hf": _KEYS, "mamba_ssm": _KEYS, "nemotron_h": _KEYS,
+                       "megatron": {"mixer." + key: entry for key, entry in _KEYS.items()}}
     step_kernels = ("kernel", "fused")
     takes_initial_state = True
 

@@ -60,7 +60,12 @@ class MLP(Mixer):
     checkpoint_keys = {"mamba_ssm": {"fc1.weight": Linear("up_proj", "gate_proj"),
                                      "fc2.weight": Linear("down_proj")},
                        "nemotron_h": {"up_proj.weight": Linear("up_proj"),
-                                      "down_proj.weight": Linear("down_proj")}}
+                                      "down_proj.weight": Linear("down_proj")},
+                       # Megatron-LM's MLP: linear_fc1 [gate | up] for SwiGLU (its
+                       # gated_linear_unit: act(first half) * second half), up alone else.
+                       "megatron": {"mlp.linear_fc1.weight": Linear(
+                                        "gate_proj", "up_proj", optional=("gate_proj",)),
+                                    "mlp.linear_fc2.weight": Linear("down_proj")}}
     step_kernels = ("fused",)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
