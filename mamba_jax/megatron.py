@@ -108,7 +108,7 @@ def _config(saved, path, overrides: dict) -> Mamba2Config:
                          "model from: give its layers, e.g. --set layer_pattern=M*M-, and "
                          "their sizes")
     named = {name for given in overrides for name in (given, _flat(given))}
-    missing = [field for symbol in sorted(set(pattern) & set(_REQUIRED))
+    missing = [field for symbol in dict.fromkeys(pattern) if symbol in _REQUIRED
                for field in _REQUIRED[symbol] if field not in named]
     if missing:
         raise ValueError(f"{path}: holds no saved arguments, and --set lacks "
@@ -214,11 +214,10 @@ def rank_state_dicts(params: dict, cfg: Mamba2Config, tp: int, keys: str = "0.19
     ranks = [{} for _ in range(tp)]
     for key, tensor in params_to_torch(params, cfg, "megatron").items():
         layer = LAYER.match(key)
-        if layer:
-            rest = key[layer.end():]
-            key = layer.group(0) + renames.get(rest, rest)
-        for rank, part in zip(ranks, checkpoint_keys.split_ranks(tensor, parts.get(key), tp)):
-            rank[key] = part
+        name = layer.group(0) + renames.get(key[layer.end():], key[layer.end():]) \
+            if layer else key
+        for rank, part in zip(ranks, checkpoint_keys.split_ranks(tensor, parts[key], tp)):
+            rank[name] = part
     return ranks
 
 
