@@ -1,7 +1,8 @@
 """What every command (train, data prepare, generate, serve, convert) does with a mistake in
 its input or a failure it can explain: one line on stderr, `prog: message`, naming the input,
 the value and the fix, and exit status 2 (as argparse's own errors), never a traceback; and
-Ctrl-C, one line and status 130, as a shell reports an interrupted command.
+Ctrl-C, one line and status 130, as a shell reports an interrupted command. Also the
+config fields --set gives (train, convert): parse_overrides.
 
     @command("python -m mamba_jax.train")
     def main(argv=None): ...

@@ -49,7 +49,8 @@ from mamba_jax.sharding import RULES
 # renames of ours (torch_dist's, which every version keeps): "0.19", Megatron-core 0.19 and
 # later (the conv weights direct parameters of the mixer); "0.8", core_r0.8.0 to 0.18 (the
 # layer norm fused into in_proj, the conv an nn.Conv1d); "2024", June 2024's first Mamba
-# layer (a norm of its own), the one tools/checkpoint/hybrid_conversion.py knows.
+# layer (a norm of its own), the one tools/checkpoint/hybrid_conversion.py knows (its
+# checkpoints also hold an empty rng_state, which that tool copies).
 KEY_LAYOUTS = {
     "0.19": {"mixer.conv1d.weight": "mixer.conv1d_weight",
              "mixer.conv1d.bias": "mixer.conv1d_bias"},
@@ -232,4 +233,7 @@ def save_megatron(model, path, tp: int = 1, keys: str = "0.19", iteration: int =
     cfg = model.config
     args = megatron_args(cfg, tp, iteration)  # first: it refuses what Megatron cannot hold
     ranks = rank_state_dicts(flat_params(model), cfg, tp, keys)
-    return megatron_files.write_legacy(path, ranks, args, iteration)
+    # hybrid_conversion.py copies the RNG state into what it writes (and reads it first):
+    # none saved. Megatron's loader reads it only without --finetune and --no-load-rng.
+    extra = {"rng_state": []} if keys == "2024" else None
+    return megatron_files.write_legacy(path, ranks, args, iteration, extra)

@@ -334,12 +334,14 @@ def open_iteration(path):
 # ---------------------------------------------------------------- writing
 
 
-def write_legacy(path, ranks: list, args: dict, iteration: int = 0) -> Path:
+def write_legacy(path, ranks: list, args: dict, iteration: int = 0,
+                 extra: dict | None = None) -> Path:
     """Write a legacy checkpoint: path/latest_checkpointed_iteration.txt naming `iteration`
     and path/iter_{iteration:07d}/mp_rank_TT/model_optim_rng.pt, rank TT's {"model": its
     state dict (ranks[TT], numpy arrays, as torch tensors), "args": argparse.Namespace of
-    `args`, "checkpoint_version", "iteration"}. The folder is written beside and renamed
-    into place (an iteration folder there before is replaced). Returns it."""
+    `args`, "checkpoint_version", "iteration", and `extra`'s entries}. The folder is written
+    beside and renamed into place (an iteration folder there before is replaced). Returns
+    it."""
     torch = torch_module("writing a Megatron-LM checkpoint")
     path = Path(path)
     folder = path / f"iter_{iteration:07d}"
@@ -350,7 +352,8 @@ def write_legacy(path, ranks: list, args: dict, iteration: int = 0) -> Path:
         torch.save({"model": {k: torch.from_numpy(np.ascontiguousarray(v))
                               for k, v in state.items()},
                     "args": argparse.Namespace(**args),
-                    "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration},
+                    "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                    **(extra or {})},
                    temporary / f"mp_rank_{r:02d}" / "model_optim_rng.pt")
     if folder.exists():
         shutil.rmtree(folder)
