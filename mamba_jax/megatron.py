@@ -115,11 +115,10 @@ def _config(saved, path, overrides: dict) -> Mamba2Config:
         raise ValueError(f"{path}: holds no saved arguments, and --set lacks "
                          f"{', '.join(missing)} for the layers {pattern!r}: give each, "
                          f"e.g. --set {missing[0]}=...")
-    return Mamba2Config.from_dict(dict(
-        d_model=saved.shape(embedding)[1], n_layer=len(pattern), vocab_size=rows,
-        pad_vocab_size_multiple=1, residual_in_fp32=False,
-        tie_embeddings="output_layer.weight" not in saved.names(),
-        **{"mamba2.chunk_size": 128}, **overrides))
+    return Mamba2Config.from_dict({
+        "d_model": saved.shape(embedding)[1], "n_layer": len(pattern), "vocab_size": rows,
+        "pad_vocab_size_multiple": 1, "residual_in_fp32": False, "mamba2.chunk_size": 128,
+        "tie_embeddings": "output_layer.weight" not in saved.names(), **overrides})
 
 
 def _flat(name: str) -> str:

@@ -174,3 +174,10 @@ def test_megatron_files_without_torch_are_one_line_naming_the_extra(tmp_path, mo
             main([str(src), str(tmp_path / to), "--to", to])
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "pip install 'mamba-jax[megatron]'" in err, err
+
+
+def test_set_is_refused_for_a_checkpoint_with_a_config_json():
+    with pytest.raises(ValueError, match=r"its config.json gives the model's config; config "
+                                         r"fields \(mamba2.chunk_size\) are taken for a "
+                                         r"Megatron-LM checkpoint only"):
+        from_pretrained(FIXTURE / "nemotron_h", overrides={"mamba2.chunk_size": 8})
