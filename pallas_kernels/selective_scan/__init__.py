@@ -11,10 +11,10 @@ dt, A, D, dt_bias and the states are used in float32; y has x's dtype; final_sta
 float32. The gate y * silu(z) of mamba_ssm's selective_scan_fn is the caller's (an XLA
 fusion with the out_proj's input cast).
 
-`implementation`: "xla" (reference.selective_scan_chunked, any platform), "triton" (the
-Pallas kernels of triton.py; without a GPU they run in Pallas's interpreter) or "auto":
-"triton" on a GPU where the kernels take the shapes, "xla" elsewhere (the XLA form builds
-[b, chunk, d, n] float32 decays and states per chunk, which the kernels keep in registers).
+`implementation`: "xla" (xla.py: the recurrence chunk_size tokens per loop step, the state
+the loop's carry, behind a custom_vjp that recomputes each step's states; any platform),
+"triton" (the Pallas kernels of triton.py; without a GPU they run in Pallas's interpreter)
+or "auto": "triton" on a GPU where the kernels take the shapes, "xla" elsewhere (the CPU).
 
 `sequence_axis`: inside `jax.shard_map` with the sequence split over that mesh axis
 (context parallelism): the state is carried across the devices (context_parallel.py).
@@ -28,8 +28,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.selective_scan import reference, triton
+from pallas_kernels.selective_scan import triton
 from pallas_kernels.selective_scan.context_parallel import selective_scan_context_parallel
+from pallas_kernels.selective_scan.xla import selective_scan_xla
 from pallas_kernels.ssd.reference import document_ids, process_dt
 from pallas_kernels.triton_call import off_gpu
 
@@ -41,9 +42,11 @@ IMPLEMENTATIONS = ("auto", "xla", "triton")
 def selective_scan(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None,
                    return_final_state=False, sequence_axis=None, implementation="auto",
-                   chunk_size=64):
+                   chunk_size=8):
     """The selective scan; see the module docstring for shapes and dtypes. chunk_size: the
-    XLA form's chunk (memory per chunk [b, chunk_size, d, n] float32)."""
+    XLA form's tokens per loop step, unrolled (compile time grows with it) and recomputed
+    in the backward pass from the state entering the step (saved: [b, l / chunk_size, d,
+    n] float32)."""
     _check_shapes(x, dt, A, B, C, D, dt_bias, initial_state, seq_idx)
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"selective_scan: chunk_size must be a positive int, got "
@@ -69,8 +72,8 @@ def selective_scan(x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=False,
 def _scan(x, dt, A, B, C, *, D, initial_state, seq_idx, implementation, chunk_size):
     """One device's scan of processed dt -> (y, final_state)."""
     if implementation == "xla":
-        return reference.selective_scan_chunked(x, dt, A, B, C, chunk_size=chunk_size, D=D,
-                                                initial_state=initial_state, seq_idx=seq_idx)
+        return selective_scan_xla(x, dt, A, B, C, chunk_size=chunk_size, D=D,
+                                  initial_state=initial_state, seq_idx=seq_idx)
     return kernel_scan(x, dt, A, B, C, D=D, initial_state=initial_state, seq_idx=seq_idx)
 
 

@@ -1,10 +1,9 @@
-"""Mamba-1's selective scan in plain JAX: the token-by-token recurrence (the oracle) and a
-chunked parallel form.
+"""Mamba-1's selective scan in plain JAX: the token-by-token recurrence (the oracle for the
+XLA form, xla.py, and the kernels, triton.py) and one token's update (the decoding step's).
 
-Legend: b batch, l sequence, d channels (d_inner; each its own SSM), n d_state, c chunks,
-q positions inside one chunk.
+Legend: b batch, l sequence, d channels (d_inner; each its own SSM), n d_state.
 
-Both compute, per document of a packed row (Gu & Dao, 2023, Algorithm 2, "S6"),
+The scan computes, per document of a packed row (Gu & Dao, 2023, Algorithm 2, "S6"),
 
     h_t = exp(dt_t A) * h_t-1 + (dt_t x_t) B_t           (h_t: [d, n]; A: [d, n])
     y_t = h_t C_t + D x_t
@@ -18,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ssd.reference import accumulation_dtype, d_skip
+from pallas_kernels.ssd.reference import accumulation_dtype
 
 
 def restarts(seq_idx, b, l):
@@ -55,68 +54,6 @@ def selective_scan_naive(x, dt, A, B, C, *, D=None, initial_state=None, seq_idx=
     if D is not None:
         y = y + D.astype(acc) * x.astype(acc)
     return y.astype(x.dtype), state
-
-
-def selective_scan_chunked(x, dt, A, B, C, *, chunk_size=64, D=None, initial_state=None,
-                           seq_idx=None):
-    """The same scan as selective_scan_naive, in parallel inside chunks of chunk_size
-    tokens: a prefix scan over the chunk's (decay, input) pairs (_prefix_scan), then the
-    state entering the chunk decayed to each position; a sequential scan carries the state
-    across the chunks. Any l (padded inside with dt = 0: no input, decay 1).
-
-    Each chunk's body is rematerialised: the [b, q, d, n] decays and states it builds (the
-    scan's whole cost in memory) are rebuilt in the backward pass rather than kept for all
-    l tokens, so memory is that of one chunk's [b, q, d, n] plus the [b, c, d, n] states
-    entering the chunks. Arguments and results as selective_scan_naive.
-    """
-    b, l, d = x.shape
-    n = A.shape[-1]
-    acc = accumulation_dtype(x)
-    q = min(chunk_size, l)
-    pad = (-l) % q
-    restart = restarts(seq_idx, b, l)
-    if pad:
-        zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        x, dt, B, C, restart = map(zeros, (x, dt, B, C, restart))
-    c = (l + pad) // q
-    chunks = lambda a: jnp.moveaxis(a.reshape(b, c, q, *a.shape[2:]), 1, 0)  # [c, b, q, ...]
-    state = (jnp.zeros((b, d, n), acc) if initial_state is None
-             else initial_state.astype(acc))
-
-    @jax.checkpoint
-    def chunk(state, inputs):
-        x_c, dt_c, B_c, C_c, restart_c = inputs
-        dt_c = dt_c.astype(acc)
-        decay = jnp.where(restart_c[..., None, None], 0.0,
-                          jnp.exp(dt_c[..., None] * A.astype(acc)))  # [b, q, d, n]
-        drive = (dt_c * x_c.astype(acc))[..., None] * B_c.astype(acc)[:, :, None, :]
-        through, own = _prefix_scan(decay, drive)
-        states = through * state[:, None] + own  # [b, q, d, n]
-        y = jnp.einsum("bqdn,bqn->bqd", states, C_c.astype(acc))
-        return states[:, -1], y
-
-    state, y = jax.lax.scan(chunk, state, tuple(map(chunks, (x, dt, B, C, restart))))
-    y = jnp.moveaxis(y, 0, 1).reshape(b, c * q, d)[:, :l]
-    if D is not None:
-        y = y + d_skip(D, x[:, :l, :, None], acc)[..., 0]  # each channel a head of one
-    return y.astype(x.dtype), state
-
-
-
-def _prefix_scan(decay, drive):
-    """decay, drive [b, q, ...] -> (the products of decay over positions 0..t, the state at
-    t from a zero state, h_t = decay_t h_t-1 + drive_t), by log2(q) doubling steps
-    (Hillis-Steele): each step combines every position with the one 2^k before it. More
-    work than lax.associative_scan's odd/even recursion (q log q against 2q), but less to
-    compile: the gradient of a chunked scan took 2.3 s against its 5.8 s on the CPU."""
-    q, k = decay.shape[1], 1
-    while k < q:
-        earlier = lambda a, identity: jnp.concatenate(
-            [jnp.full_like(a[:, :k], identity), a[:, :-k]], axis=1)
-        drive = decay * earlier(drive, 0.0) + drive
-        decay = decay * earlier(decay, 1.0)
-        k *= 2
-    return decay, drive
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None):
