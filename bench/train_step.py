@@ -88,10 +88,11 @@ GIB = 2**30
 class Steps:
     """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len);
     scan_layers as the trainer's --scan-layers (default: the layers one after the other);
-    ssd_config: the SSD kernels' config it is traced with (bench.ssd.default_config)."""
+    ssd_config: the SSD kernels' config it is traced with (bench.ssd.default_config);
+    dtype: the compute dtype (the trainer's --dtype)."""
 
     def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=False,
-                 ssd_config=""):
+                 ssd_config="", dtype="bfloat16"):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -109,7 +110,7 @@ class Steps:
         self.mesh_spec, self.loss_chunk, self.ssd_config = mesh_spec, loss_chunk, ssd_config
         n = math.prod(parallel.parse_mesh_spec(mesh_spec).values())
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
-        self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.bfloat16)
+        self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.dtype(dtype))
         graphdef, abstract = nnx.split(nnx.eval_shape(self.build))
         specs = parallel.param_specs(abstract, mesh)
         self.param_shardings = parallel.shardings(mesh, specs)
