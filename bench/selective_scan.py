@@ -15,7 +15,7 @@ packed documents and an initial state, in float32 and bfloat16.
 
 The scan table: per shape (batch x seqlen, bf16 x, B, C; float32 dt, A, D), forward and
 forward+backward time of our kernels ("triton"), of our XLA form
-(reference.selective_scan_chunked) and of the baseline, and ours/baseline. The baseline,
+(xla.py, implementation="xla") and of the baseline, and ours/baseline. The baseline,
 named in the table's header (--configs: our kernels with other tiles, a column each):
 - mamba_ssm's selective_scan_fn on its compiled CUDA extension (selective_scan_cuda),
   where that imports on this machine;
@@ -251,7 +251,7 @@ def main(argv=None):
         print("scan baseline: mamba_ssm selective_scan_fn on its compiled selective_scan_cuda "
               "(dt in bf16, as its kernel takes it)")
     else:
-        print(f"scan baseline: OUR OWN XLA FORM (reference.selective_scan_chunked), not "
+        print(f"scan baseline: OUR OWN XLA FORM (selective_scan/xla.py), not "
               f"mamba_ssm: its selective_scan_cuda extension is not built here ({why}); "
               f"'ours/baseline' is our kernels against our XLA form")
     d, n = args.d_inner, args.d_state

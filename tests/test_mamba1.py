@@ -29,7 +29,7 @@ def loaded(request):
 
 
 def test_logits_and_greedy_tokens_match_pytorch(loaded):
-    # float32 logits within 1e-4 relative (HF's associative scan and our chunked one sum in
+    # float32 logits within 1e-4 relative (HF's associative scan and our XLA one sum in
     # other orders); greedy tokens identical (mamba_ssm's fixture has no greedy.npy: the
     # model is mamba1_tied's).
     case, model = loaded
