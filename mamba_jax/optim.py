@@ -105,23 +105,39 @@ def init_opt_state(tx, params, param_shardings, replicated):
 def make_train_step(loss_fn, tx, *, deterministic=False):
     """step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), jitted.
 
-    batch = (inputs, targets) or (inputs, targets, seq_idx), each [micro-batches, b, l]: the
-    gradient is the mean over the micro-batches, accumulated in a scan (--grad-accum).
-    Shardings ride on the arrays; params and opt_state are donated. Compiled with
-    train_compiler_options(deterministic).
+    batch = (inputs, targets), (inputs, targets, seq_idx) or (inputs, targets, seq_idx,
+    loss_mask), each [micro-batches, b, l] (--grad-accum), accumulated in a scan. The loss is
+    the mean over the batch's counted tokens (every token without a loss_mask): each
+    micro-batch's mean (loss_fn's) weighs by its share of them, not 1 / micro-batches, so it
+    is the same whatever the split. A batch that counts no token changes nothing: its loss
+    and gradients are 0 and the update is skipped (the parameters and the optimizer state,
+    its step count too, stay as they were). Shardings ride on the arrays; params and
+    opt_state are donated. Compiled with train_compiler_options(deterministic).
     """
+    def update(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     def step(params, opt_state, batch):
-        n = batch[0].shape[0]
+        n, masked = batch[0].shape[0], len(batch) > 3
+        counts = batch[3].sum((1, 2), dtype=jnp.int32) if masked else None
         if n == 1:  # no loop: a scan costs a little even over one micro-batch
             loss, grads = jax.value_and_grad(loss_fn)(params, *(a[0] for a in batch))
         else:
-            def accumulate(total, micro_batch):
+            shares = (counts / jnp.maximum(counts.sum(), 1) if masked
+                      else jnp.full(n, 1 / n, jnp.float32))
+
+            def accumulate(total, xs):
+                share, micro_batch = xs
                 loss, grads = jax.value_and_grad(loss_fn)(params, *micro_batch)
-                return jax.tree.map(jnp.add, total, (loss, grads)), None
+                return jax.tree.map(lambda t, x: t + share * x, total, (loss, grads)), None
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, zeros, batch)
-            loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, (shares, batch))
+        if masked:
+            params, opt_state = jax.lax.cond(counts.sum() > 0, update, lambda p, o, _: (p, o),
+                                             params, opt_state, grads)
+        else:
+            params, opt_state = update(params, opt_state, grads)
+        return params, opt_state, loss, optax.tree.norm(grads)
     return jax.jit(step, donate_argnums=(0, 1),
                    compiler_options=train_compiler_options(deterministic))

@@ -26,6 +26,7 @@ import math
 import os
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -159,10 +160,13 @@ def _shard_map(body, mesh, specs, n_batch_args, out_specs):
 
 def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
                  loss_chunk=None, scan_layers=True, per_row=False):
-    """loss(params, inputs [b, l], targets [b, l], seq_idx=None) -> mean next-token
-    cross-entropy (nats): Mamba2LM.loss on every device, averaged over the mesh (per_row:
-    each row's mean, [b] float32). seq_idx [b, l]: packed documents (no state crosses a
-    boundary).
+    """loss(params, inputs [b, l], targets [b, l], seq_idx=None, loss_mask=None) -> mean
+    next-token cross-entropy (nats) over the counted tokens: Mamba2LM.loss on every device,
+    summed over the mesh and divided by the count of counted tokens (per_row: each row's
+    mean, [b] float32). seq_idx [b, l]: packed documents (no state crosses a boundary).
+    loss_mask [b, l] bool or ints: the targets that count (nonzero); None: every target.
+    A target outside the mask adds exactly nothing, to the value or to any gradient; where
+    none counts the loss is 0 (and so is its gradient).
 
     params are placed as `specs`; the token arrays as TOKENS (rows over dp and fsdp, the
     sequence over cp). remat: "none", "block" or "full" activation checkpointing of each
@@ -171,27 +175,41 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel)
     token_axes = BATCH_AXES + ("cp",)
     n_shards = math.prod(mesh.shape[a] for a in token_axes)
+    sums = "cp" if per_row else token_axes  # what a device's sums are summed over
 
-    def body(params, inputs, targets, seq_idx=None):
+    def body(params, inputs, targets, seq_idx=None, loss_mask=None):
         token_loss = nnx.merge(graphdef, params).loss(inputs, targets, seq_idx, ctx=ctx,
                                                       remat=remat, loss_chunk=loss_chunk,
                                                       scan_layers=scan_layers)
-        if per_row:
-            return lax.psum(token_loss.sum(-1), "cp") / (token_loss.shape[-1] * mesh.shape["cp"])
-        return lax.psum(token_loss.sum(), token_axes) / (token_loss.size * n_shards)
+        axes = -1 if per_row else None
+        if loss_mask is None:
+            count = token_loss.shape[-1] * mesh.shape["cp"] if per_row else \
+                token_loss.size * n_shards
+        else:
+            # a select, not a product: a masked position's cotangent is exactly 0, even
+            # where its loss is not finite
+            token_loss = jnp.where(loss_mask != 0, token_loss, 0.0)
+            count = jnp.maximum(lax.psum((loss_mask != 0).sum(axes, dtype=jnp.int32), sums),
+                                1).astype(jnp.float32)
+        return lax.psum(token_loss.sum(axes), sums) / count
     out_spec = P(BATCH_AXES) if per_row else P()
-    plain = _shard_map(body, mesh, specs, 2, out_spec)
-    packed = _shard_map(body, mesh, specs, 3, out_spec)
 
-    def loss(params, inputs, targets, seq_idx=None):
+    def loss(params, inputs, targets, seq_idx=None, loss_mask=None):
         # the arrays' own shapes: inside, a device's parts' were named
-        check_per_token("make_loss_fn", inputs.shape[:2], targets=targets, seq_idx=seq_idx)
+        check_per_token("make_loss_fn", inputs.shape[:2], targets=targets, seq_idx=seq_idx,
+                        loss_mask=loss_mask)
+        if loss_mask is not None and not (jnp.issubdtype(loss_mask.dtype, jnp.integer)
+                                          or loss_mask.dtype == jnp.bool_):
+            raise ValueError(f"make_loss_fn: loss_mask of dtype {loss_mask.dtype}; give bools "
+                             "or integers (nonzero: the target counts)")
         check_split(nnx.merge(graphdef, params).config, dict(mesh.shape),
                     batch_size=inputs.shape[0], seq_len=inputs.shape[1],
                     sequence_parallel=sequence_parallel, loss_chunk=loss_chunk)
-        if seq_idx is None:
-            return plain(params, inputs, targets)
-        return packed(params, inputs, targets, seq_idx)
+        given = {name: a for name, a in (("seq_idx", seq_idx), ("loss_mask", loss_mask))
+                 if a is not None}
+        mapped = _shard_map(lambda p, i, t, *more: body(p, i, t, **dict(zip(given, more))),
+                            mesh, specs, 2 + len(given), out_spec)
+        return mapped(params, inputs, targets, *given.values())
     return loss
 
 
