@@ -161,9 +161,7 @@ class ChatTemplate:
         tokenizer_config.json (and special_tokens_map.json); None where it has no template."""
         directory = Path(directory)
         config = _read_json(directory / "tokenizer_config.json")
-        tokens = {**_read_json(directory / "special_tokens_map.json"), **config}
-        special = {name: text for name in TEMPLATE_TOKENS
-                   if (text := _token_text(tokens.get(name))) is not None}
+        special = model_special_tokens(directory)
         jinja_file = directory / "chat_template.jinja"
         if jinja_file.is_file():
             return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))
@@ -261,6 +259,17 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.source}: the tokenizer gives no character offsets, "
                                     "which a loss mask needs; use a tokenizer.json tokenizer")
         return list(encoding.ids), _overlapping(offsets, [s for s in spans if s[1] > s[0]])
+
+
+def model_special_tokens(directory) -> dict[str, str]:
+    """The special tokens of a model (or tokenizer) dir by name (TEMPLATE_TOKENS: "bos_token",
+    "eos_token", ...): its tokenizer_config.json's over its special_tokens_map.json's, as
+    transformers reads them; {} where it has neither."""
+    directory = Path(directory)
+    tokens = {**_read_json(directory / "special_tokens_map.json"),
+              **_read_json(directory / "tokenizer_config.json")}
+    return {name: text for name in TEMPLATE_TOKENS
+            if (text := _token_text(tokens.get(name))) is not None}
 
 
 def _overlapping(offsets, spans) -> list[int]:

@@ -58,19 +58,23 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from mamba_jax.cli import HelpFormatter, command
+from mamba_jax.chat import ChatTemplate, ChatTemplateError, model_special_tokens
+from mamba_jax.cli import HelpFormatter, MissingDependency, command
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_model, locked,
                              model_file)
 from mamba_jax.tokenizer import (SPECIAL_TOKENS, TOKENIZER_FILES, byte_tokenizer,
-                                 copy_tokenizer, load_tokenizer, special_ends, special_tokens)
+                                 copy_tokenizer, find_tokenizer, load_tokenizer, special_ends,
+                                 special_tokens)
 
 DEFAULT_CORPUS = Path(__file__).parent / "corpus" / "licenses.txt"
 FORMAT_VERSION = 1
 # What a dataset directory holds; meta.json, written last, makes it a dataset.
-DATASET_FILES = ("tokens.bin", "tokens.idx", "docs.npy", *TOKENIZER_FILES, "meta.json")
+DATASET_FILES = ("tokens.bin", "tokens.idx", "docs.npy", "loss_mask.bin", *TOKENIZER_FILES,
+                 "meta.json")
 # The share of a Megatron dataset's documents held out (the last ones; prepare's default).
 EVAL_FRACTION = 0.01
 
@@ -154,8 +158,15 @@ def _not_utf8(path, error: UnicodeDecodeError) -> ValueError:
 # ---------------------------------------------------------------- preparing
 
 
-# The suffixes of JSON-lines files (any case): every other input is plain text
+# The suffixes of JSON-lines files (any case), and of Parquet files: every other input is
+# plain text
 JSON_LINES = (".jsonl", ".json", ".ndjson")
+PARQUET = ".parquet"
+# What prepare writes (--format): plain text, every token trained; instruction data, whose
+# loss mask (loss_mask.bin) counts only what a fine-tune learns
+FORMATS = ("text", "chat", "prompt-completion")
+# The roles of OpenAI's chat messages: any other is refused
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def is_json_lines(path) -> bool:
@@ -163,84 +174,252 @@ def is_json_lines(path) -> bool:
     return Path(path).suffix.lower() in JSON_LINES
 
 
+def is_parquet(path) -> bool:
+    """Whether prepare reads `path` as a Parquet table (by its suffix)."""
+    return Path(path).suffix.lower() == PARQUET
+
+
+_NOT_JSON = object()  # a JSON-lines file's line that does not parse
+
+
+def _rows(path: Path):
+    """Yield (where, row) for each row of a JSON-lines file (each non-blank line's value, or
+    _NOT_JSON; where: "PATH:LINE") or of a Parquet file (each row as a dict, read a batch
+    of rows at a time; where: "PATH row N", from 1)."""
+    if is_parquet(path):
+        try:
+            import pyarrow
+            import pyarrow.parquet
+        except ImportError:
+            raise MissingDependency(f"{path} is a Parquet file, which needs pyarrow: pip "
+                                    "install 'mamba-jax[parquet]'") from None
+        try:
+            table = pyarrow.parquet.ParquetFile(path)
+        except pyarrow.ArrowException as error:
+            raise ValueError(f"{path} is not a Parquet file ({error}); write it again, or "
+                             "convert it to JSON lines") from None
+        number = 0
+        for batch in table.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{path} row {number}", row
+        return
+    # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
+    with open(path, encoding="utf-8-sig") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield f"{path}:{number}", json.loads(line)
+                except json.JSONDecodeError:
+                    yield f"{path}:{number}", _NOT_JSON
+
+
 def _documents(path: Path, json_keys=("text",), lines_per_piece: int = 4096):
     """Yield (document_starts, whole_document, text) for one input file, reading it line by
     line.
 
-    A JSON-lines file (JSON_LINES) has a JSON object per line, whose json_keys fields are
-    each a document, whole; any other file is one document of plain text, handed out in
+    A JSON-lines (JSON_LINES) or Parquet file has an object per row, whose json_keys fields
+    are each a document, whole; any other file is one document of plain text, handed out in
     pieces of whole lines so that a large file never sits in memory (a piece boundary is a
     line boundary, where tokenizers rarely merge).
     """
-    # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
+    if is_json_lines(path) or is_parquet(path):
+        for where, row in _rows(path):
+            texts = [row.get(key) for key in json_keys] if isinstance(row, dict) else [None]
+            if not all(isinstance(text, str) for text in texts):
+                fields = " and ".join(repr(key) for key in json_keys)
+                raise ValueError(f"{where}: expected a JSON object whose field(s) {fields} "
+                                 f"are strings, on every {'row' if is_parquet(path) else 'line'}"
+                                 " (--json-keys names them)")
+            for text in texts:
+                yield True, True, text
+        return
     with open(path, encoding="utf-8-sig") as f:
-        if is_json_lines(path):
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    texts = [json.loads(line)[key] for key in json_keys]
-                    if not all(isinstance(text, str) for text in texts):
-                        raise TypeError
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    fields = " and ".join(repr(key) for key in json_keys)
-                    raise ValueError(f"{path}:{number}: expected a JSON object whose "
-                                     f"field(s) {fields} are strings, on every line "
-                                     "(--json-keys names them)") from None
-                for text in texts:
-                    yield True, True, text
-        else:
-            piece, first = [], True
-            for line in f:
-                piece.append(line)
-                if len(piece) == lines_per_piece:
-                    yield first, False, "".join(piece)
-                    piece, first = [], False
-            if piece or first:
+        piece, first = [], True
+        for line in f:
+            piece.append(line)
+            if len(piece) == lines_per_piece:
                 yield first, False, "".join(piece)
+                piece, first = [], False
+        if piece or first:
+            yield first, False, "".join(piece)
 
 
-def _tokenize_file(job):
-    """Worker: tokenize one file into a temporary shard, eod_id (or None) after each
-    non-empty document; returns the shard's path, the documents' lengths, the largest id."""
-    path, tokenizer_spec, dtype, tmp, eod_id, json_keys = job
-    tokenizer = load_tokenizer(tokenizer_spec)
+def _what(value) -> str:
+    """How an error names a row's value: "a JSON list", "not JSON", ..."""
+    if value is _NOT_JSON:
+        return "a line that is not JSON"
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+class _Instructions:
+    """A worker's encoder of instruction rows (prepare --format chat | prompt-completion):
+    row -> (ids, mask), mask 1 where the token trains. Built in each worker from picklable
+    settings: the tokenizer's file, the chat template's (path, special tokens, whether it
+    is a model dir's) or None, and the end-of-text id that ends a completion (or None)."""
+
+    def __init__(self, fmt: str, tokenizer_file: str, template, eos_id):
+        self.fmt, self.eos_id = fmt, eos_id
+        self.tokenizer = load_tokenizer(tokenizer_file)
+        self.template = None if template is None else _chat_template(*template)
+        self.prefix, self.suffix = special_ends(self.tokenizer)
+
+    def __call__(self, where: str, row) -> tuple[list[int], list[int]]:
+        try:
+            if self.fmt == "chat":
+                return self._chat(where, row)
+            return self._prompt_completion(where, row)
+        except ChatTemplateError as error:  # names the template and its own message
+            raise ValueError(f"{where}: {error}") from None
+
+    def _messages(self, where: str, messages, field: str) -> list:
+        """messages, checked: a non-empty list of objects of a known role."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f'{where}: "{field}" is {_what(messages)}, not a list of '
+                             '{"role", "content"} objects; give each row its messages')
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ROLES:
+                got = f"role {role!r}" if isinstance(message, dict) else _what(message)
+                raise ValueError(f'{where}: "{field}" message {i} has {got}, not one of '
+                                 f"{', '.join(ROLES)}; give each message a role and content")
+        return messages
+
+    def _chat(self, where: str, row):
+        if not isinstance(row, dict) or "messages" not in row:
+            raise ValueError(f'{where}: expected a JSON object with a "messages" list (--format '
+                             f"chat), got {_what(row)}"
+                             + (f" with fields {sorted(row)}" if isinstance(row, dict) else "")
+                             + "; give every row its conversation")
+        messages = self._messages(where, row["messages"], "messages")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{where}: the chat has no assistant turn, so none of its tokens "
+                             "would train; add the assistant's reply, or leave the row out")
+        return self.template.encode_with_mask(self.tokenizer, messages)
+
+    def _prompt_completion(self, where: str, row):
+        missing = [k for k in ("prompt", "completion") if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ValueError(f'{where}: expected a JSON object with "prompt" and "completion" '
+                             f"fields (--format prompt-completion), got {_what(row)} without "
+                             f"{' and '.join(repr(k) for k in missing)}; give every row both")
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            # TRL's: prompt and completion tokenized together (a token may straddle them),
+            # the prompt's own tokens not trained, then the end-of-text token, trained
+            encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids
+            body, cut = encode(prompt + completion), len(encode(prompt))
+            end = [] if self.eos_id is None or body[-1:] == [self.eos_id] else [self.eos_id]
+            ids = self.prefix + body + end + self.suffix
+            return ids, ([0] * (len(self.prefix) + cut) + [1] * (len(body) - cut + len(end))
+                         + [0] * len(self.suffix))
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise ValueError(f'{where}: "prompt" and "completion" are {_what(prompt)} and '
+                             f"{_what(completion)}: give two strings, or two lists of messages "
+                             "(a conversation and the assistant's reply)")
+        if self.template is None:
+            raise ValueError(f"{where}: a prompt and completion of messages are rendered with "
+                             "a chat template, and the tokenizer has none: pass --chat-template "
+                             "FILE, or --tokenizer a model folder with one")
+        prompt = self._messages(where, prompt, "prompt")
+        completion = self._messages(where, completion, "completion")
+        if not any(m["role"] == "assistant" for m in completion):
+            raise ValueError(f'{where}: the "completion" has no assistant turn, so none of its '
+                             "tokens would train; give the assistant's reply")
+        # TRL's: the prompt rendered with the generation prompt is not trained, the rest is
+        head = self.template.encode(self.tokenizer, prompt, add_generation_prompt=True)
+        ids = self.template.encode(self.tokenizer, prompt + completion)
+        return ids, [0] * len(head) + [1] * (len(ids) - len(head))
+
+
+def _chat_template(path: str, special_tokens: dict, model_dir: bool) -> ChatTemplate:
+    """The template prepare renders with: a model dir's, or a --chat-template file."""
+    return ChatTemplate.from_model_dir(path) if model_dir else \
+        ChatTemplate.from_file(path, special_tokens)
+
+
+class _Job(NamedTuple):
+    """One input file's tokenizing (a worker's part of prepare)."""
+
+    path: str
+    tokenizer_file: str
+    dtype: type
+    tmp: Path
+    eod_id: int | None
+    json_keys: tuple
+    fmt: str = "text"
+    template: tuple | None = None  # _chat_template's arguments
+
+
+def _tokenize_file(job: _Job):
+    """Worker: tokenize one file into a temporary shard (and, for instruction data, its
+    loss mask into SHARD.mask, one uint8 a token); returns the shard's path, the documents'
+    lengths, the largest id and the count of trained tokens (None for text)."""
+    shard = Path(tempfile.mkstemp(dir=job.tmp, suffix=".bin")[1])
+    lengths, max_token, counted = [], -1, None
+
+    def write(out, ids):
+        nonlocal max_token
+        ids = np.asarray(ids, np.int64)
+        if ids.size:
+            max_token = max(max_token, int(ids.max()))
+            if ids.max() > np.iinfo(job.dtype).max:
+                raise ValueError(f"{job.path}: token id {ids.max()} does not fit {job.dtype}")
+        lengths[-1] += ids.size
+        out.write(ids.astype(job.dtype).tobytes())
+
+    try:
+        if job.fmt == "text":
+            _write_text(job, shard, lengths, write)
+        else:
+            counted = _write_instructions(job, shard, lengths, write)
+    except UnicodeDecodeError as error:
+        raise _not_utf8(job.path, error) from None
+    return str(shard), [n for n in lengths if n], max_token, counted
+
+
+def _write_text(job: _Job, shard: Path, lengths: list, write) -> None:
+    """_tokenize_file's plain text: eod_id (or None) after each non-empty document."""
+    tokenizer = load_tokenizer(job.tokenizer_file)
     # A document in pieces gets the special tokens of one encode (a BOS) once, at its ends
     prefix, suffix = special_ends(tokenizer)
-    shard = Path(tempfile.mkstemp(dir=tmp, suffix=".bin")[1])
-    lengths, max_token, in_pieces = [], -1, False
+    in_pieces = False
     with open(shard, "wb") as out:
-
-        def write(ids):
-            nonlocal max_token
-            ids = np.asarray(ids, np.int64)
-            if ids.size:
-                max_token = max(max_token, int(ids.max()))
-                if ids.max() > np.iinfo(dtype).max:
-                    raise ValueError(f"{path}: token id {ids.max()} does not fit {dtype}")
-            lengths[-1] += ids.size
-            out.write(ids.astype(dtype).tobytes())
 
         def end_document():
             if in_pieces and lengths:
-                write(suffix)
-            if eod_id is not None and lengths and lengths[-1]:
-                write([eod_id])
+                write(out, suffix)
+            if job.eod_id is not None and lengths and lengths[-1]:
+                write(out, [job.eod_id])
 
-        try:
-            for starts_doc, whole, text in _documents(Path(path), json_keys):
-                if starts_doc:
-                    end_document()
-                    lengths.append(0)
-                    in_pieces = not whole
-                    if in_pieces:
-                        write(prefix)
-                write(tokenizer.encode(text).ids if whole else
-                      tokenizer.encode(text, add_special_tokens=False).ids)
-        except UnicodeDecodeError as error:
-            raise _not_utf8(path, error) from None
+        for starts_doc, whole, text in _documents(Path(job.path), job.json_keys):
+            if starts_doc:
+                end_document()
+                lengths.append(0)
+                in_pieces = not whole
+                if in_pieces:
+                    write(out, prefix)
+            write(out, tokenizer.encode(text).ids if whole else
+                  tokenizer.encode(text, add_special_tokens=False).ids)
         end_document()
-    return str(shard), [n for n in lengths if n], max_token
+
+
+def _write_instructions(job: _Job, shard: Path, lengths: list, write) -> int:
+    """_tokenize_file's instruction data: each row a document, its mask in SHARD.mask;
+    returns the count of trained tokens. A file without a row is refused."""
+    encode = _Instructions(job.fmt, job.tokenizer_file, job.template, job.eod_id)
+    counted = 0
+    with open(shard, "wb") as out, open(f"{shard}.mask", "wb") as masks:
+        for where, row in _rows(Path(job.path)):
+            ids, mask = encode(where, row)
+            lengths.append(0)
+            write(out, ids)
+            masks.write(np.asarray(mask, np.uint8).tobytes())
+            counted += sum(mask)
+    if not lengths:
+        raise ValueError(f"prepare: {job.path} holds no rows; give files with {job.fmt} rows "
+                         "in them (one JSON object a line, or a Parquet table)")
+    return counted
 
 
 def _tokenize_all(jobs: list, workers: int, log) -> list:
@@ -297,20 +476,49 @@ def _held_out(n_docs: int, eval_fraction: float) -> int:
 
 
 def _install(work: Path, out: Path):
-    """Move the finished dataset from `work` into `out`, replacing the one there. meta.json
-    goes first out and last in, so an interruption leaves no dataset rather than a mix."""
+    """Move the finished dataset from `work` into `out`, replacing the one there (a loss mask
+    of the one replaced goes with it). meta.json goes first out and last in, so an
+    interruption leaves no dataset rather than a mix."""
     (out / "meta.json").unlink(missing_ok=True)
     for name in DATASET_FILES:
         if (work / name).exists():
             os.replace(work / name, out / name)
+        elif name == "loss_mask.bin":
+            (out / name).unlink(missing_ok=True)
+
+
+def tokenizer_file(spec) -> str:
+    """--tokenizer as load_tokenizer takes it: "bytes" or a tokenizer file as it is; a
+    model's folder -> its tokenizer.json or tokenizer.model (TOKENIZER_FILES)."""
+    if str(spec) != "bytes" and Path(spec).is_dir():
+        found = find_tokenizer(spec)
+        if found is None:
+            raise FileNotFoundError(f"--tokenizer {spec}: the folder holds no "
+                                    f"{' or '.join(TOKENIZER_FILES)}; give a model's folder "
+                                    "or the tokenizer file")
+        return str(found)
+    return str(spec)
+
+
+def _end_of_text(tokenizer, spec, fmt: str) -> tuple[str, int] | None:
+    """The end-of-document token prepare appends: for a completion (as TRL) a model
+    folder's eos_token (tokenizer_config.json), else the tokenizer's (special_tokens)."""
+    eos = model_special_tokens(spec).get("eos_token") \
+        if fmt == "prompt-completion" and Path(spec).is_dir() else None
+    if eos is not None and tokenizer.token_to_id(eos) is not None:
+        return eos, tokenizer.token_to_id(eos)
+    return special_tokens(tokenizer)["eos"]
 
 
 def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=None,
             log=sys.stderr, *, append_eod: bool = True, overwrite: bool = False,
-            json_keys=None):
-    """Tokenize text / JSON-lines files into a dataset directory `out` (see module doc).
-    json_keys: the documents' fields of each JSON line (default ["text"]); given, every
-    input must be JSON lines (JSON_LINES: a text file would ignore them).
+            json_keys=None, fmt: str = "text", chat_template=None):
+    """Tokenize text / JSON-lines / Parquet files into a dataset directory `out` (see module
+    doc). json_keys: the documents' fields of each row (default ["text"]); given, every
+    input must be JSON lines or Parquet (a text file would ignore them). fmt: "text",
+    "chat" or "prompt-completion" (FORMATS; the last two write loss_mask.bin, and need JSON
+    lines or Parquet). chat_template: a template file for chats (default: the one of the
+    model folder tokenizer_spec names).
 
     Files are tokenized in parallel (one process per file), each streamed to a shard, and
     the shards are joined in input order. A dataset already in `out` is refused unless
@@ -322,27 +530,41 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
         if not path.is_file():
             raise FileNotFoundError(f"prepare: input {path} " + (
                 "is a directory; name the files in it" if path.is_dir() else "does not exist"))
-    if json_keys is not None and (text := [p for p in inputs if not is_json_lines(p)]):
-        raise ValueError(f"prepare: --json-keys names fields of JSON lines, but {text[0]} is "
-                         f"read as plain text (one document): JSON-lines files are named "
-                         f"{', '.join(JSON_LINES)}; rename it, or leave --json-keys out")
+    if fmt not in FORMATS:
+        raise ValueError(f"prepare: --format {fmt!r}: use one of {', '.join(FORMATS)}")
+    text = [p for p in inputs if not (is_json_lines(p) or is_parquet(p))]
+    if json_keys is not None and fmt != "text":
+        raise ValueError(f"prepare: --json-keys names the documents of --format text; --format "
+                         f"{fmt} reads its rows' fixed fields: leave --json-keys out")
+    if (json_keys is not None or fmt != "text") and text:
+        raise ValueError(f"prepare: " + ("--json-keys names fields of JSON lines" if fmt == "text"
+                                         else f"--format {fmt} reads rows of JSON lines")
+                         + f", but {text[0]} is read as plain text (one document): JSON-lines "
+                         f"files are named {', '.join(JSON_LINES)}, Parquet files {PARQUET}; "
+                         "rename it" + (", or leave --json-keys out" if fmt == "text" else ""))
+    if chat_template is not None and fmt == "text":
+        raise ValueError("prepare: --chat-template renders --format chat or prompt-completion "
+                         "rows; give one of them, or leave --chat-template out")
     json_keys = json_keys or ["text"]
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"prepare: --eval-fraction={eval_fraction} must be in [0, 1)")
     if workers is not None and workers < 1:
         raise ValueError(f"prepare: --workers={workers} must be at least 1")
-    tokenizer = load_tokenizer(tokenizer_spec)
+    file = tokenizer_file(tokenizer_spec)
+    tokenizer = load_tokenizer(file)
     vocab = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab)
-    eod = special_tokens(tokenizer)["eos"] if append_eod else None
+    template = _template(fmt, tokenizer_spec, chat_template)
+    eod = _end_of_text(tokenizer, tokenizer_spec, fmt) if append_eod and fmt != "chat" \
+        else None
     out = Path(out)
     check_writable("prepare: --out", out, folder=True)
     workers = workers or min(len(inputs), os.cpu_count())
-    _check_replaceable(out, tokenizer_spec, overwrite)  # before the lock: a refusal writes
+    _check_replaceable(out, file, overwrite)  # before the lock: a refusal writes
     # nothing into a model's folder; again under it, against another prepare meanwhile
     with locked(out, "prepare"):
-        _check_replaceable(out, tokenizer_spec, overwrite)
-        if append_eod and eod is None:
+        _check_replaceable(out, file, overwrite)
+        if append_eod and eod is None and fmt != "chat":
             print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token "
                   f"(none of {', '.join(SPECIAL_TOKENS['eos'])}); documents are joined "
                   "without one", file=log)
@@ -352,42 +574,78 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
                   file=log)
         with tempfile.TemporaryDirectory(dir=out, prefix=_WORK_PREFIX) as work:
             work = Path(work)
-            results = _tokenize_all([(str(p), str(tokenizer_spec), dtype, work,
-                                      None if eod is None else eod[1], tuple(json_keys))
-                                     for p in inputs],
+            results = _tokenize_all([_Job(str(p), file, dtype, work,
+                                          None if eod is None else eod[1], tuple(json_keys),
+                                          fmt, template) for p in inputs],
                                     workers, log)
-            lengths = [n for _, file_lengths, _ in results for n in file_lengths]
+            lengths = [n for _, file_lengths, _, _ in results for n in file_lengths]
             if not lengths:
-                raise ValueError(f"prepare: {', '.join(map(str, inputs))} "
-                                 f"{'holds' if len(inputs) == 1 else 'hold'} no text (JSON "
-                                 f"lines: their --json-keys fields {list(json_keys)} empty); "
-                                 "give files with documents in them")
-            with open(work / "tokens.bin", "wb") as joined:
-                for shard, _, _ in results:
-                    with open(shard, "rb") as f:
-                        while block := f.read(1 << 24):
-                            joined.write(block)
+                held = 'holds' if len(inputs) == 1 else 'hold'
+                raise ValueError(f"prepare: {', '.join(map(str, inputs))} " + (
+                    f"{held} no text (JSON lines: their --json-keys fields {list(json_keys)} "
+                    "empty); give files with documents in them" if fmt == "text" else
+                    f"{'renders' if len(inputs) == 1 else 'render'} no tokens: check the "
+                    "chat template (does it render the messages?)"))
+            _join([shard for shard, *_ in results], work / "tokens.bin")
+            if fmt != "text":
+                _join([f"{shard}.mask" for shard, *_ in results], work / "loss_mask.bin")
             docs = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
             n_eval = _held_out(len(lengths), eval_fraction)
-            bytes_level = str(tokenizer_spec) == "bytes"
-            meta = {"version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
+            bytes_level = file == "bytes"
+            meta = {"version": FORMAT_VERSION, "format": fmt, "dtype": np.dtype(dtype).name,
                     "n_tokens": int(docs[-1]), "n_docs": len(lengths),
                     "train_docs": len(lengths) - n_eval,
-                    "max_token": max(m for _, _, m in results), "vocab_size": vocab,
+                    "max_token": max(m for _, _, m, _ in results), "vocab_size": vocab,
                     "tokenizer": "bytes",
                     "tokenizer_source": str(tokenizer_spec),
                     "eod_token": None if eod is None else eod[0],
                     "eod_id": None if eod is None else eod[1],
                     "sources": [str(p) for p in inputs]}
+            if fmt != "text":
+                meta["n_trained"] = sum(counted for *_, counted in results)
+                meta["chat_template"] = None if template is None else \
+                    _chat_template(*template).source
             np.save(work / "docs.npy", docs)
             write_index(work / "tokens.idx", lengths, dtype)
             if not bytes_level:
-                meta["tokenizer"] = copy_tokenizer(tokenizer_spec, work)
-                if _is_given_tokenizer(out / meta["tokenizer"], tokenizer_spec):
+                meta["tokenizer"] = copy_tokenizer(file, work)
+                if _is_given_tokenizer(out / meta["tokenizer"], file):
                     (work / meta["tokenizer"]).unlink()  # --tokenizer is the copy: keep it
             (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             _install(work, out)
     return meta
+
+
+def _template(fmt: str, tokenizer_spec, chat_template) -> tuple | None:
+    """_chat_template's arguments for instruction rows (None: no template), the template
+    read once here so that one that does not compile is refused before any work: a
+    --chat-template file (with a model folder's special tokens), else the model folder's
+    own; a chat needs one."""
+    folder = str(tokenizer_spec) != "bytes" and Path(tokenizer_spec).is_dir()
+    if fmt == "text":
+        return None
+    if chat_template is not None:
+        template = (str(chat_template), model_special_tokens(tokenizer_spec) if folder else {},
+                    False)
+    elif folder and ChatTemplate.from_model_dir(tokenizer_spec) is not None:
+        template = (str(tokenizer_spec), {}, True)
+    elif fmt == "chat":
+        raise ValueError(f"prepare --format chat: --tokenizer {tokenizer_spec} has no chat "
+                         "template (a model folder's tokenizer_config.json chat_template or "
+                         "chat_template.jinja); pass --chat-template FILE")
+    else:
+        return None
+    _chat_template(*template)
+    return template
+
+
+def _join(shards, path: Path) -> None:
+    """The shards' bytes, in order, into one file."""
+    with open(path, "wb") as joined:
+        for shard in shards:
+            with open(shard, "rb") as f:
+                while block := f.read(1 << 24):
+                    joined.write(block)
 
 
 # ---------------------------------------------------------------- reading
@@ -396,12 +654,13 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
 def _check_not_a_part(path: Path):
     """Refuse a file of a dataset given as --data (read as text, a tokens.bin of small ids is
     valid UTF-8: the run would train on its bytes)."""
-    if path.name in ("tokens.bin", "docs.npy", "meta.json") and \
+    if path.name in ("tokens.bin", "docs.npy", "loss_mask.bin", "meta.json") and \
             (path.parent / "meta.json").is_file():
         raise ValueError(f"--data {path} is a file of the dataset {path.parent}; give the "
                          f"folder: --data {path.parent}")
-    if is_json_lines(path):  # read as text, its JSON syntax would be trained on
-        raise ValueError(f"--data {path} is JSON lines, which --data does not read directly: "
+    if is_json_lines(path) or is_parquet(path):  # read as text, its syntax would be trained
+        kind = "JSON lines" if is_json_lines(path) else "Parquet"
+        raise ValueError(f"--data {path} is {kind}, which --data does not read directly: "
                          f"python -m mamba_jax.data prepare {path} --tokenizer T --out DIR, "
                          "then --data DIR")
     prefix = path.with_suffix("")
@@ -457,8 +716,12 @@ class TokenDataset:
 
     `tokens` [t] ints, `doc_starts` [n_docs + 1] (0, ..., t), `train_docs` documents train.
     `vocab_size`: where the largest id is not known before reading (a Megatron dataset),
-    each batch is checked against it as it is read.
+    each batch is checked against it as it is read. Its rows are windows of the token
+    stream, documents cut where a window ends (pretraining's packing), every target counted.
     """
+
+    masked = False  # whether its batches carry a loss_mask (PackedDataset's do)
+    rows_named = "windows"
 
     def __init__(self, tokens, doc_starts, train_docs: int, name: str = "dataset",
                  vocab_size: int | None = None):
@@ -496,7 +759,16 @@ class TokenDataset:
         if tokens.size != meta["n_tokens"] or tokens.size == 0:
             raise ValueError(f"--data {path}: tokens.bin holds {tokens.size} tokens, meta.json "
                              f"says {meta['n_tokens']}; prepare the data again")
-        dataset = cls(tokens, np.load(path / "docs.npy"), meta["train_docs"], str(path))
+        docs = np.load(path / "docs.npy")
+        if meta.get("format", "text") == "text":
+            dataset = cls(tokens, docs, meta["train_docs"], str(path))
+        else:
+            mask = np.memmap(path / "loss_mask.bin", np.uint8, mode="r") \
+                if (path / "loss_mask.bin").is_file() else np.zeros(0, np.uint8)
+            if mask.size != tokens.size:
+                raise ValueError(f"--data {path}: loss_mask.bin holds {mask.size} of the "
+                                 f"{tokens.size} tokens' masks; prepare the data again")
+            dataset = PackedDataset(tokens, docs, meta["train_docs"], mask, str(path))
         dataset.check_vocab(meta["max_token"], vocab_size, meta["vocab_size"])
         return dataset
 
@@ -554,40 +826,48 @@ class TokenDataset:
         return {"inputs": rows[:, :-1].astype(np.int32), "targets": rows[:, 1:].astype(np.int32),
                 "seq_idx": seq_idx.astype(np.int32)}
 
+    def train_rows(self, seq_len: int, seed: int) -> int:
+        """How many rows of seq_len + 1 tokens the training range is cut into."""
+        return self._windows(0, self.train_end, seq_len)
+
+    def rows_batch(self, rows, seq_len: int, seed: int) -> dict[str, np.ndarray]:
+        """The batch of training rows `rows` [b] (each < train_rows)."""
+        return self._batch(np.asarray(rows) * seq_len, seq_len)
+
     def train_batch(self, step: int, batch_size: int, seq_len: int, seed: int,
                     process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
         """Rows [process_index * b / P, (process_index + 1) * b / P) of global batch `step`.
 
-        The training range is cut into non-overlapping windows of seq_len + 1 tokens, visited
-        in a fresh seeded permutation each epoch; batch `step` is a pure function of
-        (step, seed), so resuming at a step restores the exact position.
+        The training range is cut into non-overlapping rows of seq_len + 1 tokens
+        (train_rows), visited in a fresh seeded permutation each epoch; batch `step` is a
+        pure function of (step, seed), so resuming at a step restores the exact position.
         """
         if batch_size % process_count:
             raise ValueError(f"--batch-size {batch_size} is not divisible by the "
                              f"{process_count} processes")
-        n = self._windows(0, self.train_end, seq_len)
+        n = self.train_rows(seq_len, seed)
         per_epoch = n // batch_size
         if per_epoch < 1:
-            raise ValueError(f"--data {self.name}: {n} windows of --seq-len {seq_len}, fewer "
-                             f"than --batch-size {batch_size}")
+            raise ValueError(f"--data {self.name}: {n} {self.rows_named} of --seq-len "
+                             f"{seq_len}, fewer than --batch-size {batch_size}")
         epoch, index = divmod(step, per_epoch)
         order = np.random.default_rng([seed, epoch]).permutation(n)
         local = batch_size // process_count
         rows = order[index * batch_size:(index + 1) * batch_size]
         rows = rows[process_index * local:(process_index + 1) * local]
-        return self._batch(rows * seq_len, seq_len)
+        return self.rows_batch(rows, seq_len, seed)
 
-    def sample_starts(self, samples, seq_len: int, seed: int) -> np.ndarray:
-        """The training windows' starts of global sample numbers `samples` [n]: sample s is
-        window order[s % windows] of epoch s // windows, order a seeded permutation per
-        epoch (as train_batch's); BlendedDataset draws its rows from here."""
-        n = self._windows(0, self.train_end, seq_len)
+    def sample_batch(self, samples, seq_len: int, seed: int) -> dict[str, np.ndarray]:
+        """The training rows of global sample numbers `samples` [n]: sample s is row
+        order[s % rows] of epoch s // rows, order a seeded permutation per epoch (as
+        train_batch's); BlendedDataset draws its rows from here."""
+        n = self.train_rows(seq_len, seed)
         epochs, index = np.divmod(np.asarray(samples, np.int64), n)
-        windows = np.empty_like(index)
+        rows = np.empty_like(index)
         for epoch in np.unique(epochs):
             order = np.random.default_rng([seed, int(epoch)]).permutation(n)
-            windows[epochs == epoch] = order[index[epochs == epoch]]
-        return windows * seq_len
+            rows[epochs == epoch] = order[index[epochs == epoch]]
+        return self.rows_batch(rows, seq_len, seed)
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """Consecutive windows of the held-out range, at most max_batches batches."""
@@ -596,14 +876,122 @@ class TokenDataset:
         for i in range(0, n, batch_size):
             yield self._batch(starts[i:i + batch_size], seq_len)
 
+    def packing_note(self, seq_len: int, seed: int) -> str | None:
+        """What packing did to the documents, said at the start of a run (None: nothing)."""
+        return None
+
+
+# The seed's companion in the generator of PackedDataset's document order (an epoch's
+# permutation takes [seed, epoch])
+_PACKING = 0x7061636B
+
+
+class PackedDataset(TokenDataset):
+    """Instruction data (prepare --format chat | prompt-completion): documents and their loss
+    mask, `loss_mask` [t] uint8 (1 where the token trains), packed whole into rows.
+
+    Packing: the training documents, in an order seeded by the run's seed, fill rows of
+    seq_len + 1 tokens greedily (a document that does not fit in the rest of a row begins
+    the next; the rest is padding), once a run; each epoch visits the rows in a fresh
+    seeded permutation, as TokenDataset's windows, so batch `step` is a pure function of
+    (step, seed). A document longer than a row is cut to it (its tokens past the row's end
+    are not trained; packing_note counts them). The held-out documents are packed the same
+    way, in their order. No state crosses a document (seq_idx) and no target does (masked),
+    so a document's loss does not depend on what shares its row.
+
+    Batches: `inputs`, `targets` [b, l] int32; `seq_idx` [b, l] int32 (a row's documents 0,
+    1, ...; the padding after them one more); `loss_mask` [b, l] bool: the stored mask of
+    each target, False where the target begins a document or is padding.
+    """
+
+    masked = True
+    rows_named = "packed rows"
+
+    def __init__(self, tokens, doc_starts, train_docs: int, loss_mask, name: str = "dataset"):
+        super().__init__(tokens, doc_starts, train_docs, name)
+        self.loss_mask, self.train_docs = loss_mask, train_docs
+        self._packings = {}
+
+    def _packing(self, seq_len: int, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(documents [n] in row order, bounds [rows + 1]: row r holds documents
+        [bounds[r], bounds[r + 1]) of them): the training documents in their seeded order
+        (seed), or the held-out ones in theirs (seed None), filled into rows greedily."""
+        key = (seq_len, seed)
+        if key not in self._packings:
+            n_docs = len(self.doc_starts) - 1
+            docs = np.arange(self.train_docs, n_docs) if seed is None else \
+                np.random.default_rng([seed, _PACKING]).permutation(self.train_docs)
+            capacity = seq_len + 1
+            bounds, fill = [0], 0
+            for i, n in enumerate(np.minimum(np.diff(self.doc_starts)[docs], capacity).tolist()):
+                if fill + n > capacity:
+                    bounds.append(i)
+                    fill = 0
+                fill += n
+            if len(docs):
+                bounds.append(len(docs))
+            self._packings[key] = docs, np.asarray(bounds)
+        return self._packings[key]
+
+    def _rows(self, packing, rows, seq_len: int) -> dict[str, np.ndarray]:
+        """The batch of rows `rows` of a packing (_packing's)."""
+        docs, bounds = packing
+        capacity = seq_len + 1
+        tokens = np.zeros((len(rows), capacity), np.int32)
+        mask = np.zeros((len(rows), capacity), bool)
+        doc = np.zeros((len(rows), capacity), np.int32)
+        for r, row in enumerate(rows):
+            at, group = 0, docs[bounds[row]:bounds[row + 1]]
+            for k, d in enumerate(group):
+                start = int(self.doc_starts[d])
+                n = min(int(self.doc_starts[d + 1]) - start, capacity)
+                tokens[r, at:at + n] = self.tokens[start:start + n]
+                mask[r, at:at + n] = self.loss_mask[start:start + n]
+                doc[r, at:at + n] = k
+                at += n
+            doc[r, at:] = len(group)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "seq_idx": doc[:, :-1],
+                "loss_mask": mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])}
+
+    def train_rows(self, seq_len: int, seed: int) -> int:
+        return len(self._packing(seq_len, seed)[1]) - 1
+
+    def rows_batch(self, rows, seq_len: int, seed: int) -> dict[str, np.ndarray]:
+        return self._rows(self._packing(seq_len, seed), rows, seq_len)
+
+    def eval_windows(self, seq_len: int) -> int:
+        """How many rows the held-out documents fill."""
+        return max(0, len(self._packing(seq_len, None)[1]) - 1)
+
+    def evaluates(self, seq_len: int) -> bool:
+        """Whether a held-out document has a token to train on."""
+        return bool(self.eval_windows(seq_len) and self.loss_mask[self.train_end:].any())
+
+    def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
+        """The rows of the held-out documents in order, at most max_batches batches."""
+        n = min(self.eval_windows(seq_len), batch_size * max_batches)
+        for i in range(0, n, batch_size):
+            yield self._rows(self._packing(seq_len, None), range(i, min(i + batch_size, n)),
+                             seq_len)
+
+    def packing_note(self, seq_len: int, seed: int) -> str:
+        docs, bounds = self._packing(seq_len, seed)
+        lengths = np.diff(self.doc_starts)[:self.train_docs]
+        long = int((lengths > seq_len + 1).sum())
+        padding = 1 - np.minimum(lengths, seq_len + 1).sum() / ((len(bounds) - 1) * (seq_len + 1))
+        return (f"--data {self.name}: {len(docs)} training documents packed whole into "
+                f"{len(bounds) - 1} rows of --seq-len {seq_len} + 1 tokens ({padding:.1%} "
+                "padding)" + (f"; {long} longer than a row are cut to it, their tokens past "
+                              "it not trained (raise --seq-len to keep them)" if long else ""))
+
 
 class BlendedDataset:
     """Several datasets trained as one, each row of a batch drawn from dataset i with
     probability weights[i] (normalised): Megatron's --data-path W1 P1 W2 P2 blend, sampled
     rather than by Megatron's greedy schedule. Batch `step` is a pure function of (step,
     seed): the rows' datasets come from a generator seeded with (seed, step), and the k-th
-    sample of the run (step * batch_size + row) is window k of the chosen dataset's own
-    seeded order (TokenDataset.sample_starts), so resuming at a step restores the exact
+    sample of the run (step * batch_size + row) is row k of the chosen dataset's own
+    seeded order (TokenDataset.sample_batch), so resuming at a step restores the exact
     position. Evaluation reads each dataset's held-out range in turn."""
 
     def __init__(self, datasets: list[TokenDataset], weights):
@@ -623,14 +1011,31 @@ class BlendedDataset:
         rows = np.arange(process_index * local, (process_index + 1) * local)
         out = {name: np.empty((local, seq_len), np.int32)
                for name in ("inputs", "targets", "seq_idx")}
+        if self.masked:
+            out["loss_mask"] = np.empty((local, seq_len), bool)
         for i, dataset in enumerate(self.datasets):
             mine = choice[rows] == i
             if mine.any():
                 samples = step * batch_size + rows[mine]
-                part = dataset._batch(dataset.sample_starts(samples, seq_len, seed), seq_len)
+                part = self._masked(dataset.sample_batch(samples, seq_len, seed))
                 for name in out:
                     out[name][mine] = part[name]
         return out
+
+    @property
+    def masked(self) -> bool:
+        """Whether a dataset of the blend is instruction data: then every batch has a
+        loss_mask, all True in the rows of the others."""
+        return any(d.masked for d in self.datasets)
+
+    def _masked(self, batch: dict) -> dict:
+        if self.masked and "loss_mask" not in batch:
+            return {**batch, "loss_mask": np.ones(batch["inputs"].shape, bool)}
+        return batch
+
+    def packing_note(self, seq_len: int, seed: int) -> str | None:
+        notes = [n for d in self.datasets if (n := d.packing_note(seq_len, seed))]
+        return "; ".join(notes) or None
 
     def eval_windows(self, seq_len: int) -> int:
         return sum(d.eval_windows(seq_len) for d in self.datasets)
@@ -641,7 +1046,7 @@ class BlendedDataset:
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """Each dataset's TokenDataset.eval_batches, one after the other."""
         for dataset in self.datasets:
-            yield from dataset.eval_batches(batch_size, seq_len, max_batches)
+            yield from map(self._masked, dataset.eval_batches(batch_size, seq_len, max_batches))
 
     def prompt(self, tokenizer, max_chars: int = 24) -> str:
         return self.datasets[0].prompt(tokenizer, max_chars)
@@ -694,13 +1099,26 @@ def load_data(items: list[str], vocab_size: int, tokenizer=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m mamba_jax.data")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="tokenize text or JSON-lines files into a dataset dir",
-                       formatter_class=HelpFormatter)
+    p = sub.add_parser("prepare", help="tokenize text, JSON-lines or Parquet files into a "
+                                       "dataset dir", formatter_class=HelpFormatter)
     # "*", not "+": a missing input is told apart from one that --json-keys took (below).
-    p.add_argument("inputs", nargs="*", help="text files (one document each) or .jsonl files "
-                                             "(one document per line and --json-keys field)")
+    p.add_argument("inputs", nargs="*", help="text files (one document each), or .jsonl / "
+                                             ".parquet files (one document per row and "
+                                             "--json-keys field; --format's rows)")
     p.add_argument("--tokenizer", required=True,
-                   help="tokenizer.json or SentencePiece tokenizer.model path, or 'bytes'")
+                   help="tokenizer.json or SentencePiece tokenizer.model path, a model's folder "
+                        "(its tokenizer, and tokenizer_config.json's chat template and special "
+                        "tokens), or 'bytes'")
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="text",
+                   help="text: documents, every token trained; chat: rows of {\"messages\": "
+                        "[{\"role\", \"content\"}, ...]} rendered with the chat template, "
+                        "only the assistant's turns trained; prompt-completion: rows of "
+                        "{\"prompt\", \"completion\"} (strings, or lists of messages), only "
+                        "the completion and its end-of-text token trained")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template for --format chat (and prompt-completion rows "
+                        "of messages), as transformers' apply_chat_template renders it "
+                        "(default: the --tokenizer folder's)")
     p.add_argument("--json-keys", nargs="+", metavar="KEY",
                    help="the fields of each JSON line that are documents (Megatron's flag; "
                         "default: text)")
@@ -708,7 +1126,8 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true",
                    help="replace the dataset already in --out (refused otherwise)")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false",
-                   help="do not end each document with the tokenizer's end-of-document token")
+                   help="do not end each document (each completion) with the tokenizer's "
+                        "end-of-document token (a chat's template writes its own ends)")
     p.add_argument("--eval-fraction", type=float, default=0.01,
                    help="fraction of documents held out for evaluation (the last ones)")
     p.add_argument("--workers", type=int, default=None,
@@ -721,14 +1140,19 @@ def main(argv=None):
             "--json-keys)" if taken else ""))
     meta = prepare(args.inputs, args.tokenizer, args.out, args.eval_fraction, args.workers,
                    append_eod=args.append_eod, overwrite=args.overwrite,
-                   json_keys=args.json_keys)
+                   json_keys=args.json_keys, fmt=args.fmt, chat_template=args.chat_template)
     n_docs, held = meta["n_docs"], meta["n_docs"] - meta["train_docs"]
     alone = ""
     if n_docs == 1 and args.eval_fraction:
         alone = (": a single document is not split, so runs on it do not evaluate; give "
                  "several (text files, or JSON lines) to hold some out")
-    print(f"{args.out}: {meta['n_tokens']} tokens in {n_docs} document{'s' * (n_docs != 1)} "
-          f"({held} held out{alone})")
+    trained = f" ({meta['n_trained']} trained)" if "n_trained" in meta else ""
+    print(f"{args.out}: {meta['n_tokens']} tokens{trained} in {n_docs} "
+          f"document{'s' * (n_docs != 1)} ({held} held out{alone})")
+    if meta.get("n_trained") == 0:
+        print(f"{args.out}: no row has a token to train on, so training on it changes "
+              "nothing: check the rows' assistant turns (completions) and the template",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

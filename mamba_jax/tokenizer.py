@@ -80,6 +80,12 @@ class SentencePieceTokenizer:
     def get_vocab_size(self) -> int:
         return self.processor.get_piece_size()
 
+    def token_to_id(self, token: str) -> int | None:
+        """tokenizers' token_to_id: the piece's id, None where the model has no such piece."""
+        i = self.processor.piece_to_id(token)
+        return None if i == self.processor.unk_id() and token != self.processor.id_to_piece(i) \
+            else i
+
     def to_str(self) -> str:
         """The model's digest: equal for the same model file."""
         return "sentencepiece:" + hashlib.sha256(self.model).hexdigest()

@@ -100,7 +100,8 @@ def build_parser():
     p.add_argument("--no-cross-document-state", dest="cross_document_state",
                    action="store_false",
                    help="restart the conv and the SSM state at every document boundary of the "
-                        "packed sequences (passes seq_idx to the scan)")
+                        "packed sequences (passes seq_idx to the scan); instruction data "
+                        "(prepare --format chat or prompt-completion) always does")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json or SentencePiece tokenizer.model path, or 'bytes', "
                         "saved with the exported model (default: the one --data was prepared "
@@ -341,17 +342,21 @@ class _StopRequest:
         self.signal = signal.Signals(signum)
 
 
-def _token_fields(args) -> tuple[str, ...]:
-    """The batch arrays the loss takes: seq_idx only when documents must not share state."""
-    return ("inputs", "targets") + (() if args.cross_document_state else ("seq_idx",))
+def _token_fields(args, dataset) -> tuple[str, ...]:
+    """The batch arrays the loss takes: seq_idx only when documents must not share state
+    (always for instruction data, whose rows are documents packed whole), loss_mask for
+    instruction data."""
+    masked = dataset.masked
+    return ("inputs", "targets") + (("seq_idx",) if masked or not args.cross_document_state
+                                    else ()) + (("loss_mask",) if masked else ())
 
 
-def _batch_arrays(batch: dict, args, sharding) -> tuple:
+def _batch_arrays(batch: dict, args, dataset, sharding) -> tuple:
     """This process's rows [b_local, l] -> global arrays [grad_accum, b / grad_accum, l]."""
     global_shape = (args.grad_accum, args.batch_size // args.grad_accum, args.seq_len)
     return tuple(jax.make_array_from_process_local_data(
         sharding, batch[n].reshape(args.grad_accum, -1, args.seq_len), global_shape)
-        for n in _token_fields(args))
+        for n in _token_fields(args, dataset))
 
 
 def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
@@ -601,20 +606,22 @@ def _train(argv, held: contextlib.ExitStack):
     rows = NamedSharding(mesh, parallel.TOKENS)
 
     def evaluate(params):
-        """The mean loss of the held-out windows, each row weighing the same: the same on
-        every mesh and --grad-accum (a batch that the data shards do not divide is filled
-        with copies of its first rows, whose losses are not counted)."""
-        # in the step's micro-batches (as many windows in all): --grad-accum is what makes
+        """The mean loss of the held-out rows' counted tokens (every token of a window of
+        text): the same on every mesh and --grad-accum (a batch that the data shards do not
+        divide is filled with copies of its first rows, whose losses are not counted)."""
+        # in the step's micro-batches (as many rows in all): --grad-accum is what makes
         # the step fit, and a forward over --batch-size rows at once need not
-        losses, micro = [], args.batch_size // args.grad_accum
+        losses, counts, micro = [], [], args.batch_size // args.grad_accum
         for batch in dataset.eval_batches(micro, args.seq_len, 4 * args.grad_accum):
             n = len(batch["inputs"])
             filled = np.arange(-n % n_shards + n) % n  # rows 0..n-1, then 0, 1, ... again
             per_row = eval_loss(params, *(parallel.global_array(batch[name][filled], rows)
-                                          for name in _token_fields(args)))
+                                          for name in _token_fields(args, dataset)))
             losses.append(np.asarray(multihost_utils.process_allgather(per_row, tiled=True)
                                      if n_proc > 1 else per_row)[:n])
-        return float(np.mean(np.concatenate(losses)))
+            counts.append(batch["loss_mask"].sum(-1) if dataset.masked else None)
+        return float(np.average(np.concatenate(losses), weights=np.concatenate(counts)
+                                if dataset.masked else None))
 
     if lead:
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -633,6 +640,8 @@ def _train(argv, held: contextlib.ExitStack):
                    f"{WSD_DECAY_FRACTION:.0%} of --steps {args.steps}")
             print(f"--warmup {args.warmup} {why}: the learning rate {instead} instead",
                   file=sys.stderr)
+        if note := dataset.packing_note(args.seq_len, args.seed):
+            print(note, file=sys.stderr)
         if saves_nothing:
             print(f"--save-every {args.save_every} without --checkpoint-dir: this run saves "
                   "no checkpoints (add --checkpoint-dir DIR to save them)", file=sys.stderr)
@@ -690,7 +699,7 @@ def _train(argv, held: contextlib.ExitStack):
             batch = dataset.train_batch(step, args.batch_size, args.seq_len, args.seed,
                                         jax.process_index(), n_proc)
             params, opt_state, loss, grad_norm = train_step(
-                params, opt_state, _batch_arrays(batch, args, micro_rows))
+                params, opt_state, _batch_arrays(batch, args, dataset, micro_rows))
             step += 1
             if pending is not None:
                 log(finished(*pending))
