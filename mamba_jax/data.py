@@ -1,37 +1,56 @@
-"""Prepared token datasets, Megatron-LM's indexed datasets, blends of several, and the
-batches the trainer reads.
+"""Prepared token datasets, Megatron-LM's indexed datasets, instruction data (chats and
+prompt-completion pairs, with a loss mask), blends of several, and the batches the trainer
+reads.
 
     python -m mamba_jax.data prepare a.txt b.jsonl --tokenizer bytes --out data/corpus
     python -m mamba_jax.data prepare c.jsonl --json-keys text --tokenizer tokenizer.model \
         --out data/c
+    python -m mamba_jax.data prepare chats.jsonl --format chat --tokenizer models/nano \
+        --out data/chats
     python -m mamba_jax.train --data 0.3 data/corpus 0.7 /megatron/corpus_text_document
 
 A prepared dataset is a directory:
   tokens.bin      every document's tokens back to back (uint16, or int32 for vocabularies
                   of 65500 and more: Megatron's choice), each followed by the tokenizer's
                   end-of-document token (Megatron's --append-eod; `--no-append-eod` leaves
-                  it out), read through a memory map;
+                  it out; a chat's template writes its own ends), read through a memory map;
   tokens.idx      its index in Megatron-LM's MMapIndexedDataset format (one sequence per
                   document; INDEXED_DATASET below), so that DIR/tokens is a Megatron
                   --data-path as its tools/preprocess_data.py would have written it;
   docs.npy        int64 [n_docs + 1]: where each document starts in tokens.bin, then the end;
+  loss_mask.bin   instruction data only: uint8 [n_tokens], 1 where the token is one a
+                  fine-tune learns (an assistant's turn, a completion), beside tokens.bin;
   tokenizer.json  a copy of the tokenizer it was made with (tokenizer.model for a
                   SentencePiece model; none for the byte tokenizer);
-  meta.json       dtype, counts, the largest token id, the tokenizer ("bytes",
-                  "tokenizer.json" or "tokenizer.model", the copy; `tokenizer_source`: what
-                  --tokenizer named), `eod_token` and `eod_id` (null when none was
-                  appended), the sources, and `train_docs`: the documents before it train,
-                  the rest are held out.
+  meta.json       `format` (FORMATS: "text", "chat", "prompt-completion"), dtype, counts
+                  (`n_trained`: the tokens the mask counts), the largest token id, the
+                  tokenizer ("bytes", "tokenizer.json" or "tokenizer.model", the copy;
+                  `tokenizer_source`: what --tokenizer named), `eod_token` and `eod_id`
+                  (null when none was appended), the chat template's source, the sources,
+                  and `train_docs`: the documents before it train, the rest are held out.
 
-Input: text files (one document each) and JSON-lines files (.jsonl, .json, .ndjson, any
-case), one JSON object per line whose --json-keys fields (Megatron's flag; "text" by
-default) are its documents, in key order (Megatron's preprocess_data writes a dataset per key
-instead); with --json-keys every input must be JSON lines.
+Input (--format text, the default): text files (one document each), and JSON-lines (.jsonl,
+.json, .ndjson, any case) or Parquet (.parquet; pyarrow, the `parquet` extra) files, one
+object per row whose --json-keys fields (Megatron's flag; "text" by default) are its
+documents, in key order (Megatron's preprocess_data writes a dataset per key instead); with
+--json-keys every input must be JSON lines or Parquet.
+
+Instruction data (--format chat | prompt-completion; JSON lines or Parquet), one document a
+row. chat: {"messages": [{"role", "content"}, ...]} (OpenAI's roles, at least one assistant
+turn), rendered and tokenized exactly as transformers' apply_chat_template(tokenize=True)
+does (mamba_jax.chat) with --chat-template FILE or the template of the model folder
+--tokenizer names; the mask counts each assistant turn (its content and its end of turn).
+prompt-completion: {"prompt": str, "completion": str}, as TRL's SFTTrainer tokenizes it:
+prompt + completion tokenized together, then the end-of-text token (the model folder's
+eos_token), the mask counting the tokens after the prompt's and the end-of-text token; or
+{"prompt": [messages], "completion": [messages]}, the prompt rendered with the generation
+prompt (not counted) and the whole conversation rendered (the rest counted).
 
 --data (the trainer) takes a dataset directory, a text file (not JSON lines), a Megatron
 dataset by its path prefix (PREFIX.bin + PREFIX.idx, trained as they are: no re-tokenising;
 the last EVAL_FRACTION of its documents held out), or a blend `W1 PATH1 W2 PATH2 ...`
-(BlendedDataset).
+(BlendedDataset). Text is cut into windows (TokenDataset); instruction data is packed whole
+(PackedDataset).
 
 The end-of-document token is the tokenizer's end-of-sequence token (tokenizer.special_tokens,
 e.g. GPT-NeoX's <|endoftext|>), so that a model learns to stop where generation's eos stops
@@ -40,7 +59,8 @@ without one, and prepare says so.
 
 Legend: b batch, l sequence (--seq-len). A batch is a dict of int32 arrays
 `inputs [b, l]`, `targets [b, l]` (inputs shifted by one) and `seq_idx [b, l]` (the
-document each input token belongs to, for the scan's state resets).
+document each input token belongs to, for the scan's state resets), and for instruction
+data `loss_mask [b, l]` bool (the targets that count).
 """
 
 from __future__ import annotations
