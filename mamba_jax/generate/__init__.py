@@ -56,6 +56,8 @@ class Sampling(NamedTuple):
     top_p: bool
     top_p_decay: bool = False  # some row's top_p shrinks with each new token
     banned_after: bool = False  # some row bans a token right after another
+    penalties: bool = False  # some row has a presence or frequency penalty
+    logit_bias: bool = False  # some row adds a bias to some logits
 
 
 class Settings(NamedTuple):
@@ -63,7 +65,8 @@ class Settings(NamedTuple):
     decay and bound (Megatron-LM's top_p_decay, top_p_bound: new token i samples with
     max(top_p * decay**i, bound) where decay > 0), then the banned pair: after token
     ban_after the next is never ban_token (-1: off; Megatron's prevent_newline_after_colon
-    as (":", "\n"))."""
+    as (":", "\n")), then OpenAI's presence and frequency penalties [b] and logit_bias
+    [b, v] float32 (added to the logits), each None where no row uses it."""
 
     temperature: np.ndarray
     top_k: np.ndarray
@@ -72,15 +75,48 @@ class Settings(NamedTuple):
     top_p_bound: np.ndarray
     ban_after: np.ndarray
     ban_token: np.ndarray
+    presence_penalty: np.ndarray | None = None
+    frequency_penalty: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
+
+
+def seed_keys(seeds) -> jax.Array:
+    """PRNG keys [b] of 64-bit integer seeds [b]: the threefry key whose two words are the
+    seed's (a seed in [0, 2**32) gives jax.random.key(seed)'s key; jax.random.key keeps only
+    a seed's low 32 bits while 64-bit integers are off, so 5 and 2**40 + 5 were one key)."""
+    words = np.asarray([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF]
+                        for s in (int(s) & (2**64 - 1) for s in seeds)], np.uint32)
+    return jax.random.wrap_key_data(words.reshape(-1, 2), impl="threefry2x32")
+
+
+def row_streams(seed, rows: int) -> jax.Array:
+    """The keys [rows] that rows 0..rows-1 of a generate call with `seed` sample from: for
+    one seed, row r's is fold_in(seed's key, r); for one seed a row [rows], row r's is
+    fold_in(seed[r]'s key, 0), the row as if alone in a call with its seed (the server's
+    engine samples a sequence with a seed so). A row's samples depend on these, its prompt
+    and its settings, never on the other rows."""
+    if np.ndim(seed) == 0:
+        keys, index = seed_keys([seed] * rows), np.arange(rows, dtype=np.uint32)
+    else:
+        keys, index = seed_keys(seed), np.zeros((rows,), np.uint32)
+    return jax.vmap(jax.random.fold_in)(keys, index)
+
+
+def token_keys(streams, step) -> jax.Array:
+    """The keys [b] that new token `step` (a number, or [b]: each row's) samples with, from
+    each row's stream [b]."""
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), streams.shape)
+    return jax.vmap(jax.random.fold_in)(streams, step)
 
 
 def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
     """logits [b, v] float32 -> token ids [b] int32.
 
-    Each setting is a number (all rows) or an array [b] (one per row). temperature 0 is
-    greedy (argmax). top_k keeps the k most likely tokens (None or 0: off); top_p then keeps
-    the smallest set whose probability reaches p (None or 1: off), always at least the most
-    likely token.
+    key: one PRNG key for the batch, or one per row [b] (then a row's draw depends on its key
+    and logits alone). Each setting is a number (all rows) or an array [b] (one per row).
+    temperature 0 is greedy (argmax). top_k keeps the k most likely tokens (None or 0: off);
+    top_p then keeps the smallest set whose probability reaches p (None or 1: off), always at
+    least the most likely token.
     """
     if isinstance(temperature, (int, float)) and temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -109,18 +145,37 @@ def sample_logits(logits, key, temperature=0.0, top_k=None, top_p=None):
             cutoff = jnp.maximum(cutoff, jnp.min(
                 jnp.where(stays, ranked, jnp.inf), axis=-1, keepdims=True))
         scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    sampled = jax.random.categorical(key, scaled, axis=-1)
+    if jnp.ndim(key) == 0:
+        sampled = jax.random.categorical(key, scaled, axis=-1)
+    else:
+        sampled = jax.vmap(jax.random.categorical)(key, scaled)
     return jnp.where(t[:, 0] > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-def _sample(logits, key, settings: Settings, sampling: Sampling, step, previous):
-    """sample_logits of new token `step` (0: the prefill's) after the tokens `previous` [b],
-    with the static Sampling deciding which traced settings it reads."""
+def adjusted_logits(logits, settings: Settings, sampling: Sampling, previous, counts=None):
+    """logits [b, v] as the sampler's filters see them: the banned token's -inf after
+    `previous` [b] (Megatron's), less OpenAI's penalties over counts [b, v] int32 (each
+    token's count among the row's new tokens so far), plus logit_bias."""
     s = settings
-    if sampling.banned_after:  # the banned token's logit, as Megatron, before any filter
+    if sampling.banned_after:
         banned = (previous == s.ban_after)[:, None] & (
             jnp.arange(logits.shape[-1])[None, :] == s.ban_token[:, None])
         logits = jnp.where(banned, -jnp.inf, logits)
+    if sampling.penalties:
+        logits = (logits - s.presence_penalty[:, None] * (counts > 0)
+                  - s.frequency_penalty[:, None] * counts)
+    if sampling.logit_bias:
+        logits = logits + s.logit_bias
+    return logits
+
+
+def _sample(logits, key, settings: Settings, sampling: Sampling, step, previous, counts=None):
+    """sample_logits of new token `step` (0: the prefill's; a number, or [b]) after the
+    tokens `previous` [b], its logits adjusted (adjusted_logits, with counts [b, v] of each
+    row's new tokens where sampling.penalties), with the static Sampling deciding which
+    traced settings it reads. key: one for the batch, or one per row [b]."""
+    s = settings
+    logits = adjusted_logits(logits, s, sampling, previous, counts)
     if sampling.greedy:
         return sample_logits(logits, key)
     top_p = s.top_p
@@ -140,10 +195,11 @@ def _picked_nan(logits, token):
 
 @functools.partial(jax.jit, static_argnames=("sampling", "plan", "cache_len",
                                              "ssm_state_dtype"))
-def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan: DecodePlan,
-             cache_len=None, ssm_state_dtype="float32"):
-    """input_ids [b, l], prompt_lengths [b] or None -> (first token [b], -1 where the row's
-    logits are NaN, the cache as the decode loop of `plan` carries it).
+def _prefill(model, input_ids, prompt_lengths, streams, settings, *, sampling,
+             plan: DecodePlan, cache_len=None, ssm_state_dtype="float32"):
+    """input_ids [b, l], prompt_lengths [b] or None, each row's PRNG stream [b]
+    (row_streams) -> (first token [b], -1 where the row's logits are NaN, the cache as the
+    decode loop of `plan` carries it).
 
     model: the Mamba2LM itself, a pytree (see generate). cache_len: the slots of the caches
     that grow with the tokens (None for a model without them, so its prefill compiles once
@@ -154,7 +210,8 @@ def _prefill(model, input_ids, prompt_lengths, key, settings, *, sampling, plan:
     cache = model.cache_for_decoding(cache, plan.steps, ssm_state_dtype)
     vocab = model.config.vocab_size  # never sample the padding rows of the vocabulary
     logits = logits[:, -1, :vocab]
-    first = _sample(logits, jax.random.fold_in(key, 0), settings, sampling, 0, input_ids[:, -1])
+    first = _sample(logits, token_keys(streams, 0), settings, sampling, 0, input_ids[:, -1],
+                    jnp.zeros(logits.shape, jnp.int32) if sampling.penalties else None)
     return jnp.where(_picked_nan(logits, first), -1, first), cache
 
 
@@ -207,11 +264,11 @@ _FAILURES: dict[int, Exception] = {}  # by stream id: what its callable raised
 _STREAM_IDS = itertools.count()  # next() on it is atomic: threads need no lock
 
 
-def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_new_tokens,
+def _decode_loop(model, first, cache, streams, settings, limits, stream_id, *, max_new_tokens,
                  sampling, eos_token_id, stream, plan: DecodePlan):
-    """first [b] (the prefill's token, -1 for NaN logits), limits [b] (tokens each row may
-    generate, <= t) -> (tokens [b, t] int32, final cache, [b] int32: the new token at which
-    a row's logits were NaN, -1 for none).
+    """first [b] (the prefill's token, -1 for NaN logits), each row's PRNG stream [b],
+    limits [b] (tokens each row may generate, <= t) -> (tokens [b, t] int32, final cache,
+    [b] int32: the new token at which a row's logits were NaN, -1 for none).
 
     A row is done after its eos_token_id or its limit, or at NaN logits; later positions
     hold eos_token_id (0 without one). With `stream`, each step's tokens [b] reach the host
@@ -229,27 +286,33 @@ def _decode_loop(model, first, cache, key, settings, limits, stream_id, *, max_n
     if stream:
         io_callback(_emit, None, stream_id, 0, first, ordered=True)
     out = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
+    rows = jnp.arange(b)
+    # Each row's count of each new token so far, for the penalties (None without them)
+    counts = (jnp.zeros((b, vocab), jnp.int32).at[rows, first].add((failed < 0).astype(jnp.int32))
+              if sampling.penalties else None)
 
     def cond(carry):
-        i, _, _, done, _, _ = carry
+        i, _, _, done, _, _, _ = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        i, token, cache, done, out, failed = carry
+        i, token, cache, done, out, failed, counts = carry
         logits, cache = model.step(token, cache, weights, plan.steps)
         logits = logits[:, :vocab]
-        token = _sample(logits, jax.random.fold_in(key, i), settings, sampling, i, token)
+        token = _sample(logits, token_keys(streams, i), settings, sampling, i, token, counts)
         nan = _picked_nan(logits, token) & ~done
         failed = jnp.where(nan, i, failed)
         token = jnp.where(done | nan, pad, token)
         if stream:
             io_callback(_emit, None, stream_id, i, token, ordered=True)
+        if counts is not None:
+            counts = counts.at[rows, token].add((~done).astype(jnp.int32))
         done = done | nan | (token == stop) | (i + 1 >= limits)
-        return i + 1, token, cache, done, out.at[:, i].set(token), failed
+        return i + 1, token, cache, done, out.at[:, i].set(token), failed, counts
 
     carry = (jnp.int32(1), first, cache, (failed >= 0) | (first == stop) | (limits <= 1), out,
-             failed)
-    _, _, cache, _, out, failed = jax.lax.while_loop(cond, body, carry)
+             failed, counts)
+    _, _, cache, _, out, failed, _ = jax.lax.while_loop(cond, body, carry)
     return out, cache, failed
 
 
@@ -282,7 +345,8 @@ def _per_row(name, value, b, dtype, off):
 
 def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
            max_new_tokens_per_row, ssm_state_dtype="float32", step_implementation="auto",
-           top_p_decay=None, top_p_bound=None, banned_after=None):
+           top_p_decay=None, top_p_bound=None, banned_after=None, presence_penalty=None,
+           frequency_penalty=None, logit_bias=None):
     """Validate generate's arguments; -> (Settings, Sampling, prompt_lengths, limits)."""
     check_causal(model.config)  # a bidirectional layer has no step
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
@@ -347,11 +411,45 @@ def _check(model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_l
     after, banned = banned_after if banned_after is not None else (None, None)
     after, use_ban = per_row("banned_after", after, np.int32, -1)
     banned, _ = per_row("banned_after", banned, np.int32, -1)
+    presence, use_presence = per_row("presence_penalty", presence_penalty, np.float32, 0.0)
+    frequency, use_frequency = per_row("frequency_penalty", frequency_penalty, np.float32, 0.0)
+    if not np.all(np.isfinite(presence) & np.isfinite(frequency)):
+        raise ValueError(f"generate: presence_penalty={presence_penalty} and "
+                         f"frequency_penalty={frequency_penalty} must be finite numbers")
+    penalties = use_presence or use_frequency
+    bias = dense_logit_bias(logit_bias, b, vocab)
     # A decaying top_p filters even where it starts at 1.
     sampling = Sampling(greedy=not sampled, top_k=sampled and use_k,
                         top_p=sampled and (use_p or use_decay),
-                        top_p_decay=sampled and use_decay, banned_after=use_ban)
-    return (Settings(t, k, p, decay, bound, after, banned), sampling, prompt_lengths, limits)
+                        top_p_decay=sampled and use_decay, banned_after=use_ban,
+                        penalties=penalties, logit_bias=bias is not None)
+    return (Settings(t, k, p, decay, bound, after, banned, presence if penalties else None,
+                     frequency if penalties else None, bias),
+            sampling, prompt_lengths, limits)
+
+
+def dense_logit_bias(logit_bias, rows: int, vocab: int) -> np.ndarray | None:
+    """generate's logit_bias (None; a mapping {token id: bias} for every row; or a sequence of
+    one per row, each a mapping or None) -> [rows, vocab] float32 to add to the logits, or
+    None where no row has a bias. A ValueError for ids outside [0, vocab) or biases that are
+    not finite."""
+    if logit_bias is None:
+        return None
+    per_row = [logit_bias] * rows if hasattr(logit_bias, "items") else list(logit_bias)
+    if len(per_row) != rows or not all(m is None or hasattr(m, "items") for m in per_row):
+        raise ValueError(f"generate: logit_bias must be a mapping {{token id: bias}} or one "
+                         f"per row ({rows}), each a mapping or None")
+    dense = np.zeros((rows, vocab), np.float32)
+    for row, mapping in zip(dense, per_row):
+        for token, value in (mapping or {}).items():
+            if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
+                raise ValueError(f"generate: logit_bias has token {token!r}; token ids are "
+                                 f"integers in [0, vocab_size={vocab})")
+            if not np.isfinite(np.float32(value)):
+                raise ValueError(f"generate: logit_bias[{token}]={value!r} must be a finite "
+                                 "number")
+            row[token] += value
+    return dense if dense.any() else None
 
 
 def _check_ids(model, input_ids, prompt_lengths, where="generate"):
@@ -509,14 +607,15 @@ class Prepared(NamedTuple):
 def prepare(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, *,
             prompt_lengths=None, max_new_tokens_per_row=None, ssm_state_dtype="float32",
             step_implementation="auto", top_p_decay=None, top_p_bound=None,
-            banned_after=None) -> Prepared:
+            banned_after=None, presence_penalty=None, frequency_penalty=None,
+            logit_bias=None) -> Prepared:
     """generate's arguments validated (a ValueError naming the one that is wrong) and its
     decode plan chosen (mamba_jax.generate.plan)."""
     input_ids = jnp.asarray(input_ids)
     settings, sampling, prompt_lengths, limits = _check(
         model, input_ids, max_new_tokens, temperature, top_k, top_p, prompt_lengths,
         max_new_tokens_per_row, ssm_state_dtype, step_implementation, top_p_decay,
-        top_p_bound, banned_after)
+        top_p_bound, banned_after, presence_penalty, frequency_penalty, logit_bias)
     b, l = input_ids.shape
     return Prepared(settings, sampling, prompt_lengths, limits, int(max_new_tokens),
                     decode_plan(model, b, step_implementation,
@@ -533,7 +632,8 @@ def prefill(model, input_ids, prepared: Prepared, seed=0):
     # nnx.split and a static GraphDef cost ~11 ms and ~2 ms a call on the host for a
     # 48-layer model (BENCHMARKS.md), before the GPU starts.
     p = prepared
-    return _prefill(model, jnp.asarray(input_ids), p.prompt_lengths, jax.random.key(seed),
+    return _prefill(model, jnp.asarray(input_ids), p.prompt_lengths,
+                    row_streams(seed, len(p.limits)),
                     p.settings, sampling=p.sampling, plan=p.plan, cache_len=p.cache_len,
                     ssm_state_dtype=p.ssm_state_dtype)
 
@@ -552,7 +652,7 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
         _STREAMS[stream_id] = on_token
     try:
         out, _, failed = _jit_decode(tuple(sorted(compiler_options.items())))(
-            model, first, cache, jax.random.key(seed), p.settings, p.limits,
+            model, first, cache, row_streams(seed, len(p.limits)), p.settings, p.limits,
             np.int32(stream_id), max_new_tokens=p.max_new_tokens, sampling=p.sampling,
             eos_token_id=eos_token_id, stream=on_token is not None, plan=p.plan)
         if on_token is not None:
@@ -572,7 +672,8 @@ def decode(model, first, cache, prepared: Prepared, seed=0, eos_token_id=None, *
 def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None,
              seed=0, eos_token_id=None, *, prompt_lengths=None, max_new_tokens_per_row=None,
              on_token=None, ssm_state_dtype="float32", step_implementation="auto",
-             top_p_decay=None, top_p_bound=None, banned_after=None):
+             top_p_decay=None, top_p_bound=None, banned_after=None, presence_penalty=None,
+             frequency_penalty=None, logit_bias=None):
     """input_ids [b, l] -> [b, l + max_new_tokens] int32: the prompt and its continuation.
 
     temperature, top_k, top_p: a number for all rows, or one value per row (see
@@ -593,6 +694,17 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     token i sampled with max(top_p * top_p_decay**i, top_p_bound). banned_after (after,
     banned), each a token id or [b] (-1: off): the token right after `after` is never
     `banned` (Megatron's prevent_newline_after_colon bans "\n" after ":").
+
+    presence_penalty, frequency_penalty (a number or [b], 0: off): OpenAI's, over each
+    row's new tokens: before new token i, logits[t] -= presence * (count[t] > 0) +
+    frequency * count[t], count[t] being how often t is among new tokens 0..i-1. logit_bias:
+    {token id: bias} added to every row's logits, or one mapping (or None) per row. Both
+    apply before top_k, top_p and the temperature (and greedy's argmax).
+
+    seed: an integer, row r sampling from fold_in(key(seed), r) (two rows of one prompt
+    sample differently), or one per row [b], row r sampling as it would alone with seed[r]
+    (row_streams); new token i with that key folded with i. A row's samples depend on its
+    seed, its prompt and its settings, never on the other rows.
 
     ssm_state_dtype: "float32" (the default), "bfloat16" or "int8", what the decoding cache
     stores the SSM states in between tokens; each step computes in float32 either way.
@@ -618,12 +730,16 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     """
     integer = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
     for name, value, may_be_none in (("max_new_tokens", max_new_tokens, False),
-                                     ("seed", seed, False), ("eos_token_id", eos_token_id, True)):
+                                     ("eos_token_id", eos_token_id, True)):
         if not (integer(value) or may_be_none and value is None):
             # one eos id: an HF config's list of them is a common mistake
             raise ValueError(f"generate: {name}={value!r} must be an integer"
                              + (" (one token id) or None" if may_be_none else ""))
-    if not -2**63 <= seed < 2**63:
+    per_row = isinstance(seed, (list, tuple, np.ndarray))
+    seeds = np.asarray(seed, object).ravel().tolist() if per_row else [seed]
+    if not all(integer(s) for s in seeds) or per_row and len(seeds) != np.shape(input_ids)[0]:
+        raise ValueError(f"generate: seed={seed!r} must be an integer, or one per row")
+    if not all(-2**63 <= s < 2**63 for s in seeds):
         raise ValueError(f"generate: seed={seed} must fit 64 bits")
     if eos_token_id is not None and not 0 <= eos_token_id < 2**31:  # the tokens' int32
         raise ValueError(f"generate: eos_token_id={eos_token_id} is no token id (0 to "
@@ -637,7 +753,8 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
                        max_new_tokens_per_row=max_new_tokens_per_row,
                        ssm_state_dtype=ssm_state_dtype, step_implementation=step_implementation,
                        top_p_decay=top_p_decay, top_p_bound=top_p_bound,
-                       banned_after=banned_after)
+                       banned_after=banned_after, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, logit_bias=logit_bias)
     first, cache = prefill(model, input_ids, prepared, seed)
     out = decode(model, first, cache, prepared, seed, eos_token_id, on_token=on_token)
     return jnp.concatenate([input_ids.astype(jnp.int32), out], axis=1)
