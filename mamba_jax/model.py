@@ -445,15 +445,19 @@ class Mamba2LM(nnx.Module):
                 raise ValueError(f"initial_states[{i}] is {type(state).__name__}, not the "
                                  f"{kind.__name__} layer {i} takes (as return_states gives "
                                  "it)")
-            rows = {a.shape[0] for a in jax.tree.leaves(state)}
+            # per row: every array but a growing cache's one count of its tokens
+            rows = {a.shape[0] for a in jax.tree.leaves(state) if jnp.ndim(a)}
             if rows != {batch}:
                 raise ValueError(f"initial_states[{i}] holds states of {sorted(rows)} rows for "
                                  f"a batch of {batch}: give one per row")
             if whole:  # field by field: either of a MambaCache's may be None (zeros)
                 pairs = [(value, expected) for value, expected in zip(state, shapes[i])
                          if value is not None]
-                got, want = ([tuple(a.shape[1:]) for pair in pairs for a in
-                              jax.tree.leaves(pair[side])] for side in (0, 1))
+                # a growing cache's keys of any number of slots; its counts as they come
+                shape = ((lambda a: tuple(a.shape[2:]) if a.ndim > 2 else ())
+                         if layer.mixer.cache_grows else lambda a: tuple(a.shape[1:]))
+                got, want = ([shape(a) for pair in pairs for a in jax.tree.leaves(pair[side])]
+                             for side in (0, 1))
                 if got != want:
                     raise ValueError(f"initial_states[{i}] holds arrays of shapes {got} a row, "
                                      f"where layer {i} takes {want} (as return_states gives "
@@ -498,8 +502,9 @@ class Mamba2LM(nnx.Module):
         """input_ids [b, l] -> (logits [b, l, v], cache after the last token).
 
         cache: a cache to continue from (a previous prefill's or decode's, as returned,
-        before cache_for_decoding), for models whose layers all take_initial_state (a cache
-        that grows, attention's, is refused); None starts afresh.
+        before cache_for_decoding), for models whose layers all take_initial_state; an
+        attention layer's keys go after its cache's, which must have a free slot for each
+        token (of max(its slots, cache_len)). None starts afresh.
 
         seq_idx [b, l]: the cache holds only the last document of each row (so left padding
         given its own seq_idx leaves no trace in the state). cache_len: slots of the caches
@@ -551,7 +556,7 @@ class Mamba2LM(nnx.Module):
         for layer_cache in cache:  # outside jit, where a growing cache's length is known
             length = getattr(layer_cache, "length", None)
             if length is not None and not isinstance(length, jax.core.Tracer) \
-                    and int(length) >= layer_cache.k.shape[1]:
+                    and jnp.ndim(length) == 0 and int(length) >= layer_cache.k.shape[1]:
                 # its write would land on the last slot, silently
                 raise ValueError(f"step: the attention cache is full ({layer_cache.k.shape[1]} "
                                  "slots); prefill with cache_len = the prompt's tokens + every "

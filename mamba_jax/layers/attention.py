@@ -53,7 +53,8 @@ class AttentionCache(NamedTuple):
     """One attention layer's decoding state.
 
     k, v [b, s, k, e]: keys (rotated) and values of the tokens so far, then unused slots;
-    length int32 []: tokens written (the next one goes at index `length`);
+    length int32 [] or [b]: tokens written (the next one goes at index `length`), one count
+    for every row (generate's), or one a row (the server's slots, each its own sequence);
     start int32 [b]: the index of each row's current document start (keys before it, e.g.
     left padding, are masked; positions count from it).
     """
@@ -162,6 +163,7 @@ class Attention(Mixer):
                        "megatron": _MEGATRON_KEYS}
     step_kernels = ("fused",)
     cache_grows = True
+    takes_initial_state = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):
         a = cfg.attention
@@ -188,14 +190,17 @@ class Attention(Mixer):
         return 1.0 / math.sqrt(self.cfg.attention.head_dim)
 
     def __call__(self, u, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 cache_len=None):
+                 cache_len=None, initial_state: AttentionCache | None = None):
         """Mixer.__call__: u [b, l, d] -> (this rank's share of o_proj [b, l, d] float32, an
         AttentionCache of cache_len slots or None). seq_idx [b, l]: packed documents; no
-        token attends across a document start and positions restart there."""
+        token attends across a document start and positions restart there. initial_state:
+        the AttentionCache the tokens continue (`continue_cache`)."""
         a = self.cfg.attention
         q, k, v = self.project(u)
         if a.num_heads_kv % ctx.tp:  # every KV head on every rank: take our queries' ones
             k, v = (groups_of_local_heads(t, a.num_heads, a.num_heads_kv, ctx) for t in (k, v))
+        if initial_state is not None:
+            return self.continue_cache(q, k, v, seq_idx, initial_state, cache_len, ctx)
         cp, l = ctx.cp, u.shape[1]
         index = ctx.cp_index() * l + jnp.arange(l, dtype=jnp.int32)  # positions in the row
         k_starts = document_starts(None if seq_idx is None else ctx.all_gather_cp(seq_idx),
@@ -212,6 +217,37 @@ class Attention(Mixer):
         pad = ((0, 0), (0, cache_len - l), (0, 0), (0, 0))
         start = jnp.broadcast_to(starts[:, -1], (u.shape[0],))
         return out, AttentionCache(jnp.pad(k, pad), jnp.pad(v, pad), jnp.int32(l), start)
+
+    def continue_cache(self, q, k, v, seq_idx, cache: AttentionCache, cache_len,
+                       ctx: ParallelContext):
+        """The forward of tokens that continue `cache` (a prefill in pieces, each from the
+        last one's cache): q [b, l, h, e], k, v [b, l, k, e] projected -> (o_proj's share [b,
+        l, d] float32, the AttentionCache with the tokens' keys written after each row's
+        `length`, of max(its slots, cache_len) slots). The tokens' first document continues
+        the cache's (its positions and keys); a later one (seq_idx) starts afresh. The cache
+        must have a free slot for every token: a write past its end is dropped."""
+        if ctx.cp > 1:
+            raise ValueError("attention: a cache to continue from (initial_state) is for one "
+                             "device's prefill, not a context-parallel forward")
+        b, l = q.shape[:2]
+        pad = max(cache_len or 0, cache.k.shape[1]) - cache.k.shape[1]
+        keys, values = (jnp.pad(t, ((0, 0), (0, pad), (0, 0), (0, 0))) for t in (cache.k,
+                                                                                  cache.v))
+        length = jnp.broadcast_to(cache.length, (b,))
+        index = length[:, None] + jnp.arange(l, dtype=jnp.int32)[None]  # [b, l] in the cache
+        starts = jnp.broadcast_to(cache.start[:, None], (b, l))
+        if seq_idx is not None:
+            doc = document_ids(seq_idx)
+            starts = jnp.where(doc == doc[:, :1], starts,
+                               length[:, None] + document_starts(seq_idx, l))
+        q, k = self.rotate(q, k, index - starts)
+        rows = jnp.arange(b)[:, None]
+        keys = keys.at[rows, index].set(k.astype(keys.dtype), mode="drop")
+        values = values.at[rows, index].set(v.astype(values.dtype), mode="drop")
+        slots = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, None]
+        mask = (slots <= index[..., None]) & (slots >= starts[..., None])  # [b, l, s]
+        out = self.out_proj_partial(attend(q, keys, values, self.scale, mask[:, None]))
+        return out, AttentionCache(keys, values, length + l, starts[:, -1])
 
     def output_bias(self):
         return self.out_bias[...] if self.cfg.attention.out_bias else None
@@ -264,7 +300,7 @@ class Attention(Mixer):
     def step(self, u, cache: AttentionCache, weights: AttentionWeights, how="xla"):
         """One token: u [b, d] -> (o_proj's output [b, d] float32 before its bias, the
         updated AttentionCache). The cache must have a free slot (generate sizes it to the
-        prompt plus the new tokens)."""
+        prompt plus the new tokens); a row whose length is past its slots writes nothing."""
         o, cache = self._attend_step(*self.project(u[:, None], weights), cache)
         return self.out_proj_partial(o, weights.o), cache
 
@@ -295,11 +331,16 @@ class Attention(Mixer):
         """One token's q [b, 1, h, e], k, v [b, 1, k, e] -> (the attention o [b, h, e], the
         AttentionCache with k and v written to its next slot)."""
         q, k = self.rotate(q, k, (cache.length - cache.start)[:, None])
-        write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype),
-                                                                   cache.length, axis=1)
+        if jnp.ndim(cache.length) == 0:  # every row's next key at one index
+            write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
+                buf, x.astype(buf.dtype), cache.length, axis=1)
+        else:  # each row's at its own
+            rows = jnp.arange(k.shape[0])
+            write = lambda buf, x: buf.at[rows, cache.length].set(x[:, 0].astype(buf.dtype),
+                                                                  mode="drop")
         keys, values = write(cache.k, k), write(cache.v, v)
         index = jnp.arange(keys.shape[1], dtype=jnp.int32)
-        mask = (index >= cache.start[:, None]) & (index <= cache.length)  # [b, s]
+        mask = (index >= cache.start[:, None]) & (index <= cache.length[..., None])  # [b, s]
         o = attend(q, keys, values, self.scale, mask[:, None, None, :])
         return o[:, 0], AttentionCache(keys, values, cache.length + 1, cache.start)
 
