@@ -26,11 +26,11 @@ last newline counts), the ending token kept (Megatron stops at GPT-2's newline i
 the tokens' text decides, for any tokenizer); prevent_newline_after_colon bans the
 token of "\n" right after the token of ":" (each as it reads after other text); top_p
 decays to max(top_p * top_p_decay**i, top_p_bound) at new token i; random_seed makes a
-request's samples reproducible (its prompts decode in a batch of their own, seeded with
-it); add_BOS puts the tokenizer's BOS token first. The stops end the text after the decode
+request's samples reproducible (each prompt samples from it, whatever decodes beside it);
+add_BOS puts the tokenizer's BOS token first. The stops end the text after the decode
 loop, which runs to the token limit or eos. length_penalty is accepted and unused, as
 Megatron's sampling path does (it weighs beam search's hypotheses). logprobs come from one
-forward pass over the prompt and continuation (token_logprobs): the raw logits'
+forward pass over the prompt and continuation (Engine.score): the raw logits'
 log-softmax, as Megatron's.
 
 Bad input (a body that is not UTF-8 JSON or nests deeper than Python parses, unknown or
@@ -39,29 +39,18 @@ a prompt or max_tokens over the limits) is a 400 whose message names the field; 
 that would queue more than --max-queued-tokens (prompt plus new tokens, over all waiting
 prompts) is a 503 to retry later. The server keeps serving.
 
-Concurrent requests are batched: a request waits up to --batch-window-ms for others, then
-every waiting prompt (up to --max-batch) runs as one `generate` call, with per-row
-sampling settings and token limits (all traced values, so any requests are compatible).
-Should a batch fail all the same, each of its prompts is run again alone, so that a failure
-fails only the request that causes it (a stream then ends with an error event and [DONE]).
-Generation runs on one executor thread, off the event loop, so the server answers (health,
-bad input, other streams) while a batch decodes. Shapes are bucketed to powers of two
-(batch rows, left-padded prompt length, max new tokens), which bounds the compiled
-programs to a few per bucket; streaming batches compile a variant that sends each step's
-tokens to the host.
-
-A client that disconnects cancels its prompts: those still queued are dropped before they
-reach a batch (one log line says how many); those already decoding finish their batch (a
-compiled decode loop is not interrupted) and their tokens are discarded.
+Requests decode in the engine's slots (mamba_jax.engine: continuous batching; a request
+joins the running batch at its next step and leaves it when done), each prompt with its own
+sampling settings and token limit. A failure fails the request it is in (a stream then ends
+with an error event and [DONE]). A client that disconnects cancels its prompts: those still
+queued never run, those decoding leave their slots at the engine's next step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -83,24 +72,15 @@ except ImportError as missing:
     raise SystemExit(2) from None
 
 from mamba_jax import compilation_cache
+from mamba_jax import engine as slot_engine
 from mamba_jax.cli import HelpFormatter, command, require_at_least
+from mamba_jax.engine import (EngineOptions, GenerationError, Limits, SamplingParams, Sequence,
+                              add_engine_arguments, check_options, engine_options)
 from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, decode_options,
-                                generate, learned_state, load_for_generation, token_logprobs)
+                                load_for_generation)
 from mamba_jax.tokenizer import special_token_ids
 
 log = logging.getLogger("mamba_jax.serve")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    max_prompt_tokens: int = 2048
-    max_new_tokens: int = 1024
-    max_batch: int = 64
-    batch_window_s: float = 0.005
-    max_prompts: int = 64  # per request
-    # Prompt and new tokens of every waiting prompt: a full batch of the longest requests
-    # (64 x (2048 + 1024)) fits, more waits for the clients to retry.
-    max_queued_tokens: int = 1 << 18
 
 
 MAX_BODY_BYTES = 1 << 20  # a request's body (aiohttp's default)
@@ -125,149 +105,40 @@ class Busy(web.HTTPServiceUnavailable):
                          headers={"Retry-After": "1"})
 
 
-def _bucket(n: int, cap: int, least: int = 1) -> int:
-    """The power of two >= max(n, least), at most cap (cap >= n)."""
-    return min(max(least, 1 << (n - 1).bit_length()), cap)
-
-
 @dataclasses.dataclass
 class _Row:
-    """One prompt of a request: its tokens, settings and where its output goes. A cancelled
-    future means its client left."""
+    """One prompt of a request as the handlers await it: its ids, the engine's Sequence, a
+    future of (new token ids, finish_reason) and, streamed, a queue of its ids as they come
+    (then None). Cancelling the future cancels the sequence."""
 
     ids: list[int]
-    max_new: int
-    temperature: float
-    top_k: int
-    top_p: float
-    future: asyncio.Future  # -> (new token ids, finish_reason)
-    stream: asyncio.Queue | None = None  # new token ids one at a time, then None
-    started: bool = False  # taken into a batch
-    top_p_decay: float = 0.0
-    top_p_bound: float = 0.0
-    ban: tuple[int, int] = (-1, -1)  # (after, banned): generate's banned_after
-    seed: int | None = None  # a request's random_seed: its rows decode alone, with it
-    group: object = None  # the rows of one seeded request share it; None for the others
+    seq: Sequence
+    future: asyncio.Future
+    stream: asyncio.Queue | None = None
 
-    @property
-    def tokens(self) -> int:
-        """What it costs the queue: its prompt and new tokens."""
-        return len(self.ids) + self.max_new
+    def __post_init__(self):
+        self.future.add_done_callback(lambda f: f.cancelled() and self.seq.cancel())
+        asyncio.get_running_loop().create_task(self._follow())
 
-
-class Engine:
-    """Holds the model, batches waiting rows and runs each batch on the executor thread."""
-
-    def __init__(self, model, tokenizer, limits: Limits, eos_token_id=None,
-                 generate_options=None):
-        self.model, self.tokenizer, self.limits = model, tokenizer, limits
-        self.eos = eos_token_id
-        self.generate_options = generate_options or {}  # generate's ssm_state_dtype etc.
-        self.pending: asyncio.Queue[_Row] = asyncio.Queue()
-        self.queued_tokens = 0  # the tokens of the rows in `pending`
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, "mamba-generate")
-        self.seeds = itertools.count()
-        self.batches = 0
-
-    async def _next_row(self) -> _Row:
-        """The next queued row whose client still waits (the others are dropped here)."""
-        while True:
-            row = await self.pending.get()
-            self.queued_tokens -= row.tokens
-            if not row.future.done():
-                row.started = True
-                return row
-
-    async def run(self):
-        """Forever: wait for a row, gather what arrives within the window, generate."""
-        loop = asyncio.get_running_loop()
-        while True:
-            rows = [await self._next_row()]
-            deadline = loop.time() + self.limits.batch_window_s
-            while len(rows) < self.limits.max_batch:
-                try:
-                    rows.append(await asyncio.wait_for(self._next_row(),
-                                                       deadline - loop.time()))
-                except TimeoutError:
-                    break
-            # Rows of a request with a random_seed decode in a batch of their own (the same
-            # rows, shapes and seed each time: the same samples); the others together.
-            groups: dict[object, list[_Row]] = {}
-            for row in rows:
-                groups.setdefault(row.group, []).append(row)
-            for group in groups.values():
-                await self._generate(loop, group)
-
-    async def _generate(self, loop, rows: list[_Row]):
-        lim = self.limits
-        b = _bucket(len(rows), lim.max_batch)
-        l = _bucket(max(len(r.ids) for r in rows), lim.max_prompt_tokens, least=16)
-        t = _bucket(max(r.max_new for r in rows), lim.max_new_tokens, least=16)
-        # Filler rows: a one-token prompt, greedy, stopped after one token.
-        fill = [_Row([0], 1, 0.0, 0, 1.0, None)] * (b - len(rows))
-        batch = rows + fill
-        ids = np.zeros((b, l), np.int32)
-        for row, r in zip(ids, batch):
-            row[l - len(r.ids):] = r.ids
-        streams = [r.stream for r in rows]
-        streamed = False
-
-        def deliver(step, tokens):  # on the event loop, in step order
-            nonlocal streamed
-            for queue, r, token in zip(streams, rows, tokens):
-                if queue is not None and step < r.max_new and not r.future.done():
-                    queue.put_nowait(int(token))
-                    streamed = True
-
-        def on_token(step, tokens):  # on a runtime thread
-            loop.call_soon_threadsafe(deliver, step, tokens)
-
-        # Off is top_k = vocab and top_p = 1 for a row; a filter no row uses is left out of
-        # the compiled sampler.
-        sampled = any(r.temperature > 0 for r in batch)
-        vocab = self.model.config.vocab_size
-        top_k = [min(r.top_k, vocab) or vocab for r in batch]
-        top_p = [r.top_p for r in batch]
-        decay = [r.top_p_decay for r in batch]
-        ban = np.asarray([r.ban for r in batch]).T
-        seed = next(self.seeds) if rows[0].seed is None else rows[0].seed
+    async def _follow(self):
         try:
-            out = await loop.run_in_executor(self.executor, lambda: np.asarray(generate(
-                self.model, ids, t, [r.temperature for r in batch],
-                top_k if sampled and min(top_k) < vocab else None,
-                top_p if sampled and (min(top_p) < 1 or max(decay) > 0) else None,
-                seed, self.eos, prompt_lengths=[len(r.ids) for r in batch],
-                max_new_tokens_per_row=[r.max_new for r in batch],
-                on_token=on_token if any(streams) else None,
-                top_p_decay=decay if sampled and max(decay) > 0 else None,
-                top_p_bound=[r.top_p_bound for r in batch] if sampled and max(decay) > 0
-                else None,
-                banned_after=tuple(ban) if ban.max() >= 0 else None,
-                **self.generate_options)))
-        except Exception as err:  # noqa: BLE001 - keep serving whatever failed
-            waiting = [r for r in rows if not r.future.done()]
-            if len(waiting) > 1 and not streamed:
-                # One row's settings may be what failed: alone, each fails only its own.
-                for row in waiting:
-                    await self._generate(loop, [row])
-                return
-            log.error("generation failed for %d prompt(s): %s: %s", len(waiting),
-                      type(err).__name__, err)
-            for r in waiting:
-                if r.stream is not None:
-                    r.stream.put_nowait(None)
-                r.future.set_exception(err)
-            return
-        self.batches += 1
-        for r, new in zip(rows, out[:, l:]):
-            new = new[:r.max_new].tolist()
-            reason = "length"
-            if self.eos is not None and self.eos in new:
-                new, reason = new[:new.index(self.eos)], "stop"
-            if r.stream is not None:
-                r.stream.put_nowait(None)
-            if not r.future.done():
-                r.future.set_result((new, reason))
+            async for event in self.seq:
+                if self.stream is not None:
+                    self.stream.put_nowait(event.token_id)
+        except GenerationError as err:
+            if not self.future.done():
+                self.future.set_exception(err)
+        else:
+            if not self.future.done():
+                self.future.set_result((self.seq.tokens, self.seq.finish_reason))
+        finally:
+            if self.stream is not None:
+                self.stream.put_nowait(None)
+
+
+class Engine(slot_engine.Engine):
+    """The engine (mamba_jax.engine) and the text of its tokens: tokenizing, decoding,
+    each token's piece of the text, and scoring as the endpoints answer it."""
 
     def tokenize(self, prompt: str, field: str, add_bos: bool = False) -> list[int]:
         """A prompt's token ids (after the tokenizer's BOS token with add_bos); a 400 naming
@@ -283,16 +154,6 @@ class Engine:
             raise BadRequest(field, f"{field}: the prompt is {len(ids)} tokens; it must be 1 "
                              f"to {self.limits.max_prompt_tokens} (the server's limit)")
         return ids
-
-    def submit(self, ids: list[int], max_new: int, temperature: float, top_k: int,
-               top_p: float, stream: bool, **extra) -> _Row:
-        """Queue one prompt for the next batch; extra: _Row's optional settings."""
-        row = _Row(ids, max_new, temperature, top_k, top_p,
-                   asyncio.get_running_loop().create_future(),
-                   asyncio.Queue() if stream else None, **extra)
-        self.pending.put_nowait(row)
-        self.queued_tokens += row.tokens
-        return row
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -332,36 +193,19 @@ class Engine:
         return self.segments(context + new, window)[len(context):]
 
     async def logprobs(self, sequences: list[list[int]]):
-        """token_logprobs of each sequence (prompt and continuation), on the generation
-        thread: [log p of each token after the first] per sequence, and the TOP_LOGPROBS
-        most likely tokens' [(log p, id)] at each of those positions (always that many:
-        one compiled program per shape for either endpoint)."""
-        lim = self.limits
-        b = _bucket(len(sequences), max(len(sequences), lim.max_batch))
-        l = _bucket(max(map(len, sequences)), lim.max_prompt_tokens + lim.max_new_tokens,
-                    least=16)
-        ids = np.zeros((b, l), np.int32)
-        for row, seq in zip(ids, sequences):
-            row[l - len(seq):] = seq
-        lengths = [len(s) for s in sequences] + [1] * (b - len(sequences))
-
-        def score():
-            chosen, top = token_logprobs(self.model, ids, lengths, TOP_LOGPROBS)
-            return np.asarray(chosen), tuple(map(np.asarray, top))
-
+        """Engine.score of each sequence (prompt and continuation): [log p of each token
+        after the first] per sequence, and the TOP_LOGPROBS most likely tokens' [(log p, id)]
+        at each of those positions."""
         try:
-            chosen, top = await asyncio.get_running_loop().run_in_executor(self.executor, score)
+            scored = await self.score(sequences, TOP_LOGPROBS)
         except Exception as err:  # noqa: BLE001 - the model's (NaN logits), not the request's
             log.error("scoring failed for %d sequence(s): %s: %s", len(sequences),
                       type(err).__name__, err)
             raise web.HTTPInternalServerError(
                 text=_error_body(None, f"scoring failed: {type(err).__name__}: {err}"),
                 content_type="application/json") from None
-        mine = [slice(l - len(s), None) for s in sequences]  # each row's own positions
-        return ([chosen[i, at].tolist() for i, at in enumerate(mine)],
-                [[list(zip(values, ids)) for values, ids in zip(top[0][i, at].tolist(),
-                                                               top[1][i, at].tolist())]
-                 for i, at in enumerate(mine)])
+        return ([[logp for logp, _ in seq] for seq in scored],
+                [[[(p, i) for i, p in top] for _, top in seq] for seq in scored])
 
 
 def _float32(value) -> float | None:
@@ -532,7 +376,7 @@ def _tokenized(engine: Engine, prompts, field, add_bos=False) -> list[list[int]]
 def _rows(engine: Engine, ids, field, max_new, temperature, top_k, top_p, stream=False,
           **extra):
     """Queue every prompt's ids (checked first, so a 400 or 503 leaves nothing running);
-    extra: _Row's optional settings."""
+    extra: SamplingParams' other settings."""
     lim = engine.limits
     _check_prompts(lim, len(ids), field)
     tokens = sum(len(i) + max_new for i in ids)
@@ -543,8 +387,14 @@ def _rows(engine: Engine, ids, field, max_new, temperature, top_k, top_p, stream
     if engine.queued_tokens + tokens > lim.max_queued_tokens:
         raise Busy(f"the server is busy ({engine.queued_tokens} tokens queued, at most "
                    f"{lim.max_queued_tokens}); retry shortly")
-    return [engine.submit(i, max_new, float(temperature), top_k, float(top_p), stream, **extra)
-            for i in ids]
+    params = SamplingParams(max_new, float(temperature), top_k, float(top_p), **extra)
+    try:
+        seqs = [engine.submit(i, params) for i in ids]
+    except ValueError as err:  # what the engine cannot hold (a hybrid's attention keys)
+        raise BadRequest(field, f"{field}: {err}") from None
+    loop = asyncio.get_running_loop()
+    return [_Row(i, seq, loop.create_future(), asyncio.Queue() if stream else None)
+            for i, seq in zip(ids, seqs)]
 
 
 def _drop(request: web.Request, rows: list[_Row]):
@@ -552,10 +402,7 @@ def _drop(request: web.Request, rows: list[_Row]):
     already) and log one line."""
     for r in rows:
         r.future.cancel()
-    queued = sum(not r.started for r in rows)
-    decoding = sum(r.started and r.future.cancelled() for r in rows)
-    log.warning("client %s left: %d queued prompt(s) dropped, %d decoding in the current "
-                "batch discarded", request.remote, queued, decoding)
+    log.warning("client %s left: %d prompt(s) cancelled", request.remote, len(rows))
 
 
 async def _results(request: web.Request, rows: list[_Row]):
@@ -610,12 +457,11 @@ async def megatron_api(request: web.Request):
     new = [[] for _ in ids]
     if v["tokens_to_generate"]:
         ban = ((engine.token_of(":"), engine.token_of("\n"))
-               if v["prevent_newline_after_colon"] else (-1, -1))
-        seed = v["random_seed"]
+               if v["prevent_newline_after_colon"] else None)
         rows = _rows(engine, ids, "prompts", v["tokens_to_generate"], v["temperature"],
                      v["top_k"], v["top_p"] or 1.0, top_p_decay=float(v["top_p_decay"]),
-                     top_p_bound=float(v["top_p_bound"]), ban=ban, seed=seed,
-                     group=None if seed is None else object())
+                     top_p_bound=float(v["top_p_bound"]), banned_after=ban,
+                     seed=v["random_seed"])
         new = [tokens for tokens, _ in await _results(request, rows)]
         if v["stop_on_eol"] or v["stop_on_double_eol"]:
             new = [_line_end(engine, i, n, v["stop_on_double_eol"]) for i, n in zip(ids, new)]
@@ -739,8 +585,9 @@ async def models(request: web.Request):
 
 async def health(request: web.Request):
     engine: Engine = request.app[ENGINE]
+    stats = engine.stats()
     return web.json_response({"status": "ok", "model": request.app[MODEL_NAME],
-                              "queued": engine.pending.qsize(), "batches": engine.batches})
+                              "queued": stats["queued"], "slots_busy": stats["slots_busy"]})
 
 
 ENGINE = web.AppKey("engine", Engine)
@@ -749,18 +596,21 @@ STARTED = web.AppKey("started", int)  # the server's start, seconds since the ep
 
 
 def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
-             model_name: str = "mamba2", generate_options=None) -> web.Application:
-    """The aiohttp application; its batching task runs while the app does.
-    generate_options: keyword arguments of every generate call (ssm_state_dtype,
-    step_implementation)."""
+             model_name: str = "mamba2", generate_options=None,
+             engine_options=None) -> web.Application:
+    """The aiohttp application; its engine runs while the app does. generate_options: how
+    the decode steps run (ssm_state_dtype, step_implementation); engine_options:
+    mamba_jax.engine.EngineOptions' fields (slots, prefix_cache_mb, ...). A ValueError for
+    a model or options the engine cannot serve."""
     # A client that disconnects cancels its handler, which cancels its prompts.
     app = web.Application(handler_args={"handler_cancellation": True},
                           client_max_size=MAX_BODY_BYTES)
     app[MODEL_NAME] = model_name
     app[STARTED] = int(time.time())
+    app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id, generate_options,
+                         **(engine_options or {}))
 
     async def engine_task(app):
-        app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id, generate_options)
         task = asyncio.create_task(app[ENGINE].run())
         yield
         task.cancel()
@@ -777,13 +627,15 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
 def _check_serving_flags(args):
     """Refuse limits the server could not serve under and an address it cannot listen on,
     before the model loads (minutes for a large one)."""
-    require_at_least(args, ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
+    require_at_least(args, ("max_prompt_tokens", "max_new_tokens", "max_prompts",
                             "max_queued_tokens"))
     if args.max_new_tokens > MOST_NEW_TOKENS:  # generate's bound: each request would fail
         raise SystemExit(f"--max-new-tokens={args.max_new_tokens} must be at most "
                          f"{MOST_NEW_TOKENS} (generate allocates the output whole up front)")
-    if not (math.isfinite(args.batch_window_ms) and args.batch_window_ms >= 0):
-        raise SystemExit(f"--batch-window-ms={args.batch_window_ms} must be a number >= 0")
+    try:
+        check_options(EngineOptions(**engine_options(args)))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"--port={args.port} must be in [0, 65535]")
     try:  # the listening socket is made again once the model is loaded
@@ -811,14 +663,13 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
     parser.add_argument("--max-new-tokens", type=int, default=Limits.max_new_tokens)
-    parser.add_argument("--max-batch", type=int, default=Limits.max_batch)
-    parser.add_argument("--batch-window-ms", type=float, default=1e3 * Limits.batch_window_s)
     parser.add_argument("--max-prompts", type=int, default=Limits.max_prompts,
                         help="prompts in one request")
     parser.add_argument("--max-queued-tokens", type=int, default=Limits.max_queued_tokens,
                         help="prompt and new tokens of all waiting prompts: a request "
                              "that needs more alone is a 400, one that finds the queue too "
                              "full a 503")
+    add_engine_arguments(parser)
     add_decode_arguments(parser)
     compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
@@ -826,17 +677,25 @@ def main(argv=None):
 
     compilation_cache.use(args.compilation_cache)
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
-    if learned_state(model):  # every prompt is left-padded to its batch's bucket
-        raise SystemExit(f"{args.checkpoint}: its Mamba2 layers start from a learnable "
-                         "initial state (mamba2.learnable_init_state), which enters a row's "
-                         "first document, and the server left-pads every prompt, so each "
-                         "would start from zeros: generate with python -m mamba_jax.generate, "
-                         "a prompt at a time")
-    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
-                    args.batch_window_ms / 1e3, args.max_prompts, args.max_queued_tokens)
-    web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).resolve().name,
-                         decode_options(args)),
-                host=args.host, port=args.port)
+    limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_prompts,
+                    args.max_queued_tokens)
+    try:
+        app = make_app(model, tokenizer, limits, eos, Path(args.checkpoint).resolve().name,
+                       decode_options(args), engine_options(args))
+    except ValueError as error:
+        raise SystemExit(f"{args.checkpoint}: {error}") from None
+    print(_memory_line(app[ENGINE].memory(), args.slots), flush=True)
+    web.run_app(app, host=args.host, port=args.port)
+
+
+def _memory_line(memory: dict, slots: int) -> str:
+    """What the engine holds on the device, as serve reports it at start."""
+    mb = lambda n: f"{n / 2**20:,.1f} MB"
+    keys = (f" (attention keys and values for {memory['kv_tokens']} tokens a slot: "
+            "a longer prompt and max_tokens is refused)" if memory["kv_tokens"] else "")
+    prefix = mb(memory["prefix_cache"]) if memory["prefix_cache"] else "off"
+    return (f"engine: {slots} slots of {mb(memory['slot'])} each, {mb(memory['slots'])} in "
+            f"all{keys}; prefill staging {mb(memory['staging'])}; prefix cache {prefix}")
 
 
 if __name__ == "__main__":

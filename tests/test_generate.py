@@ -170,6 +170,28 @@ def test_megatrons_top_p_decay_and_banned_token_after_another():
     assert after(7) == {1} and after(6) == {0}  # token 0 is banned only after token 7
 
 
+def test_penalties_and_logit_bias_and_a_seed_per_row(model):
+    """Greedy rows with OpenAI's penalties and a logit bias take the argmax of the logits
+    less presence * (count > 0) + frequency * count over their new tokens so far, plus the
+    bias (a NumPy reference); a row with a seed of its own samples as it does alone."""
+    prompt = np.asarray([[5, 6, 7, 5, 6, 7], [9, 9, 9, 9, 9, 9]])
+    presence, frequency, bias = [0.0, 0.8], [0.0, 0.5], [None, {9: 2.0, 3: -1.0}]
+    out = np.asarray(mamba_jax.generate(model, prompt, 8, presence_penalty=presence,
+                                        frequency_penalty=frequency, logit_bias=bias))
+    logits = np.asarray(model(jnp.asarray(out[:, :-1]))[:, 5:, :250], np.float64)
+    np.testing.assert_array_equal(out[0, 6:], logits[0].argmax(-1))  # row 0: no rule
+    counts = np.zeros(250)
+    for token, row in zip(out[1, 6:], logits[1]):
+        row = row - presence[1] * (counts > 0) - frequency[1] * counts
+        row[9] += 2.0
+        row[3] -= 1.0
+        assert token == row.argmax()
+        counts[token] += 1
+    both = mamba_jax.generate(model, prompt, 6, temperature=2.0, seed=[3, 4])
+    alone = mamba_jax.generate(model, prompt[1:], 6, temperature=2.0, seed=4)
+    np.testing.assert_array_equal(both[1], alone[0])
+
+
 def test_left_padded_batch_equals_each_row_generated_alone(model):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 250, n) for n in (9, 2, 5)]  # 2 < d_conv - 1 pads to read
@@ -613,13 +635,11 @@ def test_arguments_that_must_be_integers_are_named(model, kwargs, match):
                                                                    **kwargs})
 
 
-def test_left_padding_is_refused_where_a_learned_state_would_miss_the_prompt(monkeypatch,
-                                                                            capsys):
+def test_left_padding_is_refused_where_a_learned_state_would_miss_the_prompt():
     """A learnable initial state enters a row's first document: left padding took it, and
-    the prompt started from zeros (a continuation unlike the row's alone)."""
-    from mamba_jax import serve
+    the prompt started from zeros (a continuation unlike the row's alone). (The server's
+    engine pads no such prompt: tests/test_engine.py.)"""
     from mamba_jax.generate import token_logprobs
-    from mamba_jax.tokenizer import byte_tokenizer
 
     model = Mamba2LM(Mamba2Config.preset("tiny", **{"mamba2.learnable_init_state": True}),
                      rngs=nnx.Rngs(0))
@@ -630,9 +650,3 @@ def test_left_padding_is_refused_where_a_learned_state_would_miss_the_prompt(mon
                                              r"learnable initial state"):
             call()
     assert mamba_jax.generate(model, ids, max_new_tokens=2, prompt_lengths=[6, 6]).shape == (2, 8)
-    # A trainer's checkpoints hold the state (no published layout does); the server pads
-    monkeypatch.setattr(serve, "load_for_generation",
-                        lambda *args: (model, byte_tokenizer(), None))
-    with pytest.raises(SystemExit):
-        serve.main(["--checkpoint", "runs/ckpt", "--port", "0"])
-    assert "the server left-pads every prompt" in capsys.readouterr().err

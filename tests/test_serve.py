@@ -25,9 +25,12 @@ import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.tokenizer import byte_tokenizer
 from mamba_jax.generate import token_logprobs
+from mamba_jax import engine as slot_engine
 from mamba_jax.serve import TOP_LOGPROBS, Limits, make_app
 
-LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16, max_batch=32, batch_window_s=0.02)
+LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16)
+# Fewer slots than the 32 concurrent clients below: some wait for a slot
+ENGINE = dict(slots=8, steps_per_dispatch=2, prefill_chunk=16, prefill_rows=4)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def serving(app):
 @pytest.fixture(scope="module")
 def url(model):
     """The server on a free loopback port."""
-    with serving(make_app(model, byte_tokenizer(), LIMITS)) as address:
+    with serving(make_app(model, byte_tokenizer(), LIMITS, engine_options=ENGINE)) as address:
         yield address
 
 
@@ -170,22 +173,20 @@ def test_openai_fields_sent_as_null_take_their_defaults_and_a_null_prompt_is_a_4
     assert put_status == 400 and put_error["error"]["field"] == "temperature"
 
 
-def test_32_concurrent_clients_are_batched_and_all_answered_correctly(url, model):
+def test_32_concurrent_clients_share_the_slots_and_are_all_answered_correctly(url, model):
     prompts = [f"p{i} " + "ab" * (i % 7) for i in range(32)]
 
     async def go():
         async with aiohttp.ClientSession() as s:
-            async with s.get(url + "/health") as r:
-                before = (await r.json())["batches"]
             answers = await asyncio.gather(*(complete(s, url, prompt=p, max_tokens=6,
                                                       temperature=0) for p in prompts))
             async with s.get(url + "/health") as r:
-                return answers, (await r.json())["batches"] - before
+                return answers, await r.json()
 
-    answers, batches = run(go())
+    answers, health = run(go())
     assert [status for status, _ in answers] == [200] * 32
     assert [body["choices"][0]["text"] for _, body in answers] == expected(model, prompts, 6)
-    assert batches < 32  # requests shared batches
+    assert (health["queued"], health["slots_busy"]) == (0, 0)
 
 
 def test_streamed_tokens_join_to_the_greedy_text(url, model):
@@ -332,30 +333,20 @@ def test_generate_cli_says_when_the_stream_stops_before_its_end(ending, capsys):
     assert captured.err.count("\n") == 1
 
 
-def test_the_engine_decodes_with_the_servers_decode_options(model, monkeypatch):
-    """`serve --ssm-state-dtype/--step-implementation` reach every generate call."""
+def test_the_engine_decodes_with_the_servers_decode_options(model):
+    """`serve --ssm-state-dtype/--step-implementation` reach the engine's decode steps."""
     import mamba_jax.serve as serve
 
     options = dict(ssm_state_dtype="bfloat16", step_implementation="triton")
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return mamba_jax.generate(*args, **kwargs)
-
-    monkeypatch.setattr(serve, "generate", spy)
-
-    async def go():
-        engine = serve.Engine(model, byte_tokenizer(), LIMITS, generate_options=options)
-        loop = asyncio.get_running_loop()
-        row = serve._Row(list(b"Hello"), 6, 0.0, 0, 1.0, loop.create_future())
-        await engine._generate(loop, [row])
-        return await row.future
-
-    new, reason = run(go())
-    assert len(calls) == 1 and options.items() <= calls[0].items()
+    engine = serve.Engine(model, byte_tokenizer(), LIMITS, generate_options=options, slots=1)
+    seq = engine.submit(list(b"Hello"), slot_engine.SamplingParams(6))
+    while engine.step():
+        pass
+    ssm = [c.ssm_state for c in engine._slots.cache]
+    assert engine._plan == ("fused",) * len(ssm)  # the kernels, at batch 1
+    assert all(s.dtype == jnp.bfloat16 for s in ssm)
     want = mamba_jax.generate(model, np.asarray([list(b"Hello")]), 6, **options)
-    assert (new, reason) == (np.asarray(want)[0, 5:].tolist(), "length")
+    assert (seq.tokens, seq.finish_reason) == (np.asarray(want)[0, 5:].tolist(), "length")
 
 
 def test_a_top_p_that_is_zero_in_float32_is_a_400_and_the_request_beside_it_is_answered(url):
@@ -443,43 +434,25 @@ def test_a_negative_temperature_is_a_400_on_both_endpoints(url):
         assert "temperature=-0.5 must be a finite number >= 0" in error["error"]["message"]
 
 
-def test_one_failing_prompt_fails_only_its_own_request(model, monkeypatch):
-    """Should a batch fail, each prompt runs again alone: only the one at fault fails."""
-    import mamba_jax.serve as serve
+class _Held:
+    """Holds the engine's thread once a sequence is decoding, until `release` is set (a long
+    decode); `admitted` records each prompt that the engine took in."""
 
-    def generate_failing_at_temperature_half(model, ids, t, temperatures, *args, **kwargs):
-        if 0.5 in temperatures:
-            raise ValueError("a setting the model cannot run")
-        return mamba_jax.generate(model, ids, t, temperatures, *args, **kwargs)
+    def __init__(self, monkeypatch):
+        self.release, self.admitted = threading.Event(), []
+        step, admit = slot_engine.Engine.step, slot_engine.Engine._start_from_prefix
 
-    monkeypatch.setattr(serve, "generate", generate_failing_at_temperature_half)
+        def held_step(engine):
+            if any(r is not None for r in engine._slot):
+                self.release.wait(30)
+            return step(engine)
 
-    async def go():
-        engine = serve.Engine(model, byte_tokenizer(), LIMITS)
-        loop = asyncio.get_running_loop()
-        good, bad = (serve._Row(list(b"Hello"), 6, temperature, 0, 1.0, loop.create_future())
-                     for temperature in (0.0, 0.5))
-        await engine._generate(loop, [good, bad])
-        return await good.future, bad.future.exception()
+        def spy(engine, request):
+            self.admitted.append(bytes(request.ids))
+            return admit(engine, request)
 
-    (new, reason), error = run(go())
-    want = mamba_jax.generate(model, np.asarray([list(b"Hello")]), 6)
-    assert (new, reason) == (np.asarray(want)[0, 5:].tolist(), "length")
-    assert str(error) == "a setting the model cannot run"
-
-
-class _HeldGenerate:
-    """A stand-in for generate whose first call holds until `release` is set (a long
-    batch); it records each call's per-row token limits (its filler rows have 1)."""
-
-    def __init__(self):
-        self.release, self.calls = threading.Event(), []
-
-    def __call__(self, model, ids, t, *args, max_new_tokens_per_row, **kwargs):
-        self.calls.append([n for n in max_new_tokens_per_row if n > 1])
-        if len(self.calls) == 1:
-            self.release.wait(30)
-        return np.zeros((ids.shape[0], ids.shape[1] + t), np.int32)
+        monkeypatch.setattr(slot_engine.Engine, "step", held_step)
+        monkeypatch.setattr(slot_engine.Engine, "_start_from_prefix", spy)
 
 
 async def _until(condition, timeout=30.0):
@@ -489,13 +462,11 @@ async def _until(condition, timeout=30.0):
         await asyncio.sleep(0.01)
 
 
-async def _server_with(generate, model, limits, monkeypatch):
-    """A server whose batches run `generate`, run as web.run_app runs it: (its runner, its
-    URL, its engine)."""
+async def _server(model, limits=LIMITS):
+    """A server run as web.run_app runs it: (its runner, its URL, its engine)."""
     import mamba_jax.serve as serve
 
-    monkeypatch.setattr(serve, "generate", generate)
-    app = make_app(model, byte_tokenizer(), limits)
+    app = make_app(model, byte_tokenizer(), limits, engine_options=ENGINE)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -504,16 +475,16 @@ async def _server_with(generate, model, limits, monkeypatch):
 
 @contextlib.asynccontextmanager
 async def _first_request_decoding(model, limits, monkeypatch):
-    """A server whose first batch holds (see _HeldGenerate), a client session, and a first
-    request ("first", 3 new tokens) whose batch is decoding: yields (session, URL, engine,
-    held, the first request's task); the batch is released on the way out."""
-    held = _HeldGenerate()
-    runner, url, engine = await _server_with(held, model, limits, monkeypatch)
+    """A server whose engine holds (see _Held) once a first request ("first", 3 new tokens)
+    decodes, and a client session: yields (session, URL, engine, held, the first request's
+    task); the engine is released on the way out."""
+    held = _Held(monkeypatch)
+    runner, url, engine = await _server(model, limits)
     try:
         async with aiohttp.ClientSession() as s:
             first = asyncio.create_task(complete(s, url, prompt="first", max_tokens=3,
                                                  temperature=0))
-            await _until(lambda: held.calls)  # the first batch is decoding
+            await _until(lambda: held.admitted)  # the first request is decoding
             yield s, url, engine, held, first
     finally:
         held.release.set()
@@ -529,20 +500,20 @@ def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch
             async with aiohttp.ClientSession() as leaver:
                 leaving = asyncio.create_task(complete(
                     leaver, url, prompt=["left behind"] * 10, max_tokens=5, temperature=0))
-                await _until(lambda: engine.pending.qsize() == 10)
+                await _until(lambda: engine.stats()["queued"] == 10)
                 leaving.cancel()  # the client hangs up while its prompts wait
             await _until(lambda: "client" in caplog.text)
             held.release.set()
             assert (await first)[0] == 200
             after = await complete(s, url, prompt="after", max_tokens=4, temperature=0)
-            return after, held.calls, engine.queued_tokens
+            return after, held.admitted, engine.stats()
 
-    (status, _), calls, queued = run(go())
+    (status, _), admitted, stats = run(go())
     assert status == 200
-    assert calls == [[3], [4]]  # the 10 prompts of the client that left never ran
-    assert queued == 0
+    assert admitted == [b"first", b"after"]  # the 10 prompts of the client that left never ran
+    assert stats["queued_tokens"] == 0 and stats["requests_finished"]["cancelled"] == 10
     dropped = [r.getMessage() for r in caplog.records if r.name == "mamba_jax.serve"]
-    assert len(dropped) == 1 and "10 queued prompt(s) dropped" in dropped[0]
+    assert len(dropped) == 1 and "10 prompt(s) cancelled" in dropped[0]
     assert not any(r.exc_info for r in caplog.records)
 
 
@@ -580,61 +551,46 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
     assert (first, queued) == (200, 200)
 
 
-def test_a_failed_generation_is_a_500_naming_it_and_a_stream_ends_with_done(model, monkeypatch):
-    def failing(*args, **kwargs):
-        raise RuntimeError("the device is gone")
+def test_nan_logits_fail_only_their_request_a_500_naming_them_and_end_a_stream():
+    """A model whose logits are NaN after one token ("~", its embedding NaN, its head's row
+    not): a completion of a prompt with it is a 500 that says so (argmax gave token 0
+    before), its stream ends with an error event and [DONE], the request decoding beside
+    it is answered; scoring NaN log-probabilities likewise is a 500, not NaN in the JSON."""
+    broken = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16,
+                                          chunk_size=16, tie_embeddings=False),
+                      rngs=nnx.Rngs(0))
+    broken.embedding[...] = broken.embedding[...].at[ord("~")].set(jnp.nan)
 
     async def go():
-        runner, url, _ = await _server_with(failing, model, LIMITS, monkeypatch)
+        runner, url, _ = await _server(broken)
         try:
             async with aiohttp.ClientSession() as s:
-                plain = await complete(s, url, prompt="hi", max_tokens=4)
-                async with s.post(url + "/v1/completions", json={
-                        "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
-                    events = [line.decode().removeprefix("data: ").strip()
-                              async for line in r.content if line.strip()]
-            return plain, events
+                async def stream():
+                    async with s.post(url + "/v1/completions", json={
+                            "prompt": "h~", "max_tokens": 4, "stream": True}) as r:
+                        return [line.decode().removeprefix("data: ").strip()
+                                async for line in r.content if line.strip()]
+                plain, good, events = await asyncio.gather(
+                    complete(s, url, prompt="hi~", max_tokens=3),
+                    complete(s, url, prompt="hi", max_tokens=3, temperature=0), stream())
+                async with s.put(url + "/api", json={"prompts": ["h~i"], "logprobs": True,
+                                                     "tokens_to_generate": 0}) as r:
+                    scoring = r.status, await r.json()
+            return plain, good, events, scoring
         finally:
             await runner.cleanup()
 
-    (status, body), events = run(go())
-    assert status == 500
-    assert body["error"]["message"] == "generation failed: RuntimeError: the device is gone"
-    assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["message"] == body["error"]["message"]
-
-
-def test_nan_logits_are_a_500_naming_them_in_generation_and_in_scoring(checkpoint, model,
-                                                                      monkeypatch):
-    """A model whose logits are NaN: a completion is a 500 that says so (argmax gave token 0
-    before); scoring NaN log-probabilities likewise, not NaN in the JSON."""
-    broken = mamba_jax.from_pretrained(checkpoint)
-    broken.norm_f.weight.value = broken.norm_f.weight.value.at[0].set(jnp.nan)
-
-    async def go(app, path, body, method="POST"):
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            async with aiohttp.ClientSession() as s:
-                url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-                async with s.request(method, url + path, json=body) as r:
-                    return r.status, await r.json()
-        finally:
-            await runner.cleanup()
-
-    status, body = run(go(make_app(broken, byte_tokenizer(), LIMITS), "/v1/completions",
-                          {"prompt": "hi", "max_tokens": 3}))
+    (status, body), good, events, scoring = run(go())
     assert status == 500 and body["error"]["message"].startswith(
-        "generation failed: ValueError: generate: the model's logits are NaN (row 0, new "
-        "token 0)")
-
-    status, body = run(go(make_app(broken, byte_tokenizer(), LIMITS), "/api",
-                          {"prompts": ["hi"], "tokens_to_generate": 0, "logprobs": True},
-                          "PUT"))
-    assert status == 500 and body["error"]["message"].startswith(  # "hi" left-padded to 16
+        "generation failed: GenerationError: the model's logits are NaN (new token 0)")
+    assert good == (200, good[1]) and good[1]["choices"][0]["text"] == expected(
+        broken, ["hi"], 3)[0]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"].startswith(
+        "generation failed: GenerationError: the model's logits are NaN")
+    assert scoring[0] == 500 and scoring[1]["error"]["message"].startswith(
         "scoring failed: ValueError: token_logprobs: the model's logits are NaN (row 0, "
-        "position 14)")
+        "position ")
 
 
 # ------------------------------------------------------------------ Megatron's /api fields
@@ -708,26 +664,28 @@ def test_random_seed_repeats_a_request_and_beam_search_is_a_400_saying_why(url):
 
 
 class _Scripted:
-    """A stand-in for generate: every row continues with `text`'s bytes; records the
-    keyword arguments of each call."""
+    """A stand-in for the engine's decoding: every sequence continues with `text`'s bytes
+    (up to its max_new_tokens); records each one's SamplingParams."""
 
-    def __init__(self, text: bytes):
-        self.text, self.calls = text, []
+    def __init__(self, text: bytes, monkeypatch):
+        self.text, self.params = text, []
+        monkeypatch.setattr(slot_engine.Engine, "submit",
+                            lambda engine, ids, params: self.submit(engine, ids, params))
 
-    def __call__(self, model, ids, t, *args, **kwargs):
-        self.calls.append(kwargs)
-        new = np.resize(np.frombuffer(self.text, np.uint8), t)[None].repeat(ids.shape[0], 0)
-        if kwargs.get("on_token"):
-            for step in range(t):
-                kwargs["on_token"](step, new[:, step])
-        return np.concatenate([ids, new.astype(np.int32)], axis=1)
+    def submit(self, engine, ids, params):
+        self.params.append(params)
+        seq = slot_engine.Sequence(engine, ids, params)
+        for token in np.resize(np.frombuffer(self.text, np.uint8), params.max_new_tokens):
+            seq._emit(slot_engine.TokenEvent(int(token), None, None))
+        seq._finish("length")
+        return seq
 
 
 def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch):
-    scripted = _Scripted(b"ab:\ncd\n\nef")
+    scripted = _Scripted(b"ab:\ncd\n\nef", monkeypatch)
 
     async def go():
-        runner, url, _ = await _server_with(scripted, model, LIMITS, monkeypatch)
+        runner, url, _ = await _server(model)
         try:
             async with aiohttp.ClientSession() as s:
                 out = []
@@ -747,10 +705,11 @@ def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch
     (eol, double, sampling, (status, openai)), chunks = run(go())
     assert eol["text"] == ["xab:\n"] and eol["tokens"] == [list(b"xab:\n")]
     assert double["text"] == ["xab:\ncd\n\n"]
-    kwargs = scripted.calls[2]  # the sampling request's batch: its row, then filler
-    assert [list(v[:1]) for v in kwargs["banned_after"]] == [[ord(":")], [ord("\n")]]
-    assert kwargs["top_p_decay"][0] == 0.5 and kwargs["top_p_bound"][0] == 0.2
-    assert scripted.calls[0]["banned_after"] is None and scripted.calls[0]["top_p_decay"] is None
+    params = scripted.params[2]  # the sampling request's
+    assert params.banned_after == (ord(":"), ord("\n"))
+    assert (params.top_p, params.top_p_decay, params.top_p_bound) == (
+        pytest.approx(0.9), 0.5, 0.2)
+    assert scripted.params[0].banned_after is None and scripted.params[0].top_p_decay == 0
     assert status == 200 and [c["index"] for c in openai["choices"]] == [0, 1, 2, 3]
     assert {(c["text"], c["finish_reason"]) for c in openai["choices"]} == {("ab:\nc", "stop")}
     assert openai["usage"]["completion_tokens"] == 4 * 5  # the tokens of the text kept
@@ -761,9 +720,10 @@ def test_megatron_stops_and_sampling_fields_and_openai_stop_n(model, monkeypatch
 def test_a_stream_holds_back_a_stop_longer_than_the_text_so_far(model, monkeypatch):
     """A stop string longer than the text streamed so far may still begin in it: the stream
     sends nothing it could cut (a negative hold once sent "ab" where the answer is "a")."""
+    _Scripted(b"ab:\ncd\n\nef", monkeypatch)
+
     async def go():
-        runner, url, _ = await _server_with(_Scripted(b"ab:\ncd\n\nef"), model, LIMITS,
-                                            monkeypatch)
+        runner, url, _ = await _server(model)
         try:
             async with aiohttp.ClientSession() as s:
                 body = {"prompt": "s", "max_tokens": 10, "stop": "b:\ncd\n\nef"}
@@ -817,10 +777,10 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
 
 @pytest.mark.parametrize("flags,refusal", [
     (["--port", "99999"], r"--port=99999 must be in \[0, 65535\]"),
-    (["--max-batch", "0"], "--max-batch=0 must be >= 1"),
+    (["--slots", "0"], "--slots=0 must be an integer >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
-    (["--batch-window-ms", "-5"], "--batch-window-ms=-5.0 must be a number >= 0"),
-    (["--batch-window-ms", "nan"], "--batch-window-ms=nan must be a number >= 0"),
+    (["--prefill-chunk", "100"], "--prefill-chunk=100 must be 16 times a power of two"),
+    (["--prefix-cache-mb", "nan"], "--prefix-cache-mb=nan must be a number >= 0"),
     # generate's bound: every request past it was a 500
     (["--max-new-tokens", "2000000"], "--max-new-tokens=2000000 must be at most 1048576"),
 ])
