@@ -1,27 +1,42 @@
-"""The server under load: requests/s and p50/p99 latency at 1, 16 and 64 concurrent clients.
+"""The server under load: requests/s, time to first token and latency at 1, 16, 64 and 256
+concurrent clients, the engine of a commit before ("before") against this one's ("after"),
+and prompts that share a system prompt, with and without the prefix cache.
 
+    git archive REV | (mkdir -p .before && tar -x -C .before)     # the code before, once
     python3 -m bench.serve_load [--preset mamba2-1.3b | --checkpoint DIR] [--dtype bfloat16]
-                                [--concurrency 1,16,64] [--seconds 30] [--max-requests 2000]
-                                [--prompt-tokens 128] [--new-tokens 128]
+                                [--before .before] [--concurrency 1,16,64,256] [--seconds 10]
+                                [--max-requests 2000] [--prompt-tokens 128]
+                                [--new-tokens 128] [--shared-prefix-tokens 512]
+                                [--shared-concurrency 64] [--no-stream] [--slots 64 ...]
                                 [--ssm-state-dtype float32] [--step-implementation auto]
 
-Starts the server (mamba_jax.serve's application, its batching as `python -m
-mamba_jax.serve` runs it: --max-batch 64, a 5 ms window) in a child process on loopback,
-with a preset's random weights and the byte tokenizer, or a checkpoint and its tokenizer;
-end of sequence is off, so every request generates exactly --new-tokens. Before timing, one
-request of n prompts for each batch the server can form (n = 1, 2, 4, ... up to the largest
-concurrency, the bucket sizes it compiles for) compiles what the clients will run. Then, for
-each concurrency c: c client threads (the standard library's http.client, one keep-alive
-connection each) send greedy POST /v1/completions requests of one prompt, each next one as
-soon as its answer is back, until --seconds have passed or --max-requests are answered
-(what is in flight then finishes). Prompts: --prompt-tokens bytes of the bundled corpus at
-spread offsets (with the byte tokenizer, exactly that many tokens; a checkpoint's tokenizer
-makes fewer, and a batch whose prompts fall in another power-of-two bucket compiles during
-the timing).
+Each engine runs in a server child of its own on loopback (mamba_jax.serve's application,
+as `python -m mamba_jax.serve` runs it), with a preset's random weights and the byte
+tokenizer, or a checkpoint and its tokenizer; end of sequence is off, so every request
+generates exactly --new-tokens. "before" is the code in --before (an extracted copy of an
+earlier commit, e.g. main before a change; git-ignored): its child runs `python -m
+bench.serve_load --serve-child` from that folder, with that code first on PYTHONPATH, and
+takes the flags that code took. "after" is this checkout, with the engine's flags given
+here (--slots, --steps-per-dispatch, --prefill-chunk, --prefill-rows, --prefix-cache-mb).
 
-Prints, after a line with the date, the device and jax's version (the server's), one row per
-concurrency: requests answered, seconds, requests/s, new tokens/s, p50 and p99 latency (a
-request's time from its send to its whole answer), and failed requests (not 200).
+Before timing a server, one request of n prompts for each n = 1, 2, 4, ... up to the most
+clients (at most 64) compiles the batches they form, and each level runs --warmup-seconds
+untimed first. Then, for each concurrency c: c client threads (the standard library's
+http.client, one keep-alive connection each) send greedy POST /v1/completions requests of
+one prompt, streamed (unless --no-stream), each next one as soon as its answer is whole,
+until --seconds have passed or --max-requests are answered (what is in flight then
+finishes). Prompts: --prompt-tokens bytes of the bundled corpus at spread offsets (with the
+byte tokenizer, exactly that many tokens). The shared-prefix run prepends the same
+--shared-prefix-tokens bytes of the corpus to each, at --shared-concurrency clients, on
+"after" with its prefix cache (the same server, after its levels) and without
+(--prefix-cache-mb 0, a server of its own).
+
+Prints, after a line with the date, the device and jax's version (the server's) and the
+settings, a table with one row per engine and concurrency: requests answered, seconds,
+requests/s, new tokens/s, p50 and p99 of the time to first token (a request's send to its
+first streamed text: a character that a token completes) and of the latency (to its whole
+answer), and failed requests (not 200); then the ratios after/before per concurrency; then
+the shared-prefix rows with the prefix cache's hits and lookups over the timed run.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import argparse
 import http.client
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -37,39 +53,52 @@ import threading
 import time
 
 from bench.harness import ROOT, child_environment, result, table_header, table_row
+from mamba_jax.engine import add_engine_arguments, engine_options
 from mamba_jax.generate import add_decode_arguments, decode_options
 
 HOST = "127.0.0.1"
+COLUMNS = ("engine", "clients", "requests", "seconds", "requests/s", "new tokens/s",
+           "TTFT p50 ms", "TTFT p99 ms", "p50 ms", "p99 ms", "failed")
 
 
-def prompts(count: int, tokens: int) -> list[str]:
+def prompts(count: int, tokens: int, prefix: int = 0) -> list[str]:
     """count prompts of at most `tokens` bytes of the bundled corpus (UTF-8 cut to whole
-    characters), at offsets spread over it."""
+    characters), at offsets spread over it after its first `prefix` bytes, each after those
+    `prefix` bytes (the same for all)."""
     from mamba_jax.data import DEFAULT_CORPUS
 
     text = DEFAULT_CORPUS.read_bytes()
-    stride = (len(text) - tokens) // count
-    return [text[i * stride:i * stride + tokens].decode("utf-8", "ignore")
-            for i in range(count)]
+    shared = text[:prefix].decode("utf-8", "ignore")
+    stride = (len(text) - prefix - tokens) // count
+    return [shared + text[prefix + i * stride:prefix + i * stride + tokens].decode(
+        "utf-8", "ignore") for i in range(count)]
 
 
-def request(connection: http.client.HTTPConnection, prompt, new_tokens: int) -> int:
+def request(connection: http.client.HTTPConnection, prompt, new_tokens: int,
+            stream: bool) -> tuple[int, float | None]:
     """One greedy completion of prompt (a string, or a list of them: one row each) on
-    connection; its HTTP status once the whole answer is read."""
-    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0})
-    connection.request("POST", "/v1/completions", body,
-                       {"Content-Type": "application/json"})
+    connection -> (its HTTP status once the whole answer is read, seconds to its first
+    streamed text or None)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0,
+                       "stream": stream})
+    begin = time.perf_counter()
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()
+    first = None
+    if stream and response.status == 200:
+        while line := response.readline():
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - begin
     response.read()
-    return response.status
+    return response.status, first
 
 
 def load(port: int, clients: int, texts: list[str], new_tokens: int, seconds: float,
-         max_requests: int) -> tuple[list[float], int, float]:
+         max_requests: int, stream: bool) -> tuple[list[float], list[float], int, float]:
     """`clients` threads sending requests back to back until `seconds` have passed or
-    max_requests are answered -> (latencies in s of the answered requests, how many failed,
-    wall seconds from the first send to the last answer)."""
-    latencies, failed, lock = [], [0], threading.Lock()
+    max_requests are answered -> (latencies and times to first token in s of the answered
+    requests, how many failed, wall seconds from the first send to the last answer)."""
+    latencies, firsts, failed, lock = [], [], [0], threading.Lock()
     start = time.perf_counter()
     deadline = start + seconds
 
@@ -83,11 +112,13 @@ def load(port: int, clients: int, texts: list[str], new_tokens: int, seconds: fl
                 if time.perf_counter() >= deadline:
                     return
                 begin = time.perf_counter()
-                status = request(connection, texts[(index + sent * clients) % len(texts)],
-                                 new_tokens)
+                status, first = request(connection, texts[(index + sent * clients) % len(texts)],
+                                        new_tokens, stream)
                 with lock:
                     if status == 200:
                         latencies.append(time.perf_counter() - begin)
+                        if first is not None:
+                            firsts.append(first)
                     else:
                         failed[0] += 1
         finally:
@@ -98,7 +129,7 @@ def load(port: int, clients: int, texts: list[str], new_tokens: int, seconds: fl
         thread.start()
     for thread in threads:
         thread.join()
-    return latencies, failed[0], time.perf_counter() - start
+    return latencies, firsts, failed[0], time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,20 +145,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(argv: list[str], port: int, timeout: float) -> tuple[subprocess.Popen, dict]:
-    """This module's --serve-child with argv on port: (the process, what it reported once
-    its model was built: its device line), after /health answers; exits if it does not
-    within timeout seconds."""
+def start_server(argv: list[str], port: int, timeout: float,
+                 code: str = ROOT) -> tuple[subprocess.Popen, dict]:
+    """The --serve-child of the bench module in `code` (a checkout) with argv on port: (the
+    process, what it reported once its model was built: its device line), after /health
+    answers; exits if it does not within timeout seconds."""
+    env = child_environment()
+    if code != ROOT:  # that checkout's code first
+        env["PYTHONPATH"] = os.pathsep.join([code, env["PYTHONPATH"]])
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.serve_load", "--serve-child", "--port", str(port), *argv],
-        cwd=ROOT, env=child_environment(), stdout=subprocess.PIPE, text=True)
+        cwd=code, env=env, stdout=subprocess.PIPE, text=True)
     line = " "
     while line and not line.startswith("RESULT "):  # its result() line, or '' at its exit
         line = child.stdout.readline()
     if not line:
         child.kill()
-        raise SystemExit(f"the server did not start (exit {child.wait()}); its stderr is "
-                         "above")
+        raise SystemExit(f"the server in {code} did not start (exit {child.wait()}); its "
+                         "stderr is above")
     # Whatever it prints later is read and dropped, so that a full pipe never stalls it.
     threading.Thread(target=child.stdout.read, daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -145,16 +180,36 @@ def start_server(argv: list[str], port: int, timeout: float) -> tuple[subprocess
         time.sleep(0.2)
 
 
+def stop_server(server: subprocess.Popen):
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def engine_stats(port: int) -> dict | None:
+    """The after child's Engine.stats() (its /bench/stats route), or None (a before child)."""
+    connection = http.client.HTTPConnection(HOST, port, timeout=30)
+    connection.request("GET", "/bench/stats")
+    response = connection.getresponse()
+    body = response.read()
+    return json.loads(body) if response.status == 200 else None
+
+
 def serve_child(args):
-    """The server process: the model, then mamba_jax.serve's application until terminated."""
+    """The server process: the model, then mamba_jax.serve's application until terminated;
+    a route /bench/stats answers the engine's statistics."""
     import jax.numpy as jnp
     from aiohttp import web
     from flax import nnx
 
     from bench.harness import device_line
     from mamba_jax import Mamba2Config, Mamba2LM
+    from mamba_jax.engine import Limits
     from mamba_jax.generate import load_for_generation
-    from mamba_jax.serve import Limits, make_app
+    from mamba_jax.serve import ENGINE, make_app
     from mamba_jax.tokenizer import byte_tokenizer
 
     if args.checkpoint:
@@ -163,11 +218,63 @@ def serve_child(args):
         model = Mamba2LM(Mamba2Config.preset(args.preset), rngs=nnx.Rngs(0),
                          dtype=jnp.dtype(args.dtype))
         tokenizer = byte_tokenizer()
-    result({"device": device_line()})
     # eos off (None): every request generates exactly its max_tokens
     app = make_app(model, tokenizer, Limits(max_prompt_tokens=max(args.prompt_tokens, 2048)),
-                   None, args.checkpoint or args.preset, decode_options(args))
+                   None, args.checkpoint or args.preset, decode_options(args),
+                   engine_options(args))
+    memory = app[ENGINE].memory()
+    result({"device": device_line(), "slot_mb": memory["slot"] / 2**20})
+
+    async def stats(request):
+        found = app[ENGINE].stats()
+        return web.json_response({k: v for k, v in found.items() if not k.endswith("seconds")})
+
+    app.router.add_get("/bench/stats", stats)
     web.run_app(app, host=HOST, port=args.port, print=None, access_log=None)
+
+
+def measure(name: str, argv: list[str], code: str, args, runs: list, started) -> list:
+    """Start a server of `code` with argv (started(its report) once it answers), then for
+    each (levels, prompts) of runs warm it and time each level -> per run its table rows
+    (engine, clients, ..., failed, and the prefix cache's (hits, lookups) over the level,
+    or None for a before child)."""
+    port = free_port()
+    most = args.shared_prefix_tokens + args.prompt_tokens
+    server, reported = start_server([*argv, "--prompt-tokens", str(most)], port,
+                                    args.start_timeout, code)
+    started(reported)
+    stream = not args.no_stream
+    tables = []
+    try:
+        for levels, texts in runs:
+            warm, rows = http.client.HTTPConnection(HOST, port), []
+            for n in (1 << i for i in range((min(max(levels), 64) - 1).bit_length() + 1)):
+                status, _ = request(warm, texts[:n], args.new_tokens, stream)
+                if status != 200:
+                    raise SystemExit(f"{name}: the warm-up request of {n} prompts: HTTP "
+                                     f"{status}")
+            warm.close()
+            for clients in levels:
+                load(port, clients, texts, args.new_tokens, args.warmup_seconds,
+                     args.max_requests, stream)
+                before = engine_stats(port) if code == ROOT else None
+                latencies, firsts, failed, wall = load(port, clients, texts, args.new_tokens,
+                                                       args.seconds, args.max_requests,
+                                                       stream)
+                after = engine_stats(port) if code == ROOT else None
+                hits = None if after is None else (
+                    after["prefix_cache_hits"] - before["prefix_cache_hits"],
+                    after["prefix_cache_lookups"] - before["prefix_cache_lookups"])
+                ms = lambda values, q: f"{1e3 * percentile(values, q):.1f}" if values else "-"
+                rows.append((name, clients, len(latencies), f"{wall:.2f}",
+                             f"{len(latencies) / wall:.2f}",
+                             f"{len(latencies) * args.new_tokens / wall:.0f}",
+                             ms(firsts, 0.5), ms(firsts, 0.99), ms(latencies, 0.5),
+                             ms(latencies, 0.99), failed, hits))
+            tables.append(rows)
+    finally:
+        stop_server(server)
+    return tables
 
 
 def main(argv=None):
@@ -177,18 +284,31 @@ def main(argv=None):
     parser.add_argument("--checkpoint", default=None,
                         help="a checkpoint dir (as mamba_jax.serve's) instead of --preset")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--concurrency", default="1,16,64",
+    parser.add_argument("--before", default=None,
+                        help="a folder holding the code to compare with (git archive REV | "
+                             "tar -x -C DIR); none: this checkout alone")
+    parser.add_argument("--concurrency", default="1,16,64,256",
                         help="concurrent clients of each timed run")
-    parser.add_argument("--seconds", type=float, default=30.0,
+    parser.add_argument("--seconds", type=float, default=10.0,
                         help="a timed run sends no new request after this")
+    parser.add_argument("--warmup-seconds", type=float, default=3.0,
+                        help="an untimed run of each level before its timed one")
     parser.add_argument("--max-requests", type=int, default=2000,
                         help="nor once this many are answered")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--shared-prefix-tokens", type=int, default=512,
+                        help="the shared system prompt of the prefix-cache run; 0: no such "
+                             "run")
+    parser.add_argument("--shared-concurrency", type=int, default=64,
+                        help="clients of the shared-prefix run")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="whole answers only (no time to first token)")
     parser.add_argument("--start-timeout", type=float, default=600.0,
-                        help="seconds the server may take to answer /health")
+                        help="seconds a server may take to answer /health")
     parser.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    add_engine_arguments(parser)
     add_decode_arguments(parser)
     args = parser.parse_args(argv)
     if args.serve_child:
@@ -196,48 +316,56 @@ def main(argv=None):
         return
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    if max(levels) > 64:
-        raise SystemExit(f"--concurrency {args.concurrency}: at most 64 clients, the server's "
-                         "largest batch")
-    port = free_port()
-    forwarded = ["--dtype", args.dtype, "--prompt-tokens", str(args.prompt_tokens),
-                 "--ssm-state-dtype", args.ssm_state_dtype,
-                 "--step-implementation", args.step_implementation,
-                 *(["--checkpoint", args.checkpoint] if args.checkpoint
-                   else ["--preset", args.preset])]
-    server, reported = start_server(forwarded, port, args.start_timeout)
-    try:
-        texts = prompts(64, args.prompt_tokens)
-        # What the server compiles: a batch of each power-of-two bucket up to max(levels)
-        began, warm = time.perf_counter(), http.client.HTTPConnection(HOST, port)
-        for rows in (1 << i for i in range((max(levels) - 1).bit_length() + 1)):
-            status = request(warm, texts[:rows], args.new_tokens)
-            if status != 200:
-                raise SystemExit(f"warm-up request of {rows} prompts: HTTP {status}")
-        warm.close()
-        print(f"{reported['device']}; {args.checkpoint or args.preset + ' (random weights)'}, "
-              f"{args.dtype}, {args.ssm_state_dtype} SSM states, step "
-              f"{args.step_implementation}; prompts of {args.prompt_tokens} tokens, "
-              f"{args.new_tokens} new, greedy; the server's batching (up to 64 rows, 5 ms "
-              f"window); warm-up {time.perf_counter() - began:.0f} s")
-        print(table_header(("clients", "requests", "seconds", "requests/s", "new tokens/s",
-                            "p50 ms", "p99 ms", "failed")))
-        for clients in levels:
-            latencies, failed, wall = load(port, clients, texts, args.new_tokens, args.seconds,
-                                           args.max_requests)
-            answered = len(latencies)
-            print(table_row((clients, answered, f"{wall:.2f}", f"{answered / wall:.2f}",
-                             f"{answered * args.new_tokens / wall:.0f}",
-                             f"{1e3 * percentile(latencies, 0.5):.1f}" if latencies else "-",
-                             f"{1e3 * percentile(latencies, 0.99):.1f}" if latencies else "-",
-                             failed)), flush=True)
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    common = ["--dtype", args.dtype, "--ssm-state-dtype", args.ssm_state_dtype,
+              "--step-implementation", args.step_implementation,
+              *(["--checkpoint", args.checkpoint] if args.checkpoint
+                else ["--preset", args.preset])]
+    mine = [*common, *(f"--{k.replace('_', '-')}={v}" for k, v in engine_options(args).items()
+                       if v is not None)]
+    no_cache = [*mine, "--prefix-cache-mb=0"]
+    before = None if args.before is None else os.path.abspath(args.before)
+    texts = prompts(64, args.prompt_tokens)
+    settings = (f"{args.checkpoint or args.preset + ' (random weights)'}, {args.dtype}, "
+                f"{args.ssm_state_dtype} SSM states, step {args.step_implementation}; prompts "
+                f"of {args.prompt_tokens} tokens, {args.new_tokens} new, greedy, "
+                f"{'whole answers' if args.no_stream else 'streamed'}; after: {args.slots} "
+                f"slots, {args.steps_per_dispatch} steps a dispatch")
+
+    shown = []
+
+    def started(reported):
+        if not shown:  # the device line, from the first server that starts
+            shown.append(reported)
+            print(f"{reported['device']}; {settings}")
+            print(table_header(COLUMNS), flush=True)
+
+    shared = prompts(64, args.prompt_tokens, args.shared_prefix_tokens)
+    runs = {"before": [(levels, texts)],
+            "after": [(levels, texts)] + ([([args.shared_concurrency], shared)]
+                                          if args.shared_prefix_tokens else []),
+            "after, no prefix cache": [([args.shared_concurrency], shared)]}
+    servers = ([("before", common, before)] if before else []) + [("after", mine, ROOT)] + (
+        [("after, no prefix cache", no_cache, ROOT)] if args.shared_prefix_tokens else [])
+    tables = {}
+    for name, argv_, code in servers:
+        tables[name] = measure(name, argv_, code, args, runs[name], started)
+        if name != "after, no prefix cache":
+            for row in tables[name][0]:
+                print(table_row(row[:-1]), flush=True)
+    if before:
+        print(table_header(("clients", "requests/s after/before", "TTFT p99 after/before",
+                            "p99 latency after/before")))
+        for b, a in zip(tables["before"][0], tables["after"][0]):
+            ratio = lambda i: (f"{float(a[i]) / float(b[i]):.2f}x" if "-" not in (a[i], b[i])
+                               and float(b[i]) else "-")
+            print(table_row((a[1], ratio(4), ratio(7), ratio(9))), flush=True)
+    if args.shared_prefix_tokens:
+        print(f"shared prefix: {args.shared_prefix_tokens} tokens the same in every prompt, "
+              f"then {args.prompt_tokens} of its own")
+        print(table_header((*COLUMNS, "prefix cache hits/lookups")))
+        for (row,), label in ((tables["after"][1], "after, prefix cache"),
+                              (tables["after, no prefix cache"][0], "after, no prefix cache")):
+            print(table_row((label, *row[1:-1], f"{row[-1][0]}/{row[-1][1]}")), flush=True)
 
 
 if __name__ == "__main__":

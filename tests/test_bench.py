@@ -10,6 +10,8 @@ and causal_conv1d by empty modules where a test needs them present.
 """
 
 import dataclasses
+import os
+import shutil
 import importlib
 import subprocess
 import sys
@@ -99,23 +101,38 @@ def test_a_script_runs_as_a_module():
 
 
 @pytest.mark.subprocess
-def test_serve_load_times_a_server_it_starts_and_stops(capsys):
-    """bench.serve_load on the tiny preset: the server in a child process on loopback,
-    warmed for batches of 1 and 2, then 1 and 2 clients for at most 4 requests (the last
-    in flight finish) or 60 s each; a row per concurrency, every request answered."""
+def test_serve_load_times_the_engine_before_and_after_and_a_shared_prefix(tmp_path, capsys):
+    """bench.serve_load on the tiny preset: "before" (here a copy of this code, run from its
+    folder) and "after" in server children of their own, 2 clients for at most 4 requests
+    each, the ratios, then prompts after a shared prefix, with the prefix cache (which the
+    warm-up filled: every timed prompt hits) and without."""
     from bench import serve_load
 
-    serve_load.main(["--preset", "tiny", "--dtype", "float32", "--concurrency", "1,2",
-                     "--seconds", "60", "--max-requests", "4", "--prompt-tokens", "8",
-                     "--new-tokens", "4", "--start-timeout", "120"])
+    for package in ("mamba_jax", "pallas_kernels", "bench"):
+        shutil.copytree(os.path.join(harness.ROOT, package), tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    serve_load.main(["--preset", "tiny", "--dtype", "float32", "--before", str(tmp_path),
+                     "--concurrency", "2", "--seconds", "60", "--warmup-seconds", "0",
+                     "--max-requests", "4", "--prompt-tokens", "8", "--new-tokens", "4",
+                     "--shared-prefix-tokens", "32", "--shared-concurrency", "2",
+                     "--slots", "2", "--prefill-chunk", "16", "--start-timeout", "120"])
     lines = capsys.readouterr().out.splitlines()
     assert "cpu, jax " in lines[0] and "tiny (random weights)" in lines[0]
-    assert lines[1].startswith("| clients | requests | seconds | requests/s |")
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[3:]]
-    assert [row[0] for row in rows] == ["1", "2"]
-    for clients, requests, seconds, rate, _, p50, p99, failed in rows:
-        assert 4 <= int(requests) <= 4 + int(clients) - 1 and failed == "0"
-        assert float(seconds) > 0 and float(rate) > 0 and 0 < float(p50) <= float(p99)
+    assert lines[1].startswith("| engine | clients | requests | seconds | requests/s |")
+    table = lambda at, n: [[c.strip() for c in line.strip("|").split("|")]
+                           for line in lines[at:at + n]]
+    for engine, clients, requests, seconds, rate, _, *ms, failed in table(3, 2):
+        assert engine in ("before", "after") and clients == "2" and failed == "0"
+        assert 4 <= int(requests) <= 5 and float(seconds) > 0 and float(rate) > 0
+        ttft_p50, ttft_p99, p50, p99 = map(float, ms)
+        assert 0 < ttft_p50 <= ttft_p99 <= p99 and 0 < p50 <= p99
+    assert lines[5].startswith("| clients | requests/s after/before |")
+    assert table(7, 1)[0][0] == "2" and all(r.endswith("x") for r in table(7, 1)[0][1:])
+    assert lines[8].startswith("shared prefix: 32 tokens")
+    cached, uncached = table(11, 2)
+    assert (cached[0], uncached[0]) == ("after, prefix cache", "after, no prefix cache")
+    hits, lookups = map(int, cached[-1].split("/"))
+    assert hits == lookups >= 4 and uncached[-1] == "0/0"
 
 
 def test_guard_refuses_a_ratio_without_causal_conv1d(copy, monkeypatch):
@@ -479,8 +496,6 @@ def test_the_decode_profile_keeps_the_decode_loops_hlo(tmp_path):
     """bench.profile_step --decode reads what each fusion computes from the decode loop's HLO
     that XLA dumps: decode_hlo keeps the last one written, removes the dump, and says so when
     there is none."""
-    import os
-
     from bench.profile_step import decode_hlo
     dump = tmp_path / "xla_dump"
     dump.mkdir()
