@@ -70,7 +70,9 @@ How it runs. Legend: S slots, R staging rows, C the prefill chunk, G = GRANULE, 
   prefill's own batch of caches, in the prefill's form, float32 states). Its tokens but the
   last are prefilled in chunks, `Mamba2LM.prefill(ids, cache=...)` continuing from the
   row's state, batched over the staging rows with a chunk of the same length; up to R x C
-  prompt tokens each engine step, between decode dispatches. Chunk lengths are G times a
+  prompt tokens each engine step, between decode dispatches, and while sequences decode
+  (each round stalls them) a round at most every `prefill_interval_ms` unless R prompts
+  wait. Chunk lengths are G times a
   power of two, at most C, and end on multiples of C (so the prefix cache's entries do): a
   fresh prompt of C tokens or fewer is one chunk left-padded to its bucket (the padding its
   own document, as generate's), a longer one or one continuing a cached prefix runs exact
@@ -106,8 +108,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mamba_jax.generate import (DECODE_COMPILER_OPTIONS, Sampling, Settings, _picked_nan,
-                                _sample, learned_state, row_streams, token_keys,
-                                token_logprobs)
+                                _sample, alone_streams, learned_state, seed_words,
+                                token_keys, token_logprobs)
 from mamba_jax.generate.plan import decode_plan
 from mamba_jax.layers.attention import AttentionCache
 
@@ -143,6 +145,10 @@ class EngineOptions:
     steps_per_dispatch: int = 4  # decoding steps a compiled program runs
     prefill_chunk: int = 256  # C: the longest prefill chunk; G times a power of two
     prefill_rows: int = 16  # R: prompts that prefill at once (the staging rows)
+    # While sequences decode, a prefill round starts at most this often (unless R prompts
+    # wait): each round stalls every decoding slot for its time, much of which does not
+    # grow with its rows, so a few prompts share it
+    prefill_interval_ms: float = 30.0
     prefix_cache_mb: float = 1024.0  # the prefix cache's bound; 0: no prefix cache
     kv_tokens: int | None = None  # attention keys a slot holds; None: the limits' prompt
     # and new tokens
@@ -250,8 +256,9 @@ class Sequence:
 
 
 # ------------------------------------------------------------------ the device's programs
-# Each takes the model as the pytree it is (generate's convention: its treedef keys the
-# compile cache), and shapes bucketed by the host, so that a few programs serve any load.
+# Each takes the model's arrays (params: its pytree's leaves) and its treedef (static: it
+# keys the compile cache), and shapes bucketed by the host, so that a few programs serve
+# any load.
 
 
 def _rows_of(tree, rows):
@@ -277,42 +284,49 @@ def _blank(model, rows: int, kv_len: int):
     return _per_row_lengths(model.init_cache(rows, kv_len), rows)
 
 
-@functools.partial(jax.jit, donate_argnames=("staging",),
-                   static_argnames=("from_state", "kv_len"))
-def _prefill_chunk(model, staging, rows, ids, seq_idx, fresh, *, from_state: bool,
-                   kv_len: int):
+def _kv_len(cache) -> int:
+    """The attention keys a row of cache holds (0 for a model without attention)."""
+    return max((c.k.shape[1] for c in cache if isinstance(c, AttentionCache)), default=0)
+
+
+def _staged(model, staging, rows, fresh):
+    """The staging rows `rows` [B], blank where fresh [B] (a prompt that starts now)."""
+    return jax.tree.map(lambda s, z: jnp.where(fresh.reshape(-1, *[1] * (s.ndim - 1)), z, s),
+                        _rows_of(staging, rows),
+                        _blank(model, rows.shape[0], _kv_len(staging)))
+
+
+@functools.partial(jax.jit, donate_argnames=("staging",), static_argnames=("tree",
+                                                                          "from_state"))
+def _prefill_chunk(params, staging, rows, ids, seq_idx, fresh, *, tree, from_state: bool):
     """Prefill a chunk of each staging row: ids [B, L] of the rows `rows` [B] (past the
     staging's end: a filler row), seq_idx [B, L] or None (left padding its own document),
     fresh [B] bool (the row starts blank, not from its staged state) -> the staging caches
     with those rows after the chunk. from_state: some row continues its staged state
     (else every row starts blank, and the Mamba layers may run their fused kernels)."""
-    b = ids.shape[0]
-    start = None
-    if from_state:
-        blank = _blank(model, b, kv_len)
-        start = jax.tree.map(
-            lambda s, z: jnp.where(fresh.reshape(-1, *[1] * (s.ndim - 1)), z, s),
-            _rows_of(staging, rows), blank)
-    _, cache = model.prefill(ids, seq_idx, cache_len=kv_len, cache=start)
-    return _set_rows(staging, rows, _per_row_lengths(cache, b))
+    model = jax.tree.unflatten(tree, params)
+    start = _staged(model, staging, rows, fresh) if from_state else None
+    _, cache = model.prefill(ids, seq_idx, cache_len=_kv_len(staging), cache=start)
+    return _set_rows(staging, rows, _per_row_lengths(cache, ids.shape[0]))
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",),
-                   static_argnames=("ssm_state_dtype", "kv_len"))
-def _insert(model, slots, staging, stage_rows, slot_rows, fresh, settings, bias_ids,
-            bias_values, seeds, forced, n_forced, *, ssm_state_dtype: str, kv_len: int):
+                   static_argnames=("tree", "ssm_state_dtype"))
+def _insert(params, slots, staging, stage_rows, slot_rows, fresh, settings, bias_ids,
+            bias_values, seeds, forced, n_forced, *, tree, ssm_state_dtype: str):
     """Write prefilled rows into decode slots: staging rows stage_rows [R] (fresh [R]: a
     blank state instead) into slots slot_rows [R] (past the end: no slot), with each new
     sequence's Settings rows [R] (logit_bias None), its logit bias as (ids, values) [R, W]
-    (an id past the vocabulary: none), its seed's two words [R, 2] uint32, the prompt
+    (an id past the vocabulary: none), its seed's words [R, 2] uint32 (seed_words), the prompt
     tokens still to feed forced [R, G] and their number n_forced [R] (>= 1). The cache is
     converted to the decode loop's form (SSM states in ssm_state_dtype) and each attention
     row's keys moved to start at index 0 (its left padding dropped)."""
+    model = jax.tree.unflatten(tree, params)
     r = stage_rows.shape[0]
-    staged = jax.tree.map(lambda s, z: jnp.where(fresh.reshape(-1, *[1] * (s.ndim - 1)), z, s),
-                          _rows_of(staging, stage_rows), _blank(model, r, _kv_len(staging)))
     steps = ("xla",) * len(model.layers)  # the form without the fused steps' counters
-    cache = model.cache_for_decoding(staged, steps, ssm_state_dtype)
+    cache = model.cache_for_decoding(_staged(model, staging, stage_rows, fresh), steps,
+                                     ssm_state_dtype)
+    kv_len = _kv_len(slots.cache)
 
     def moved(c):
         if not isinstance(c, AttentionCache):
@@ -326,18 +340,11 @@ def _insert(model, slots, staging, stage_rows, slot_rows, fresh, settings, bias_
     vocab = model.config.vocab_size
     bias = jnp.zeros((r, vocab), jnp.float32).at[jnp.arange(r)[:, None], bias_ids].add(
         bias_values, mode="drop")
-    keys = jax.random.wrap_key_data(seeds, impl="threefry2x32")
-    streams = jax.random.key_data(jax.vmap(jax.random.fold_in)(
-        keys, jnp.zeros((r,), jnp.uint32)))  # row_streams(seed, 1)[0] of each
-    new = _Slots(cache, settings._replace(logit_bias=bias), streams,
+    new = _Slots(cache, settings._replace(logit_bias=bias),
+                 jax.random.key_data(alone_streams(seeds)),
                  jnp.zeros((r, vocab), jnp.int32), jnp.zeros((r,), jnp.int32),
                  jnp.zeros((r,), jnp.int32), forced, n_forced)
     return _set_rows(slots, slot_rows, new)
-
-
-def _kv_len(cache) -> int:
-    """The attention keys a row of cache holds (0 for a model without attention)."""
-    return max((c.k.shape[1] for c in cache if isinstance(c, AttentionCache)), default=0)
 
 
 class _Slots(NamedTuple):
@@ -364,12 +371,13 @@ def _without_counters(cache):
     return tuple(c._replace(sync=None) if hasattr(c, "sync") else c for c in cache)
 
 
-def _decode(model, weights, slots: _Slots, *, steps: tuple, k: int, sampling: Sampling,
-            top_n: int):
+def _decode(params, weights, slots: _Slots, *, tree, steps: tuple, k: int,
+            sampling: Sampling, top_n: int):
     """k decoding steps of every slot -> (the slots after them, per step and slot [k, S]:
     tokens int32, emitted (a new token, not a prompt token's garbage), NaN-picked (the
     logits were NaN), and with top_n >= 0 the raw log p of the token [k, S] and the top_n
     most likely (log p, ids) [k, S, top_n] each, else None)."""
+    model = jax.tree.unflatten(tree, params)
     vocab = model.config.vocab_size
     s = slots.t.shape[0]
     rows = jnp.arange(s)
@@ -406,10 +414,10 @@ def _decode(model, weights, slots: _Slots, *, steps: tuple, k: int, sampling: Sa
     return slots, out
 
 
-@functools.cache
-def _jit_decode():
-    return jax.jit(_decode, donate_argnames=("slots",), compiler_options=DECODE_COMPILER_OPTIONS,
-                   static_argnames=("steps", "k", "sampling", "top_n"))
+# The steps as one CUDA graph on a GPU, as generate's decode loop
+_decode_program = jax.jit(_decode, donate_argnames=("slots",),
+                          compiler_options=DECODE_COMPILER_OPTIONS,
+                          static_argnames=("tree", "steps", "k", "sampling", "top_n"))
 
 
 _resize = jax.jit(_rows_of)
@@ -437,9 +445,9 @@ def _load(staging, row, entry):
     return tuple(put(s, e) if s is not None else None for s, e in zip(staging, entry))
 
 
-@functools.partial(jax.jit, static_argnames=("steps",))
-def _decode_weights(model, *, steps):
-    return model.decode_weights(steps)
+@functools.partial(jax.jit, static_argnames=("tree", "steps"))
+def _decode_weights(params, *, tree, steps):
+    return jax.tree.unflatten(tree, params).decode_weights(steps)
 
 
 # ------------------------------------------------------------------ the host's side
@@ -525,6 +533,9 @@ class Engine:
         self.options = options = EngineOptions(**engine_options)
         check_options(options)
         self.model, self.tokenizer, self.limits = model, tokenizer, limits
+        # The model's arrays as a list, flattened once: jit reads a list in C++, where a
+        # Module is flattened by a Python traversal of every layer at each call.
+        self._params, self._tree = jax.tree.flatten(model)
         self.eos = eos_token_id
         generate_options = dict(generate_options or {})
         self.ssm_state_dtype = generate_options.pop("ssm_state_dtype", "float32")
@@ -559,6 +570,7 @@ class Engine:
         self._reserved = 0  # staging requests, each sure of a slot
         self._in_flight = None  # the last dispatch not yet read: (outputs, owners)
         self._small_since: float | None = None
+        self._last_prefill = 0.0  # time.monotonic() of the last prefill chunk's dispatch
         self._plan = None
         self._weights = None
         self._slots: _Slots | None = None
@@ -784,9 +796,19 @@ class Engine:
             return None
         return GRANULE * _floor_pow2(most // GRANULE), 0
 
+    def _prefill_due(self) -> bool:
+        """Whether a prefill round may start: no sequence decodes, R prompts wait, or the
+        last round started prefill_interval_ms ago."""
+        waited = time.monotonic() - self._last_prefill
+        return (not any(r is not None for r in self._slot)
+                or all(r is not None and not r.done_prefill for r in self._staging)
+                or waited >= self.options.prefill_interval_ms / 1e3)
+
     def _prefill(self):
         """Chunks of the staging rows' prompts, batched by length, up to R x C tokens (one
         chunk at least)."""
+        if not self._prefill_due():
+            return
         budget, spent = self.options.prefill_rows * self.options.prefill_chunk, 0
         while True:
             groups: dict[int, list] = {}
@@ -806,6 +828,7 @@ class Engine:
                 groups.setdefault(tokens + pad, []).append((req, tokens, pad))
             for length, chunks in groups.items():
                 self._run_chunks(length, chunks)
+                self._last_prefill = time.monotonic()
             if full or not groups:
                 return
 
@@ -821,8 +844,8 @@ class Engine:
             rows[i], fresh[i] = req.stage_row, req.fresh
             if padded:
                 seq_idx[i, :pad] = 0
-        self._stage = _prefill_chunk(self.model, self._staging_cache(), rows, ids, seq_idx,
-                                     fresh, from_state=not fresh.all(), kv_len=self.stage_kv)
+        self._stage = _prefill_chunk(self._params, self._staging_cache(), rows, ids, seq_idx,
+                                     fresh, tree=self._tree, from_state=not fresh.all())
         c = self.options.prefill_chunk
         for req, tokens, pad in chunks:
             self.prefill_tokens += tokens
@@ -867,8 +890,7 @@ class Engine:
                 array[i] = value
             for j, (token, value) in enumerate(p.logit_bias):
                 bias_ids[i, j], bias_values[i, j] = token, value
-            u = req.seed & (2**64 - 1)
-            seeds[i] = (u >> 32) & 0xFFFFFFFF, u & 0xFFFFFFFF
+            seeds[i] = seed_words([req.seed])[0]
             tail = req.ids[req.pos:]
             forced[i, :len(tail)] = tail
             n_forced[i] = req.n_forced = len(tail)
@@ -876,10 +898,10 @@ class Engine:
             self._slot[slot] = req
             self._staging[req.stage_row] = None
             self._reserved -= 1
-        self._slots = _insert(self.model, self._slots, self._staging_cache(), stage_rows,
+        self._slots = _insert(self._params, self._slots, self._staging_cache(), stage_rows,
                               slot_rows, fresh, settings, bias_ids, bias_values,
-                              seeds, forced, n_forced, ssm_state_dtype=self.ssm_state_dtype,
-                              kv_len=self.kv_tokens)
+                              seeds, forced, n_forced, tree=self._tree,
+                              ssm_state_dtype=self.ssm_state_dtype)
 
     def _release_cancelled(self):
         """Cancelled sequences give back their staging rows and slots."""
@@ -931,7 +953,7 @@ class Engine:
                            ssm_state_dtype=self.ssm_state_dtype).steps
         if plan != self._plan:  # the step weights of the plan's implementations
             self._plan, self._weights = plan, None  # one copy on the device at a time
-            self._weights = _decode_weights(self.model, steps=plan)
+            self._weights = _decode_weights(self._params, tree=self._tree, steps=plan)
 
     def _capacity(self, used: int) -> int:
         """The batch that holds `used` slots: its power of two, at most `slots`."""
@@ -967,8 +989,9 @@ class Engine:
                             top_p_decay=filters, banned_after=True, penalties=True,
                             logit_bias=True)
         top_n = -1 if all(p.logprobs is None for p in live) else self.top_logprobs
-        self._slots, out = _jit_decode()(self.model, self._weights, self._slots,
-                                         steps=self._plan, k=k, sampling=sampling, top_n=top_n)
+        self._slots, out = _decode_program(self._params, self._weights, self._slots,
+                                           tree=self._tree, steps=self._plan, k=k,
+                                           sampling=sampling, top_n=top_n)
         for req in filter(None, owners):
             req.t += k
             # Its length is reached in this dispatch: its slot is free for the next insert
@@ -1054,9 +1077,10 @@ def check_options(o: EngineOptions):
     if c < GRANULE or c % GRANULE or (c // GRANULE) & (c // GRANULE - 1):
         raise ValueError(f"--prefill-chunk={c} must be {GRANULE} times a power of two "
                          f"({GRANULE}, {2 * GRANULE}, ... 256, 512)")
-    if not (math.isfinite(o.prefix_cache_mb) and o.prefix_cache_mb >= 0):
-        raise ValueError(f"--prefix-cache-mb={o.prefix_cache_mb} must be a number >= 0 "
-                         "(0: no prefix cache)")
+    for name in ("prefix_cache_mb", "prefill_interval_ms"):
+        value = getattr(o, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be a number >= 0")
     if o.kv_tokens is not None and o.kv_tokens < 1:
         raise ValueError(f"--kv-tokens={o.kv_tokens} must be >= 1")
 
@@ -1075,6 +1099,9 @@ def add_engine_arguments(parser):
                              "prefix-cache entries are at its multiples")
     parser.add_argument("--prefill-rows", type=int, default=d.prefill_rows,
                         help="prompts that prefill at once")
+    parser.add_argument("--prefill-interval-ms", type=float, default=d.prefill_interval_ms,
+                        help="while sequences decode, a prefill round (which stalls them) "
+                             "starts at most this often, unless --prefill-rows prompts wait")
     parser.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
                         help="the bound of the states kept after shared prompt prefixes; "
                              "0: none")

@@ -14,7 +14,8 @@ from mamba_jax.generate import token_logprobs
 FIXTURE = "tests/fixtures/trained_tiny"
 LIMITS = Limits(max_prompt_tokens=64, max_new_tokens=12)
 # Small chunks, few rows and slots: prompts longer than a chunk, and sequences that wait
-OPTIONS = dict(slots=4, steps_per_dispatch=2, prefill_chunk=32, prefill_rows=2)
+OPTIONS = dict(slots=4, steps_per_dispatch=2, prefill_chunk=32, prefill_rows=2,
+               prefill_interval_ms=0)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,23 @@ def test_a_stopped_sequence_frees_its_slot_for_a_waiting_one(model, engine):
     drain(engine)
     assert [s.finish_reason for s in seqs] == ["stop"] + ["length"] * 4
     assert seqs[4].tokens == fifth
+
+
+def test_while_sequences_decode_prompts_wait_for_the_interval_or_a_full_staging(model):
+    """A prefill stalls the decoding slots: while one decodes, a new prompt waits for
+    prefill_interval_ms, unless prefill_rows prompts wait (a full batch)."""
+    engine = Engine(model, None, LIMITS, **{**OPTIONS, "prefill_interval_ms": 60e3})
+    first = engine.submit(list(b"first"), SamplingParams(12))
+    engine.step()
+    second = engine.submit(list(b"second"), SamplingParams(2))
+    for _ in range(3):
+        engine.step()
+    assert first.tokens and not second.tokens and engine.stats()["prefill_tokens"] == 4
+    third = engine.submit(list(b"third"), SamplingParams(2))  # two staging rows: full
+    engine.step()
+    engine.step()
+    assert second.tokens and third.tokens and first.finish_reason is None
+    drain(engine)
 
 
 def test_penalties_and_logit_bias_follow_openais_rule(model, engine):

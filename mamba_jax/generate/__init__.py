@@ -80,13 +80,19 @@ class Settings(NamedTuple):
     logit_bias: np.ndarray | None = None
 
 
-def seed_keys(seeds) -> jax.Array:
-    """PRNG keys [b] of 64-bit integer seeds [b]: the threefry key whose two words are the
-    seed's (a seed in [0, 2**32) gives jax.random.key(seed)'s key; jax.random.key keeps only
+def seed_words(seeds) -> np.ndarray:
+    """[n, 2] uint32: each 64-bit integer seed's two words, the threefry key data of the
+    seed (a seed in [0, 2**32) gives jax.random.key(seed)'s key; jax.random.key keeps only
     a seed's low 32 bits while 64-bit integers are off, so 5 and 2**40 + 5 were one key)."""
-    words = np.asarray([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF]
-                        for s in (int(s) & (2**64 - 1) for s in seeds)], np.uint32)
-    return jax.random.wrap_key_data(words.reshape(-1, 2), impl="threefry2x32")
+    return np.asarray([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF]
+                       for s in (int(s) & (2**64 - 1) for s in seeds)], np.uint32).reshape(-1, 2)
+
+
+def alone_streams(words) -> jax.Array:
+    """The PRNG stream [n] of a row alone in a generate call with each seed, from its words
+    [n, 2] uint32 (seed_words; traceable)."""
+    keys = jax.random.wrap_key_data(words, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, jnp.zeros(keys.shape, jnp.uint32))
 
 
 def row_streams(seed, rows: int) -> jax.Array:
@@ -95,11 +101,10 @@ def row_streams(seed, rows: int) -> jax.Array:
     fold_in(seed[r]'s key, 0), the row as if alone in a call with its seed (the server's
     engine samples a sequence with a seed so). A row's samples depend on these, its prompt
     and its settings, never on the other rows."""
-    if np.ndim(seed) == 0:
-        keys, index = seed_keys([seed] * rows), np.arange(rows, dtype=np.uint32)
-    else:
-        keys, index = seed_keys(seed), np.zeros((rows,), np.uint32)
-    return jax.vmap(jax.random.fold_in)(keys, index)
+    if np.ndim(seed) != 0:
+        return alone_streams(seed_words(seed))
+    keys = jax.random.wrap_key_data(seed_words([seed] * rows), impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, jnp.arange(rows, dtype=jnp.uint32))
 
 
 def token_keys(streams, step) -> jax.Array:
