@@ -7,7 +7,8 @@ and prompts that share a system prompt, with and without the prefix cache.
                                 [--before .before] [--concurrency 1,16,64,256] [--seconds 10]
                                 [--max-requests 2000] [--prompt-tokens 128]
                                 [--new-tokens 128] [--shared-prefix-tokens 512]
-                                [--shared-concurrency 64] [--no-stream] [--slots 64 ...]
+                                [--shared-concurrency 64] [--runs levels,shared]
+                                [--compilation-cache DIR] [--no-stream] [--slots 64 ...]
                                 [--ssm-state-dtype float32] [--step-implementation auto]
 
 Each engine runs in a server child of its own on loopback (mamba_jax.serve's application,
@@ -29,7 +30,10 @@ finishes). Prompts: --prompt-tokens bytes of the bundled corpus at spread offset
 byte tokenizer, exactly that many tokens). The shared-prefix run prepends the same
 --shared-prefix-tokens bytes of the corpus to each, at --shared-concurrency clients, on
 "after" with its prefix cache (the same server, after its levels) and without
-(--prefix-cache-mb 0, a server of its own).
+(--prefix-cache-mb 0, a server of its own). --runs picks the levels, the shared-prefix run
+or both. The servers keep their compiled programs in --compilation-cache (default: a
+temporary folder of this call), so that a second server of the same code compiles little,
+and a later call with the same folder neither.
 
 Prints, after a line with the date, the device and jax's version (the server's) and the
 settings, a table with one row per engine and concurrency: requests answered, seconds,
@@ -49,6 +53,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -145,12 +150,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(argv: list[str], port: int, timeout: float,
-                 code: str = ROOT) -> tuple[subprocess.Popen, dict]:
-    """The --serve-child of the bench module in `code` (a checkout) with argv on port: (the
-    process, what it reported once its model was built: its device line), after /health
-    answers; exits if it does not within timeout seconds."""
+def start_server(argv: list[str], port: int, timeout: float, code: str,
+                 cache: str) -> tuple[subprocess.Popen, dict]:
+    """The --serve-child of the bench module in `code` (a checkout) with argv on port, its
+    compiled programs kept in the folder `cache`: (the process, what it reported once its
+    model was built: its device line), after /health answers; exits if it does not within
+    timeout seconds."""
     env = child_environment()
+    env["JAX_COMPILATION_CACHE_DIR"] = cache
     if code != ROOT:  # that checkout's code first
         env["PYTHONPATH"] = os.pathsep.join([code, env["PYTHONPATH"]])
     child = subprocess.Popen(
@@ -241,7 +248,7 @@ def measure(name: str, argv: list[str], code: str, args, runs: list, started) ->
     port = free_port()
     most = args.shared_prefix_tokens + args.prompt_tokens
     server, reported = start_server([*argv, "--prompt-tokens", str(most)], port,
-                                    args.start_timeout, code)
+                                    args.start_timeout, code, args.compilation_cache)
     started(reported)
     stream = not args.no_stream
     tables = []
@@ -304,6 +311,13 @@ def main(argv=None):
                         help="clients of the shared-prefix run")
     parser.add_argument("--no-stream", action="store_true",
                         help="whole answers only (no time to first token)")
+    parser.add_argument("--runs", default="levels,shared",
+                        help="levels: each engine at --concurrency; shared: the shared-prefix "
+                             "run, with and without the prefix cache")
+    parser.add_argument("--compilation-cache", default=None,
+                        help="the servers' persistent compilation cache (a folder kept "
+                             "between calls; default: a temporary one for this call, which "
+                             "the second server of this code reads)")
     parser.add_argument("--start-timeout", type=float, default=600.0,
                         help="seconds a server may take to answer /health")
     parser.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
@@ -315,6 +329,15 @@ def main(argv=None):
         serve_child(args)
         return
 
+    if args.compilation_cache is not None:
+        compare(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="serve_load_cache_") as cache:
+        compare(argparse.Namespace(**{**vars(args), "compilation_cache": cache}))
+
+
+def compare(args):
+    """The servers of main's runs, and their tables."""
     levels = [int(c) for c in args.concurrency.split(",")]
     common = ["--dtype", args.dtype, "--ssm-state-dtype", args.ssm_state_dtype,
               "--step-implementation", args.step_implementation,
@@ -339,31 +362,34 @@ def main(argv=None):
             print(f"{reported['device']}; {settings}")
             print(table_header(COLUMNS), flush=True)
 
-    shared = prompts(64, args.prompt_tokens, args.shared_prefix_tokens)
-    runs = {"before": [(levels, texts)],
-            "after": [(levels, texts)] + ([([args.shared_concurrency], shared)]
-                                          if args.shared_prefix_tokens else []),
-            "after, no prefix cache": [([args.shared_concurrency], shared)]}
-    servers = ([("before", common, before)] if before else []) + [("after", mine, ROOT)] + (
-        [("after, no prefix cache", no_cache, ROOT)] if args.shared_prefix_tokens else [])
-    tables = {}
-    for name, argv_, code in servers:
-        tables[name] = measure(name, argv_, code, args, runs[name], started)
-        if name != "after, no prefix cache":
-            for row in tables[name][0]:
-                print(table_row(row[:-1]), flush=True)
-    if before:
+    parts = set(args.runs.split(","))
+    if not parts <= {"levels", "shared"}:
+        raise SystemExit(f"--runs {args.runs}: give levels, shared or both")
+    timed = [(levels, texts)] if "levels" in parts else []
+    shared = []
+    if "shared" in parts and args.shared_prefix_tokens:
+        shared = [([args.shared_concurrency],
+                   prompts(64, args.prompt_tokens, args.shared_prefix_tokens))]
+    servers = ([("before", common, before, timed)] if before and timed else []) + (
+        [("after", mine, ROOT, timed + shared)] if timed + shared else []) + (
+        [("after, no prefix cache", no_cache, ROOT, shared)] if shared else [])
+    tables = {name: measure(name, argv_, code, args, runs, started)
+              for name, argv_, code, runs in servers}
+    for name in ("before", "after"):
+        for row in tables.get(name, [[]])[0] if timed else []:
+            print(table_row(row[:-1]), flush=True)
+    if before and timed:
         print(table_header(("clients", "requests/s after/before", "TTFT p99 after/before",
                             "p99 latency after/before")))
         for b, a in zip(tables["before"][0], tables["after"][0]):
             ratio = lambda i: (f"{float(a[i]) / float(b[i]):.2f}x" if "-" not in (a[i], b[i])
                                and float(b[i]) else "-")
             print(table_row((a[1], ratio(4), ratio(7), ratio(9))), flush=True)
-    if args.shared_prefix_tokens:
+    if shared:
         print(f"shared prefix: {args.shared_prefix_tokens} tokens the same in every prompt, "
               f"then {args.prompt_tokens} of its own")
         print(table_header((*COLUMNS, "prefix cache hits/lookups")))
-        for (row,), label in ((tables["after"][1], "after, prefix cache"),
+        for (row,), label in ((tables["after"][-1], "after, prefix cache"),
                               (tables["after, no prefix cache"][0], "after, no prefix cache")):
             print(table_row((label, *row[1:-1], f"{row[-1][0]}/{row[-1][1]}")), flush=True)
 
