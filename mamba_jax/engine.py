@@ -470,7 +470,7 @@ class _Request:
         self.seed = stream_seed
         self.pos = 0  # prompt tokens prefilled (in its staging row)
         self.fresh = True  # its staging row holds nothing of it yet
-        self.padded = False  # its one chunk was left-padded
+        self.whole = False  # its prompt was prefilled as one chunk, left-padded: no more
         self.stage_row: int | None = None
         self.slot: int | None = None
         self.done_prefill = False
@@ -785,7 +785,7 @@ class Engine:
         """(tokens, left padding) of the request's next prefill chunk, or None when the rest
         goes to the decode steps."""
         n, p, c = len(req.ids) - 1, req.pos, self.options.prefill_chunk
-        if req.padded or n - p < 1:
+        if req.whole or n - p < 1:
             return None
         if not self.continuable:
             return (n, _bucket(n, GRANULE) - n) if p == 0 else None
@@ -851,7 +851,7 @@ class Engine:
             self.prefill_tokens += tokens
             req.pos += tokens
             req.fresh = False
-            req.padded = pad > 0 or not self.continuable
+            req.whole = pad > 0 or not self.continuable
             if (self.prefix is not None and req.pos % c == 0
                     and not self.prefix.holds(req.ids, req.pos)):
                 self.prefix.put(req.ids, req.pos, _extract(
