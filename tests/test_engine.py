@@ -223,3 +223,16 @@ def test_a_learned_initial_state_starts_every_prompt_unpadded():
     drain(engine)
     for prompt, seq in zip(prompts, seqs):  # each alone: generate would pad the shorter
         assert seq.tokens == generated(learned, [(prompt, SamplingParams(5))])[0]
+
+
+def test_layers_that_cannot_continue_a_state_prefill_each_prompt_as_one_chunk():
+    """Mamba-1 layers take no initial state: a prompt longer than a chunk is prefilled in
+    one (left-padded), and there is no prefix cache; the tokens equal generate's."""
+    mamba1 = Mamba2LM(Mamba2Config.preset("tiny-mamba1", d_model=64), rngs=nnx.Rngs(0))
+    engine = Engine(mamba1, None, LIMITS, **OPTIONS)
+    assert not engine.continuable and engine.prefix is None
+    requests = [(list(range(40)), SamplingParams(5)), ([7, 8, 9], SamplingParams(5))]
+    seqs = [engine.submit(*r) for r in requests]
+    drain(engine)
+    assert engine.stats()["prefill_tokens"] == 39 + 2
+    assert [s.tokens for s in seqs] == generated(mamba1, requests)
