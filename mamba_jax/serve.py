@@ -1,79 +1,47 @@
 """`python -m mamba_jax.serve --checkpoint DIR [--port 6000] [--host 127.0.0.1]`: a text
-generation server (aiohttp). DIR is a model dir (HF or mamba_ssm) or a trainer's
---checkpoint-dir (its newest step).
+generation server (aiohttp) speaking the APIs that clients already use. DIR is a model dir
+(HF or mamba_ssm) or a trainer's --checkpoint-dir (its newest step).
 
-Endpoints:
-  PUT  /api             Megatron-LM's text-generation request: {"prompts": [str],
-                        "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs",
-                        "random_seed", "add_BOS", "stop_on_eol", "stop_on_double_eol",
-                        "prevent_newline_after_colon", "top_p_decay", "top_p_bound",
-                        "length_penalty"} -> Megatron's {"text": [prompt + continuation],
-                        "segments": [[each token's text]], "tokens": [[prompt and new
-                        ids]], "logprobs": [[log p of each token after the first]] (with
-                        "logprobs": true)}. "beam_width" is a 400 (BEAM_SEARCH says why).
-  POST /v1/completions  OpenAI-style: {"prompt": str | [str], "max_tokens", "temperature",
-                        "top_p", "n", "stop", "logprobs", "stream", "model"} -> a
-                        text_completion, or with "stream": server-sent events, one chunk
-                        per token, then "data: [DONE]"
-  GET  /v1/models       OpenAI-style: the one model served, {"object": "list", "data":
-                        [{"id", "object": "model", "created", "owned_by"}]} (OpenAI's
-                        clients list the models before they complete)
-  GET  /health          {"status": "ok", ...}
+Endpoints (docs/serving.md lists every field):
+  POST /v1/completions       OpenAI's completions, as the `openai` package and lm-eval's
+                             local-completions send them: prompts as text or token ids,
+                             echo, logprobs, seed, penalties, logit_bias, stop strings,
+                             streaming with stream_options
+  POST /v1/chat/completions  OpenAI's chat completions, the conversation rendered with the
+                             model's chat template (or serve --chat-template FILE)
+  PUT  /api                  Megatron-LM's text-generation request, every field its server
+                             reads
+  GET  /v1/models            the one model served
+  GET  /metrics              Prometheus's text format: queue, slots, tokens, latencies
+  GET  /health               {"status": "ok", ...}
 
-Megatron's fields as its server reads them: stop_on_eol ends a continuation at its first
-token whose text holds a newline, stop_on_double_eol at two newlines in a row (the prompt's
-last newline counts), the ending token kept (Megatron stops at GPT-2's newline ids; here
-the tokens' text decides, for any tokenizer); prevent_newline_after_colon bans the
-token of "\n" right after the token of ":" (each as it reads after other text); top_p
-decays to max(top_p * top_p_decay**i, top_p_bound) at new token i; random_seed makes a
-request's samples reproducible (its prompts decode in a batch of their own, seeded with
-it); add_BOS puts the tokenizer's BOS token first. The stops end the text after the decode
-loop, which runs to the token limit or eos. length_penalty is accepted and unused, as
-Megatron's sampling path does (it weighs beam search's hypotheses). logprobs come from one
-forward pass over the prompt and continuation (token_logprobs): the raw logits'
-log-softmax, as Megatron's.
-
-Bad input (a body that is not UTF-8 JSON or nests deeper than Python parses, unknown or
-mistyped fields, numbers that are not finite in float32, more prompts than --max-prompts,
-a prompt or max_tokens over the limits) is a 400 whose message names the field; a request
-that would queue more than --max-queued-tokens (prompt plus new tokens, over all waiting
-prompts) is a 503 to retry later. The server keeps serving.
-
-Concurrent requests are batched: a request waits up to --batch-window-ms for others, then
-every waiting prompt (up to --max-batch) runs as one `generate` call, with per-row
-sampling settings and token limits (all traced values, so any requests are compatible).
-Should a batch fail all the same, each of its prompts is run again alone, so that a failure
-fails only the request that causes it (a stream then ends with an error event and [DONE]).
-Generation runs on one executor thread, off the event loop, so the server answers (health,
-bad input, other streams) while a batch decodes. Shapes are bucketed to powers of two
-(batch rows, left-padded prompt length, max new tokens), which bounds the compiled
-programs to a few per bucket; streaming batches compile a variant that sends each step's
-tokens to the host.
-
-A client that disconnects cancels its prompts: those still queued are dropped before they
-reach a batch (one log line says how many); those already decoding finish their batch (a
-compiled decode loop is not interrupted) and their tokens are discarded.
+This module is the HTTP side: it parses and checks requests, tokenizes, cuts at stop
+strings, assembles echo and logprobs and writes the JSON; mamba_jax.engine decodes token
+ids. Every answer that is not a 200 has OpenAI's error shape, {"error": {"message", "type",
+"param", "code"}}, aiohttp's own 404, 405 and 413 included: a bad request is a 400 naming
+the field (`param`), never a 500, and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import dataclasses
-import itertools
 import json
 import logging
 import math
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 try:
     from aiohttp import web
+    import prometheus_client
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 except ImportError as missing:
     if __name__ != "__main__":
         raise
@@ -83,216 +51,98 @@ except ImportError as missing:
     raise SystemExit(2) from None
 
 from mamba_jax import compilation_cache
+from mamba_jax.chat import ChatTemplate, ChatTemplateError
 from mamba_jax.cli import HelpFormatter, command, require_at_least
-from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, decode_options,
-                                generate, learned_state, load_for_generation, token_logprobs)
+from mamba_jax.engine import TOP_LOGPROBS, Busy, Engine, Limits, SamplingParams
+from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, checkpoint_dir,
+                                decode_options, learned_state, load_for_generation)
 from mamba_jax.tokenizer import special_token_ids
 
 log = logging.getLogger("mamba_jax.serve")
 
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    max_prompt_tokens: int = 2048
-    max_new_tokens: int = 1024
-    max_batch: int = 64
-    batch_window_s: float = 0.005
-    max_prompts: int = 64  # per request
-    # Prompt and new tokens of every waiting prompt: a full batch of the longest requests
-    # (64 x (2048 + 1024)) fits, more waits for the clients to retry.
-    max_queued_tokens: int = 1 << 18
-
-
 MAX_BODY_BYTES = 1 << 20  # a request's body (aiohttp's default)
 
 
-def _error_body(field: str | None, message: str) -> str:
-    return json.dumps({"error": {"message": message, "field": field}})
+# ------------------------------------------------------------------------------ errors
 
 
-class BadRequest(web.HTTPBadRequest):
-    """A 400 with a JSON body {"error": {"message", "field"}}."""
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: status, message, the field at fault (`param`) and
+    a code (OpenAI's: invalid_value, unknown_parameter, unsupported_parameter, ...)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(text=_error_body(field, message), content_type="application/json")
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
 
-class Busy(web.HTTPServiceUnavailable):
-    """A 503 with a JSON body {"error": {"message", "field": null}}: retry after a second."""
-
-    def __init__(self, message: str):
-        super().__init__(text=_error_body(None, message), content_type="application/json",
-                         headers={"Retry-After": "1"})
-
-
-def _bucket(n: int, cap: int, least: int = 1) -> int:
-    """The power of two >= max(n, least), at most cap (cap >= n)."""
-    return min(max(least, 1 << (n - 1).bit_length()), cap)
-
-
-@dataclasses.dataclass
-class _Row:
-    """One prompt of a request: its tokens, settings and where its output goes. A cancelled
-    future means its client left."""
-
-    ids: list[int]
-    max_new: int
-    temperature: float
-    top_k: int
-    top_p: float
-    future: asyncio.Future  # -> (new token ids, finish_reason)
-    stream: asyncio.Queue | None = None  # new token ids one at a time, then None
-    started: bool = False  # taken into a batch
-    top_p_decay: float = 0.0
-    top_p_bound: float = 0.0
-    ban: tuple[int, int] = (-1, -1)  # (after, banned): generate's banned_after
-    seed: int | None = None  # a request's random_seed: its rows decode alone, with it
-    group: object = None  # the rows of one seeded request share it; None for the others
-
-    @property
-    def tokens(self) -> int:
-        """What it costs the queue: its prompt and new tokens."""
-        return len(self.ids) + self.max_new
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
-class Engine:
-    """Holds the model, batches waiting rows and runs each batch on the executor thread."""
+def BadRequest(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
 
-    def __init__(self, model, tokenizer, limits: Limits, eos_token_id=None,
-                 generate_options=None):
-        self.model, self.tokenizer, self.limits = model, tokenizer, limits
-        self.eos = eos_token_id
-        self.generate_options = generate_options or {}  # generate's ssm_state_dtype etc.
-        self.pending: asyncio.Queue[_Row] = asyncio.Queue()
-        self.queued_tokens = 0  # the tokens of the rows in `pending`
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, "mamba-generate")
-        self.seeds = itertools.count()
-        self.batches = 0
 
-    async def _next_row(self) -> _Row:
-        """The next queued row whose client still waits (the others are dropped here)."""
-        while True:
-            row = await self.pending.get()
-            self.queued_tokens -= row.tokens
-            if not row.future.done():
-                row.started = True
-                return row
+def Unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param, "unsupported_parameter")
 
-    async def run(self):
-        """Forever: wait for a row, gather what arrives within the window, generate."""
-        loop = asyncio.get_running_loop()
-        while True:
-            rows = [await self._next_row()]
-            deadline = loop.time() + self.limits.batch_window_s
-            while len(rows) < self.limits.max_batch:
-                try:
-                    rows.append(await asyncio.wait_for(self._next_row(),
-                                                       deadline - loop.time()))
-                except TimeoutError:
-                    break
-            # Rows of a request with a random_seed decode in a batch of their own (the same
-            # rows, shapes and seed each time: the same samples); the others together.
-            groups: dict[object, list[_Row]] = {}
-            for row in rows:
-                groups.setdefault(row.group, []).append(row)
-            for group in groups.values():
-                await self._generate(loop, group)
 
-    async def _generate(self, loop, rows: list[_Row]):
-        lim = self.limits
-        b = _bucket(len(rows), lim.max_batch)
-        l = _bucket(max(len(r.ids) for r in rows), lim.max_prompt_tokens, least=16)
-        t = _bucket(max(r.max_new for r in rows), lim.max_new_tokens, least=16)
-        # Filler rows: a one-token prompt, greedy, stopped after one token.
-        fill = [_Row([0], 1, 0.0, 0, 1.0, None)] * (b - len(rows))
-        batch = rows + fill
-        ids = np.zeros((b, l), np.int32)
-        for row, r in zip(ids, batch):
-            row[l - len(r.ids):] = r.ids
-        streams = [r.stream for r in rows]
-        streamed = False
+# aiohttp's own refusals, in our words
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
-        def deliver(step, tokens):  # on the event loop, in step order
-            nonlocal streamed
-            for queue, r, token in zip(streams, rows, tokens):
-                if queue is not None and step < r.max_new and not r.future.done():
-                    queue.put_nowait(int(token))
-                    streamed = True
 
-        def on_token(step, tokens):  # on a runtime thread
-            loop.call_soon_threadsafe(deliver, step, tokens)
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """Every non-200 answer in OpenAI's error shape: ours (ApiError), aiohttp's (an unknown
+    path, a method the path does not take, a body over the limit) and a failure of our own
+    (a 500 that names it; the server keeps serving)."""
+    try:
+        return await handler(request)
+    except ApiError as error:
+        return error.response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        if error.status == 404:
+            message = (f"{request.method} {request.path}: no such endpoint; this server "
+                       f"serves {', '.join(ROUTES)}")
+        elif error.status == 405:
+            allowed = sorted(error.allowed_methods) if isinstance(
+                error, web.HTTPMethodNotAllowed) else []
+            message = f"{request.path} takes {' or '.join(allowed)}, not {request.method}"
+        elif error.status == 413:
+            message = (f"the request body is over {MAX_BODY_BYTES} bytes, the server's limit: "
+                       "send fewer or shorter prompts a request")
+        else:
+            message = error.text or error.reason
+        headers = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None
+        return ApiError(error.status, message, "body" if error.status == 413 else None,
+                        _HTTP_CODES.get(error.status), headers).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as error:  # noqa: BLE001 - a bug or a failed generation: answer, log
+        log.exception("%s %s failed", request.method, request.path)
+        return ApiError(500, f"{type(error).__name__}: {error}", None,
+                        "internal_error").response()
 
-        # Off is top_k = vocab and top_p = 1 for a row; a filter no row uses is left out of
-        # the compiled sampler.
-        sampled = any(r.temperature > 0 for r in batch)
-        vocab = self.model.config.vocab_size
-        top_k = [min(r.top_k, vocab) or vocab for r in batch]
-        top_p = [r.top_p for r in batch]
-        decay = [r.top_p_decay for r in batch]
-        ban = np.asarray([r.ban for r in batch]).T
-        seed = next(self.seeds) if rows[0].seed is None else rows[0].seed
-        try:
-            out = await loop.run_in_executor(self.executor, lambda: np.asarray(generate(
-                self.model, ids, t, [r.temperature for r in batch],
-                top_k if sampled and min(top_k) < vocab else None,
-                top_p if sampled and (min(top_p) < 1 or max(decay) > 0) else None,
-                seed, self.eos, prompt_lengths=[len(r.ids) for r in batch],
-                max_new_tokens_per_row=[r.max_new for r in batch],
-                on_token=on_token if any(streams) else None,
-                top_p_decay=decay if sampled and max(decay) > 0 else None,
-                top_p_bound=[r.top_p_bound for r in batch] if sampled and max(decay) > 0
-                else None,
-                banned_after=tuple(ban) if ban.max() >= 0 else None,
-                **self.generate_options)))
-        except Exception as err:  # noqa: BLE001 - keep serving whatever failed
-            waiting = [r for r in rows if not r.future.done()]
-            if len(waiting) > 1 and not streamed:
-                # One row's settings may be what failed: alone, each fails only its own.
-                for row in waiting:
-                    await self._generate(loop, [row])
-                return
-            log.error("generation failed for %d prompt(s): %s: %s", len(waiting),
-                      type(err).__name__, err)
-            for r in waiting:
-                if r.stream is not None:
-                    r.stream.put_nowait(None)
-                r.future.set_exception(err)
-            return
-        self.batches += 1
-        for r, new in zip(rows, out[:, l:]):
-            new = new[:r.max_new].tolist()
-            reason = "length"
-            if self.eos is not None and self.eos in new:
-                new, reason = new[:new.index(self.eos)], "stop"
-            if r.stream is not None:
-                r.stream.put_nowait(None)
-            if not r.future.done():
-                r.future.set_result((new, reason))
 
-    def tokenize(self, prompt: str, field: str, add_bos: bool = False) -> list[int]:
-        """A prompt's token ids (after the tokenizer's BOS token with add_bos); a 400 naming
-        field if it is empty or too long, or add_bos and the tokenizer has no BOS."""
-        ids = self.tokenizer.encode(prompt).ids
-        if add_bos:
-            bos = special_token_ids(self.tokenizer)["bos_token_id"]
-            if bos is None:
-                raise BadRequest("add_BOS", "add_BOS: this server's tokenizer has no BOS "
-                                 "token; leave add_BOS out")
-            ids = [bos] + ids
-        if not 1 <= len(ids) <= self.limits.max_prompt_tokens:
-            raise BadRequest(field, f"{field}: the prompt is {len(ids)} tokens; it must be 1 "
-                             f"to {self.limits.max_prompt_tokens} (the server's limit)")
-        return ids
+# ------------------------------------------------------------------------------ text
 
-    def submit(self, ids: list[int], max_new: int, temperature: float, top_k: int,
-               top_p: float, stream: bool, **extra) -> _Row:
-        """Queue one prompt for the next batch; extra: _Row's optional settings."""
-        row = _Row(ids, max_new, temperature, top_k, top_p,
-                   asyncio.get_running_loop().create_future(),
-                   asyncio.Queue() if stream else None, **extra)
-        self.pending.put_nowait(row)
-        self.queued_tokens += row.tokens
-        return row
+
+class Texts:
+    """The API's side of the tokenizer: prompts to ids, ids to text, each token's text."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos: int | None):
+        self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -307,8 +157,8 @@ class Engine:
         """The first token text adds after other text (how ":" and "\n" reach the sampler:
         Megatron takes the first token of each alone, which for GPT-2 is the same, and for a
         SentencePiece model the word-start piece)."""
-        before = self.tokenizer.encode("a").ids
-        ids = self.tokenizer.encode("a" + text).ids
+        before = self.encode("a")
+        ids = self.encode("a" + text)
         ids = ids[len(before):] if ids[:len(before)] == before else ids
         return ids[0] if ids else -1
 
@@ -331,37 +181,13 @@ class Engine:
         context = prompt[-window:]
         return self.segments(context + new, window)[len(context):]
 
-    async def logprobs(self, sequences: list[list[int]]):
-        """token_logprobs of each sequence (prompt and continuation), on the generation
-        thread: [log p of each token after the first] per sequence, and the TOP_LOGPROBS
-        most likely tokens' [(log p, id)] at each of those positions (always that many:
-        one compiled program per shape for either endpoint)."""
-        lim = self.limits
-        b = _bucket(len(sequences), max(len(sequences), lim.max_batch))
-        l = _bucket(max(map(len, sequences)), lim.max_prompt_tokens + lim.max_new_tokens,
-                    least=16)
-        ids = np.zeros((b, l), np.int32)
-        for row, seq in zip(ids, sequences):
-            row[l - len(seq):] = seq
-        lengths = [len(s) for s in sequences] + [1] * (b - len(sequences))
+    def single_token(self, text: str | None) -> int | None:
+        """The id of a special token's text where it is one token, else None."""
+        ids = self.encode(text) if text else []
+        return ids[0] if len(ids) == 1 else None
 
-        def score():
-            chosen, top = token_logprobs(self.model, ids, lengths, TOP_LOGPROBS)
-            return np.asarray(chosen), tuple(map(np.asarray, top))
 
-        try:
-            chosen, top = await asyncio.get_running_loop().run_in_executor(self.executor, score)
-        except Exception as err:  # noqa: BLE001 - the model's (NaN logits), not the request's
-            log.error("scoring failed for %d sequence(s): %s: %s", len(sequences),
-                      type(err).__name__, err)
-            raise web.HTTPInternalServerError(
-                text=_error_body(None, f"scoring failed: {type(err).__name__}: {err}"),
-                content_type="application/json") from None
-        mine = [slice(l - len(s), None) for s in sequences]  # each row's own positions
-        return ([chosen[i, at].tolist() for i, at in enumerate(mine)],
-                [[list(zip(values, ids)) for values, ids in zip(top[0][i, at].tolist(),
-                                                               top[1][i, at].tolist())]
-                 for i, at in enumerate(mine)])
+# ------------------------------------------------------------------------------ schemas
 
 
 def _float32(value) -> float | None:
@@ -375,61 +201,123 @@ def _float32(value) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def _temperature(value) -> bool:
-    f = _float32(value)
-    return f is not None and f >= 0
+def _within(low: float, high: float):
+    """A check: a finite float32 in [low, high]."""
+    return lambda v: (f := _float32(v)) is not None and low <= f <= high
+
+
+def _token_ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in v)
 
 
 # Request schemas: field -> (accepted types, default, check or None, what it must be). A
 # default of REQUIRED makes the field required; OPTIONAL leaves it None when absent.
 # Settings are checked as the float32 they become: a top_p of 1e-300 is 0 there.
 REQUIRED, OPTIONAL = object(), object()
-TOP_LOGPROBS = 5  # the most likely tokens /v1/completions lists per position at most
 _NUMBER = (int, float)
-_UNIT = lambda v: 0 <= (_float32(v) if _float32(v) is not None else -1) <= 1
+_BOOL = (bool, False, None, "true or false")
+_INT64 = lambda v: -2**63 <= v < 2**63
+_PENALTY = (_NUMBER, 0.0, _within(-2, 2), "a number in [-2, 2]")
+_TOP_P = (_NUMBER, 1.0, lambda v: 0 < (_float32(v) or 0) <= 1,
+          "a number in (0, 1] that stays above 0 in float32")
+_STOP = ((str, list), OPTIONAL, lambda v: (isinstance(v, str) and v) or (
+    isinstance(v, list) and 1 <= len(v) <= 16 and all(isinstance(s, str) and s for s in v)),
+    "a non-empty string or a list of 1 to 16 of them")
 MEGATRON = {
     "prompts": (list, REQUIRED, lambda v: v and all(isinstance(p, str) for p in v),
                 "a non-empty list of strings"),
     "tokens_to_generate": (int, 64, None, "an integer"),
-    "temperature": (_NUMBER, 1.0, _temperature, "a finite number >= 0 (0 is greedy)"),
+    "temperature": (_NUMBER, 1.0, _within(0, math.inf), "a finite number >= 0 (0 is greedy)"),
     "top_k": (int, 0, lambda v: v >= 0, "an integer >= 0 (0 is off)"),
     "top_p": (_NUMBER, 0.0, lambda v: v == 0 or 0 < (_float32(v) or 0) <= 1,
               "0 (off) or a number in (0, 1] that stays above 0 in float32"),
-    "logprobs": (bool, False, None, "true or false"),
+    "logprobs": _BOOL,
     # A jax PRNG key takes 32 bits of a seed: larger ones would collide.
     "random_seed": (int, OPTIONAL, lambda v: 0 <= v < 1 << 32, "an integer in [0, 2**32)"),
-    "add_BOS": (bool, False, None, "true or false"),
-    "stop_on_eol": (bool, False, None, "true or false"),
-    "stop_on_double_eol": (bool, False, None, "true or false"),
-    "prevent_newline_after_colon": (bool, False, None, "true or false"),
-    "top_p_decay": (_NUMBER, 0.0, _UNIT, "a number in [0, 1] (0 is off)"),
-    "top_p_bound": (_NUMBER, 0.0, _UNIT, "a number in [0, 1] (0 is off)"),
+    "add_BOS": _BOOL,
+    "stop_on_eol": _BOOL,
+    "stop_on_double_eol": _BOOL,
+    "prevent_newline_after_colon": _BOOL,
+    "top_p_decay": (_NUMBER, 0.0, _within(0, 1), "a number in [0, 1] (0 is off)"),
+    "top_p_bound": (_NUMBER, 0.0, _within(0, 1), "a number in [0, 1] (0 is off)"),
     "length_penalty": (_NUMBER, 1.0, lambda v: _float32(v) is not None, "a finite number"),
     "beam_width": (int, OPTIONAL, None, "an integer"),
+    "stop_token": (int, OPTIONAL, None, "an integer (a token id)"),
+    "no_log": _BOOL,
 }
+# Fields Megatron-LM's server names a replacement for
+MEGATRON_RENAMED = {"max_len": "tokens_to_generate", "sentences": "prompts"}
 # Why PUT /api answers a beam_width with a 400 (Megatron-LM's own server now refuses it too:
 # "Beam search is no longer supported").
 BEAM_SEARCH = ("beam_width: beam search is not supported: the compiled decode loop carries "
                "one recurrent state per row (every Mamba layer's conv window and SSM state), "
                "and beam search would have to copy those states between beams at every "
                "token; sample instead (temperature, top_k, top_p), or send several prompts")
-COMPLETIONS = {
-    "prompt": ((str, list), REQUIRED, lambda v: isinstance(v, str) or (
-        v and all(isinstance(p, str) for p in v)), "a string or a non-empty list of strings"),
-    "max_tokens": (int, 16, None, "an integer"),
-    "temperature": (_NUMBER, 1.0, _temperature, "a finite number >= 0 (0 is greedy)"),
-    "top_p": (_NUMBER, 1.0, lambda v: 0 < (_float32(v) or 0) <= 1,
-              "a number in (0, 1] that stays above 0 in float32"),
+# The fields both of OpenAI's endpoints read alike
+SAMPLING = {
+    "model": (str, "", None, "a string"),
+    "temperature": (_NUMBER, 1.0, _within(0, 2), "a number in [0, 2] (0 is greedy)"),
+    "top_p": _TOP_P,
+    "top_k": (int, 0, lambda v: v >= 0, "an integer >= 0 (0 is off)"),
     "n": (int, 1, lambda v: v >= 1, "an integer >= 1 (completions per prompt)"),
-    "stop": ((str, list), OPTIONAL, lambda v: (isinstance(v, str) and v) or (
-        isinstance(v, list) and 1 <= len(v) <= 4 and all(isinstance(s, str) and s for s in v)),
-        "a non-empty string or a list of 1 to 4 of them"),
+    "stop": _STOP,
+    "stream": _BOOL,
+    "stream_options": (dict, OPTIONAL, lambda v: set(v) <= {"include_usage"} and isinstance(
+        v.get("include_usage", False), bool), '{"include_usage": true or false}'),
+    "seed": (int, OPTIONAL, _INT64, "an integer of 64 bits"),
+    "presence_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "logit_bias": (dict, OPTIONAL, None, "an object of token ids and numbers"),
+    "user": (str, OPTIONAL, None, "a string"),
+}
+COMPLETIONS = {
+    **SAMPLING,
+    "prompt": ((str, list), REQUIRED, lambda v: isinstance(v, str) or (v and (
+        all(isinstance(p, str) for p in v) or _token_ids(v)
+        or all(_token_ids(p) for p in v))),
+        "a string, a non-empty list of strings, a list of token ids or a list of lists of "
+        "them"),
+    "max_tokens": (int, 16, None, "an integer"),
+    "echo": _BOOL,
     "logprobs": (int, OPTIONAL, lambda v: 0 <= v <= TOP_LOGPROBS,
                  f"an integer in [0, {TOP_LOGPROBS}] (the most likely tokens listed per "
                  "position)"),
-    "stream": (bool, False, None, "true or false"),
-    "model": (str, "", None, "a string"),
+    "best_of": (int, OPTIONAL, lambda v: v >= 1, "an integer >= 1"),
 }
+CHAT = {
+    **SAMPLING,
+    "messages": (list, REQUIRED, lambda v: v and all(isinstance(m, dict) for m in v),
+                 "a non-empty list of {role, content} objects"),
+    "max_tokens": (int, OPTIONAL, None, "an integer"),
+    "max_completion_tokens": (int, OPTIONAL, None, "an integer"),
+    "logprobs": _BOOL,
+    "top_logprobs": (int, OPTIONAL, lambda v: 0 <= v <= TOP_LOGPROBS,
+                     f"an integer in [0, {TOP_LOGPROBS}]"),
+}
+# OpenAI's fields that this server does not implement: accepted only at the value that asks
+# for nothing (null, or the value named), else a 400 that says so.
+_NONE = lambda v: v is None
+NOT_IMPLEMENTED = {
+    "suffix": (lambda v: v in (None, ""), "text after the insertion point"),
+    "tools": (lambda v: not v, "tool calls"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calls"),
+    "parallel_tool_calls": (_NONE, "tool calls"),
+    "functions": (lambda v: not v, "function calls"),
+    "function_call": (lambda v: v in (None, "none"), "function calls"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "structured output (only {\"type\": \"text\"})"),
+    "modalities": (lambda v: v in (None, ["text"]), "modalities other than text"),
+    "audio": (_NONE, "audio output"),
+    "prediction": (_NONE, "predicted outputs"),
+    "reasoning_effort": (_NONE, "reasoning models"),
+    "web_search_options": (_NONE, "web search"),
+    "store": (lambda v: v in (None, False), "stored completions"),
+    "metadata": (_NONE, "stored completions"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "service tiers"),
+}
+COMPLETIONS_NOT_IMPLEMENTED = ("suffix",)
+CHAT_NOT_IMPLEMENTED = tuple(k for k in NOT_IMPLEMENTED if k != "suffix")
 
 
 async def _body(request: web.Request):
@@ -444,12 +332,6 @@ async def _body(request: web.Request):
                          "encoding; send UTF-8 JSON") from None
     except UnicodeDecodeError as err:
         raise BadRequest("body", f"the request body is not {charset} text: {err}") from None
-    except web.HTTPRequestEntityTooLarge as err:  # aiohttp's answer is plain text
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=MAX_BODY_BYTES, actual_size=request.content_length or MAX_BODY_BYTES + 1,
-            text=_error_body("body", f"the request body is over {MAX_BODY_BYTES} bytes, the "
-                             "server's limit: send fewer or shorter prompts a request"),
-            content_type="application/json") from err
     try:
         body = json.loads(text)
     except RecursionError:
@@ -481,18 +363,32 @@ def _holds_lone_surrogate(value) -> bool:
     return False
 
 
-async def _parse(request: web.Request, schema: dict, max_new_field: str, limits: Limits,
-                 least_new: int = 1, null_is_absent: bool = False):
-    """The request's JSON object checked against schema, defaults filled in;
-    max_new_field in [least_new, the server's limit]. null_is_absent: a null field takes its
-    default, as OpenAI's API reads its optional fields (its clients may send them as null)."""
+def _shown(value) -> str:
+    shown = json.dumps(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+async def _parse(request: web.Request, schema: dict, not_implemented=(), renamed=None,
+                 null_is_absent: bool = False) -> dict:
+    """The request's JSON object checked against schema, defaults filled in. Fields of
+    not_implemented (NOT_IMPLEMENTED's) are refused unless they ask for nothing; renamed:
+    {old field: its replacement}, named in the refusal. null_is_absent: a null field takes
+    its default, as OpenAI's API reads its optional fields (its clients may send them as
+    null)."""
     body = await _body(request)
     if not isinstance(body, dict):
         raise BadRequest("body", "the request body must be a JSON object")
-    unknown = sorted(set(body) - set(schema))
+    for name in not_implemented:
+        accepted, what = NOT_IMPLEMENTED[name]
+        if name in body and not accepted(body[name]):
+            raise Unsupported(name, f"{name}={_shown(body[name])}: this server does not "
+                              f"implement {what}; leave {name} out")
+    unknown = sorted(set(body) - set(schema) - set(not_implemented))
     if unknown:
-        raise BadRequest(unknown[0], f"unknown field {unknown[0]!r}; this endpoint takes "
-                         f"{sorted(schema)}")
+        name = unknown[0]
+        instead = f"; use {renamed[name]}" if name in (renamed or {}) else ""
+        raise BadRequest(name, f"unknown field {name!r}{instead}; this endpoint takes "
+                         f"{sorted(schema)}", "unknown_parameter")
     values = {}
     for name, (types, default, check, must) in schema.items():
         if name not in body or (null_is_absent and body[name] is None):
@@ -501,18 +397,18 @@ async def _parse(request: web.Request, schema: dict, max_new_field: str, limits:
             values[name] = None if default is OPTIONAL else default
             continue
         value = body[name]
-        # JSON true/false are Python bools, which are also ints: only "stream" takes them.
+        # JSON true/false are Python bools, which are also ints: only bool fields take them.
         if (isinstance(value, bool) and types is not bool) or not isinstance(value, types) \
                 or (check is not None and not check(value)):
-            shown = json.dumps(value)
-            raise BadRequest(name, f"{name}={shown if len(shown) <= 60 else shown[:57] + '...'}"
-                             f" must be {must}")
+            raise BadRequest(name, f"{name}={_shown(value)} must be {must}")
         values[name] = value
-    n = values[max_new_field]
-    if not least_new <= n <= limits.max_new_tokens:
-        raise BadRequest(max_new_field, f"{max_new_field}={n} must be in [{least_new}, "
-                         f"{limits.max_new_tokens}] (the server's limit)")
     return values
+
+
+def _check_new_tokens(name: str, n: int, limits: Limits, least: int = 1):
+    if not least <= n <= limits.max_new_tokens:
+        raise BadRequest(name, f"{name}={n} must be in [{least}, {limits.max_new_tokens}] (the "
+                         "server's limit)")
 
 
 def _check_prompts(limits: Limits, count: int, field: str) -> None:
@@ -522,70 +418,460 @@ def _check_prompts(limits: Limits, count: int, field: str) -> None:
                          "request (the server's limit)")
 
 
-def _tokenized(engine: Engine, prompts, field, add_bos=False) -> list[list[int]]:
-    """Every prompt's ids (Engine.tokenize), at most the server's --max-prompts of them."""
-    _check_prompts(engine.limits, len(prompts), field)
-    names = [f"{field}[{i}]" if len(prompts) > 1 else field for i in range(len(prompts))]
-    return [engine.tokenize(p, name, add_bos) for p, name in zip(prompts, names)]
+def _check_ids(texts: Texts, ids: list[int], field: str, limits: Limits) -> list[int]:
+    """A prompt's ids: a 400 naming field if it is empty, too long, or holds an id outside
+    the vocabulary."""
+    if not 1 <= len(ids) <= limits.max_prompt_tokens:
+        raise BadRequest(field, f"{field}: the prompt is {len(ids)} tokens; it must be 1 to "
+                         f"{limits.max_prompt_tokens} (the server's limit)")
+    bad = next((j for j, i in enumerate(ids) if not 0 <= i < texts.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"{field}[{bad}]", f"{field}[{bad}]={ids[bad]} is not a token id of "
+                         f"this model (its vocabulary is 0 to {texts.vocab_size - 1})")
+    return ids
 
 
-def _rows(engine: Engine, ids, field, max_new, temperature, top_k, top_p, stream=False,
-          **extra):
-    """Queue every prompt's ids (checked first, so a 400 or 503 leaves nothing running);
-    extra: _Row's optional settings."""
-    lim = engine.limits
-    _check_prompts(lim, len(ids), field)
-    tokens = sum(len(i) + max_new for i in ids)
-    if tokens > lim.max_queued_tokens:
-        raise BadRequest(field, f"{field}: the request needs {tokens} prompt and new tokens, "
-                         f"more than the server queues at once ({lim.max_queued_tokens}); "
-                         "split it")
-    if engine.queued_tokens + tokens > lim.max_queued_tokens:
-        raise Busy(f"the server is busy ({engine.queued_tokens} tokens queued, at most "
-                   f"{lim.max_queued_tokens}); retry shortly")
-    return [engine.submit(i, max_new, float(temperature), top_k, float(top_p), stream, **extra)
-            for i in ids]
+def _check_top_k(texts: Texts, top_k: int):
+    if top_k > texts.vocab_size:
+        raise BadRequest("top_k", f"top_k={top_k} is more than the model's {texts.vocab_size} "
+                         "tokens; give at most that (0 is off)")
 
 
-def _drop(request: web.Request, rows: list[_Row]):
-    """The client of `rows` left: cancel them (the handler's cancellation may have done so
-    already) and log one line."""
-    for r in rows:
-        r.future.cancel()
-    queued = sum(not r.started for r in rows)
-    decoding = sum(r.started and r.future.cancelled() for r in rows)
-    log.warning("client %s left: %d queued prompt(s) dropped, %d decoding in the current "
-                "batch discarded", request.remote, queued, decoding)
+def _logit_bias(texts: Texts, value: dict | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as (id, bias) pairs."""
+    pairs = []
+    for key, bias in (value or {}).items():
+        token = int(key) if key.isdigit() else -1
+        if not 0 <= token < texts.vocab_size:
+            raise BadRequest("logit_bias", f"logit_bias: {key!r} is not a token id of this "
+                             f"model (0 to {texts.vocab_size - 1})")
+        if isinstance(bias, bool) or not isinstance(bias, _NUMBER) \
+                or not _within(-100, 100)(bias):
+            raise BadRequest("logit_bias", f"logit_bias[{key!r}]={_shown(bias)} must be a "
+                             "number in [-100, 100]")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
 
 
-async def _results(request: web.Request, rows: list[_Row]):
-    """Every row's (new tokens, finish_reason); the rows are cancelled if the client leaves,
-    and a failed generation is a 500 naming the error (the other rows cancelled too)."""
-    try:
-        return await asyncio.gather(*(r.future for r in rows))
-    except asyncio.CancelledError:
-        _drop(request, rows)
-        raise
-    except Exception as err:  # noqa: BLE001 - logged by the engine
-        for r in rows:
-            r.future.cancel()
-        raise web.HTTPInternalServerError(
-            text=_error_body(None, f"generation failed: {type(err).__name__}: {err}"),
-            content_type="application/json") from None
+def _sampling(texts: Texts, v: dict, max_new: int, seed: int | None) -> SamplingParams:
+    """The settings of an OpenAI request for one choice."""
+    _check_top_k(texts, v["top_k"])
+    return SamplingParams(
+        max_new, float(v["temperature"]), v["top_k"], float(v["top_p"]), seed=seed,
+        presence_penalty=float(v["presence_penalty"]),
+        frequency_penalty=float(v["frequency_penalty"]),
+        logit_bias=_logit_bias(texts, v["logit_bias"]))
+
+
+def _choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of a prompt's j-th choice: n choices of one seeded request differ, and each
+    repeats with the request (seed + j, wrapped to 64 bits)."""
+    return None if seed is None else (seed + j + 2**63) % 2**64 - 2**63
+
+
+# ------------------------------------------------------------------------------ decoding
+
+
+class Choice:
+    """One sequence's continuation as text: the text before the first stop string (a
+    stream holds back the characters that may begin one, and a character not yet whole),
+    the tokens that text needs, and why it ended."""
+
+    def __init__(self, texts: Texts, seq, prompt: list[int], stops: list[str]):
+        self.texts, self.seq, self.prompt, self.stops = texts, seq, prompt, stops
+        self.new: list[int] = []  # the tokens kept
+        self.text = ""  # the text sent so far (all of it once `deltas` ends)
+        self.finish_reason: str | None = None
+        self.at_stop_string = False
+        self.started = time.perf_counter()
+        self.first_token_s: float | None = None  # since started
+        self.ended_s: float | None = None
+
+    async def deltas(self):
+        """The continuation's text in pieces, as its tokens arrive; at its end,
+        finish_reason ("stop": eos or a stop string; "length") and the tokens kept."""
+        hold = max(map(len, self.stops), default=1) - 1
+        tokens, stopped = [], None
+        async for event in self.seq:
+            if self.first_token_s is None:
+                self.first_token_s = time.perf_counter() - self.started
+            tokens.append(event.token_id)
+            text = self.texts.continuation(self.prompt, tokens)
+            if text.endswith("\ufffd"):  # a multi-byte character not yet complete
+                continue
+            stopped = _first_stop(text, self.stops)
+            ready = text[:stopped] if stopped is not None else text[:max(len(text) - hold, 0)]
+            if len(ready) > len(self.text):
+                yield ready[len(self.text):]
+                self.text = ready
+            if stopped is not None:
+                self.seq.cancel()  # frees its slot
+                break
+        self.ended_s = time.perf_counter() - self.started
+        whole = self.texts.continuation(self.prompt, tokens)
+        if stopped is None:
+            self.finish_reason = self.seq.finish_reason
+            if len(whole) > len(self.text):
+                yield whole[len(self.text):]
+            self.text, self.new = whole, tokens
+        else:  # the tokens that the text before the stop needs
+            self.finish_reason, self.at_stop_string = "stop", True
+            ends = np.cumsum([len(p) for p in self.texts.new_segments(self.prompt, tokens)])
+            self.new = tokens[:int(np.searchsorted(ends, stopped)) + 1 if stopped else 0]
+
+    async def run(self) -> Choice:
+        async for _ in self.deltas():
+            pass
+        return self
 
 
 def _first_stop(text: str, stops) -> int | None:
-    """Where the first of the stop strings begins in text, or None."""
+    """Where the earliest of the stop strings begins in text (whatever their order in the
+    list), or None."""
     found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
     return min(found) if found else None
 
 
-def _line_end(engine: Engine, prompt: list[int], new: list[int], double: bool) -> list[int]:
+def _submit(request: web.Request, prompts: list[list[int]], params: list[SamplingParams],
+            field: str, stops: list[str]) -> list[Choice]:
+    """Queue every (prompt, settings) pair, checked first so that a 400 or 503 leaves
+    nothing running."""
+    engine, texts, lim = request.app[ENGINE], request.app[TEXTS], request.app[LIMITS]
+    _check_prompts(lim, len(prompts), field)
+    tokens = sum(len(i) + p.max_new_tokens for i, p in zip(prompts, params))
+    if tokens > lim.max_queued_tokens:
+        raise BadRequest(field, f"{field}: the request needs {tokens} prompt and new tokens, "
+                         f"more than the server queues at once ({lim.max_queued_tokens}); "
+                         "split it")
+    choices = []
+    try:
+        for ids, p in zip(prompts, params):
+            choices.append(Choice(texts, engine.submit(ids, p), ids, stops))
+    except (Busy, ValueError) as error:
+        for c in choices:
+            c.seq.cancel()
+        if isinstance(error, Busy):
+            raise ApiError(503, str(error), None, "server_busy", {"Retry-After": "1"}) from None
+        raise Unsupported(field, str(error)) from None
+    return choices
+
+
+async def _finished(request: web.Request, choices: list[Choice]) -> list[Choice]:
+    """Every choice run to its end; all are cancelled if the client leaves, and a failed
+    generation is a 500 naming the error (the other choices cancelled too)."""
+    try:
+        done = await asyncio.gather(*(c.run() for c in choices))
+    except asyncio.CancelledError:
+        _left(request, choices)
+        raise
+    except Exception as err:  # noqa: BLE001 - logged by the engine
+        for c in choices:
+            c.seq.cancel()
+        raise ApiError(500, f"generation failed: {type(err).__name__}: {err}", None,
+                       "generation_failed") from None
+    _observe(request, done)
+    return done
+
+
+def _left(request: web.Request, choices: list[Choice]):
+    """The client left: cancel its sequences, log one line."""
+    for c in choices:
+        c.seq.cancel()
+    log.warning("client %s left: %d sequence(s) cancelled", request.remote, len(choices))
+
+
+async def _score(engine: Engine, sequences: list[list[int]], top_n: int):
+    """engine.score, a failure (NaN logits: the model's, not the request's) a 500."""
+    try:
+        return await engine.score(sequences, top_n)
+    except Exception as err:  # noqa: BLE001
+        log.error("scoring failed for %d sequence(s): %s: %s", len(sequences),
+                  type(err).__name__, err)
+        raise ApiError(500, f"scoring failed: {type(err).__name__}: {err}", None,
+                       "scoring_failed") from None
+
+
+# ------------------------------------------------------------------------------ streams
+
+
+class EventStream:
+    """A server-sent events answer: `send` a JSON chunk, `close` with [DONE]."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache"})
+
+    async def open(self):
+        await self.response.prepare(self.request)
+
+    async def send(self, payload: dict | str):
+        text = payload if isinstance(payload, str) else json.dumps(payload)
+        await self.response.write(f"data: {text}\n\n".encode())
+
+    async def close(self) -> web.StreamResponse:
+        await self.send("[DONE]")
+        return self.response
+
+
+async def _stream(request: web.Request, choices: list[Choice], chunk, usage: dict | None,
+                  usage_chunk: dict, first=None) -> web.StreamResponse:
+    """Stream the choices one after another: chunk(i, text, finish_reason) per piece,
+    first(i) before a choice's first piece where given; the usage chunk last when asked
+    (stream_options.include_usage). A failed generation ends the stream with an error
+    event and [DONE]."""
+    stream = EventStream(request)
+    try:
+        await stream.open()
+        for i, c in enumerate(choices):
+            try:
+                if first is not None:
+                    await stream.send(first(i))
+                async for piece in c.deltas():
+                    await stream.send(chunk(i, piece, None))
+            except (asyncio.CancelledError, ConnectionResetError):
+                raise
+            except Exception as err:  # noqa: BLE001 - logged by the engine
+                for rest in choices:
+                    rest.seq.cancel()
+                await stream.send(ApiError(500, f"generation failed: {type(err).__name__}: "
+                                           f"{err}", None, "generation_failed").body())
+                return await stream.close()
+            await stream.send(chunk(i, None, c.finish_reason))
+        _observe(request, choices)
+        if usage is not None:
+            await stream.send({**usage_chunk, "choices": [], "usage": _usage(usage, choices)})
+        return await stream.close()
+    except (asyncio.CancelledError, ConnectionResetError) as left:
+        _left(request, choices)
+        if isinstance(left, asyncio.CancelledError):
+            raise
+        return stream.response
+
+
+def _usage(prompt_tokens: dict, choices: list[Choice]) -> dict:
+    """OpenAI's usage: the prompts' tokens (each prompt once, whatever n), the completions'
+    tokens as the stops cut them, and their sum."""
+    completion = sum(len(c.new) for c in choices)
+    prompt = prompt_tokens["prompt_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+# ------------------------------------------------------------------------------ endpoints
+
+
+def _prompts(texts: Texts, prompt, limits: Limits) -> tuple[list[list[int]], list[str]]:
+    """OpenAI's prompt (a string, strings, token ids, or lists of them) as each prompt's
+    ids and text."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif _token_ids(prompt):
+        prompt = [prompt]
+    _check_prompts(limits, len(prompt), "prompt")
+    names = [f"prompt[{i}]" if len(prompt) > 1 else "prompt" for i in range(len(prompt))]
+    ids = [_check_ids(texts, texts.encode(p) if isinstance(p, str) else p, name, limits)
+           for p, name in zip(prompt, names)]
+    return ids, [p if isinstance(p, str) else texts.text(p) for p in prompt]
+
+
+def _top(texts: Texts, alternatives) -> dict:
+    """{token text: log p}, most likely first; of tokens of one text, the likelier."""
+    found = {}
+    for token, logp in alternatives:
+        found.setdefault(texts.text([token]), logp)
+    return found
+
+
+async def _completion_logprobs(engine: Engine, texts: Texts, prompt: list[int],
+                               prompt_text: str, c: Choice | None, echo: bool,
+                               top_n: int) -> dict:
+    """OpenAI's completion logprobs: each token's text, log-probability, the top_n most
+    likely tokens ({text: log p}, or null for 0) and its character offset in the prompt and
+    completion's text; with echo the prompt's tokens first (the first without a
+    log-probability). A completion that ended at the end-of-text token lists it last, as
+    OpenAI's does (its text is not in the completion's)."""
+    new = c.new if c is not None else []
+    at_eos = (c is not None and c.finish_reason == "stop" and not c.at_stop_string
+              and texts.eos is not None)
+    scored_ids = prompt + new + [texts.eos] * at_eos
+    [scored] = await _score(engine, [scored_ids], top_n) if len(scored_ids) > 1 else [[]]
+    pieces = texts.new_segments(prompt, scored_ids[len(prompt):])
+    first = len(prompt) - 1  # the position of the first new token's log-probability
+    logps = [lp for lp, _ in scored[first:]]
+    tops = [_top(texts, t) for _, t in scored[first:]]
+    offsets = np.cumsum([len(prompt_text)] + [len(p) for p in pieces])[:-1].tolist()
+    if echo:
+        prompt_pieces = texts.segments(prompt)
+        pieces = prompt_pieces + pieces
+        logps = [None] + [lp for lp, _ in scored[:first]] + logps
+        tops = [None] + [_top(texts, t) for _, t in scored[:first]] + tops
+        offsets = np.cumsum([0] + [len(p) for p in prompt_pieces])[:-1].tolist() + offsets
+    return {"tokens": pieces, "token_logprobs": logps, "text_offset": offsets,
+            "top_logprobs": tops if top_n else None}
+
+
+def _meta(kind: str, request: web.Request, model: str) -> dict:
+    return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind, "created": int(time.time()),
+            "model": model or request.app[MODEL_NAME]}
+
+
+def _stream_fields(v: dict):
+    """The usage the stream's last chunk carries (stream_options.include_usage), and a 400
+    for stream_options without stream or logprobs with it."""
+    if v["stream_options"] is not None and not v["stream"]:
+        raise BadRequest("stream_options", "stream_options is for streamed answers: send it "
+                         "with stream=true, or leave it out")
+    include_usage = bool((v["stream_options"] or {}).get("include_usage"))
+    if v["stream"] and v["logprobs"]:
+        raise BadRequest("logprobs", "logprobs are not streamed; ask for them without stream")
+    return include_usage
+
+
+async def completions(request: web.Request):
+    engine, texts, limits = request.app[ENGINE], request.app[TEXTS], request.app[LIMITS]
+    v = await _parse(request, COMPLETIONS, COMPLETIONS_NOT_IMPLEMENTED, null_is_absent=True)
+    include_usage = _stream_fields(v)
+    n, echo = v["n"], v["echo"]
+    if v["best_of"] is not None and v["best_of"] != n:
+        raise Unsupported("best_of", f"best_of={v['best_of']} with n={n}: this server does not "
+                          "rank several samples; leave best_of out or equal to n")
+    _check_new_tokens("max_tokens", v["max_tokens"], limits, least=0 if echo else 1)
+    if v["stream"] and echo and v["max_tokens"] == 0:
+        raise BadRequest("stream", "max_tokens=0 with echo scores the prompt: ask for it "
+                         "without stream")
+    stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
+    # n copies of each prompt: where they pass a limit the prompts alone do not, n is named
+    # (checked before they are made: a huge n held the server while it built them)
+    single = isinstance(v["prompt"], str) or _token_ids(v["prompt"])
+    _check_prompts(limits, (1 if single else len(v["prompt"])) * n, "prompt" if n == 1 else "n")
+    prompts, prompt_texts = _prompts(texts, v["prompt"], limits)
+    meta = _meta("text_completion", request, v["model"])
+    usage = {"prompt_tokens": sum(map(len, prompts))}
+    if v["max_tokens"] == 0:  # echo: the prompts scored, nothing generated
+        choices = [None] * len(prompts) * n
+    else:
+        params = [_sampling(texts, v, v["max_tokens"], _choice_seed(v["seed"], j))
+                  for _ in prompts for j in range(n)]
+        choices = _submit(request, [p for p in prompts for _ in range(n)], params,
+                          "prompt" if n == 1 else "n", stops)
+        if v["stream"]:
+            echoed = [t for t in prompt_texts for _ in range(n)]
+            return await _stream(
+                request, choices, lambda i, text, reason: {**meta, "choices": [
+                    {"index": i, "text": text or "", "logprobs": None,
+                     "finish_reason": reason}]},
+                usage if include_usage else None, meta,
+                first=(lambda i: {**meta, "choices": [{"index": i, "text": echoed[i],
+                                                       "logprobs": None,
+                                                       "finish_reason": None}]})
+                if echo else None)
+        choices = await _finished(request, choices)
+    out = []
+    for i, c in enumerate(choices):
+        prompt, prompt_text = prompts[i // n], prompt_texts[i // n]
+        logprobs = None
+        if v["logprobs"] is not None:
+            logprobs = await _completion_logprobs(engine, texts, prompt, prompt_text, c, echo,
+                                                  v["logprobs"])
+        out.append({"index": i, "text": (prompt_text if echo else "") + (c.text if c else ""),
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason if c else "length"})
+    return web.json_response({**meta, "choices": out,
+                              "usage": _usage(usage, [c for c in choices if c])})
+
+
+def _chat_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI's messages as a template reads them: content given as parts ([{"type":
+    "text", "text"}]) joined into one string; a 400 for other parts."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}].role", f"messages[{i}] needs a role (a string: "
+                             "system, user, assistant, ...)")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise Unsupported(f"messages[{i}].content", f"messages[{i}].content: only "
+                                  "text parts ({\"type\": \"text\", \"text\": ...}) are "
+                                  "supported")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+        elif content is not None and not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content", f"messages[{i}].content must be a "
+                             "string or a list of text parts")
+        out.append(m)
+    return out
+
+
+def _chat_logprobs(texts: Texts, prompt: list[int], c: Choice, scored) -> dict:
+    """OpenAI's chat logprobs: per new token its text, log p, UTF-8 bytes and the most
+    likely tokens at its position."""
+    entry = lambda text, logp: {"token": text, "logprob": logp, "bytes": list(text.encode())}
+    pieces = texts.new_segments(prompt, c.new)
+    return {"content": [
+        {**entry(piece, logp), "top_logprobs": [entry(texts.text([t]), lp) for t, lp in top]}
+        for piece, (logp, top) in zip(pieces, scored[len(prompt) - 1:])]}
+
+
+async def chat_completions(request: web.Request):
+    engine, texts, limits = request.app[ENGINE], request.app[TEXTS], request.app[LIMITS]
+    v = await _parse(request, CHAT, CHAT_NOT_IMPLEMENTED, null_is_absent=True)
+    include_usage = _stream_fields(v)
+    if v["top_logprobs"] is not None and not v["logprobs"]:
+        raise BadRequest("top_logprobs", "top_logprobs needs logprobs=true")
+    template: ChatTemplate | None = request.app[CHAT_TEMPLATE]
+    if template is None:
+        raise BadRequest("messages", "this model has no chat template: start the server with "
+                         "--chat-template FILE (a Jinja template), or add a chat_template to "
+                         "the model's tokenizer_config.json (or a chat_template.jinja beside "
+                         "it)", "no_chat_template")
+    name = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
+    max_new = v[name] if v[name] is not None else limits.max_new_tokens
+    _check_new_tokens(name, max_new, limits)
+    try:
+        ids = template.encode(texts.tokenizer, _chat_messages(v["messages"]),
+                              add_generation_prompt=True)
+    except ChatTemplateError as error:
+        raise BadRequest("messages", str(error)) from None
+    _check_ids(texts, ids, "messages", limits)
+    stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
+    # The template's end of turn ends a reply where it is one token other than eos
+    end = texts.single_token(template.special_tokens.get("eos_token"))
+    n = v["n"]
+    params = [_sampling(texts, v, max_new, _choice_seed(v["seed"], j)) for j in range(n)]
+    if end is not None and end != texts.eos:
+        params = [dataclasses.replace(p, stop_token_ids=(end,)) for p in params]
+    choices = _submit(request, [ids] * n, params, "messages" if n == 1 else "n", stops)
+    meta = _meta("chat.completion", request, v["model"])
+    usage = {"prompt_tokens": len(ids)}
+    if v["stream"]:
+        meta["object"] = "chat.completion.chunk"
+        delta = lambda i, d, reason: {**meta, "choices": [
+            {"index": i, "delta": d, "logprobs": None, "finish_reason": reason}]}
+        return await _stream(
+            request, choices,
+            lambda i, text, reason: delta(i, {} if text is None else {"content": text}, reason),
+            usage if include_usage else None, meta,
+            first=lambda i: delta(i, {"role": "assistant", "content": ""}, None))
+    choices = await _finished(request, choices)
+    scored = [None] * n
+    if v["logprobs"]:
+        scored = await _score(engine, [ids + c.new for c in choices], v["top_logprobs"] or 0)
+    return web.json_response({**meta, "choices": [
+        {"index": i, "message": {"role": "assistant", "content": c.text},
+         "logprobs": _chat_logprobs(texts, ids, c, s) if v["logprobs"] else None,
+         "finish_reason": c.finish_reason}
+        for i, (c, s) in enumerate(zip(choices, scored))], "usage": _usage(usage, choices)})
+
+
+def _line_end(texts: Texts, prompt: list[int], new: list[int], double: bool) -> list[int]:
     """new up to and with its first token that completes a newline (double: two newlines in
     a row, the prompt's last character counting): Megatron's stop_on_eol and
     stop_on_double_eol, on the tokens' text."""
-    text = engine.text(prompt)[-1:] if double else ""
-    for j, piece in enumerate(engine.new_segments(prompt, new)):
+    text = texts.text(prompt)[-1:] if double else ""
+    for j, piece in enumerate(texts.new_segments(prompt, new)):
         text += piece
         if ("\n\n" if double else "\n") in text:
             return new[:j + 1]
@@ -593,10 +879,13 @@ def _line_end(engine: Engine, prompt: list[int], new: list[int], double: bool) -
 
 
 async def megatron_api(request: web.Request):
-    engine: Engine = request.app[ENGINE]
-    v = await _parse(request, MEGATRON, "tokens_to_generate", engine.limits, least_new=0)
+    engine, texts, limits = request.app[ENGINE], request.app[TEXTS], request.app[LIMITS]
+    v = await _parse(request, MEGATRON, renamed=MEGATRON_RENAMED)
+    if not v["no_log"]:  # Megatron's server logs each request unless no_log
+        log.info("PUT /api from %s: %s", request.remote, _shown(v["prompts"]))
+    _check_new_tokens("tokens_to_generate", v["tokens_to_generate"], limits, least=0)
     if v["beam_width"] is not None:
-        raise BadRequest("beam_width", BEAM_SEARCH)
+        raise Unsupported("beam_width", BEAM_SEARCH)
     if v["tokens_to_generate"] == 0 and not v["logprobs"]:
         raise BadRequest("tokens_to_generate", "tokens_to_generate=0 generates nothing: it "
                          "scores the prompts, and needs logprobs=true")
@@ -606,129 +895,41 @@ async def megatron_api(request: web.Request):
     if v["top_p_bound"] > v["top_p"]:
         raise BadRequest("top_p_bound", f"top_p_bound={v['top_p_bound']} must be at most "
                          f"top_p={v['top_p']} (top_p decays down to it)")
-    ids = _tokenized(engine, v["prompts"], "prompts", v["add_BOS"])
+    _check_top_k(texts, v["top_k"])
+    stop_token = v["stop_token"]
+    if stop_token is not None and not 0 <= stop_token < texts.vocab_size:
+        raise BadRequest("stop_token", f"stop_token={stop_token} is not a token id of this "
+                         f"model (0 to {texts.vocab_size - 1})")
+    _check_prompts(limits, len(v["prompts"]), "prompts")
+    bos = special_token_ids(texts.tokenizer)["bos_token_id"]
+    if v["add_BOS"] and bos is None:
+        raise BadRequest("add_BOS", "add_BOS: this server's tokenizer has no BOS token; leave "
+                         "add_BOS out")
+    names = [f"prompts[{i}]" if len(v["prompts"]) > 1 else "prompts"
+             for i in range(len(v["prompts"]))]
+    ids = [_check_ids(texts, [bos] * v["add_BOS"] + texts.encode(p), name, limits)
+           for p, name in zip(v["prompts"], names)]
     new = [[] for _ in ids]
     if v["tokens_to_generate"]:
-        ban = ((engine.token_of(":"), engine.token_of("\n"))
-               if v["prevent_newline_after_colon"] else (-1, -1))
-        seed = v["random_seed"]
-        rows = _rows(engine, ids, "prompts", v["tokens_to_generate"], v["temperature"],
-                     v["top_k"], v["top_p"] or 1.0, top_p_decay=float(v["top_p_decay"]),
-                     top_p_bound=float(v["top_p_bound"]), ban=ban, seed=seed,
-                     group=None if seed is None else object())
-        new = [tokens for tokens, _ in await _results(request, rows)]
+        params = SamplingParams(
+            v["tokens_to_generate"], float(v["temperature"]), v["top_k"],
+            float(v["top_p"] or 1.0), float(v["top_p_decay"]), float(v["top_p_bound"]),
+            seed=v["random_seed"],
+            banned_after=(texts.token_of(":"), texts.token_of("\n"))
+            if v["prevent_newline_after_colon"] else None,
+            stop_token_ids=() if stop_token is None else (stop_token,))
+        choices = await _finished(request, _submit(request, ids, [params] * len(ids),
+                                                   "prompts", []))
+        new = [c.new for c in choices]
         if v["stop_on_eol"] or v["stop_on_double_eol"]:
-            new = [_line_end(engine, i, n, v["stop_on_double_eol"]) for i, n in zip(ids, new)]
+            new = [_line_end(texts, i, n, v["stop_on_double_eol"]) for i, n in zip(ids, new)]
     tokens = [i + n for i, n in zip(ids, new)]
-    response = {"text": [p + engine.continuation(i, n)
+    response = {"text": [p + texts.continuation(i, n)
                          for p, i, n in zip(v["prompts"], ids, new)],
-                "segments": [engine.segments(t) for t in tokens], "tokens": tokens}
+                "segments": [texts.segments(t) for t in tokens], "tokens": tokens}
     if v["logprobs"]:
-        response["logprobs"], _ = await engine.logprobs(tokens)
+        response["logprobs"] = [[lp for lp, _ in s] for s in await _score(engine, tokens, 0)]
     return web.json_response(response)
-
-
-async def _openai_logprobs(engine: Engine, rows: list[_Row], new: list[list[int]],
-                           prompts: list[str], top_n: int) -> list[dict]:
-    """OpenAI's completion logprobs of each row's new tokens: their texts, log-probabilities,
-    the top_n most likely tokens at each position ({text: log p}; null for 0) and each
-    token's character offset from the start of the prompt."""
-    sequences = [r.ids + n for r, n in zip(rows, new)]
-    chosen, top = await engine.logprobs(sequences)
-    def listed(position):  # {text: log p}, most likely first; tokens of one text: the first
-        found = {}
-        for logp, token in position:
-            found.setdefault(engine.text([token]), logp)
-        return found
-
-    out = []
-    for r, n, prompt, lp, t in zip(rows, new, prompts, chosen, top):
-        pieces = engine.new_segments(r.ids, n)
-        offsets = np.cumsum([len(prompt)] + [len(p) for p in pieces])[:-1].tolist()
-        first = len(r.ids) - 1  # position of the first new token's log-probability
-        out.append({"tokens": pieces, "token_logprobs": lp[first:], "text_offset": offsets,
-                    "top_logprobs": None if not top_n else [
-                        listed(p[:top_n]) for p in t[first:]]})
-    return out
-
-
-async def completions(request: web.Request):
-    engine: Engine = request.app[ENGINE]
-    v = await _parse(request, COMPLETIONS, "max_tokens", engine.limits, null_is_absent=True)
-    prompts = [v["prompt"]] if isinstance(v["prompt"], str) else v["prompt"]
-    stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
-    if v["stream"] and v["logprobs"] is not None:
-        raise BadRequest("logprobs", "logprobs are not streamed; ask for them without stream")
-    # n copies of each prompt: where they pass a limit the prompts alone do not, n is named
-    # (checked before they are made: a huge n held the server while it built them)
-    _check_prompts(engine.limits, len(prompts) * v["n"], "prompt" if v["n"] == 1 else "n")
-    ids = [i for i in _tokenized(engine, prompts, "prompt") for _ in range(v["n"])]
-    rows = _rows(engine, ids, "prompt" if v["n"] == 1 else "n", v["max_tokens"],
-                 v["temperature"], 0, v["top_p"], stream=v["stream"])
-    prompts = [p for p in prompts for _ in range(v["n"])]
-    meta = {"id": f"cmpl-{id(rows[0]):x}", "object": "text_completion",
-            "created": int(time.time()), "model": v["model"] or request.app[MODEL_NAME]}
-    if not v["stream"]:
-        results = await _results(request, rows)
-        choices, kept = [], []
-        for i, (row, (new, reason)) in enumerate(zip(rows, results)):
-            text = engine.continuation(row.ids, new)
-            cut = _first_stop(text, stops)
-            if cut is not None:  # the tokens that the text before the stop needs
-                ends = np.cumsum([len(p) for p in engine.new_segments(row.ids, new)])
-                new = new[:int(np.searchsorted(ends, cut)) + 1 if cut else 0]
-                text, reason = text[:cut], "stop"
-            kept.append(new)
-            choices.append({"index": i, "text": text, "finish_reason": reason,
-                            "logprobs": None})
-        if v["logprobs"] is not None:
-            for choice, lp in zip(choices, await _openai_logprobs(engine, rows, kept, prompts,
-                                                                  v["logprobs"])):
-                choice["logprobs"] = lp
-        return web.json_response({**meta, "choices": choices, "usage": {
-            "prompt_tokens": sum(len(r.ids) for r in rows[::v["n"]]),
-            "completion_tokens": sum(map(len, kept))}})  # as the stops cut them
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-
-    async def send(payload):
-        await response.write(f"data: {payload}\n\n".encode())
-
-    hold = max(map(len, stops), default=1) - 1  # text that may be a stop's beginning waits
-    try:
-        await response.prepare(request)
-        for i, row in enumerate(rows):
-            tokens, sent, stopped = [], "", False
-            while (token := await row.stream.get()) is not None:
-                if token == engine.eos:
-                    break
-                tokens.append(token)
-                text = engine.continuation(row.ids, tokens)
-                if text.endswith("\ufffd"):  # a multi-byte character not yet complete
-                    continue
-                cut = _first_stop(text, stops)
-                stopped = cut is not None
-                text = text[:cut] if stopped else text[:max(len(text) - hold, 0)]
-                if len(text) > len(sent):
-                    await send(json.dumps({**meta, "choices": [
-                        {"index": i, "text": text[len(sent):], "finish_reason": None}]}))
-                    sent = text
-                if stopped:
-                    break
-            try:
-                _, reason = await row.future
-            except Exception as err:  # noqa: BLE001 - logged by the engine
-                await send(_error_body(None, f"generation failed: {type(err).__name__}: {err}"))
-                break
-            rest = "" if stopped else engine.continuation(row.ids, tokens)[len(sent):]
-            await send(json.dumps({**meta, "choices": [
-                {"index": i, "text": rest, "finish_reason": "stop" if stopped else reason}]}))
-        await send("[DONE]")
-    except (asyncio.CancelledError, ConnectionResetError) as left:
-        _drop(request, rows)
-        if isinstance(left, asyncio.CancelledError):
-            raise
-    return response
 
 
 async def models(request: web.Request):
@@ -738,45 +939,119 @@ async def models(request: web.Request):
 
 
 async def health(request: web.Request):
-    engine: Engine = request.app[ENGINE]
     return web.json_response({"status": "ok", "model": request.app[MODEL_NAME],
-                              "queued": engine.pending.qsize(), "batches": engine.batches})
+                              **request.app[ENGINE].stats()})
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+class _EngineCollector:
+    """The engine's stats() at each scrape, as Prometheus metrics."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+
+    def collect(self):
+        s = self.app[ENGINE].stats()
+        yield GaugeMetricFamily("mamba_queued_requests", "Sequences waiting for a slot",
+                                value=s["queued"])
+        yield GaugeMetricFamily("mamba_busy_slots", "Decode slots in use",
+                                value=s["slots_busy"])
+        yield GaugeMetricFamily("mamba_slots", "Decode slots", value=s["slots"])
+        yield CounterMetricFamily("mamba_generated_tokens", "New tokens generated",
+                                  value=s["tokens_generated"])
+        yield GaugeMetricFamily("mamba_tokens_per_second", "New tokens a second, lately",
+                                value=s["tokens_per_second"])
+
+
+class Metrics:
+    """The app's Prometheus registry: the engine's statistics, and histograms of time to
+    first token and time per output token, which the endpoints observe for each finished
+    sequence (from its submission: queueing counts)."""
+
+    def __init__(self, app: web.Application):
+        self.registry = prometheus_client.CollectorRegistry()
+        self.registry.register(_EngineCollector(app))
+        self.ttft = prometheus_client.Histogram(
+            "mamba_time_to_first_token_seconds", "From a request's submission to its first "
+            "token", registry=self.registry,
+            buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.tpot = prometheus_client.Histogram(
+            "mamba_time_per_output_token_seconds", "Between a sequence's tokens after its "
+            "first", registry=self.registry,
+            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+
+
+def _observe(request: web.Request, choices: list[Choice]):
+    metrics: Metrics = request.app[METRICS]
+    for c in choices:
+        if c.first_token_s is not None:
+            metrics.ttft.observe(c.first_token_s)
+            if len(c.new) > 1:
+                metrics.tpot.observe((c.ended_s - c.first_token_s) / (len(c.new) - 1))
+
+
+async def metrics(request: web.Request):
+    return web.Response(body=prometheus_client.generate_latest(request.app[METRICS].registry),
+                        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+
+# ------------------------------------------------------------------------------ the app
 
 
 ENGINE = web.AppKey("engine", Engine)
+TEXTS = web.AppKey("texts", Texts)
+LIMITS = web.AppKey("limits", Limits)
+METRICS = web.AppKey("metrics", Metrics)
+CHAT_TEMPLATE = web.AppKey("chat_template", object)  # a ChatTemplate, or None
 MODEL_NAME = web.AppKey("model_name", str)
 STARTED = web.AppKey("started", int)  # the server's start, seconds since the epoch
+ROUTES = {"POST /v1/completions": completions, "POST /v1/chat/completions": chat_completions,
+          "PUT /api": megatron_api, "GET /v1/models": models, "GET /metrics": metrics,
+          "GET /health": health}
 
 
 def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
-             model_name: str = "mamba2", generate_options=None) -> web.Application:
-    """The aiohttp application; its batching task runs while the app does.
-    generate_options: keyword arguments of every generate call (ssm_state_dtype,
-    step_implementation)."""
-    # A client that disconnects cancels its handler, which cancels its prompts.
+             model_name: str = "mamba2", generate_options=None,
+             chat_template: ChatTemplate | None = None) -> web.Application:
+    """The aiohttp application; its engine runs while the app does. generate_options:
+    keyword arguments of every generate call (ssm_state_dtype, step_implementation);
+    chat_template: what /v1/chat/completions renders conversations with (None: it answers
+    a 400 that says how to give one)."""
+    # A client that disconnects cancels its handler, which cancels its sequences.
     app = web.Application(handler_args={"handler_cancellation": True},
-                          client_max_size=MAX_BODY_BYTES)
+                          client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[MODEL_NAME] = model_name
     app[STARTED] = int(time.time())
+    app[LIMITS] = limits
+    app[TEXTS] = Texts(tokenizer, model.config.vocab_size, eos_token_id)
+    app[CHAT_TEMPLATE] = chat_template
+    app[METRICS] = Metrics(app)
 
     async def engine_task(app):
         app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id, generate_options)
         task = asyncio.create_task(app[ENGINE].run())
         yield
         task.cancel()
-        app[ENGINE].executor.shutdown(wait=False, cancel_futures=True)
 
     app.cleanup_ctx.append(engine_task)
-    app.router.add_put("/api", megatron_api)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
+    for route, handler in ROUTES.items():
+        method, path = route.split()
+        app.router.add_route(method, path, handler)
     return app
 
 
 def _check_serving_flags(args):
-    """Refuse limits the server could not serve under and an address it cannot listen on,
-    before the model loads (minutes for a large one)."""
+    """Refuse a checkpoint that is not there, a chat template that does not compile, limits
+    the server could not serve under and an address it cannot listen on, in that order,
+    before the model loads (minutes for a large one). -> the chat template given, or None."""
+    try:
+        checkpoint_dir(args.checkpoint)
+        template = None if args.chat_template is None else ChatTemplate.from_file(
+            args.chat_template)
+    except (FileNotFoundError, ChatTemplateError) as error:
+        raise SystemExit(str(error).removeprefix("chat template ")) from None
     require_at_least(args, ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
                             "max_queued_tokens"))
     if args.max_new_tokens > MOST_NEW_TOKENS:  # generate's bound: each request would fail
@@ -792,6 +1067,7 @@ def _check_serving_flags(args):
         raise SystemExit(f"--host {args.host} --port {args.port}: cannot listen there "
                          f"({error.strerror or error}); give a free --port, or an address of "
                          "this machine as --host") from None
+    return template
 
 
 @command("python -m mamba_jax.serve")
@@ -808,6 +1084,10 @@ def main(argv=None):
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer.json or tokenizer.model path, or 'bytes' (default: "
                              "the checkpoint's)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template for /v1/chat/completions (default: the "
+                             "checkpoint's tokenizer_config.json chat_template or "
+                             "chat_template.jinja)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens)
     parser.add_argument("--max-new-tokens", type=int, default=Limits.max_new_tokens)
@@ -822,7 +1102,7 @@ def main(argv=None):
     add_decode_arguments(parser)
     compilation_cache.add_argument(parser)
     args = parser.parse_args(argv)
-    _check_serving_flags(args)
+    template = _check_serving_flags(args)
 
     compilation_cache.use(args.compilation_cache)
     model, tokenizer, eos = load_for_generation(args.checkpoint, args.tokenizer, args.dtype)
@@ -832,10 +1112,15 @@ def main(argv=None):
                          "first document, and the server left-pads every prompt, so each "
                          "would start from zeros: generate with python -m mamba_jax.generate, "
                          "a prompt at a time")
+    if template is None:
+        try:
+            template = ChatTemplate.from_model_dir(args.checkpoint)
+        except ChatTemplateError as error:
+            raise SystemExit(str(error)) from None
     limits = Limits(args.max_prompt_tokens, args.max_new_tokens, args.max_batch,
                     args.batch_window_ms / 1e3, args.max_prompts, args.max_queued_tokens)
     web.run_app(make_app(model, tokenizer, limits, eos, Path(args.checkpoint).resolve().name,
-                         decode_options(args)),
+                         decode_options(args), template),
                 host=args.host, port=args.port)
 
 

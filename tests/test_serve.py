@@ -25,7 +25,8 @@ import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.tokenizer import byte_tokenizer
 from mamba_jax.generate import token_logprobs
-from mamba_jax.serve import TOP_LOGPROBS, Limits, make_app
+from mamba_jax.engine import TOP_LOGPROBS, Limits, SamplingParams
+from mamba_jax.serve import make_app
 
 LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16, max_batch=32, batch_window_s=0.02)
 
@@ -125,7 +126,7 @@ def test_greedy_completion_and_megatron_api_equal_generate(url, model):
     want = expected(model, ["Hello"], 8)[0]
     assert status == 200 and body["choices"][0]["text"] == want
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
     assert megatron[0] == 200 and megatron[1]["text"] == ["Hello" + want]
     assert megatron[1]["tokens"][0][:5] == list(b"Hello") and len(megatron[1]["tokens"][0]) == 13
     assert health[0] == 200 and health[1]["status"] == "ok"
@@ -166,8 +167,8 @@ def test_openai_fields_sent_as_null_take_their_defaults_and_a_null_prompt_is_a_4
     assert status == 200, body
     assert body["choices"] == [{"index": 0, "text": expected(model, ["Hello"], 16)[0],
                                 "finish_reason": "length", "logprobs": None}]
-    assert bad == 400 and error["error"]["field"] == "prompt"
-    assert put_status == 400 and put_error["error"]["field"] == "temperature"
+    assert bad == 400 and error["error"]["param"] == "prompt"
+    assert put_status == 400 and put_error["error"]["param"] == "temperature"
 
 
 def test_32_concurrent_clients_are_batched_and_all_answered_correctly(url, model):
@@ -261,7 +262,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
                 return bad, r.status
 
     (status, error), health = run(go())
-    assert status == 400 and error["error"]["field"] == field
+    assert status == 400 and error["error"]["param"] == field
     assert field.split("[")[0] in error["error"]["message"]
     assert health == 200
 
@@ -334,7 +335,7 @@ def test_generate_cli_says_when_the_stream_stops_before_its_end(ending, capsys):
 
 def test_the_engine_decodes_with_the_servers_decode_options(model, monkeypatch):
     """`serve --ssm-state-dtype/--step-implementation` reach every generate call."""
-    import mamba_jax.serve as serve
+    import mamba_jax.engine as engine_module
 
     options = dict(ssm_state_dtype="bfloat16", step_implementation="triton")
     calls = []
@@ -343,14 +344,15 @@ def test_the_engine_decodes_with_the_servers_decode_options(model, monkeypatch):
         calls.append(kwargs)
         return mamba_jax.generate(*args, **kwargs)
 
-    monkeypatch.setattr(serve, "generate", spy)
+    monkeypatch.setattr(engine_module, "generate", spy)
 
     async def go():
-        engine = serve.Engine(model, byte_tokenizer(), LIMITS, generate_options=options)
+        engine = engine_module.Engine(model, byte_tokenizer(), LIMITS,
+                                      generate_options=options)
         loop = asyncio.get_running_loop()
-        row = serve._Row(list(b"Hello"), 6, 0.0, 0, 1.0, loop.create_future())
-        await engine._generate(loop, [row])
-        return await row.future
+        seq = engine.submit(list(b"Hello"), SamplingParams(6))
+        await engine._generate(loop, [seq])
+        return await seq.future
 
     new, reason = run(go())
     assert len(calls) == 1 and options.items() <= calls[0].items()
@@ -366,7 +368,7 @@ def test_a_top_p_that_is_zero_in_float32_is_a_400_and_the_request_beside_it_is_a
                 complete(s, url, prompt="good", max_tokens=4, temperature=0))
 
     (bad_status, bad), (good_status, good) = run(go())
-    assert bad_status == 400 and bad["error"]["field"] == "top_p"
+    assert bad_status == 400 and bad["error"]["param"] == "top_p"
     assert good_status == 200 and good["choices"][0]["finish_reason"] == "length"
 
 
@@ -401,7 +403,7 @@ def test_bodies_that_are_not_plain_json_or_finite_numbers_are_400s(url, path, bo
                 return r.status, await r.json()
 
     status, error = run(go())
-    assert (status, error["error"]["field"]) == (400, field)
+    assert (status, error["error"]["param"]) == (400, field)
 
 
 def test_a_body_over_the_servers_limit_is_a_413_in_json(url):
@@ -413,7 +415,7 @@ def test_a_body_over_the_servers_limit_is_a_413_in_json(url):
                 return r.status, await r.json()  # aiohttp's own answer was plain text
 
     status, error = run(go())
-    assert status == 413 and error["error"]["field"] == "body"
+    assert status == 413 and error["error"]["param"] == "body"
     assert error["error"]["message"].startswith("the request body is over 1048576 bytes")
 
 
@@ -439,25 +441,25 @@ def test_a_negative_temperature_is_a_400_on_both_endpoints(url):
                 return completion, (r.status, await r.json())
 
     for status, error in run(go()):
-        assert status == 400 and error["error"]["field"] == "temperature"
-        assert "temperature=-0.5 must be a finite number >= 0" in error["error"]["message"]
+        assert status == 400 and error["error"]["param"] == "temperature"
+        assert "temperature=-0.5 must be a" in error["error"]["message"]
 
 
 def test_one_failing_prompt_fails_only_its_own_request(model, monkeypatch):
     """Should a batch fail, each prompt runs again alone: only the one at fault fails."""
-    import mamba_jax.serve as serve
+    import mamba_jax.engine as engine_module
 
     def generate_failing_at_temperature_half(model, ids, t, temperatures, *args, **kwargs):
         if 0.5 in temperatures:
             raise ValueError("a setting the model cannot run")
         return mamba_jax.generate(model, ids, t, temperatures, *args, **kwargs)
 
-    monkeypatch.setattr(serve, "generate", generate_failing_at_temperature_half)
+    monkeypatch.setattr(engine_module, "generate", generate_failing_at_temperature_half)
 
     async def go():
-        engine = serve.Engine(model, byte_tokenizer(), LIMITS)
+        engine = engine_module.Engine(model, byte_tokenizer(), LIMITS)
         loop = asyncio.get_running_loop()
-        good, bad = (serve._Row(list(b"Hello"), 6, temperature, 0, 1.0, loop.create_future())
+        good, bad = (engine.submit(list(b"Hello"), SamplingParams(6, temperature))
                      for temperature in (0.0, 0.5))
         await engine._generate(loop, [good, bad])
         return await good.future, bad.future.exception()
@@ -492,9 +494,10 @@ async def _until(condition, timeout=30.0):
 async def _server_with(generate, model, limits, monkeypatch):
     """A server whose batches run `generate`, run as web.run_app runs it: (its runner, its
     URL, its engine)."""
+    import mamba_jax.engine as engine_module
     import mamba_jax.serve as serve
 
-    monkeypatch.setattr(serve, "generate", generate)
+    monkeypatch.setattr(engine_module, "generate", generate)
     app = make_app(model, byte_tokenizer(), limits)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -542,7 +545,7 @@ def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch
     assert calls == [[3], [4]]  # the 10 prompts of the client that left never ran
     assert queued == 0
     dropped = [r.getMessage() for r in caplog.records if r.name == "mamba_jax.serve"]
-    assert len(dropped) == 1 and "10 queued prompt(s) dropped" in dropped[0]
+    assert len(dropped) == 1 and "10 sequence(s) cancelled" in dropped[0]
     assert not any(r.exc_info for r in caplog.records)
 
 
@@ -568,11 +571,11 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
                     (await queued)[0])
 
     many, copies, huge, alone_too_big, busy, first, queued = run(go())
-    assert huge[0] == 400 and huge[1]["error"]["field"] == "n"
+    assert huge[0] == 400 and huge[1]["error"]["param"] == "n"
     assert f"{10**12} prompts; at most 4 per request" in huge[1]["error"]["message"]
     assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]
     # 2 prompts are within the limit, their 3 completions each not: n is the field named
-    assert copies[0] == 400 and copies[1]["error"]["field"] == "n"
+    assert copies[0] == 400 and copies[1]["error"]["param"] == "n"
     assert "6 prompts; at most 4 per request" in copies[1]["error"]["message"]
     assert alone_too_big[0] == 400 and "needs 60 prompt and new tokens" in \
         alone_too_big[1]["error"]["message"]
@@ -703,7 +706,7 @@ def test_random_seed_repeats_a_request_and_beam_search_is_a_400_saying_why(url):
             r"beam search is not supported: the compiled decode loop carries one recurrent "
             r"state per row", "tokenizer has no BOS token", "needs top_p > 0",
             "needs logprobs=true")):
-        assert status == 400 and error["error"]["field"] == field
+        assert status == 400 and error["error"]["param"] == field
         assert re.search(says, error["error"]["message"])
 
 
@@ -793,7 +796,7 @@ def test_openai_logprobs_list_each_new_token_and_the_most_likely(url, model):
     np.testing.assert_allclose(lp["token_logprobs"], scored(model, greedy)[0][4:], atol=1e-4)
     for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
-    assert refused == 400 and error["error"]["field"] == "logprobs"
+    assert refused == 400 and error["error"]["param"] == "logprobs"
 
 
 @pytest.mark.parametrize("command", [["mamba_jax.serve", "--checkpoint", "runs/x"],
@@ -824,18 +827,21 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
     # generate's bound: every request past it was a 500
     (["--max-new-tokens", "2000000"], "--max-new-tokens=2000000 must be at most 1048576"),
 ])
-def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, capsys):
+def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, tmp_path,
+                                                           capsys):
     from mamba_jax.serve import main
 
     with pytest.raises(SystemExit, match=refusal) as refused:
-        main(["--checkpoint", "never-read", *flags])
+        main(["--checkpoint", str(tmp_path), *flags])  # a folder, never read
     assert refused.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
-    """A port in use is refused at once, naming --host and --port (the checkpoint, which
-    does not exist, is never read)."""
+def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(
+        tmp_path, capsys):
+    """A port in use is refused at once, naming --host and --port (the checkpoint, an empty
+    folder, is never read); a checkpoint that is not there is named first (a busy port hid
+    it)."""
     import socket
 
     from mamba_jax.serve import main
@@ -844,9 +850,12 @@ def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_mode
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=f"--host 127.0.0.1 --port {port}: cannot listen "
                                              "there .*give a free --port") as refused:
-            main(["--checkpoint", "never-read", "--port", str(port)])
-    assert refused.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 1
+            main(["--checkpoint", str(tmp_path), "--port", str(port)])
+        with pytest.raises(SystemExit, match=f"--checkpoint {tmp_path / 'nope'}: no such "
+                                             "directory") as missing:
+            main(["--checkpoint", str(tmp_path / "nope"), "--port", str(port)])
+    assert refused.value.code == missing.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 2
 
 
 def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, capsys):
