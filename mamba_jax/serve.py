@@ -1050,8 +1050,11 @@ def _check_serving_flags(args):
         checkpoint_dir(args.checkpoint)
         template = None if args.chat_template is None else ChatTemplate.from_file(
             args.chat_template)
-    except (FileNotFoundError, ChatTemplateError) as error:
-        raise SystemExit(str(error).removeprefix("chat template ")) from None
+    except FileNotFoundError as error:
+        raise SystemExit(str(error)) from None
+    except ChatTemplateError as error:
+        raise SystemExit(f"--chat-template {str(error).removeprefix('chat template ')}"
+                         ) from None
     require_at_least(args, ("max_prompt_tokens", "max_new_tokens", "max_batch", "max_prompts",
                             "max_queued_tokens"))
     if args.max_new_tokens > MOST_NEW_TOKENS:  # generate's bound: each request would fail
