@@ -41,7 +41,8 @@ import numpy as np
 try:
     from aiohttp import web
     import prometheus_client
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                        HistogramMetricFamily)
 except ImportError as missing:
     if __name__ != "__main__":
         raise
@@ -53,7 +54,7 @@ except ImportError as missing:
 from mamba_jax import compilation_cache
 from mamba_jax.chat import ChatTemplate, ChatTemplateError
 from mamba_jax.cli import HelpFormatter, command, require_at_least
-from mamba_jax.engine import TOP_LOGPROBS, Busy, Engine, Limits, SamplingParams
+from mamba_jax.engine import Busy, Engine, GenerationError, Limits, SamplingParams
 from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, checkpoint_dir,
                                 decode_options, learned_state, load_for_generation)
 from mamba_jax.tokenizer import special_token_ids
@@ -215,6 +216,9 @@ def _token_ids(v) -> bool:
 # default of REQUIRED makes the field required; OPTIONAL leaves it None when absent.
 # Settings are checked as the float32 they become: a top_p of 1e-300 is 0 there.
 REQUIRED, OPTIONAL = object(), object()
+# The most likely tokens listed per position at most: OpenAI's bounds (completions' logprobs,
+# chat's top_logprobs); each count asked for is a scoring program of its own
+TOP_LOGPROBS, TOP_LOGPROBS_CHAT = 5, 20
 _NUMBER = (int, float)
 _BOOL = (bool, False, None, "true or false")
 _INT64 = lambda v: -2**63 <= v < 2**63
@@ -292,8 +296,8 @@ CHAT = {
     "max_tokens": (int, OPTIONAL, None, "an integer"),
     "max_completion_tokens": (int, OPTIONAL, None, "an integer"),
     "logprobs": _BOOL,
-    "top_logprobs": (int, OPTIONAL, lambda v: 0 <= v <= TOP_LOGPROBS,
-                     f"an integer in [0, {TOP_LOGPROBS}]"),
+    "top_logprobs": (int, OPTIONAL, lambda v: 0 <= v <= TOP_LOGPROBS_CHAT,
+                     f"an integer in [0, {TOP_LOGPROBS_CHAT}]"),
 }
 # OpenAI's fields that this server does not implement: accepted only at the value that asks
 # for nothing (null, or the value named), else a 400 that says so.
@@ -483,9 +487,6 @@ class Choice:
         self.text = ""  # the text sent so far (all of it once `deltas` ends)
         self.finish_reason: str | None = None
         self.at_stop_string = False
-        self.started = time.perf_counter()
-        self.first_token_s: float | None = None  # since started
-        self.ended_s: float | None = None
 
     async def deltas(self):
         """The continuation's text in pieces, as its tokens arrive; at its end,
@@ -493,8 +494,6 @@ class Choice:
         hold = max(map(len, self.stops), default=1) - 1
         tokens, stopped = [], None
         async for event in self.seq:
-            if self.first_token_s is None:
-                self.first_token_s = time.perf_counter() - self.started
             tokens.append(event.token_id)
             text = self.texts.continuation(self.prompt, tokens)
             if text.endswith("\ufffd"):  # a multi-byte character not yet complete
@@ -507,7 +506,6 @@ class Choice:
             if stopped is not None:
                 self.seq.cancel()  # frees its slot
                 break
-        self.ended_s = time.perf_counter() - self.started
         whole = self.texts.continuation(self.prompt, tokens)
         if stopped is None:
             self.finish_reason = self.seq.finish_reason
@@ -564,12 +562,10 @@ async def _finished(request: web.Request, choices: list[Choice]) -> list[Choice]
     except asyncio.CancelledError:
         _left(request, choices)
         raise
-    except Exception as err:  # noqa: BLE001 - logged by the engine
+    except GenerationError as err:  # logged by the engine
         for c in choices:
             c.seq.cancel()
-        raise ApiError(500, f"generation failed: {type(err).__name__}: {err}", None,
-                       "generation_failed") from None
-    _observe(request, done)
+        raise ApiError(500, str(err), None, "generation_failed") from None
     return done
 
 
@@ -629,16 +625,12 @@ async def _stream(request: web.Request, choices: list[Choice], chunk, usage: dic
                     await stream.send(first(i))
                 async for piece in c.deltas():
                     await stream.send(chunk(i, piece, None))
-            except (asyncio.CancelledError, ConnectionResetError):
-                raise
-            except Exception as err:  # noqa: BLE001 - logged by the engine
+            except GenerationError as err:  # logged by the engine
                 for rest in choices:
                     rest.seq.cancel()
-                await stream.send(ApiError(500, f"generation failed: {type(err).__name__}: "
-                                           f"{err}", None, "generation_failed").body())
+                await stream.send(ApiError(500, str(err), None, "generation_failed").body())
                 return await stream.close()
             await stream.send(chunk(i, None, c.finish_reason))
-        _observe(request, choices)
         if usage is not None:
             await stream.send({**usage_chunk, "choices": [], "usage": _usage(usage, choices)})
         return await stream.close()
@@ -939,14 +931,16 @@ async def models(request: web.Request):
 
 
 async def health(request: web.Request):
+    stats = request.app[ENGINE].stats()
     return web.json_response({"status": "ok", "model": request.app[MODEL_NAME],
-                              **request.app[ENGINE].stats()})
+                              **{k: stats[k] for k in ("queued", "slots_busy", "slots",
+                                                       "tokens_generated")}})
 
 
 # ------------------------------------------------------------------------------ metrics
 
 
-class _EngineCollector:
+class EngineMetrics:
     """The engine's stats() at each scrape, as Prometheus metrics."""
 
     def __init__(self, app: web.Application):
@@ -963,37 +957,27 @@ class _EngineCollector:
                                   value=s["tokens_generated"])
         yield GaugeMetricFamily("mamba_tokens_per_second", "New tokens a second, lately",
                                 value=s["tokens_per_second"])
-
-
-class Metrics:
-    """The app's Prometheus registry: the engine's statistics, and histograms of time to
-    first token and time per output token, which the endpoints observe for each finished
-    sequence (from its submission: queueing counts)."""
-
-    def __init__(self, app: web.Application):
-        self.registry = prometheus_client.CollectorRegistry()
-        self.registry.register(_EngineCollector(app))
-        self.ttft = prometheus_client.Histogram(
-            "mamba_time_to_first_token_seconds", "From a request's submission to its first "
-            "token", registry=self.registry,
-            buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.tpot = prometheus_client.Histogram(
-            "mamba_time_per_output_token_seconds", "Between a sequence's tokens after its "
-            "first", registry=self.registry,
-            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
-
-
-def _observe(request: web.Request, choices: list[Choice]):
-    metrics: Metrics = request.app[METRICS]
-    for c in choices:
-        if c.first_token_s is not None:
-            metrics.ttft.observe(c.first_token_s)
-            if len(c.new) > 1:
-                metrics.tpot.observe((c.ended_s - c.first_token_s) / (len(c.new) - 1))
+        finished = CounterMetricFamily("mamba_finished_requests", "Sequences ended, by why",
+                                       labels=["reason"])
+        for reason, count in s["requests_finished"].items():
+            finished.add_metric([reason], count)
+        yield finished
+        yield CounterMetricFamily("mamba_prefix_cache_hits", "Prompts that started from a "
+                                  "cached prefix's states", value=s["prefix_cache_hits"])
+        yield CounterMetricFamily("mamba_prefix_cache_lookups", "Prompts looked up in the "
+                                  "prefix cache", value=s["prefix_cache_lookups"])
+        for name, what in (("ttft", "Time to first token, from submission"),
+                           ("tpot", "Time per output token after the first")):
+            h = s[f"{name}_seconds"]
+            yield HistogramMetricFamily(
+                f"mamba_{'time_to_first_token' if name == 'ttft' else 'time_per_output_token'}"
+                "_seconds", what, sum_value=h["sum"],
+                buckets=[("+Inf" if math.isinf(le) else repr(float(le)), count)
+                         for le, count in h["buckets"]])
 
 
 async def metrics(request: web.Request):
-    return web.Response(body=prometheus_client.generate_latest(request.app[METRICS].registry),
+    return web.Response(body=prometheus_client.generate_latest(request.app[METRICS]),
                         headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 
@@ -1003,7 +987,7 @@ async def metrics(request: web.Request):
 ENGINE = web.AppKey("engine", Engine)
 TEXTS = web.AppKey("texts", Texts)
 LIMITS = web.AppKey("limits", Limits)
-METRICS = web.AppKey("metrics", Metrics)
+METRICS = web.AppKey("metrics", prometheus_client.CollectorRegistry)
 CHAT_TEMPLATE = web.AppKey("chat_template", object)  # a ChatTemplate, or None
 MODEL_NAME = web.AppKey("model_name", str)
 STARTED = web.AppKey("started", int)  # the server's start, seconds since the epoch
@@ -1027,7 +1011,8 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
     app[LIMITS] = limits
     app[TEXTS] = Texts(tokenizer, model.config.vocab_size, eos_token_id)
     app[CHAT_TEMPLATE] = chat_template
-    app[METRICS] = Metrics(app)
+    app[METRICS] = prometheus_client.CollectorRegistry()
+    app[METRICS].register(EngineMetrics(app))
 
     async def engine_task(app):
         app[ENGINE] = Engine(model, tokenizer, limits, eos_token_id, generate_options)
