@@ -26,7 +26,9 @@ from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.tokenizer import byte_tokenizer
 from mamba_jax.generate import token_logprobs
 from mamba_jax import engine as slot_engine
-from mamba_jax.serve import TOP_LOGPROBS, Limits, make_app
+from mamba_jax.engine import Limits
+from mamba_jax.openai_api import TOP_LOGPROBS
+from mamba_jax.serve import make_app
 
 LIMITS = Limits(max_prompt_tokens=32, max_new_tokens=16)
 # Fewer slots than the 32 concurrent clients below: some wait for a slot
@@ -128,7 +130,7 @@ def test_greedy_completion_and_megatron_api_equal_generate(url, model):
     want = expected(model, ["Hello"], 8)[0]
     assert status == 200 and body["choices"][0]["text"] == want
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
     assert megatron[0] == 200 and megatron[1]["text"] == ["Hello" + want]
     assert megatron[1]["tokens"][0][:5] == list(b"Hello") and len(megatron[1]["tokens"][0]) == 13
     assert health[0] == 200 and health[1]["status"] == "ok"
@@ -169,12 +171,20 @@ def test_openai_fields_sent_as_null_take_their_defaults_and_a_null_prompt_is_a_4
     assert status == 200, body
     assert body["choices"] == [{"index": 0, "text": expected(model, ["Hello"], 16)[0],
                                 "finish_reason": "length", "logprobs": None}]
-    assert bad == 400 and error["error"]["field"] == "prompt"
-    assert put_status == 400 and put_error["error"]["field"] == "temperature"
+    assert bad == 400 and error["error"]["param"] == "prompt"
+    assert put_status == 400 and put_error["error"]["param"] == "temperature"
 
 
-def test_32_concurrent_clients_share_the_slots_and_are_all_answered_correctly(url, model):
+def test_32_concurrent_clients_share_the_slots_and_are_all_answered_correctly(url, model,
+                                                                             monkeypatch):
     prompts = [f"p{i} " + "ab" * (i % 7) for i in range(32)]
+    busy, dispatch = [], slot_engine.Engine._dispatch
+
+    def counted(engine):  # the sequences each decode program runs
+        busy.append(sum(r is not None for r in engine._slot))
+        return dispatch(engine)
+
+    monkeypatch.setattr(slot_engine.Engine, "_dispatch", counted)
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -187,6 +197,7 @@ def test_32_concurrent_clients_share_the_slots_and_are_all_answered_correctly(ur
     assert [status for status, _ in answers] == [200] * 32
     assert [body["choices"][0]["text"] for _, body in answers] == expected(model, prompts, 6)
     assert (health["queued"], health["slots_busy"]) == (0, 0)
+    assert max(busy) > 1  # requests shared the decode programs
 
 
 def test_streamed_tokens_join_to_the_greedy_text(url, model):
@@ -247,7 +258,8 @@ def test_a_client_that_disconnects_mid_stream_does_not_stall_the_others(url, mod
     ("post", "/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}).encode(),
      "temperature"),
     ("post", "/v1/completions", json.dumps({"prompt": "hi", "stream": 1}).encode(), "stream"),
-    ("put", "/api", json.dumps({"prompts": ["ok", "y" * 40], "tokens_to_generate": 4}).encode(), "prompts[1]"),
+    ("put", "/api", json.dumps({"prompts": ["ok", "y" * 40], "tokens_to_generate": 4}
+                               ).encode(), "prompts[1]"),
     ("put", "/api", json.dumps({"tokens_to_generate": 4}).encode(), "prompts"),
     ("put", "/api", json.dumps({"prompts": ["hi"], "top_k": -1}).encode(), "top_k"),
 ])
@@ -262,7 +274,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(
                 return bad, r.status
 
     (status, error), health = run(go())
-    assert status == 400 and error["error"]["field"] == field
+    assert status == 400 and error["error"]["param"] == field
     assert field.split("[")[0] in error["error"]["message"]
     assert health == 200
 
@@ -357,7 +369,7 @@ def test_a_top_p_that_is_zero_in_float32_is_a_400_and_the_request_beside_it_is_a
                 complete(s, url, prompt="good", max_tokens=4, temperature=0))
 
     (bad_status, bad), (good_status, good) = run(go())
-    assert bad_status == 400 and bad["error"]["field"] == "top_p"
+    assert bad_status == 400 and bad["error"]["param"] == "top_p"
     assert good_status == 200 and good["choices"][0]["finish_reason"] == "length"
 
 
@@ -392,7 +404,7 @@ def test_bodies_that_are_not_plain_json_or_finite_numbers_are_400s(url, path, bo
                 return r.status, await r.json()
 
     status, error = run(go())
-    assert (status, error["error"]["field"]) == (400, field)
+    assert (status, error["error"]["param"]) == (400, field)
 
 
 def test_a_body_over_the_servers_limit_is_a_413_in_json(url):
@@ -404,7 +416,7 @@ def test_a_body_over_the_servers_limit_is_a_413_in_json(url):
                 return r.status, await r.json()  # aiohttp's own answer was plain text
 
     status, error = run(go())
-    assert status == 413 and error["error"]["field"] == "body"
+    assert status == 413 and error["error"]["param"] == "body"
     assert error["error"]["message"].startswith("the request body is over 1048576 bytes")
 
 
@@ -430,8 +442,8 @@ def test_a_negative_temperature_is_a_400_on_both_endpoints(url):
                 return completion, (r.status, await r.json())
 
     for status, error in run(go()):
-        assert status == 400 and error["error"]["field"] == "temperature"
-        assert "temperature=-0.5 must be a finite number >= 0" in error["error"]["message"]
+        assert status == 400 and error["error"]["param"] == "temperature"
+        assert "temperature=-0.5 must be a" in error["error"]["message"]
 
 
 class _Held:
@@ -513,7 +525,7 @@ def test_a_client_that_disconnects_cancels_its_queued_prompts(model, monkeypatch
     assert admitted == [b"first", b"after"]  # the 10 prompts of the client that left never ran
     assert stats["queued_tokens"] == 0 and stats["requests_finished"]["cancelled"] == 10
     dropped = [r.getMessage() for r in caplog.records if r.name == "mamba_jax.serve"]
-    assert len(dropped) == 1 and "10 prompt(s) cancelled" in dropped[0]
+    assert len(dropped) == 1 and "10 sequence(s) cancelled" in dropped[0]
     assert not any(r.exc_info for r in caplog.records)
 
 
@@ -539,11 +551,11 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
                     (await queued)[0])
 
     many, copies, huge, alone_too_big, busy, first, queued = run(go())
-    assert huge[0] == 400 and huge[1]["error"]["field"] == "n"
+    assert huge[0] == 400 and huge[1]["error"]["param"] == "n"
     assert f"{10**12} prompts; at most 4 per request" in huge[1]["error"]["message"]
     assert many[0] == 400 and "5 prompts; at most 4 per request" in many[1]["error"]["message"]
     # 2 prompts are within the limit, their 3 completions each not: n is the field named
-    assert copies[0] == 400 and copies[1]["error"]["field"] == "n"
+    assert copies[0] == 400 and copies[1]["error"]["param"] == "n"
     assert "6 prompts; at most 4 per request" in copies[1]["error"]["message"]
     assert alone_too_big[0] == 400 and "needs 60 prompt and new tokens" in \
         alone_too_big[1]["error"]["message"]
@@ -582,12 +594,12 @@ def test_nan_logits_fail_only_their_request_a_500_naming_them_and_end_a_stream()
 
     (status, body), good, events, scoring = run(go())
     assert status == 500 and body["error"]["message"].startswith(
-        "generation failed: GenerationError: the model's logits are NaN (new token 0)")
+        "generation failed: the model's logits are NaN (new token 0)")
     assert good == (200, good[1]) and good[1]["choices"][0]["text"] == expected(
         broken, ["hi"], 3)[0]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"].startswith(
-        "generation failed: GenerationError: the model's logits are NaN")
+        "generation failed: the model's logits are NaN")
     assert scoring[0] == 500 and scoring[1]["error"]["message"].startswith(
         "scoring failed: ValueError: token_logprobs: the model's logits are NaN (row 0, "
         "position ")
@@ -659,7 +671,7 @@ def test_random_seed_repeats_a_request_and_beam_search_is_a_400_saying_why(url):
             r"beam search is not supported: the compiled decode loop carries one recurrent "
             r"state per row", "tokenizer has no BOS token", "needs top_p > 0",
             "needs logprobs=true")):
-        assert status == 400 and error["error"]["field"] == field
+        assert status == 400 and error["error"]["param"] == field
         assert re.search(says, error["error"]["message"])
 
 
@@ -753,7 +765,7 @@ def test_openai_logprobs_list_each_new_token_and_the_most_likely(url, model):
     np.testing.assert_allclose(lp["token_logprobs"], scored(model, greedy)[0][4:], atol=1e-4)
     for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
-    assert refused == 400 and error["error"]["field"] == "logprobs"
+    assert refused == 400 and error["error"]["param"] == "logprobs"
 
 
 @pytest.mark.parametrize("command", [["mamba_jax.serve", "--checkpoint", "runs/x"],
@@ -784,18 +796,21 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
     # generate's bound: every request past it was a 500
     (["--max-new-tokens", "2000000"], "--max-new-tokens=2000000 must be at most 1048576"),
 ])
-def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, capsys):
+def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, tmp_path,
+                                                           capsys):
     from mamba_jax.serve import main
 
     with pytest.raises(SystemExit, match=refusal) as refused:
-        main(["--checkpoint", "never-read", *flags])
+        main(["--checkpoint", str(tmp_path), *flags])  # a folder, never read
     assert refused.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(capsys):
-    """A port in use is refused at once, naming --host and --port (the checkpoint, which
-    does not exist, is never read)."""
+def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(
+        tmp_path, capsys):
+    """A port in use is refused at once, naming --host and --port (the checkpoint, an empty
+    folder, is never read); a checkpoint that is not there is named first (a busy port hid
+    it)."""
     import socket
 
     from mamba_jax.serve import main
@@ -804,9 +819,12 @@ def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_mode
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=f"--host 127.0.0.1 --port {port}: cannot listen "
                                              "there .*give a free --port") as refused:
-            main(["--checkpoint", "never-read", "--port", str(port)])
-    assert refused.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 1
+            main(["--checkpoint", str(tmp_path), "--port", str(port)])
+        with pytest.raises(SystemExit, match=f"--checkpoint {tmp_path / 'nope'}: no such "
+                                             "directory") as missing:
+            main(["--checkpoint", str(tmp_path / "nope"), "--port", str(port)])
+    assert refused.value.code == missing.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 2
 
 
 def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, capsys):

@@ -524,22 +524,12 @@ def token_logprobs(model, input_ids, lengths=None, top_n: int = 0):
     return chosen, top
 
 
-def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
-    """(model, tokenizer, eos_token_id) from a checkpoint dir: a model dir (HF or mamba_ssm;
-    its tokenizer.json or tokenizer.model unless `tokenizer`, a path or 'bytes', is given) or
-    a trainer's --checkpoint-dir (its newest step; `tokenizer`, else the run's, else bytes).
-    eos is
-    config.json's eos_token_id, else the tokenizer's end-of-sequence token
-    (tokenizer.special_tokens), else None."""
-    # Imported here: the package imports this module, and `python -m mamba_jax.convert`
-    # must not find convert already imported (runpy warns).
-    import json
+def checkpoint_dir(checkpoint):
+    """checkpoint as a Path, a FileNotFoundError naming it where it is no folder or is one
+    step of a trainer's --checkpoint-dir (checked without reading the model)."""
     from pathlib import Path
 
-    from mamba_jax.convert import (from_pretrained, is_training_checkpoint, load_config,
-                                   load_training_checkpoint, training_tokenizer)
     from mamba_jax.files import holds_model, holds_steps
-    from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
 
     path = Path(checkpoint)
     if not path.is_dir():
@@ -551,6 +541,25 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
                                 f"--checkpoint-dir {path.parent}: give that folder (its newest "
                                 f"step), or export this step with `python -m mamba_jax.convert "
                                 f"{path.parent} OUT --step {path.name} --to hf`")
+    return path
+
+
+def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
+    """(model, tokenizer, eos_token_id) from a checkpoint dir: a model dir (HF or mamba_ssm;
+    its tokenizer.json or tokenizer.model unless `tokenizer`, a path or 'bytes', is given) or
+    a trainer's --checkpoint-dir (its newest step; `tokenizer`, else the run's, else bytes).
+    eos is
+    config.json's eos_token_id, else the tokenizer's end-of-sequence token
+    (tokenizer.special_tokens), else None."""
+    # Imported here: the package imports this module, and `python -m mamba_jax.convert`
+    # must not find convert already imported (runpy warns).
+    import json
+
+    from mamba_jax.convert import (from_pretrained, is_training_checkpoint, load_config,
+                                   load_training_checkpoint, training_tokenizer)
+    from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
+
+    path = checkpoint_dir(checkpoint)
     if is_training_checkpoint(path):
         model, meta = load_training_checkpoint(path, dtype=jnp.dtype(dtype))
         tok = load_tokenizer(tokenizer or training_tokenizer(path, meta))
