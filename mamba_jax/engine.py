@@ -19,8 +19,9 @@ The interface:
 - `Sequence`: `async for event in seq` gives its TokenEvents as they are sampled (the stop
   token, eos or one of params.stop_token_ids, is not given); then `finish_reason` is "stop",
   "length" or "cancelled" ("error" where the iteration raised GenerationError: the model's
-  logits were NaN). `seq.cancel()` (the client left, a stop string was found) ends it: its
-  iteration ends and its slot is freed at the engine's next step.
+  logits were NaN, or its prompt's prefill failed). `seq.cancel()` (the client left, a stop
+  string was found) ends it: its iteration ends and its slot is freed at the engine's next
+  step.
 - `score(sequences, top_n)` -> per sequence, per token from position 1 on, (log p of the
   token given the tokens before it, the top_n most likely tokens' ((id, log p), ...)), from
   the raw logits' log-softmax (no temperature): echo and Megatron's logprobs.
@@ -833,6 +834,10 @@ class Engine:
                 return
 
     def _run_chunks(self, length: int, chunks: list):
+        """Prefill a chunk of each of chunks' requests [(request, tokens, left padding)], all
+        `length` tokens long with their padding. Should the program fail, each request runs
+        alone, and one that fails alone fails its own sequence only (a failure that the
+        device reports later, at a read, fails every sequence held: _fail_all)."""
         b = _bucket(len(chunks))
         ids = np.zeros((b, length), np.int32)
         rows = np.full((b,), self.options.prefill_rows, np.int32)  # past the end: filler
@@ -844,8 +849,19 @@ class Engine:
             rows[i], fresh[i] = req.stage_row, req.fresh
             if padded:
                 seq_idx[i, :pad] = 0
-        self._stage = _prefill_chunk(self._params, self._staging_cache(), rows, ids, seq_idx,
-                                     fresh, tree=self._tree, from_state=not fresh.all())
+        try:
+            self._stage = _prefill_chunk(self._params, self._staging_cache(), rows, ids,
+                                         seq_idx, fresh, tree=self._tree,
+                                         from_state=not fresh.all())
+        except Exception as err:  # noqa: BLE001 - one prompt's failure is its own
+            if any(a.is_deleted() for a in jax.tree.leaves(self._stage)):
+                raise  # the staging rows were given to the program: none can go on
+            if len(chunks) > 1:
+                for chunk in chunks:
+                    self._run_chunks(length, [chunk])
+                return
+            self._fail_prefill(chunks[0][0], err)
+            return
         c = self.options.prefill_chunk
         for req, tokens, pad in chunks:
             self.prefill_tokens += tokens
@@ -857,6 +873,15 @@ class Engine:
                 self.prefix.put(req.ids, req.pos, _extract(
                     self._stage, np.int32(req.stage_row), length=req.pos if self.stage_kv
                     else 0))
+
+    def _fail_prefill(self, req: _Request, err: Exception):
+        """End a sequence whose prompt's prefill failed with the error; free its row."""
+        log.error("the prefill of a prompt of %d tokens failed: %s: %s", len(req.ids),
+                  type(err).__name__, err)
+        self._staging[req.stage_row] = None
+        self._reserved -= 1
+        error = GenerationError(f"its prompt's prefill failed: {type(err).__name__}: {err}")
+        self._post(self._deliver, [(req.seq, [], ("error", error))])
 
     def _insert(self):
         """Prefilled staging rows into free slots (the capacity grown to hold them)."""

@@ -8,7 +8,8 @@ from flax import nnx
 
 import mamba_jax
 from mamba_jax import Mamba2Config, Mamba2LM
-from mamba_jax.engine import Engine, Limits, SamplingParams, _PrefixCache
+from mamba_jax import engine as engine_module
+from mamba_jax.engine import Engine, GenerationError, Limits, SamplingParams, _PrefixCache
 from mamba_jax.generate import token_logprobs
 
 FIXTURE = "tests/fixtures/trained_tiny"
@@ -91,6 +92,33 @@ def test_a_stopped_sequence_frees_its_slot_for_a_waiting_one(model, engine):
     drain(engine)
     assert [s.finish_reason for s in seqs] == ["stop"] + ["length"] * 4
     assert seqs[4].tokens == fifth
+
+
+def test_a_prompt_whose_prefill_fails_fails_only_its_own_sequence(model, engine,
+                                                                monkeypatch):
+    """Should a prefill program fail (here a prompt holding "~" before its last token), each
+    prompt of its batch runs again alone: the one at fault ends with a GenerationError, the
+    one prefilled beside it and the one decoding meanwhile equal generate."""
+    prefill = engine_module._prefill_chunk
+
+    def failing(params, staging, rows, ids, *args, **kwargs):
+        if (np.asarray(ids) == ord("~")).any():
+            raise ValueError("a prompt the model cannot run")
+        return prefill(params, staging, rows, ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_prefill_chunk", failing)
+    requests = [(list(b"decoding"), SamplingParams(8)), (list(b"good"), SamplingParams(4))]
+    decoding = engine.submit(*requests[0])
+    engine.step()
+    bad, good = engine.submit(list(b"b~ad"), SamplingParams(4)), engine.submit(*requests[1])
+    engine.step()  # the two prompts prefill as one batch (two staging rows), which fails
+    assert bad.finish_reason == "error" and isinstance(bad.error, GenerationError)
+    assert str(bad.error) == ("its prompt's prefill failed: ValueError: a prompt the model "
+                              "cannot run")
+    drain(engine)
+    assert [(s.tokens, s.finish_reason) for s in (decoding, good)] == [
+        (want, "length") for want in generated(model, requests)]
+    assert engine.stats()["requests_finished"]["error"] == 1
 
 
 def test_while_sequences_decode_prompts_wait_for_the_interval_or_a_full_staging(model):

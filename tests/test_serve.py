@@ -563,6 +563,42 @@ def test_too_many_prompts_is_a_400_and_a_full_queue_a_503(model, monkeypatch):
     assert (first, queued) == (200, 200)
 
 
+def test_a_failed_engine_step_is_a_500_naming_it_a_stream_ends_with_done_serving_goes_on(
+        model, monkeypatch):
+    """A decode program that fails (the device is gone) fails the sequences it held: a
+    stream ends with an error event and [DONE], a plain request is a 500 naming the
+    failure; the engine starts over from empty slots and answers the next request."""
+    dispatch, failures = slot_engine.Engine._dispatch, []
+
+    def failing_twice(engine):
+        if len(failures) < 2:
+            failures.append(1)
+            raise RuntimeError("the device is gone")
+        return dispatch(engine)
+
+    monkeypatch.setattr(slot_engine.Engine, "_dispatch", failing_twice)
+
+    async def go():
+        runner, url, _ = await _server(model)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={
+                        "prompt": "hi", "max_tokens": 4, "stream": True}) as r:
+                    events = [line.decode().removeprefix("data: ").strip()
+                              async for line in r.content if line.strip()]
+                plain = await complete(s, url, prompt="hi", max_tokens=4)
+                after = await complete(s, url, prompt="hi", max_tokens=4, temperature=0)
+            return events, plain, after
+        finally:
+            await runner.cleanup()
+
+    events, (status, body), after = run(go())
+    failed = "generation failed: RuntimeError: the device is gone"
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == failed
+    assert status == 500 and body["error"]["message"] == failed
+    assert after[0] == 200 and after[1]["choices"][0]["text"] == expected(model, ["hi"], 4)[0]
+
+
 def test_nan_logits_fail_only_their_request_a_500_naming_them_and_end_a_stream():
     """A model whose logits are NaN after one token ("~", its embedding NaN, its head's row
     not): a completion of a prompt with it is a 500 that says so (argmax gave token 0
