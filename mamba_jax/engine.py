@@ -19,9 +19,9 @@ The interface:
 - `Sequence`: `async for event in seq` gives its TokenEvents as they are sampled (the stop
   token, eos or one of params.stop_token_ids, is not given); then `finish_reason` is "stop",
   "length" or "cancelled" ("error" where the iteration raised GenerationError: the model's
-  logits were NaN, or its prompt's prefill failed). `seq.cancel()` (the client left, a stop
-  string was found) ends it: its iteration ends and its slot is freed at the engine's next
-  step.
+  logits were NaN, or its prompt's prefill failed). `seq.cancel()` (the client left) or
+  `seq.cancel("stop")` (a stop string was found) ends it: its iteration ends and its slot
+  is freed at the engine's next step.
 - `score(sequences, top_n)` -> per sequence, per token from position 1 on, (log p of the
   token given the tokens before it, the top_n most likely tokens' ((id, log p), ...)), from
   the raw logits' log-softmax (no temperature): echo and Megatron's logprobs.
@@ -227,10 +227,17 @@ class Sequence:
         """What it holds of the queue: its prompt and new tokens."""
         return len(self.prompt_ids) + self.params.max_new_tokens
 
-    def cancel(self):
-        """End it now (the client left, a stop string was found): no more events."""
+    def cancel(self, finish_reason: str = "cancelled"):
+        """End it now: no more events, its slot freed at the engine's next step.
+        finish_reason: "cancelled" (the client left) or "stop" (a stop string was found),
+        what stats() counts it as; a sequence that a stop string ends after it ended by its
+        length counts as "stop" (as its client was told)."""
         self.cancelled = True
-        self._finish("cancelled")
+        if finish_reason == "stop" and self.finish_reason == "length":
+            self.engine._reasons["length"] -= 1
+            self.engine._reasons["stop"] += 1
+            self.finish_reason = "stop"
+        self._finish(finish_reason)
         self.engine._wake()
 
     async def __aiter__(self):

@@ -151,7 +151,7 @@ class Choice:
                 yield ready[len(self.text):]
                 self.text = ready
             if stopped is not None:
-                self.seq.cancel()  # frees its slot
+                self.seq.cancel("stop")  # frees its slot
                 break
         whole = self.texts.continuation(self.prompt, tokens)
         if stopped is None:

@@ -68,6 +68,14 @@ async def scrape(url):
             return r.status, r.headers["Content-Type"], await r.text()
 
 
+def finished_requests(url) -> dict:
+    """/metrics' mamba_finished_requests_total: {reason: count}."""
+    _, _, text = run(scrape(url))
+    [family] = [f for f in text_string_to_metric_families(text)
+                if f.name == "mamba_finished_requests"]
+    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
 def greedy(model, ids, n):
     """The greedy continuation's ids of a prompt's ids."""
     return np.asarray(mamba_jax.generate(model, np.asarray([ids]), n))[0, len(ids):].tolist()
@@ -209,10 +217,14 @@ def test_the_stop_string_earliest_in_the_text_cuts_whatever_its_place_in_the_lis
     j = next(j for j in range(2, len(text)) if text.find(text[j]) == j)
     early, late = text[j - 2:j + 1], text[j]
     assert text.find(early) == j - 2 < text.find(late) == j
+    before = finished_requests(url)
     status, answer = run(send(url, "POST", "/v1/completions", {
         "prompt": "Once upon", "max_tokens": 16, "temperature": 0, "stop": [late, early],
         "stream": stream}))
     assert status == 200
+    after = finished_requests(url)  # the stop string ended it: /metrics counts a "stop"
+    assert {r: after[r] - before[r] for r in after} == {
+        "stop": 1, "length": 0, "cancelled": 0, "error": 0}
     if stream:
         chunks, _ = answer
         got = "".join(c["choices"][0]["text"] for c in chunks)
