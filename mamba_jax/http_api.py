@@ -116,6 +116,38 @@ MODEL_NAME = web.AppKey("model_name", str)
 STARTED = web.AppKey("started", int)  # the server's start, seconds since the epoch
 
 
+class TextStream:
+    """A continuation's text as its tokens come, each token decoded once beside the few
+    before it (linear in the tokens, where decoding the whole text at each token is
+    quadratic): `add` gives the text a token completes, holding back the bytes of a
+    character not yet whole; `rest` what is held back at the end."""
+
+    CONTEXT = 4  # prompt tokens decoded before the first new one (a SentencePiece model's
+    # word-start space reads as it does after them)
+
+    def __init__(self, texts: Texts, prompt: list[int]):
+        self.texts = texts
+        self.ids = list(prompt[-self.CONTEXT:])
+        self.read = len(self.ids)  # ids[:read] are text given out, ids[read:] held back
+
+    def _pending(self) -> tuple[str, str]:
+        """(the text of ids[:read], of all ids): the new text is what the second adds."""
+        return self.texts.text(self.ids[:self.read]), self.texts.text(self.ids)
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before, after = self._pending()
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # a character not yet whole (or a token of no text): wait
+        # The text given out ends on a whole character: decoding may restart there.
+        self.ids, self.read = self.ids[self.read:], len(self.ids) - self.read
+        return after[len(before):]
+
+    def rest(self) -> str:
+        before, after = self._pending()
+        return after[len(before):]
+
+
 def first_stop(text: str, stops) -> int | None:
     """Where the earliest of the stop strings begins in text (whatever their order in the
     list), or None."""
@@ -131,38 +163,46 @@ class Choice:
     def __init__(self, texts: Texts, seq, prompt: list[int], stops: list[str]):
         self.texts, self.seq, self.prompt, self.stops = texts, seq, prompt, stops
         self.new: list[int] = []  # the tokens kept
-        self.text = ""  # the text sent so far (all of it once `deltas` ends)
+        self.text = ""  # the whole text, once `deltas` ends
         self.finish_reason: str | None = None
         self.at_stop_string = False
 
     async def deltas(self):
         """The continuation's text in pieces, as its tokens arrive; at its end,
-        finish_reason ("stop": eos or a stop string; "length") and the tokens kept."""
+        finish_reason ("stop": eos, a stop token or a stop string; "length") and the tokens
+        kept. Each token's text is decoded once, and only the text held back (at most the
+        longest stop string less a character) and the new piece are searched for a stop."""
         hold = max(map(len, self.stops), default=1) - 1
-        tokens, stopped = [], None
+        stream = TextStream(self.texts, self.prompt)
+        tokens, ends = [], []  # the new tokens, the text's length after each
+        sent, pending, cut = [], "", None  # pieces given out; text decoded, not given out
         async for event in self.seq:
+            piece = stream.add(event.token_id)
             tokens.append(event.token_id)
-            text = self.texts.continuation(self.prompt, tokens)
-            if text.endswith("\ufffd"):  # a multi-byte character not yet complete
+            ends.append((ends[-1] if ends else 0) + len(piece))
+            if not piece:
                 continue
-            stopped = first_stop(text, self.stops)
-            ready = text[:stopped] if stopped is not None else text[:max(len(text) - hold, 0)]
-            if len(ready) > len(self.text):
-                yield ready[len(self.text):]
-                self.text = ready
-            if stopped is not None:
+            pending += piece
+            cut = first_stop(pending, self.stops)
+            ready = pending[:cut] if cut is not None else pending[:max(len(pending) - hold, 0)]
+            if ready:
+                sent.append(ready)
+                pending = pending[len(ready):]
+                yield ready
+            if cut is not None:
                 self.seq.cancel("stop")  # frees its slot
                 break
-        whole = self.texts.continuation(self.prompt, tokens)
-        if stopped is None:
-            self.finish_reason = self.seq.finish_reason
-            if len(whole) > len(self.text):
-                yield whole[len(self.text):]
-            self.text, self.new = whole, tokens
+        if cut is None:
+            self.finish_reason, self.new = self.seq.finish_reason, tokens
+            pending += stream.rest()
+            if pending:
+                sent.append(pending)
+                yield pending
         else:  # the tokens that the text before the stop needs
             self.finish_reason, self.at_stop_string = "stop", True
-            ends = np.cumsum([len(p) for p in self.texts.new_segments(self.prompt, tokens)])
-            self.new = tokens[:int(np.searchsorted(ends, stopped)) + 1 if stopped else 0]
+            at = sum(map(len, sent))
+            self.new = tokens[:int(np.searchsorted(ends, at)) + 1 if at else 0]
+        self.text = "".join(sent)
 
     async def run(self) -> Choice:
         async for _ in self.deltas():

@@ -220,6 +220,55 @@ def test_streamed_tokens_join_to_the_greedy_text(url, model):
     assert events[-1]["finish_reason"] == "length"
 
 
+class _Tokens:
+    """A finished sequence's tokens as the engine's Sequence gives them."""
+
+    def __init__(self, tokens):
+        self.tokens, self.finish_reason = tokens, None
+
+    async def __aiter__(self):
+        for token in self.tokens:
+            yield slot_engine.TokenEvent(token, None, None)
+        self.finish_reason = "length"
+
+    def cancel(self, finish_reason="cancelled"):
+        self.finish_reason = finish_reason
+
+
+def test_a_stream_decodes_each_token_once_whole_characters_and_exact_stops():
+    """A streamed continuation decodes only its new tokens (a few tokens of context each:
+    linear, where decoding the whole text at each token was quadratic), never sends part of
+    a multi-byte character, and cuts at a stop string that spans tokens and characters; the
+    text kept and its tokens are those before the stop."""
+    from mamba_jax.http_api import Choice, Texts
+
+    decoded = []
+
+    class Counting:  # the byte tokenizer, counting the ids it decodes
+        def decode(self, ids):
+            decoded.append(len(ids))
+            return bytes(ids).decode(errors="replace")
+
+    text = "Ünïcödé wörds, " * 8 + "then the stop: ß→€ and after"
+    prompt, tokens = list(b"prompt: "), list(text.encode())
+
+    async def go(stops):
+        choice = Choice(Texts(Counting(), 256, None), _Tokens(tokens), prompt, stops)
+        return [piece async for piece in choice.deltas()], choice
+
+    pieces, choice = run(go(["ß→€", "→€ and"]))
+    want = text[:text.index("ß→€")]
+    assert "".join(pieces) == choice.text == want and "\ufffd" not in "".join(pieces)
+    assert choice.finish_reason == "stop" and choice.seq.finish_reason == "stop"
+    assert choice.new == list(want.encode())
+    assert sum(decoded) < 16 * len(choice.new)  # each token's decode: its few bytes
+    decoded.clear()
+    pieces, choice = run(go([]))
+    assert pieces == list(text)  # no stop strings to hold back for: a piece a character
+    assert choice.finish_reason == "length" and choice.new == tokens
+    assert sum(decoded) < 16 * len(tokens)
+
+
 def test_a_client_that_disconnects_mid_stream_does_not_stall_the_others(url, model):
     async def leaver(s):
         async with s.post(url + "/v1/completions", json={
