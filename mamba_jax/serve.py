@@ -126,10 +126,16 @@ class EngineMetrics:
     """The engine's stats() at each scrape, as Prometheus metrics."""
 
     GAUGES = (("queued_requests", "queued", "Sequences waiting for a slot"),
+              ("queued_tokens", "queued_tokens", "Prompt and new tokens of the sequences "
+               "waiting to prefill"),
               ("busy_slots", "slots_busy", "Decode slots in use"),
               ("slots", "slots", "Decode slots"),
-              ("tokens_per_second", "tokens_per_second", "New tokens a second, lately"))
+              ("tokens_per_second", "tokens_per_second", "New tokens a second, lately"),
+              ("prefix_cache_bytes", "prefix_cache_bytes", "Bytes the prefix cache holds"),
+              ("prefix_cache_entries", "prefix_cache_entries", "Prefixes the cache holds"))
     COUNTERS = (("generated_tokens", "tokens_generated", "New tokens generated"),
+                ("prefill_tokens", "prefill_tokens", "Prompt tokens prefilled (a cached "
+                 "prefix's are not)"),
                 ("prefix_cache_hits", "prefix_cache_hits", "Prompts that started from a "
                  "cached prefix's states"),
                 ("prefix_cache_lookups", "prefix_cache_lookups", "Prompts looked up in the "

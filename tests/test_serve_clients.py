@@ -326,8 +326,11 @@ def test_metrics_render_the_engine_and_the_latencies(url):
     status, kind, text = run(scrape(url))
     assert status == 200 and kind.startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("mamba_queued_requests", "mamba_busy_slots", "mamba_slots",
-                 "mamba_tokens_per_second", "mamba_generated_tokens"):
+    for name in ("mamba_queued_requests", "mamba_queued_tokens", "mamba_busy_slots",
+                 "mamba_slots", "mamba_tokens_per_second", "mamba_generated_tokens",
+                 "mamba_prefill_tokens", "mamba_prefix_cache_hits",
+                 "mamba_prefix_cache_lookups", "mamba_prefix_cache_bytes",
+                 "mamba_prefix_cache_entries"):
         assert name in families, name
     for name in ("mamba_time_to_first_token_seconds", "mamba_time_per_output_token_seconds"):
         count = next(s.value for s in families[name].samples if s.name == name + "_count")
