@@ -234,30 +234,38 @@ def test_the_stop_string_earliest_in_the_text_cuts_whatever_its_place_in_the_lis
     assert (got, reason) == (text[:j - 2], "stop")
 
 
-def test_sampling_fields_reach_the_engine(url, model, monkeypatch):
-    """seed, the penalties, logit_bias and top_k go into the engine's SamplingParams (the
-    engine implements them); n seeded choices get seeds of their own."""
+def test_seed_penalties_and_logit_bias_sample_as_generate_does(url, model, monkeypatch):
+    """seed, the penalties, logit_bias and top_k go into the engine's SamplingParams, n
+    seeded choices with seeds of their own, and the replies are generate's tokens with those
+    settings and seeds (without the penalties and the bias, generate gives other tokens)."""
     seen = []
     submit = engine_module.Engine.submit
 
     def spy(self, ids, params):
-        seen.append(params)  # then decoded without them: this test reads only the API's side
-        return submit(self, ids, dataclasses.replace(
-            params, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=()))
+        seen.append(params)
+        return submit(self, ids, params)
 
     monkeypatch.setattr(engine_module.Engine, "submit", spy)
-    status, _ = run(send(url, "POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        "max_completion_tokens": 3, "seed": 11, "n": 2, "presence_penalty": 1.5,
-        "frequency_penalty": -0.5, "logit_bias": {"65": 5, "66": -100}, "top_k": 40,
-        "temperature": 0.3}))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    status, answer = run(send(url, "POST", "/v1/chat/completions", {
+        "messages": messages, "max_completion_tokens": 4, "seed": 11, "n": 2,
+        "presence_penalty": 1.5, "frequency_penalty": -0.5,
+        "logit_bias": {"65": 5, "66": -100}, "top_k": 40, "temperature": 0.3}))
     assert status == 200
     assert [p.seed for p in seen] == [11, 12]
     for p in seen:
         assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.max_new_tokens) == \
-            (1.5, -0.5, 40, 3)
+            (1.5, -0.5, 40, 4)
         assert p.logit_bias == ((65, 5.0), (66, -100.0))
         assert p.temperature == pytest.approx(0.3)
+    ids = TEMPLATE.encode(byte_tokenizer(), [{"role": "user", "content": "Hi"}],
+                          add_generation_prompt=True)
+
+    out = mamba_jax.generate(model, np.asarray([ids, ids]), 4, 0.3, 40, 1.0, [11, 12],
+                             presence_penalty=1.5, frequency_penalty=-0.5,
+                             logit_bias={65: 5.0, 66: -100.0})
+    assert [c["message"]["content"] for c in answer["choices"]] == [
+        byte_tokenizer().decode(row[len(ids):].tolist()) for row in np.asarray(out)]
 
 
 @pytest.mark.parametrize("method,path,body,status,param,code,says", [
