@@ -305,12 +305,12 @@ def main(argv=None):
 
 def _memory_line(memory: dict, slots: int) -> str:
     """What the engine holds on the device, as serve reports it at start."""
-    mb = lambda n: f"{n / 2**20:,.1f} MB"
+    size = lambda n: f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{n / 2**10:,.1f} KB"
     keys = (f" (attention keys and values for {memory['kv_tokens']} tokens a slot: "
             "a longer prompt and max_tokens is refused)" if memory["kv_tokens"] else "")
-    prefix = mb(memory["prefix_cache"]) if memory["prefix_cache"] else "off"
-    return (f"engine: {slots} slots of {mb(memory['slot'])} each, {mb(memory['slots'])} in "
-            f"all{keys}; prefill staging {mb(memory['staging'])}; prefix cache {prefix}")
+    prefix = size(memory["prefix_cache"]) if memory["prefix_cache"] else "off"
+    return (f"engine: {slots} slots of {size(memory['slot'])} each, {size(memory['slots'])} "
+            f"in all{keys}; prefill staging {size(memory['staging'])}; prefix cache {prefix}")
 
 
 if __name__ == "__main__":

@@ -928,6 +928,16 @@ def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, caps
               "0"])
 
 
+def test_the_start_line_gives_the_engines_memory_in_mb_or_in_kb_below_one():
+    from mamba_jax.serve import _memory_line
+
+    line = _memory_line({"slot": 20 * 2**10, "slots": 64 * 20 * 2**10, "staging": 3 * 2**20,
+                         "prefix_cache": 0, "kv_tokens": 128}, 64)
+    assert line == ("engine: 64 slots of 20.0 KB each, 1.2 MB in all (attention keys and "
+                    "values for 128 tokens a slot: a longer prompt and max_tokens is "
+                    "refused); prefill staging 3.0 MB; prefix cache off")
+
+
 def test_a_checkpoint_given_as_dot_names_the_model_by_its_folder(checkpoint, monkeypatch):
     from mamba_jax import serve
 
