@@ -1,6 +1,6 @@
 """The server's engine: continuous batching over a fixed set of decode slots. Token ids in,
-token events out; the HTTP side (mamba_jax.serve) tokenizes, cuts at stop strings and
-writes the JSON.
+token events out; the HTTP side (mamba_jax.serve, its protocols mamba_jax.openai_api and
+mamba_jax.megatron_api) tokenizes, cuts at stop strings and writes the JSON.
 
     engine = Engine(model, tokenizer, Limits(), eos_token_id, slots=64)
     task = asyncio.create_task(engine.run())              # the engine loop
@@ -31,7 +31,8 @@ The interface:
     "slots_busy", "slots": sequences decoding, and the most that decode at once;
     "tokens_generated": new tokens since the start; "tokens_per_second": new tokens a
     second over the last STATS_WINDOW_S seconds;
-    "requests_finished": {"stop": n, "length": n, "cancelled": n, "error": n};
+    "requests_finished": {"stop": n, "length": n, "cancelled": n, "error": n} (a sequence
+    that a stop string ended counts as "stop");
     "prefix_cache_hits", "prefix_cache_lookups": prompts that started from a cached
     prefix's states, and prompts long enough to (a prefill chunk and a token or more);
     "prefix_cache_bytes", "prefix_cache_entries"; "prefill_tokens": prompt tokens
