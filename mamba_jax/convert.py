@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mamba_jax import adapters
 from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_overrides,
                            require_at_least)
 from mamba_jax.config import Mamba2Config
@@ -586,19 +587,36 @@ def load_training_checkpoint(path, step: int | None = None, dtype=None):
     """(model, meta) of checkpoint `step` (default: the newest) in a trainer's
     --checkpoint-dir. Only the parameters are read (not the optimizer state), onto one
     device; `dtype` is the compute dtype (default float32). meta["config"] is the run's
-    effective config: {"model": Mamba2Config fields, "train": its flags}."""
+    effective config: {"model": Mamba2Config fields, "train": its flags}.
+
+    The checkpoint of a run that trained a part of the model (LoRA adapters, --train-only)
+    holds that part: the base is rebuilt from its source, checked against the identity the
+    run recorded (mamba_jax.adapters.identity), and the model returned is the base with
+    what trained merged in (adapters.merge)."""
     from mamba_jax.checkpoint import Checkpointer
 
     def read(step):
         meta = ckpt.read_meta(step)
-        cfg = Mamba2Config.from_dict(meta["config"]["model"])
-        graphdef, abstract = nnx.split(nnx.eval_shape(
-            lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32 if dtype is None
-                             else dtype)))
+        cfg, flags = Mamba2Config.from_dict(meta["config"]["model"]), meta["config"]["train"]
+        build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(flags.get("seed", 0)),
+                                 dtype=jnp.float32 if dtype is None else dtype)
+        tuning = adapters.Tuning.of(flags)
+        if tuning:  # the checkpoint holds what trained; the base is rebuilt from its source
+            adapters.check_base(flags["base"], adapters.identity(cfg, flags["seed"]))
+            build = tuning.build(build, flags["seed"])
+        graphdef, abstract = nnx.split(nnx.eval_shape(build))
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        if tuning:
+            trained, frozen = tuning.split(jax.jit(lambda: nnx.split(build())[1],
+                                                   out_shardings=device)())
+        else:
+            trained, frozen = abstract, None
         target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-        return nnx.merge(graphdef, ckpt.restore_part(step, {"params": target})["params"]), meta
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), trained)
+        params = ckpt.restore_part(step, {"params": target})["params"]
+        if tuning:
+            return adapters.merge(nnx.merge(graphdef, adapters.join(params, frozen))), meta
+        return nnx.merge(graphdef, params), meta
 
     ckpt = Checkpointer(path, read_only=True)
     try:

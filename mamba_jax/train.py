@@ -42,7 +42,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import compilation_cache, parallel
+from mamba_jax import adapters, compilation_cache, parallel
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
@@ -176,6 +176,29 @@ def build_parser():
                    help="multi-process runs: process 0's address (all processes)")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
+    tuning = p.add_argument_group(
+        "LoRA and partial training", "train a part of the model; the rest, the base, stays "
+        "frozen (mamba_jax.adapters). --out merges what trained into the base's layout")
+    tuning.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                        help="LoRA adapters of rank R on --lora-targets; only they train")
+    tuning.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                        help="the adapters' scale is A / R (default A = R: a scale of 1)")
+    tuning.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                        help="the projections adapted, named as the model's checkpoint layout "
+                             "names them (in_proj out_proj; q_proj k_proj v_proj o_proj; "
+                             "up_proj down_proj; x_proj dt_proj; ...); default: every "
+                             "projection of every layer")
+    tuning.add_argument("--train-only", default=None, metavar="PATTERN",
+                        help="train the parameters whose dotted names the regular expression "
+                             "matches whole, e.g. 'layers\\.\\d+\\.mixer\\.(A_log|D)' or "
+                             "'.*norm.*' (with --lora-rank: beside the adapters)")
+    tuning.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="store the frozen base's weights in this dtype (A_log, D, "
+                             "dt_bias, norms and biases stay float32); what trains and its "
+                             "optimizer state are float32")
+    tuning.add_argument("--export-adapter", default=None, metavar="DIR",
+                        help="also write the LoRA adapters alone in PEFT's layout "
+                             "(adapter_config.json, adapter_model.safetensors)")
     compilation_cache.add_argument(p)
     return p
 
@@ -395,13 +418,14 @@ def _out_dir(args) -> str | None:
     return None if args.out.lower() == "none" else args.out.replace("{preset}", args.preset)
 
 
-def _replaceable(args, out: str, resumed: bool) -> bool:
-    """Whether the export may write --out: it holds no model (files.model_file), or
-    --overwrite-out, or the run `resumed` from checkpoints of the --checkpoint-dir that the
-    model's own train_config.json names (a restarted job exports where it did; a run that
-    started afresh there, with --resume-if-exists, is another run)."""
+def _replaceable(args, out: str, resumed: bool, held=model_file) -> bool:
+    """Whether the export may write --out: it holds no model (files.model_file; for
+    --export-adapter, `held` is adapters.adapter_file), or --overwrite-out, or the run
+    `resumed` from checkpoints of the --checkpoint-dir that the folder's own
+    train_config.json names (a restarted job exports where it did; a run that started afresh
+    there, with --resume-if-exists, is another run)."""
     out = Path(out)
-    if args.overwrite_out or not holds_model(out):
+    if args.overwrite_out or held(out) is None:
         return True
     if resumed:
         try:
@@ -413,22 +437,28 @@ def _replaceable(args, out: str, resumed: bool) -> bool:
     return False
 
 
-def _check_out(args, out: str, resumed: bool) -> None:
-    """Refuses, before training, an --out whose model the export at the end would replace."""
-    if not _replaceable(args, out, resumed):
-        raise SystemExit(f"--out {out} already holds a model (its {model_file(out)}), which "
-                         "this run's final export would replace: give another --out, --out none, "
-                         "or --overwrite-out to replace it")
+def _check_out(args, out: str, resumed: bool, flag="--out", held=model_file) -> None:
+    """Refuses, before training, an --out (or `flag`'s folder) whose model the export at the
+    end would replace."""
+    if not _replaceable(args, out, resumed, held):
+        what = "a model" if held is model_file else "an adapter"
+        raise SystemExit(f"{flag} {out} already holds {what} (its {held(out)}), which "
+                         f"this run's final export would replace: give another {flag}, "
+                         + ("--out none, " if flag == "--out" else "")
+                         + "or --overwrite-out to replace it")
 
 
-def _export_dir(args, out: str, resumed: bool) -> str:
-    """Where the export goes: --out, or, where a model the run may not replace came into it
-    while the run trained (another run's export), the first free `OUT-N` beside it, said."""
-    if _replaceable(args, out, resumed):
+def _export_dir(args, out: str, resumed: bool, flag="--out", held=model_file) -> str:
+    """Where the export goes: --out (or `flag`'s folder), or, where a model the run may not
+    replace came into it while the run trained (another run's export), the first free
+    `OUT-N` beside it, said."""
+    if _replaceable(args, out, resumed, held):
         return out
     free = next(f"{out}-{i}" for i in itertools.count(1) if not Path(f"{out}-{i}").exists())
-    print(f"--out {out} came to hold a model while this run trained (another run's export?), "
-          f"which this run may not replace: its model goes to {free} instead", file=sys.stderr)
+    what = "model" if held is model_file else "adapter"
+    print(f"{flag} {out} came to hold a {what} while this run trained (another run's "
+          f"export?), which this run may not replace: its {what} goes to {free} instead",
+          file=sys.stderr)
     return free
 
 
@@ -477,14 +507,15 @@ def _train(argv, held: contextlib.ExitStack):
     writes = [("--checkpoint-dir", args.checkpoint_dir)]
     if lead:  # the lead alone logs and exports
         writes += [("--metrics-file", args.metrics_file), ("--tensorboard", args.tensorboard),
-                   ("--out", out)]
+                   ("--out", out), ("--export-adapter", args.export_adapter)]
     for flag, path in writes:
         if path:
             check_writable(flag, path, folder=flag != "--metrics-file")
     if lead and args.metrics_file:
         check_metrics_file(args.metrics_file)
-    if out:  # another run's checkpoints (its own are refused above, made or not)
-        check_outside_checkpoints("--out", out)
+    for flag, path in (("--out", out), ("--export-adapter", args.export_adapter)):
+        if path:  # another run's checkpoints (its own are refused above, made or not)
+            check_outside_checkpoints(flag, path)
     if args.checkpoint_dir and holds_model(args.checkpoint_dir):
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds a model (its "
                          f"{model_file(args.checkpoint_dir)}), which the commands that read "
@@ -498,9 +529,22 @@ def _train(argv, held: contextlib.ExitStack):
             print(f"vocab_size {tokenizer.get_vocab_size()}: the tokenizer's ({args.tokenizer}); "
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
         cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
-    if out:  # a run that will restore checkpoints may replace its own export there
-        _check_out(args, out, resumed=(args.resume or args.resume_if_exists)
-                   and holds_steps(args.checkpoint_dir))
+    try:
+        tuning = adapters.Tuning.of(vars(args))
+        if tuning:  # its targets and alpha spelt out, so recorded for a resume or a loader
+            tuning = tuning.check(cfg)
+            args.lora_targets, args.lora_alpha = tuning.targets, tuning.alpha
+        if args.export_adapter:
+            adapters.check_peft(cfg, tuning or adapters.Tuning())
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    # a run that will restore checkpoints may replace its own export there
+    restores = (args.resume or args.resume_if_exists) and holds_steps(args.checkpoint_dir)
+    if args.export_adapter:
+        _check_out(args, args.export_adapter, restores, "--export-adapter",
+                   adapters.adapter_file)
+    if out:
+        _check_out(args, out, restores)
         try:  # the export's layout must fit the model: say so now, not after training
             check_exportable(cfg)
         except ValueError as error:
@@ -536,18 +580,24 @@ def _train(argv, held: contextlib.ExitStack):
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
 
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
-    specs = parallel.param_specs(abstract_params, mesh)
+    # With adapters or --train-only, `params` is what trains (the optimizer sees only it)
+    # and `frozen` holds the base: (state,), passed to the loss beside them; else ().
+    split = tuning.split if tuning else lambda state: (state,)
+    if tuning:
+        build = tuning.build(build, args.seed)
+    graphdef, whole = nnx.split(nnx.eval_shape(build))
+    specs = parallel.param_specs(whole, mesh)
     param_shardings = parallel.shardings(mesh, specs)
+    abstract_params, shardings_trained = split(whole)[0], split(param_shardings)[0]
     tx, lr_at = make_optimizer(abstract_params, args.lr, args.steps, args.warmup,
                                args.weight_decay, args.clip, args.schedule)
     try:
-        params = parallel.init_params(build, param_shardings)
-        opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
+        params, *frozen = split(parallel.init_params(build, param_shardings))
+        opt_state = init_opt_state(tx, params, shardings_trained, NamedSharding(mesh, P()))
     except jax.errors.JaxRuntimeError as error:  # before any step: the model alone
         if not _out_of_memory(error):
             raise
-        size = sum(x.size for x in jax.tree.leaves(abstract_params))
+        size = sum(x.size for x in jax.tree.leaves(whole))
         raise SystemExit(f"the model ({size / 1e6:.1f}M parameters, {3 * 4 * size / 2**30:.1f} "
                          "GiB with AdamW's two float32 moments) does not fit in the devices' "
                          f"memory ({str(error).splitlines()[0][:160]}): shard it over more "
@@ -564,6 +614,8 @@ def _train(argv, held: contextlib.ExitStack):
             checkpoint_dir=str(Path(args.checkpoint_dir).resolve()),
             data_identity=[[weight, fingerprint(path)] for weight, path in parse_blend(args.data)],
             tokenizer_sha256=hashlib.sha256(tokenizer.to_str().encode()).hexdigest())
+        if tuning:
+            effective["train"]["base"] = adapters.identity(cfg, args.seed)
 
     start, resumed = 0, False
     if ckpt:
@@ -580,6 +632,11 @@ def _train(argv, held: contextlib.ExitStack):
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
                                  f"model: {_config_difference(saved, cfg.spelt_out())}; use "
                                  "its --preset/--set or another --checkpoint-dir")
+            try:
+                adapters.check_same_part(trained, effective["train"])
+            except ValueError as error:
+                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir}: {error}; use "
+                                 "its flags or another --checkpoint-dir") from None
 
         try:
             restored = ckpt.restore_latest(
@@ -597,9 +654,10 @@ def _train(argv, held: contextlib.ExitStack):
 
     loss_options = dict(remat=args.remat, sequence_parallel=args.sequence_parallel,
                         loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
-    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, **loss_options)
-    eval_loss = jax.jit(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options,
-                                              per_row=True),
+    join = adapters.joined if tuning else lambda fn: fn
+    loss_fn = join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options))
+    eval_loss = jax.jit(join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options,
+                                                   per_row=True)),
                         compiler_options=train_compiler_options(args.deterministic))
     train_step = make_train_step(loss_fn, tx, deterministic=args.deterministic)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
@@ -615,8 +673,9 @@ def _train(argv, held: contextlib.ExitStack):
         for batch in dataset.eval_batches(micro, args.seq_len, 4 * args.grad_accum):
             n = len(batch["inputs"])
             filled = np.arange(-n % n_shards + n) % n  # rows 0..n-1, then 0, 1, ... again
-            per_row = eval_loss(params, *(parallel.global_array(batch[name][filled], rows)
-                                          for name in _token_fields(args, dataset)))
+            per_row = eval_loss(params, *frozen, *(
+                parallel.global_array(batch[name][filled], rows)
+                for name in _token_fields(args, dataset)))
             losses.append(np.asarray(multihost_utils.process_allgather(per_row, tiled=True)
                                      if n_proc > 1 else per_row)[:n])
             counts.append(batch["loss_mask"].sum(-1) if dataset.masked else None)
@@ -624,8 +683,10 @@ def _train(argv, held: contextlib.ExitStack):
                                 if dataset.masked else None))
 
     if lead:
-        n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(whole))
+        trained = sum(x.size for x in jax.tree_util.tree_leaves(params))
+        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters"
+              + (f" ({trained / 1e6:.3f}M of them trained)" if tuning else "") + ", "
               f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
               f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
               f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}, "
@@ -699,7 +760,7 @@ def _train(argv, held: contextlib.ExitStack):
             batch = dataset.train_batch(step, args.batch_size, args.seq_len, args.seed,
                                         jax.process_index(), n_proc)
             params, opt_state, loss, grad_norm = train_step(
-                params, opt_state, _batch_arrays(batch, args, dataset, micro_rows))
+                params, opt_state, _batch_arrays(batch, args, dataset, micro_rows), *frozen)
             step += 1
             if pending is not None:
                 log(finished(*pending))
@@ -732,12 +793,21 @@ def _train(argv, held: contextlib.ExitStack):
     if stop.signal and lead:  # during the last step or its save: nothing was cut short
         print(f"{stop.signal.name} after the last step: the run is complete", file=sys.stderr)
 
-    if out:
+    if out or args.export_adapter:
+        state = adapters.join(params, *frozen) if tuning else params
         if n_proc > 1:
-            params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
+            state = multihost_utils.process_allgather(state, tiled=True)  # all processes join
+        model = nnx.merge(graphdef, state)
+    if args.export_adapter and lead:
+        where = _export_dir(args, args.export_adapter, resumed, "--export-adapter",
+                            adapters.adapter_file)
+        adapters.save_peft_adapter(model, where)
+        replace_text(Path(where, "train_config.json"), json.dumps(effective, indent=2) + "\n")
+        print(f"saved {where} (LoRA adapters in PEFT's layout)", file=sys.stderr)
+    if out:
         if lead:
             out = _export_dir(args, out, resumed)
-            removed = export(nnx.merge(graphdef, params), out, tokenizer)
+            removed = export(adapters.merge(model) if tuning else model, out, tokenizer)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
             if removed := [name for name in removed if name != "train_config.json"]:
                 print(f"removed the replaced model's {', '.join(removed)} from {out}",
