@@ -122,7 +122,7 @@ class Steps:
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
         build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.dtype(dtype))
         self.build = tuning.build(build, 0) if tuning else build
-        # what trains (params) and, with a tuning, the frozen base (frozen: (state,)) apart
+        # what trains (params) and, with a tuning, the frozen base apart (frozen: [state])
         self.split = tuning.split if tuning else lambda state: (state,)
         graphdef, whole = nnx.split(nnx.eval_shape(self.build))
         specs = parallel.param_specs(whole, mesh)
@@ -166,7 +166,7 @@ class Steps:
             start = time.perf_counter()
             with default_config(self.ssd_config):
                 lowered = self.step.lower(*self.abstract_state, (tokens, tokens),
-                                          self.abstract_frozen)
+                                          *self.abstract_frozen)
             log(f"  {self.mesh_spec} {batch}x{seq_len}: lowered in "
                 f"{time.perf_counter() - start:.1f} s")
             exe = lowered.compile()
@@ -231,14 +231,14 @@ class Steps:
 
         for _ in range(2):  # warm-up, each step read before the next is dispatched
             start = time.perf_counter()
-            params, opt_state, loss, _ = exe(params, opt_state, tokens, self.frozen)
+            params, opt_state, loss, _ = exe(params, opt_state, tokens, *self.frozen)
             timed(loss, start)
         # Then as the trainer runs them: each step dispatched before the loss of the one
         # before it is read, a step's time from one loss read to the next.
         start = time.perf_counter()
-        params, opt_state, pending, _ = exe(params, opt_state, tokens, self.frozen)
+        params, opt_state, pending, _ = exe(params, opt_state, tokens, *self.frozen)
         for _ in range(steps):
-            params, opt_state, loss, _ = exe(params, opt_state, tokens, self.frozen)
+            params, opt_state, loss, _ = exe(params, opt_state, tokens, *self.frozen)
             start, pending = timed(pending, start), loss
         loss.block_until_ready()
         step_s = float(np.median(times[2:]))
@@ -250,8 +250,8 @@ class Steps:
                 # One warm-up call compiles it.
                 with default_config(self.ssd_config):  # the warm-up call traces it
                     parts[name] = median_time(
-                        lambda fn=fn: jax.block_until_ready(fn(params, *self.frozen, *micro)),
-                        1, steps)
+                        lambda fn=fn: jax.block_until_ready(
+                            fn(params, *self.frozen, *micro)), 1, steps)
                 log(f"  {self.mesh_spec} {batch}x{seq_len}: {name} {parts[name]:.3f} s")
         devices = list(self.mesh.devices.flat)
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len

@@ -150,6 +150,12 @@ def check_rank(rank) -> None:
                          "leave it out to train every parameter")
 
 
+def check_alpha(alpha) -> None:
+    if not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"--lora-alpha {alpha} must be a positive number (the adapters' "
+                         "scale is alpha / rank)")
+
+
 def add_lora(model, rank: int, alpha: float | None = None, targets=None, seed: int = 0):
     """Add LoRA adapters of `rank` to `targets` (names as target_names gives them; None: every
     projection of every layer) of model's layers, scaled by alpha / rank (alpha None: rank,
@@ -157,9 +163,10 @@ def add_lora(model, rank: int, alpha: float | None = None, targets=None, seed: i
     changed in place: each layer's `lora` (Adapters)."""
     check_rank(rank)
     alpha = float(rank if alpha is None else alpha)
-    if not (math.isfinite(alpha) and alpha > 0):
-        raise ValueError(f"--lora-alpha {alpha} must be a positive number (the adapters' "
-                         "scale is alpha / rank)")
+    check_alpha(alpha)
+    if any(lora_of(block) is not None for block in model.layers):
+        raise ValueError("add_lora: the model has adapters already (merge them first: "
+                         "adapters.merge)")
     cfg = model.config
     chosen, fmt = check_targets(cfg, targets), layout(cfg)
     for i, (symbol, block) in enumerate(zip(cfg.layers, model.layers)):
@@ -180,18 +187,21 @@ def lora_of(block) -> Adapters | None:
     return getattr(block, "lora", None)
 
 
+def _float32(state) -> bool:
+    return all(v.dtype == jnp.float32 for v in jax.tree.leaves(state))
+
+
 def adapts(block) -> bool:
     """Whether a layer runs on weights derived from its parameters (`adapted`): it has
     adapters, or parameters stored in another dtype than float32 (a bfloat16 base)."""
-    return lora_of(block) is not None or any(
-        v.dtype != jnp.float32 for v in jax.tree.leaves(nnx.state(block.mixer)))
+    return lora_of(block) is not None or not _float32(nnx.state(block.mixer))
 
 
 def adapted(mixer, lora: Adapters | None):
     """The mixer as its layer runs: its parameters in float32 and its adapters' deltas added
     (W + alpha/r * A @ B), or the mixer itself where there is nothing to add or widen."""
     graphdef, state = nnx.split(mixer)
-    if lora is None and all(v.dtype == jnp.float32 for v in jax.tree.leaves(state)):
+    if lora is None and _float32(state):
         return mixer
     deltas = {} if lora is None else lora.deltas()
 
@@ -209,9 +219,8 @@ def merge(model):
     left as it was."""
     plain = nnx.eval_shape(lambda: type(model)(model.config, rngs=nnx.Rngs(0),
                                                dtype=model.dtype))
-    merged = {}
-    for name, variable in _flat(nnx.state(model, nnx.Param)).items():
-        merged[name] = variable[...].astype(jnp.float32)
+    merged = {name: variable[...].astype(jnp.float32)
+              for name, variable in _flat(nnx.state(model, nnx.Param)).items()}
     for i, block in enumerate(model.layers):
         if (lora := lora_of(block)) is not None:
             for name, delta in lora.deltas().items():
@@ -272,12 +281,8 @@ class Tuning:
         parameter."""
         if self.rank is not None:
             check_rank(self.rank)
-        elif self.alpha is not None or self.targets is not None:
-            raise ValueError("--lora-alpha and --lora-targets shape LoRA adapters: give "
-                             "--lora-rank R too")
-        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"--lora-alpha {self.alpha} must be a positive number (the "
-                             "adapters' scale is alpha / rank)")
+        if self.alpha is not None:
+            check_alpha(self.alpha)
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"--base-dtype {self.base_dtype!r}: use one of {BASE_DTYPES}")
         if self.train_only is not None:

@@ -581,7 +581,7 @@ def _train(argv, held: contextlib.ExitStack):
 
     build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     # With adapters or --train-only, `params` is what trains (the optimizer sees only it)
-    # and `frozen` holds the base: (state,), passed to the loss beside them; else ().
+    # and `frozen` holds the base: [state], passed to the loss beside them; else [].
     split = tuning.split if tuning else lambda state: (state,)
     if tuning:
         build = tuning.build(build, args.seed)
