@@ -312,13 +312,15 @@ class Tuning:
     def build(self, base: Callable, seed: int) -> Callable:
         """base() -> the base model; returns a function that makes it with this run's
         adapters (drawn from seed) and its frozen parameters cast to base_dtype."""
-        def build():
-            model = base()
-            if self.rank is not None:
-                add_lora(model, self.rank, self.alpha, self.targets, seed)
-            cast_base(model, jnp.dtype(self.base_dtype), self.trains)
-            return model
-        return build
+        return lambda: self.apply(base(), seed)
+
+    def apply(self, model, seed: int):
+        """model (a base model, changed in place and returned) with this run's adapters
+        (drawn from seed) and its frozen parameters cast to base_dtype."""
+        if self.rank is not None:
+            add_lora(model, self.rank, self.alpha, self.targets, seed)
+        cast_base(model, jnp.dtype(self.base_dtype), self.trains)
+        return model
 
     def split(self, state):
         """A model's state -> (the part that trains, the frozen part): two nnx.States."""

@@ -4,12 +4,14 @@
     python -m mamba_jax.train --config train/mamba2-130m.toml --data data/corpus \
         --mesh dp=2,tp=4 --checkpoint-dir runs/130m/ckpt --save-every 500 --resume
     python -m mamba_jax.train --set ngroups=2 --set d_state=64
+    python -m mamba_jax.train --init-from models/mamba2-130m --data data/corpus --lr 1e-4
 
 Every run, one device or many, goes through the same sharded code (mamba_jax.parallel) over
 a mesh (`--mesh`, default: every device on dp); the step is a pure jitted function of
 (params, opt_state, batch) with the shardings in the arrays (mamba_jax.optim). Batch `s` is
 a pure function of (s, seed) (mamba_jax.data), so a checkpoint needs only the step to
 restore the data position. Checkpoints (mamba_jax.checkpoint) restore onto any mesh.
+--init-from starts from a published model or a trainer's checkpoint (mamba_jax.init_from).
 SIGTERM / SIGINT save a checkpoint at the current step and exit cleanly. A --checkpoint-dir
 is locked while a run uses it; --resume refuses one without a checkpoint (--resume-if-exists
 starts fresh there), and a resumed run supersedes what the interrupted one logged after its
@@ -52,6 +54,7 @@ from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, datase
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
 from mamba_jax.formats import export_format, layout_notes
+from mamba_jax.init_from import InitSource, check_resumed_source
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM, check_causal
@@ -75,7 +78,14 @@ def build_parser():
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="a recipe (train/*.toml): flag values at the top level, Mamba2Config "
                         "overrides under [model]; flags on the command line win")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="the model (default: tiny); not with --init-from")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the model in DIR: a folder from_pretrained reads (HF "
+                        "Mamba2, Mamba, FalconMamba, NemotronH; mamba_ssm) or a trainer's "
+                        "--checkpoint-dir or one step folder of it. Its config, weights and "
+                        "tokenizer; --set may change only what keeps every parameter's "
+                        "shape; the optimizer starts fresh; --out writes its layout")
     megatron = p.add_argument_group(
         "Megatron-LM's layer flags", "the model's layers as Megatron-LM's flags give them "
         "(the same as --set n_layer=, hybrid_attention_ratio=, hybrid_mlp_ratio=, "
@@ -254,8 +264,14 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
     if args.loss_chunk is not None and args.loss_chunk < 1:
         raise SystemExit(f"--loss-chunk={args.loss_chunk} must be >= 1 (positions a piece), "
                          "or left out for the whole sequence at once")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise SystemExit(f"--lr={args.lr} must be a positive number (the peak learning rate)")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise SystemExit(f"--lr={args.lr} must be a number >= 0 (the peak learning rate; 0 "
+                         "changes no weight)")
+    if args.init_from and args.preset:
+        raise SystemExit(f"--preset {args.preset} with --init-from {args.init_from}: the model "
+                         "is the one in that folder; leave --preset out (of the recipe too)")
+    if not args.init_from:
+        args.preset = args.preset or "tiny"
     # Each of these below zero would train without an error, wrongly: a negative clip
     # turns every gradient around, a negative weight decay grows the weights.
     require_at_least(args, ("warmup",), least=0)
@@ -303,7 +319,17 @@ def model_config(preset: str, overrides: dict) -> Mamba2Config:
 def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
     """The command line over the --config recipe over the defaults -> (args, config)."""
     args, overrides = parse_command_line(argv)
+    if args.init_from:
+        return args, _init_source(args).config_for(overrides)
     return args, model_config(args.preset, overrides)
+
+
+def _init_source(args) -> InitSource:
+    """--init-from's source, a folder that cannot give one refused in one line."""
+    try:
+        return InitSource.open(args.init_from)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--init-from {error}") from None
 
 
 def _load_named(tokenizer: str, source: str, data: str | None = None):
@@ -415,7 +441,8 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
 def _out_dir(args) -> str | None:
     """Where the final export goes: --out with {preset} filled in (any other brace is the
     path's own), or None for --out none."""
-    return None if args.out.lower() == "none" else args.out.replace("{preset}", args.preset)
+    name = args.preset or Path(args.init_from).absolute().name
+    return None if args.out.lower() == "none" else args.out.replace("{preset}", name)
 
 
 def _replaceable(args, out: str, resumed: bool, held=model_file) -> bool:
@@ -460,6 +487,20 @@ def _export_dir(args, out: str, resumed: bool, flag="--out", held=model_file) ->
           f"export?), which this run may not replace: its {what} goes to {free} instead",
           file=sys.stderr)
     return free
+
+
+def _from_source(source, base, tuning, seed: int, mesh, shardings):
+    """The run's first parameters (an nnx.State placed on `shardings`) from --init-from's
+    source: its weights read onto the base model's shards, then, with adapters or
+    --train-only, the adapters drawn from `seed` and the frozen part cast to --base-dtype,
+    in one jit over the placed weights (donated: no second copy of the base)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(base))
+    weights = source.load(abstract, parallel.shardings(mesh, parallel.param_specs(abstract,
+                                                                                  mesh)))
+    if not tuning:
+        return weights
+    tune = lambda state: nnx.split(tuning.apply(nnx.merge(graphdef, state), seed))[1]
+    return jax.jit(tune, out_shardings=shardings, donate_argnums=0)(weights)
 
 
 @command("python -m mamba_jax.train")
@@ -521,10 +562,17 @@ def _train(argv, held: contextlib.ExitStack):
                          f"{model_file(args.checkpoint_dir)}), which the commands that read "
                          "the folder would take for its checkpoints: give the checkpoints a "
                          "folder of their own")
+    source = _init_source(args) if args.init_from else None
+    if source:
+        args.tokenizer, args.tokenizer_source = source.tokenizer_for(
+            args.tokenizer, args.tokenizer_source, args.data)
     args.tokenizer = resolve_tokenizer(args)
     tokenizer = _load_named(args.tokenizer, args.tokenizer_source)
-    cfg = model_config(args.preset, overrides)
-    if tokenizer.get_vocab_size() > cfg.vocab_size and "vocab_size" not in overrides:
+    cfg = source.config_for(overrides, tokenizer) if source else model_config(args.preset,
+                                                                              overrides)
+    layout = source.export_layout(cfg) if source else "hf"  # the export's
+    if not source and tokenizer.get_vocab_size() > cfg.vocab_size and \
+            "vocab_size" not in overrides:
         if lead:
             print(f"vocab_size {tokenizer.get_vocab_size()}: the tokenizer's ({args.tokenizer}); "
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
@@ -546,7 +594,7 @@ def _train(argv, held: contextlib.ExitStack):
     if out:
         _check_out(args, out, restores)
         try:  # the export's layout must fit the model: say so now, not after training
-            check_exportable(cfg)
+            check_exportable(cfg, layout)
         except ValueError as error:
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     # Refuses bad data before any compute.
@@ -579,7 +627,7 @@ def _train(argv, held: contextlib.ExitStack):
               "documents or a larger --eval-fraction to evaluate)", file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
 
-    build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
+    base = build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     # With adapters or --train-only, `params` is what trains (the optimizer sees only it)
     # and `frozen` holds the base: [state], passed to the loss beside them; else [].
     split = tuning.split if tuning else lambda state: (state,)
@@ -592,7 +640,12 @@ def _train(argv, held: contextlib.ExitStack):
     tx, lr_at = make_optimizer(abstract_params, args.lr, args.steps, args.warmup,
                                args.weight_decay, args.clip, args.schedule)
     try:
-        params, *frozen = split(parallel.init_params(build, param_shardings))
+        # a resumed run's checkpoint replaces the parameters: the source is not read then
+        if source and not (ckpt and ckpt.steps()):
+            state = _from_source(source, base, tuning, args.seed, mesh, param_shardings)
+        else:
+            state = parallel.init_params(build, param_shardings)
+        params, *frozen = split(state)
         opt_state = init_opt_state(tx, params, shardings_trained, NamedSharding(mesh, P()))
     except jax.errors.JaxRuntimeError as error:  # before any step: the model alone
         if not _out_of_memory(error):
@@ -606,6 +659,8 @@ def _train(argv, held: contextlib.ExitStack):
     effective = {"model": cfg.to_dict(), "train": {
         k: v for k, v in vars(args).items()
         if k not in ("set", "resume", "resume_if_exists", "tokenizer_source")}}
+    if source:
+        effective["train"].update(source.record())
     if args.checkpoint_dir:
         # Absolute: a resume from another folder finds its export's. And what the data and
         # the tokenizer are, wherever they are found (a resume's same_model, _note_changes):
@@ -623,6 +678,7 @@ def _train(argv, held: contextlib.ExitStack):
             # One model however its layers are spelt (ratios, mamba_ssm's blocks, a pattern)
             saved = Mamba2Config.from_dict(meta["config"]["model"]).spelt_out()
             trained = meta["config"]["train"]
+            check_resumed_source(step, args.checkpoint_dir, trained, effective["train"])
             if trained.get("tokenizer_sha256", effective["train"]["tokenizer_sha256"]) != \
                     effective["train"]["tokenizer_sha256"]:  # recorded since, beside the copy
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} was trained with "
@@ -685,7 +741,8 @@ def _train(argv, held: contextlib.ExitStack):
     if lead:
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(whole))
         trained = sum(x.size for x in jax.tree_util.tree_leaves(params))
-        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters"
+        model = f"init from {args.init_from}" if source else f"preset {args.preset}"
+        print(f"mamba_jax.train: {model}, {n_params / 1e6:.2f}M parameters"
               + (f" ({trained / 1e6:.3f}M of them trained)" if tuning else "") + ", "
               f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
               f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
@@ -807,14 +864,15 @@ def _train(argv, held: contextlib.ExitStack):
     if out:
         if lead:
             out = _export_dir(args, out, resumed)
-            removed = export(adapters.merge(model) if tuning else model, out, tokenizer)
+            removed = export(adapters.merge(model) if tuning else model, out, tokenizer,
+                             format=layout)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
             if removed := [name for name in removed if name != "train_config.json"]:
                 print(f"removed the replaced model's {', '.join(removed)} from {out}",
                       file=sys.stderr)
-            layout = export_format(cfg, "hf")
-            named = "" if layout == "hf" else f" ({layout}'s layout)"
-            for note in layout_notes(cfg, layout):
+            written = export_format(cfg, layout)
+            named = "" if written == "hf" else f" ({written}'s layout)"
+            for note in layout_notes(cfg, written):
                 print(f"note: {note}", file=sys.stderr)
             print(f"saved {out}{named}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",
