@@ -23,7 +23,7 @@ from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
            "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3",
-           "tiles"]
+           "tiles", "init_from"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
