@@ -829,6 +829,10 @@ class TokenDataset:
         """Whether the held-out split holds a window to evaluate."""
         return self.eval_windows(seq_len) > 0
 
+    def no_evaluation(self, seq_len: int) -> str:
+        """Why a run at seq_len does not evaluate (where evaluates is False)."""
+        return f"the held-out split has no window of --seq-len {seq_len} + 1 tokens"
+
     def prompt(self, tokenizer, max_chars: int = 24) -> str:
         """The first words of the first training document (an example prompt)."""
         start = int(self.doc_starts[0])
@@ -915,9 +919,10 @@ class PackedDataset(TokenDataset):
     the next; the rest is padding), once a run; each epoch visits the rows in a fresh
     seeded permutation, as TokenDataset's windows, so batch `step` is a pure function of
     (step, seed). A document longer than a row is cut to it (its tokens past the row's end
-    are not trained; packing_note counts them). The held-out documents are packed the same
-    way, in their order. No state crosses a document (seq_idx) and no target does (masked),
-    so a document's loss does not depend on what shares its row.
+    are not trained; packing_note counts them). The held-out documents that keep a token to
+    train on are packed the same way, in their order, so that every evaluated row counts
+    one. No state crosses a document (seq_idx) and no target does (masked), so a document's
+    loss does not depend on what shares its row.
 
     Batches: `inputs`, `targets` [b, l] int32; `seq_idx` [b, l] int32 (a row's documents 0,
     1, ...; the padding after them one more); `loss_mask` [b, l] bool: the stored mask of
@@ -930,17 +935,38 @@ class PackedDataset(TokenDataset):
     def __init__(self, tokens, doc_starts, train_docs: int, loss_mask, name: str = "dataset"):
         super().__init__(tokens, doc_starts, train_docs, name)
         self.loss_mask, self.train_docs = loss_mask, train_docs
-        self._packings = {}
+        self._packings, self._kept = {}, {}
+
+    def _trained(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per document [n_docs]: (the targets a row of seq_len + 1 tokens trains of it, the
+        trained tokens its cut leaves out). A document's first token is no target of it, and
+        a document longer than the row keeps its first seq_len + 1 tokens."""
+        if seq_len not in self._kept:
+            capacity = seq_len + 1
+            starts, ends = self.doc_starts[:-1], self.doc_starts[1:]
+            # documents are never empty: their starts rise, one sum each over the mask
+            total = np.add.reduceat(self.loss_mask, starts, dtype=np.int64) \
+                if len(starts) else np.zeros(0, np.int64)
+            lost = np.zeros(len(starts), np.int64)
+            for d in np.flatnonzero(ends - starts > capacity):
+                lost[d] = self.loss_mask[starts[d] + capacity:ends[d]].sum(dtype=np.int64)
+            self._kept[seq_len] = total - self.loss_mask[starts] - lost, lost
+        return self._kept[seq_len]
 
     def _packing(self, seq_len: int, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(documents [n] in row order, bounds [rows + 1]: row r holds documents
         [bounds[r], bounds[r + 1]) of them): the training documents in their seeded order
-        (seed), or the held-out ones in theirs (seed None), filled into rows greedily."""
+        (seed), or the held-out ones that keep a token to train on in theirs (seed None),
+        filled into rows greedily."""
         key = (seq_len, seed)
         if key not in self._packings:
             n_docs = len(self.doc_starts) - 1
-            docs = np.arange(self.train_docs, n_docs) if seed is None else \
-                np.random.default_rng([seed, _PACKING]).permutation(self.train_docs)
+            kept = self._trained(seq_len)[0]
+            if seed is None:
+                docs = np.arange(self.train_docs, n_docs)
+                docs = docs[kept[docs] > 0]
+            else:
+                docs = np.random.default_rng([seed, _PACKING]).permutation(self.train_docs)
             capacity = seq_len + 1
             bounds, fill = [0], 0
             for i, n in enumerate(np.minimum(np.diff(self.doc_starts)[docs], capacity).tolist()):
@@ -980,12 +1006,17 @@ class PackedDataset(TokenDataset):
         return self._rows(self._packing(seq_len, seed), rows, seq_len)
 
     def eval_windows(self, seq_len: int) -> int:
-        """How many rows the held-out documents fill."""
+        """How many rows the held-out documents that keep a token to train on fill."""
         return max(0, len(self._packing(seq_len, None)[1]) - 1)
 
     def evaluates(self, seq_len: int) -> bool:
-        """Whether a held-out document has a token to train on."""
-        return bool(self.eval_windows(seq_len) and self.loss_mask[self.train_end:].any())
+        """Whether a held-out document keeps a token to train on in a row (each evaluated
+        row then counts one)."""
+        return self.eval_windows(seq_len) > 0
+
+    def no_evaluation(self, seq_len: int) -> str:
+        return (f"no held-out document keeps a token to train on in a row of --seq-len "
+                f"{seq_len} + 1 tokens")
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """The rows of the held-out documents in order, at most max_batches batches."""
@@ -1062,6 +1093,9 @@ class BlendedDataset:
 
     def evaluates(self, seq_len: int) -> bool:
         return any(d.evaluates(seq_len) for d in self.datasets)
+
+    def no_evaluation(self, seq_len: int) -> str:
+        return "; ".join(f"{d.name}: {d.no_evaluation(seq_len)}" for d in self.datasets)
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """Each dataset's TokenDataset.eval_batches, one after the other."""

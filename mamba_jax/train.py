@@ -49,8 +49,8 @@ from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
 from mamba_jax.convert import check_exportable, export
-from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, dataset_tokenizer,
-                            fingerprint, is_indexed, load_data, parse_blend)
+from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fingerprint,
+                            is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
 from mamba_jax.formats import export_format, layout_notes
@@ -619,12 +619,9 @@ def _train(argv, held: contextlib.ExitStack):
     # at the first evaluation.
     evaluating = dataset.evaluates(args.seq_len)
     if not evaluating and lead:
-        blend = isinstance(dataset, BlendedDataset)
-        short = (f"no dataset's held-out split has a window of --seq-len {args.seq_len} + 1 "
-                 "tokens" if blend else f"the held-out split has no window of --seq-len "
-                 f"{args.seq_len} + 1 tokens")
-        print(f"--data {dataset.name}: {short}, so this run does not evaluate (prepare more "
-              "documents or a larger --eval-fraction to evaluate)", file=sys.stderr)
+        print(f"--data {dataset.name}: {dataset.no_evaluation(args.seq_len)}, so this run does "
+              "not evaluate (prepare more documents or a larger --eval-fraction to evaluate)",
+              file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
 
     base = build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)

@@ -239,6 +239,25 @@ def test_documents_longer_than_a_row_are_cut_and_counted(tmp_path):
     assert sorted(batch["loss_mask"].sum(-1).tolist())[-2:] == [15, 15]
 
 
+def test_held_out_documents_that_keep_no_trained_token_in_a_row_are_not_evaluated(tmp_path):
+    """Cut to a row, a document may keep no token to train on: a held-out one is not
+    evaluated, so every evaluated row counts a token (held-out rows that counted none
+    divided the evaluation by zero)."""
+    def dataset(name, shapes):  # (prompt bytes, completion bytes) per document
+        rows = [{"prompt": "P" * p, "completion": "c" * c} for p, c in shapes]
+        prepare([write_rows(tmp_path / f"{name}.jsonl", rows)], "bytes", tmp_path / name,
+                eval_fraction=0.4, fmt="prompt-completion")
+        return TokenDataset.load(tmp_path / name, vocab_size=256)
+
+    late, early = (20, 10), (2, 5)  # at --seq-len 16, 0 and 5 of their targets train
+    mixed = dataset("mixed", [late, early, late, late, early])  # the last two held out
+    assert mixed.evaluates(16)
+    assert [b["loss_mask"].sum(-1).tolist() for b in mixed.eval_batches(4, 16)] == [[5]]
+    held_late = dataset("held_late", [early, early, late, late, late])
+    assert not held_late.evaluates(16) and not list(held_late.eval_batches(4, 16))
+    assert "no held-out document keeps a token" in held_late.no_evaluation(16)
+
+
 def test_held_out_documents_are_evaluated_masked_and_a_blend_masks_every_row(tmp_path):
     dataset = packed(tmp_path, [8] * 10, trained_from=3, eval_fraction=0.2)
     assert dataset.evaluates(16)
