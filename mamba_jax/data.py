@@ -919,10 +919,11 @@ class PackedDataset(TokenDataset):
     the next; the rest is padding), once a run; each epoch visits the rows in a fresh
     seeded permutation, as TokenDataset's windows, so batch `step` is a pure function of
     (step, seed). A document longer than a row is cut to it (its tokens past the row's end
-    are not trained; packing_note counts them). The held-out documents that keep a token to
-    train on are packed the same way, in their order, so that every evaluated row counts
-    one. No state crosses a document (seq_idx) and no target does (masked), so a document's
-    loss does not depend on what shares its row.
+    are not trained; packing_note counts them), and training documents that keep no token
+    to train on between them are refused. The held-out documents that keep a token to train
+    on are packed the same way, in their order, so that every evaluated row counts one. No
+    state crosses a document (seq_idx) and no target does (masked), so a document's loss
+    does not depend on what shares its row.
 
     Batches: `inputs`, `targets` [b, l] int32; `seq_idx` [b, l] int32 (a row's documents 0,
     1, ...; the padding after them one more); `loss_mask` [b, l] bool: the stored mask of
@@ -957,16 +958,19 @@ class PackedDataset(TokenDataset):
         """(documents [n] in row order, bounds [rows + 1]: row r holds documents
         [bounds[r], bounds[r + 1]) of them): the training documents in their seeded order
         (seed), or the held-out ones that keep a token to train on in theirs (seed None),
-        filled into rows greedily."""
+        filled into rows greedily. Training documents that keep none between them are
+        refused (a ValueError naming the fix): every step would change nothing."""
         key = (seq_len, seed)
         if key not in self._packings:
             n_docs = len(self.doc_starts) - 1
-            kept = self._trained(seq_len)[0]
+            kept, lost = self._trained(seq_len)
             if seed is None:
                 docs = np.arange(self.train_docs, n_docs)
                 docs = docs[kept[docs] > 0]
             else:
                 docs = np.random.default_rng([seed, _PACKING]).permutation(self.train_docs)
+                if not kept[:self.train_docs].any():
+                    self._refuse(seq_len, int(lost[:self.train_docs].sum()))
             capacity = seq_len + 1
             bounds, fill = [0], 0
             for i, n in enumerate(np.minimum(np.diff(self.doc_starts)[docs], capacity).tolist()):
@@ -1005,6 +1009,17 @@ class PackedDataset(TokenDataset):
     def rows_batch(self, rows, seq_len: int, seed: int) -> dict[str, np.ndarray]:
         return self._rows(self._packing(seq_len, seed), rows, seq_len)
 
+    def _refuse(self, seq_len: int, lost: int):
+        longest = int(np.diff(self.doc_starts)[:self.train_docs].max())
+        if lost:
+            raise ValueError(f"--data {self.name}: cut to rows of --seq-len {seq_len} + 1 "
+                             f"tokens, its training documents keep no token to train on (all "
+                             f"{lost} lie past the cut); raise --seq-len (the longest document "
+                             f"has {longest} tokens)")
+        raise ValueError(f"--data {self.name}: its training documents have no token to train "
+                         "on (their loss mask counts none); prepare rows with assistant turns "
+                         "or completions")
+
     def eval_windows(self, seq_len: int) -> int:
         """How many rows the held-out documents that keep a token to train on fill."""
         return max(0, len(self._packing(seq_len, None)[1]) - 1)
@@ -1029,11 +1044,13 @@ class PackedDataset(TokenDataset):
         docs, bounds = self._packing(seq_len, seed)
         lengths = np.diff(self.doc_starts)[:self.train_docs]
         long = int((lengths > seq_len + 1).sum())
+        kept, lost = (a[:self.train_docs].sum() for a in self._trained(seq_len))
         padding = 1 - np.minimum(lengths, seq_len + 1).sum() / ((len(bounds) - 1) * (seq_len + 1))
         return (f"--data {self.name}: {len(docs)} training documents packed whole into "
                 f"{len(bounds) - 1} rows of --seq-len {seq_len} + 1 tokens ({padding:.1%} "
-                "padding)" + (f"; {long} longer than a row are cut to it, their tokens past "
-                              "it not trained (raise --seq-len to keep them)" if long else ""))
+                "padding)" + (f"; {long} longer than a row are cut to it: {lost} of the "
+                              f"{kept + lost} tokens to train on lie past the cut, not trained "
+                              "(raise --seq-len to keep them)" if long else ""))
 
 
 class BlendedDataset:

@@ -239,23 +239,42 @@ def test_documents_longer_than_a_row_are_cut_and_counted(tmp_path):
     assert sorted(batch["loss_mask"].sum(-1).tolist())[-2:] == [15, 15]
 
 
+# At --seq-len 16, (prompt bytes, completion bytes) of documents of which 0 and 5 targets train
+LATE, EARLY = (20, 10), (2, 5)
+
+
+def shaped(tmp_path, name, shapes, eval_fraction=0.4) -> PackedDataset:
+    """A prompt-completion dataset of byte documents of `shapes` [(prompt bytes, completion
+    bytes)], the last eval_fraction held out."""
+    rows = [{"prompt": "P" * p, "completion": "c" * c} for p, c in shapes]
+    prepare([write_rows(tmp_path / f"{name}.jsonl", rows)], "bytes", tmp_path / name,
+            eval_fraction=eval_fraction, fmt="prompt-completion")
+    return TokenDataset.load(tmp_path / name, vocab_size=256)
+
+
 def test_held_out_documents_that_keep_no_trained_token_in_a_row_are_not_evaluated(tmp_path):
     """Cut to a row, a document may keep no token to train on: a held-out one is not
     evaluated, so every evaluated row counts a token (held-out rows that counted none
     divided the evaluation by zero)."""
-    def dataset(name, shapes):  # (prompt bytes, completion bytes) per document
-        rows = [{"prompt": "P" * p, "completion": "c" * c} for p, c in shapes]
-        prepare([write_rows(tmp_path / f"{name}.jsonl", rows)], "bytes", tmp_path / name,
-                eval_fraction=0.4, fmt="prompt-completion")
-        return TokenDataset.load(tmp_path / name, vocab_size=256)
-
-    late, early = (20, 10), (2, 5)  # at --seq-len 16, 0 and 5 of their targets train
-    mixed = dataset("mixed", [late, early, late, late, early])  # the last two held out
+    mixed = shaped(tmp_path, "mixed", [LATE, EARLY, LATE, LATE, EARLY])  # 2 held out
     assert mixed.evaluates(16)
     assert [b["loss_mask"].sum(-1).tolist() for b in mixed.eval_batches(4, 16)] == [[5]]
-    held_late = dataset("held_late", [early, early, late, late, late])
+    held_late = shaped(tmp_path, "held_late", [EARLY, EARLY, LATE, LATE, LATE])
     assert not held_late.evaluates(16) and not list(held_late.eval_batches(4, 16))
     assert "no held-out document keeps a token" in held_late.no_evaluation(16)
+
+
+def test_training_documents_that_keep_no_trained_token_in_a_row_are_refused(tmp_path):
+    """Training documents that keep no token to train on between them, cut to rows, are
+    refused naming --seq-len (every step would skip its update: a run that trained nothing);
+    the packing note counts the trained tokens a cut leaves out."""
+    mixed = shaped(tmp_path, "mixed", [LATE, EARLY, LATE, LATE, EARLY])
+    assert "2 longer than a row are cut to it: 20 of the 25 tokens to train on lie past " \
+           "the cut" in mixed.packing_note(16, seed=0)
+    with pytest.raises(ValueError, match=r"--seq-len 16 \+ 1 tokens, its training documents keep "
+                                         r"no token to train on \(all 30 lie past the cut\); "
+                                         r"raise --seq-len \(the longest document has 30"):
+        shaped(tmp_path, "late", [LATE, LATE, LATE, EARLY, EARLY]).train_batch(0, 1, 16, 0)
 
 
 def test_held_out_documents_are_evaluated_masked_and_a_blend_masks_every_row(tmp_path):
