@@ -42,9 +42,10 @@ does (mamba_jax.chat) with --chat-template FILE or the template of the model fol
 --tokenizer names; the mask counts each assistant turn (its content and its end of turn).
 prompt-completion: {"prompt": str, "completion": str}, as TRL's SFTTrainer tokenizes it:
 prompt + completion tokenized together, then the end-of-text token (the model folder's
-eos_token), the mask counting the tokens after the prompt's and the end-of-text token; or
-{"prompt": [messages], "completion": [messages]}, the prompt rendered with the generation
-prompt (not counted) and the whole conversation rendered (the rest counted).
+eos_token); or {"prompt": [messages], "completion": [messages]}, the whole conversation
+rendered; either way the mask counts the tokens from where they part from the prompt's own
+(the prompt alone tokenized, or rendered with the generation prompt: TRL's
+common_prefix_length), the end-of-text token among them.
 
 --data (the trainer) takes a dataset directory, a text file (not JSON lines), a Megatron
 dataset by its path prefix (PREFIX.bin + PREFIX.idx, trained as they are: no re-tokenising;
@@ -325,14 +326,12 @@ class _Instructions:
                              f"{' and '.join(repr(k) for k in missing)}; give every row both")
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
-            # TRL's: prompt and completion tokenized together (a token may straddle them),
-            # the prompt's own tokens not trained, then the end-of-text token, trained
+            # TRL's: prompt and completion tokenized together, then the end-of-text token
             encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids
-            body, cut = encode(prompt + completion), len(encode(prompt))
+            body = encode(prompt + completion)
             end = [] if self.eos_id is None or body[-1:] == [self.eos_id] else [self.eos_id]
             ids = self.prefix + body + end + self.suffix
-            return ids, ([0] * (len(self.prefix) + cut) + [1] * (len(body) - cut + len(end))
-                         + [0] * len(self.suffix))
+            return ids, _completion_mask(self.prefix + encode(prompt), ids)
         if not (isinstance(prompt, list) and isinstance(completion, list)):
             raise ValueError(f'{where}: "prompt" and "completion" are {_what(prompt)} and '
                              f"{_what(completion)}: give two strings, or two lists of messages "
@@ -349,7 +348,19 @@ class _Instructions:
         # TRL's: the prompt rendered with the generation prompt is not trained, the rest is
         head = self.template.encode(self.tokenizer, prompt, add_generation_prompt=True)
         ids = self.template.encode(self.tokenizer, prompt + completion)
-        return ids, [0] * len(head) + [1] * (len(ids) - len(head))
+        return ids, _completion_mask(head, ids)
+
+
+def _completion_mask(prompt: list[int], ids: list[int]) -> list[int]:
+    """TRL's completion mask of a prompt-completion pair's ids: 1 from where they part from
+    the prompt's own ids on (its common_prefix_length). Tokenized together, the pair may
+    join the prompt's last characters and the completion's first into one token, and a
+    template may render the prompt alone otherwise than followed by its reply; counting
+    the prompt's ids instead left that token out or, where the prompt's ids outnumbered the
+    pair's, gave a mask longer than the ids."""
+    shared = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b),
+                  min(len(prompt), len(ids)))
+    return [0] * shared + [1] * (len(ids) - shared)
 
 
 def _chat_template(path: str, special_tokens: dict, model_dir: bool) -> ChatTemplate:

@@ -89,6 +89,29 @@ def test_prompt_completion_rows_train_the_completion_and_its_end_of_text(tmp_pat
     assert masks[2] == [0] * len(head) + [1] * (len(ids[2]) - len(head)) and len(head) > 3
 
 
+def test_prompt_completion_masks_from_where_the_pair_parts_from_the_prompt(tmp_path):
+    """A token that joins the prompt's end and the completion's start trains, and a template
+    whose generation prompt the reply does not continue masks from where they part: TRL's
+    common_prefix_length. The masks are TRL 1.16's (SFTTrainer's tokenize_fn, by hand with
+    transformers 5.24); counting the prompt's own ids instead left the joined token out, and
+    where they outnumbered the pair's gave a mask longer than the document."""
+    rows = [{"prompt": "the Licen", "completion": "se"},  # "Licen" + "se": one token
+            {"prompt": "Copyri", "completion": "ght"},
+            {"prompt": [{"role": "user", "content": "hi"}],
+             "completion": [{"role": "assistant", "content": "Sure."}]}]
+    template = tmp_path / "think.jinja"  # the generation prompt opens an empty thought
+    template.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+                        "m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if "
+                        "add_generation_prompt %}{{ '<|im_start|>assistant\\n<think></think>' }}"
+                        "{% endif %}")
+    prepare([write_rows(tmp_path / "pc.jsonl", rows)], FIXTURES / "chatml", tmp_path / "ds",
+            eval_fraction=0.0, fmt="prompt-completion", chat_template=template)
+    ids, masks = stored(tmp_path / "ds")
+    assert ids[:2] == [[317, 68, 328, 513], [34, 78, 355, 359, 513]]
+    assert masks == [[0, 0, 1, 1], [0, 0, 0, 1, 1], [0] * 17 + [1] * 6]
+    assert len(ids[2]) == 23
+
+
 def test_parquet_rows_give_the_json_lines_dataset(tmp_path):
     import pyarrow
     import pyarrow.parquet
