@@ -39,7 +39,8 @@ Instruction data (--format chat | prompt-completion; JSON lines or Parquet), one
 row. chat: {"messages": [{"role", "content"}, ...]} (OpenAI's roles, at least one assistant
 turn), rendered and tokenized exactly as transformers' apply_chat_template(tokenize=True)
 does (mamba_jax.chat) with --chat-template FILE or the template of the model folder
---tokenizer names; the mask counts each assistant turn (its content and its end of turn).
+--tokenizer names, with the row's "tools" and "chat_template_kwargs" where it has them (as
+TRL passes them); the mask counts each assistant turn (its content and its end of turn).
 prompt-completion: {"prompt": str, "completion": str}, as TRL's SFTTrainer tokenizes it:
 prompt + completion tokenized together, then the end-of-text token (the model folder's
 eos_token); or {"prompt": [messages], "completion": [messages]}, the whole conversation
@@ -316,7 +317,8 @@ class _Instructions:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: the chat has no assistant turn, so none of its tokens "
                              "would train; add the assistant's reply, or leave the row out")
-        return self.template.encode_with_mask(self.tokenizer, messages)
+        return self.template.encode_with_mask(self.tokenizer, messages,
+                                              **_template_options(where, row))
 
     def _prompt_completion(self, where: str, row):
         missing = [k for k in ("prompt", "completion") if not isinstance(row, dict) or k not in row]
@@ -346,9 +348,40 @@ class _Instructions:
             raise ValueError(f'{where}: the "completion" has no assistant turn, so none of its '
                              "tokens would train; give the assistant's reply")
         # TRL's: the prompt rendered with the generation prompt is not trained, the rest is
-        head = self.template.encode(self.tokenizer, prompt, add_generation_prompt=True)
-        ids = self.template.encode(self.tokenizer, prompt + completion)
+        options = _template_options(where, row)
+        head = self.template.encode(self.tokenizer, prompt, add_generation_prompt=True,
+                                    **options)
+        ids = self.template.encode(self.tokenizer, prompt + completion, **options)
         return ids, _completion_mask(head, ids)
+
+
+# What a row's chat_template_kwargs may not set: the arguments prepare gives the template
+_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
+
+
+def _template_options(where: str, row: dict) -> dict:
+    """A row's own arguments to its template, as TRL's SFTTrainer passes them: its "tools"
+    (a list of function schemas, or that list as JSON text: a Parquet column's usual form)
+    and the entries of its "chat_template_kwargs" object (e.g. enable_thinking)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as error:
+            raise ValueError(f'{where}: "tools" is text that is not JSON ({error}); give the '
+                             "list of tool schemas, or its JSON") from None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f'{where}: "tools" is {_what(tools)}, not a list of tool schemas '
+                         "(OpenAI's {\"type\": \"function\", \"function\": {...}})")
+    extra = row.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f'{where}: "chat_template_kwargs" is {_what(extra)}, not an object of '
+                         "the template's variables")
+    taken = sorted(set(extra or {}) & set(_TEMPLATE_ARGUMENTS))
+    if taken:
+        raise ValueError(f'{where}: "chat_template_kwargs" sets {", ".join(taken)}, which '
+                         "prepare gives the template itself; leave them out")
+    return {"tools": tools, **(extra or {})}
 
 
 def _completion_mask(prompt: list[int], ids: list[int]) -> list[int]:

@@ -112,6 +112,27 @@ def test_prompt_completion_masks_from_where_the_pair_parts_from_the_prompt(tmp_p
     assert len(ids[2]) == 23
 
 
+def test_a_rows_tools_and_template_arguments_reach_the_template(tmp_path):
+    """A row's "tools" (a list, or its JSON text as Parquet columns hold it) and
+    "chat_template_kwargs" render with its messages, as TRL's SFTTrainer passes them to
+    apply_chat_template: transformers' rendering with the tools (they were dropped)."""
+    case = next(c for c in json.loads((FIXTURES / "reasoning" / "expected.json").read_text(
+        encoding="utf-8"))["cases"] if c["tools"] and not c["add_generation_prompt"])
+    template = tmp_path / "flag.jinja"  # the reasoning fixture's, after a template variable
+    template.write_text("{{ greeting }}" + json.loads(
+        (FIXTURES / "reasoning" / "tokenizer_config.json").read_text())["chat_template"])
+    rows = [{"messages": case["messages"], "tools": case["tools"],
+             "chat_template_kwargs": {"greeting": ""}},
+            {"messages": case["messages"], "tools": json.dumps(case["tools"]),
+             "chat_template_kwargs": {"greeting": "<|im_end|>"}}]
+    prepare([write_rows(tmp_path / "chats.jsonl", rows)], FIXTURES / "reasoning",
+            tmp_path / "ds", eval_fraction=0.0, fmt="chat", chat_template=template)
+    ids, _ = stored(tmp_path / "ds")
+    im_end = Tokenizer.from_file(str(FIXTURES / "reasoning" / "tokenizer.json")).token_to_id(
+        "<|im_end|>")
+    assert ids == [case["ids"], [im_end] + case["ids"]]
+
+
 def test_parquet_rows_give_the_json_lines_dataset(tmp_path):
     import pyarrow
     import pyarrow.parquet
@@ -153,6 +174,10 @@ CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
      r"\(--format prompt-completion\), got a dict without 'completion'"),
     ("prompt-completion", json.dumps({"prompt": "p", "completion": 3}),
      r"bad.jsonl:2: \"prompt\" and \"completion\" are a str and a int"),
+    ("chat", json.dumps({"messages": CHAT, "tools": "[{"}),
+     r"bad.jsonl:2: \"tools\" is text that is not JSON"),
+    ("chat", json.dumps({"messages": CHAT, "chat_template_kwargs": {"tools": []}}),
+     r"bad.jsonl:2: \"chat_template_kwargs\" sets tools, which prepare gives the template"),
 ])
 def test_bad_rows_are_one_line_naming_the_file_the_row_and_the_fix(tmp_path, fmt, line,
                                                                     refusal):
