@@ -36,11 +36,12 @@ documents, in key order (Megatron's preprocess_data writes a dataset per key ins
 --json-keys every input must be JSON lines or Parquet.
 
 Instruction data (--format chat | prompt-completion; JSON lines or Parquet), one document a
-row. chat: {"messages": [{"role", "content"}, ...]} (OpenAI's roles, at least one assistant
-turn), rendered and tokenized exactly as transformers' apply_chat_template(tokenize=True)
-does (mamba_jax.chat) with --chat-template FILE or the template of the model folder
---tokenizer names, with the row's "tools" and "chat_template_kwargs" where it has them (as
-TRL passes them); the mask counts each assistant turn (its content and its end of turn).
+row. chat: {"messages": [{"role", "content"}, ...]} (the roles the template takes, at least
+one assistant turn), rendered and tokenized exactly as transformers'
+apply_chat_template(tokenize=True) does (mamba_jax.chat) with --chat-template FILE or the
+template of the model folder --tokenizer names, with the row's "tools" and
+"chat_template_kwargs" where it has them (as TRL passes them); the mask counts each
+assistant turn (its content and its end of turn).
 prompt-completion: {"prompt": str, "completion": str}, as TRL's SFTTrainer tokenizes it:
 prompt + completion tokenized together, then the end-of-text token (the model folder's
 eos_token); or {"prompt": [messages], "completion": [messages]}, the whole conversation
@@ -187,8 +188,6 @@ PARQUET = ".parquet"
 # What prepare writes (--format): plain text, every token trained; instruction data, whose
 # loss mask (loss_mask.bin) counts only what a fine-tune learns
 FORMATS = ("text", "chat", "prompt-completion")
-# The roles of OpenAI's chat messages: any other is refused
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def is_json_lines(path) -> bool:
@@ -295,16 +294,21 @@ class _Instructions:
             raise ValueError(f"{where}: {error}") from None
 
     def _messages(self, where: str, messages, field: str) -> list:
-        """messages, checked: a non-empty list of objects of a known role."""
+        """messages, checked: a non-empty list of objects with a role. Which roles there are
+        is the template's to say (OpenAI's, Llama 3.1's "ipython" for tool output, ...), as
+        transformers leaves it: one it does not know is refused by its raise_exception."""
         if not isinstance(messages, list) or not messages:
             raise ValueError(f'{where}: "{field}" is {_what(messages)}, not a list of '
                              '{"role", "content"} objects; give each row its messages')
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
-            if role not in ROLES:
-                got = f"role {role!r}" if isinstance(message, dict) else _what(message)
-                raise ValueError(f'{where}: "{field}" message {i} has {got}, not one of '
-                                 f"{', '.join(ROLES)}; give each message a role and content")
+            if not (isinstance(role, str) and role):
+                got = (f"fields {sorted(message)}" if isinstance(message, dict)
+                       and "role" not in message else f"role {role!r}"
+                       if isinstance(message, dict) else _what(message))
+                raise ValueError(f'{where}: "{field}" message {i} has {got}, not a role; give '
+                                 'each message a role and content ("role": "user", '
+                                 '"content": "...")')
         return messages
 
     def _chat(self, where: str, row):

@@ -112,6 +112,20 @@ def test_prompt_completion_masks_from_where_the_pair_parts_from_the_prompt(tmp_p
     assert len(ids[2]) == 23
 
 
+def test_a_role_the_template_takes_is_rendered(tmp_path):
+    """Which roles there are is the template's to say, as in transformers: Llama 3.1's
+    "ipython" (tool output) renders where the template takes it (it was refused as no
+    OpenAI role)."""
+    chat = [*CHAT, {"role": "ipython", "content": "42"}, {"role": "assistant", "content": "ok"}]
+    prepare([write_rows(tmp_path / "chats.jsonl", [{"messages": chat}])], FIXTURES / "chatml",
+            tmp_path / "ds", eval_fraction=0.0, fmt="chat")
+    (doc,), (mask,) = stored(tmp_path / "ds")
+    tokenizer = Tokenizer.from_file(str(FIXTURES / "chatml" / "tokenizer.json"))
+    assert "<|im_start|>ipython\n42<|im_end|>" in tokenizer.decode(doc, skip_special_tokens=False)
+    assert tokenizer.decode([t for t, m in zip(doc, mask) if m], skip_special_tokens=False) == \
+        "hello<|im_end|>\nok<|im_end|>\n"
+
+
 def test_a_rows_tools_and_template_arguments_reach_the_template(tmp_path):
     """A row's "tools" (a list, or its JSON text as Parquet columns hold it) and
     "chat_template_kwargs" render with its messages, as TRL's SFTTrainer passes them to
@@ -160,9 +174,11 @@ CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
 @pytest.mark.parametrize("fmt,line,refusal", [
     ("chat", json.dumps({"messages": CHAT[:1]}), r"bad.jsonl:2: the chat has no assistant "
                                                  r"turn, so none of its tokens would train"),
-    ("chat", json.dumps({"messages": [{"role": "robot", "content": "x"}, CHAT[1]]}),
-     r"bad.jsonl:2: \"messages\" message 0 has role 'robot', not one of system, developer, "
-     r"user, assistant, tool, function"),
+    ("chat", json.dumps({"messages": [{"from": "human", "value": "x"}, CHAT[1]]}),
+     r"bad.jsonl:2: \"messages\" message 0 has fields \['from', 'value'\], not a role; give "
+     r"each message a role and content"),
+    ("chat", json.dumps({"messages": [{"role": "", "content": "x"}, CHAT[1]]}),
+     r"bad.jsonl:2: \"messages\" message 0 has role '', not a role"),
     ("chat", json.dumps([CHAT]), r"bad.jsonl:2: expected a JSON object with a \"messages\" "
                                  r"list \(--format chat\), got a list"),
     ("chat", '{"messages": [', r"bad.jsonl:2: expected .* got a line that is not JSON"),
