@@ -16,7 +16,10 @@ A template is a model's Jinja program over `messages` (OpenAI-style dicts: `role
 tokenized without adding special tokens (the template writes them). Where a model dir holds
 `chat_template.jinja`, that file is its template, as transformers reads it, before
 `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates whose
-"default" is used).
+"default" is used). `save` writes a template beside a model's tokenizer as transformers'
+save_pretrained does (chat_template.jinja and tokenizer_config.json's special tokens), so
+that a fine-tuned model's export and its trainer's checkpoints carry the template its data
+was rendered with.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mamba_jax.files import replace_text
+from mamba_jax.tokenizer import tokenizer_file_name
 
 # The named special tokens transformers passes to a template (its SPECIAL_TOKENS_ATTRIBUTES).
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -189,6 +195,19 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template {path}: cannot read it "
                                     f"({getattr(error, 'strerror', None) or error})") from None
         return cls(text, special_tokens, str(path))
+
+    def save(self, directory, tokenizer) -> None:
+        """Write the template beside `tokenizer` (saved in `directory` by
+        tokenizer.save_tokenizer) as transformers' save_pretrained does, for from_model_dir and
+        transformers' AutoTokenizer to read: chat_template.jinja, and tokenizer_config.json
+        with its special tokens and, for a tokenizer.json, the class AutoTokenizer loads
+        that with (PreTrainedTokenizerFast)."""
+        directory = Path(directory)
+        config = {**({"tokenizer_class": "PreTrainedTokenizerFast"}
+                     if tokenizer_file_name(tokenizer) == "tokenizer.json" else {}),
+                  **self.special_tokens}
+        replace_text(directory / "chat_template.jinja", self.text)
+        replace_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
     def render(self, messages, *, add_generation_prompt: bool = False, **kwargs) -> str:
         """The conversation's text, as apply_chat_template(tokenize=False) renders it."""

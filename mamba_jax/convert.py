@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_jax import adapters
+from mamba_jax.chat import ChatTemplate
 from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_overrides,
                            require_at_least)
 from mamba_jax.config import Mamba2Config
@@ -501,6 +502,8 @@ def main(argv=None):
         source = args.src
         if found := find_tokenizer(args.src):
             tokenizer = load_tokenizer(found)
+    # beside its tokenizer, the chat template it answers chats with (a trainer's too)
+    chat_template = None if tokenizer is None else ChatTemplate.from_model_dir(args.src)
     if args.to == "megatron":
         folder = megatron.save_megatron(model, args.dst, args.target_tp_size,
                                         args.megatron_keys)
@@ -513,7 +516,7 @@ def main(argv=None):
             print(f"note: {note}")
         return
     removed = export(model, args.dst, tokenizer, format=args.to,
-                     source=None if training else args.src)
+                     source=None if training else args.src, chat_template=chat_template)
     written = export_format(model.config, args.to)
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
@@ -531,18 +534,22 @@ def main(argv=None):
 # ---------------------------------------------------------------- training checkpoints
 
 
-# Beside a Hugging Face model, files that belong to its tokenizer or its generation
-# settings, which transformers reads before what config.json says (bos / eos / pad ids).
+# Beside a Hugging Face model, files that belong to its tokenizer (its chat template among
+# them) or its generation settings, which transformers reads before what config.json says
+# (bos / eos / pad ids).
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json",
-                         "added_tokens.json")
+                         "added_tokens.json", "chat_template.jinja")
 _GENERATION_CONFIG = "generation_config.json"
 
 
 def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
-           source=None) -> list[str]:
+           source=None, chat_template=None) -> list[str]:
     """save_pretrained, then the tokenizer (if given) beside the weights (tokenizer.json, or
     a SentencePiece model's tokenizer.model), its bos / eos / pad ids in config.json where
-    the layout has them (formats.with_token_ids; null for a tokenizer without them).
+    the layout has them (formats.with_token_ids; null for a tokenizer without them), and
+    with it the chat_template the model answers chats with (a chat.ChatTemplate: what
+    its instruction data was rendered with), as transformers saves one (ChatTemplate.save),
+    its special tokens' ids in config.json over the tokenizer's.
 
     A model replaced in `path` (other than `source`, the folder the model was read from,
     whose files are its own) leaves nothing that would be read as this one's: its
@@ -558,13 +565,20 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
         written = save_tokenizer(tokenizer, path)
         if not in_place:
             stale += sorted(set(TOKENIZER_FILES) - {written.name}) + list(_TOKENIZER_COMPANIONS)
-        config = json.loads((path / "config.json").read_text())
-        replace_text(path / "config.json", json.dumps(
-            with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
     for name in stale:
         if (path / name).is_file():
             (path / name).unlink()
             removed.append(name)
+    if tokenizer is not None:
+        ids = special_token_ids(tokenizer)
+        if chat_template is not None and not in_place:  # in place, the folder holds it
+            chat_template.save(path, tokenizer)
+            ids |= {f"{name}_id": i for name in ("bos_token", "eos_token", "pad_token")
+                    if (token := chat_template.special_tokens.get(name)) is not None
+                    and (i := tokenizer.token_to_id(token)) is not None}
+        config = json.loads((path / "config.json").read_text())
+        replace_text(path / "config.json", json.dumps(
+            with_token_ids(config, ids), indent=2) + "\n")
     return removed
 
 

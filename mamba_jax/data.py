@@ -26,8 +26,10 @@ A prepared dataset is a directory:
                   (`n_trained`: the tokens the mask counts), the largest token id, the
                   tokenizer ("bytes", "tokenizer.json" or "tokenizer.model", the copy;
                   `tokenizer_source`: what --tokenizer named), `eod_token` and `eod_id`
-                  (null when none was appended), the chat template's source, the sources,
-                  and `train_docs`: the documents before it train, the rest are held out.
+                  (null when none was appended), `chat_template` (instruction data: the
+                  template its rows were rendered with, {"source", "template", its
+                  "special_tokens"}, or null), the sources, and `train_docs`: the
+                  documents before it train, the rest are held out.
 
 Input (--format text, the default): text files (one document each), and JSON-lines (.jsonl,
 .json, .ndjson, any case) or Parquet (.parquet; pyarrow, the `parquet` extra) files, one
@@ -671,8 +673,11 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
                     "sources": [str(p) for p in inputs]}
             if fmt != "text":
                 meta["n_trained"] = sum(counted for *_, counted in results)
-                meta["chat_template"] = None if template is None else \
-                    _chat_template(*template).source
+                if template is not None:
+                    template = _chat_template(*template)
+                    template = {"source": template.source, "template": template.text,
+                                "special_tokens": template.special_tokens}
+                meta["chat_template"] = template
             np.save(work / "docs.npy", docs)
             write_index(work / "tokens.idx", lengths, dtype)
             if not bytes_level:
@@ -1202,6 +1207,26 @@ def parse_blend(items: list[str]) -> list[tuple[float, str]]:
                          "and datasets, each weight a positive number before its dataset: "
                          "--data 0.3 data/a 0.7 data/b")
     return list(zip(weights, items[1::2]))
+
+
+def data_chat_template(items: list[str]) -> tuple[ChatTemplate | None, str | None]:
+    """(the chat template the instruction datasets among --data's values were rendered
+    with (their meta.json's), or None, a line saying why none is taken where they were
+    rendered with different ones): what a model trained on them answers chats with."""
+    found = {}
+    for _, path in parse_blend(items):
+        meta = dataset_meta(path)
+        if isinstance(meta, dict) and isinstance(meta.get("chat_template"), dict):
+            found[path] = meta["chat_template"]
+    if len({json.dumps([t["template"], t["special_tokens"]], sort_keys=True)
+            for t in found.values()}) > 1:
+        return None, (f"--data {', '.join(found)} were rendered with different chat templates "
+                      f"({', '.join(t['source'] for t in found.values())}), of which the model "
+                      "carries none: give serve --chat-template FILE")
+    record = next(iter(found.values()), None)
+    if record is None:
+        return None, None
+    return ChatTemplate(record["template"], record["special_tokens"], record["source"]), None
 
 
 def load_data(items: list[str], vocab_size: int, tokenizer=None):

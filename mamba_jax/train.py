@@ -49,8 +49,8 @@ from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
 from mamba_jax.convert import check_exportable, export
-from mamba_jax.data import (DEFAULT_CORPUS, dataset_meta, dataset_tokenizer, fingerprint,
-                            is_indexed, load_data, parse_blend)
+from mamba_jax.data import (DEFAULT_CORPUS, data_chat_template, dataset_meta, dataset_tokenizer,
+                            fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
 from mamba_jax.formats import export_format, layout_notes
@@ -599,6 +599,9 @@ def _train(argv, held: contextlib.ExitStack):
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     # Refuses bad data before any compute.
     dataset = load_data(args.data, cfg.vocab_size, tokenizer)
+    chat_template, mixed = data_chat_template(args.data)  # what the model answers chats with
+    if mixed and lead:
+        print(mixed, file=sys.stderr)
     dtype = jnp.dtype(args.dtype)
     try:
         mesh = parallel.make_mesh(args.mesh)
@@ -623,6 +626,8 @@ def _train(argv, held: contextlib.ExitStack):
               "not evaluate (prepare more documents or a larger --eval-fraction to evaluate)",
               file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
+    if ckpt and lead and chat_template:  # beside its tokenizer, where serve and convert look
+        chat_template.save(args.checkpoint_dir, tokenizer)
 
     base = build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     # With adapters or --train-only, `params` is what trains (the optimizer sees only it)
@@ -862,7 +867,7 @@ def _train(argv, held: contextlib.ExitStack):
         if lead:
             out = _export_dir(args, out, resumed)
             removed = export(adapters.merge(model) if tuning else model, out, tokenizer,
-                             format=layout)
+                             format=layout, chat_template=chat_template)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
             if removed := [name for name in removed if name != "train_config.json"]:
                 print(f"removed the replaced model's {', '.join(removed)} from {out}",

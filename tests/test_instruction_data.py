@@ -360,6 +360,7 @@ def test_held_out_documents_are_evaluated_masked_and_a_blend_masks_every_row(tmp
 
 
 def test_the_trainer_trains_on_chats_with_grad_accum_and_evaluates(tmp_path, capsys):
+    from mamba_jax.convert import main as convert
     from mamba_jax.train import main as train
 
     chats = [{"messages": [{"role": "user", "content": f"Question {i}?"},
@@ -372,7 +373,22 @@ def test_the_trainer_trains_on_chats_with_grad_accum_and_evaluates(tmp_path, cap
            "--set", "d_model=32",
            "--set", "n_layer=1", "--set", "headdim=16", "--set", "d_state=16",
            "--set", "chunk_size=16", "--metrics-file", str(tmp_path / "m.jsonl"),
-           "--out", "none"])
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records) and "eval_loss" in records[-1]
     assert "36 training documents packed whole into" in capsys.readouterr().err
+    # The export, the checkpoints and their conversion carry the template the chats were
+    # rendered with, and its special tokens, as transformers saves them (serve and
+    # apply_chat_template read them there; they were lost); the export's
+    # tokenizer_config.json names the class that loads it.
+    convert([str(tmp_path / "ckpt"), str(tmp_path / "converted"), "--to", "hf"])
+    given = ChatTemplate.from_model_dir(FIXTURES / "chatml")
+    for folder in (tmp_path / "out", tmp_path / "ckpt", tmp_path / "converted"):
+        carried = ChatTemplate.from_model_dir(folder)
+        assert (carried.text, carried.special_tokens) == (given.text, given.special_tokens)
+        assert carried.source == str(folder / "chat_template.jinja")
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+    im_end = Tokenizer.from_file(str(FIXTURES / "chatml" / "tokenizer.json")).token_to_id(
+        "<|im_end|>")  # where transformers' generate stops
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == im_end
