@@ -160,6 +160,15 @@ def test_a_tp_size_megatron_cannot_split_is_refused():
     with pytest.raises(ValueError, match=r"--target-tp-size 8 does not divide mamba2.ngroups=4, "
                                          r".*sizes that work: \[1, 2, 4\]"):
         rank_state_dicts(flat_params(Mamba2LM(HYBRID, rngs=nnx.Rngs(0))), HYBRID, 8)
+    # One KV head over 3 ranks: Megatron splits linear_qkv's (6 + 2) * 8 rows evenly, which
+    # 3 does not divide (it was a numpy traceback, "array split does not result in an equal
+    # division")
+    mqa = HYBRID.replace(d_model=48, layer_pattern="*", n_layer=1, pad_vocab_size_multiple=48,
+                         attention=dict(num_heads=6, num_heads_kv=1, head_dim=8,
+                                        rotary_emb_dim=4))
+    with pytest.raises(ValueError, match=r"--target-tp-size 3 does not divide linear_qkv's 64 "
+                                         r"rows .* sizes that work: \[1, 2\]"):
+        rank_state_dicts(flat_params(Mamba2LM(mqa, rngs=nnx.Rngs(0))), mqa, 3)
 
 
 def test_megatron_files_without_torch_are_one_line_naming_the_extra(tmp_path, monkeypatch,
