@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -195,6 +196,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template {path}: cannot read it "
                                     f"({getattr(error, 'strerror', None) or error})") from None
         return cls(text, special_tokens, str(path))
+
+    def unnamed_tokens(self) -> list[str]:
+        """The special tokens (TEMPLATE_TOKENS) the template writes but its special_tokens
+        lack, which render as empty text: e.g. its eos_token where a --chat-template file
+        goes with a tokenizer file, whose tokenizer_config.json would name it."""
+        read = jinja2.meta.find_undeclared_variables(
+            self._template.environment.parse(self.text))
+        return [name for name in TEMPLATE_TOKENS if name in read and name not in
+                self.special_tokens]
 
     def save(self, directory, tokenizer) -> None:
         """Write the template beside `tokenizer` (saved in `directory` by

@@ -638,6 +638,13 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
             print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token "
                   f"(none of {', '.join(SPECIAL_TOKENS['eos'])}); documents are joined "
                   "without one", file=log)
+        chat = None if template is None else _chat_template(*template)
+        if chat is not None and (unnamed := chat.unnamed_tokens()):
+            print(f"prepare: {chat.source} writes {', '.join(unnamed)}, "
+                  f"which --tokenizer {tokenizer_spec} does not name (a model folder's "
+                  "tokenizer_config.json does), so the chats hold "
+                  f"{'it' if len(unnamed) == 1 else 'them'} as empty text; give --tokenizer "
+                  "the model's folder", file=log)
         for stale in out.glob(_WORK_PREFIX + "*"):
             shutil.rmtree(stale)
             print(f"prepare: removed {stale}, left by a prepare that was interrupted",

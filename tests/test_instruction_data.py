@@ -3,6 +3,7 @@ apply_chat_template does (tests/fixtures/chat, saved from transformers) and stor
 mask beside the tokens; PackedDataset packs whole documents into rows with their document
 ids; bad rows are one line naming the file, the row and the fix; the trainer runs on it."""
 
+import io
 import json
 from pathlib import Path
 
@@ -110,6 +111,23 @@ def test_prompt_completion_masks_from_where_the_pair_parts_from_the_prompt(tmp_p
     assert ids[:2] == [[317, 68, 328, 513], [34, 78, 355, 359, 513]]
     assert masks == [[0, 0, 1, 1], [0, 0, 0, 1, 1], [0] * 17 + [1] * 6]
     assert len(ids[2]) == 23
+
+
+def test_a_template_writing_special_tokens_the_tokenizer_does_not_name_is_said(tmp_path):
+    """A --chat-template file beside a tokenizer file (no tokenizer_config.json names its
+    special tokens) renders its eos_token as empty text, as transformers would without
+    one: the chats lose their ends of turn, which prepare says (it said nothing)."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% if m['role'] == "
+                        "'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+    rows = write_rows(tmp_path / "c.jsonl", [{"messages": CHAT}])
+    for tokenizer, said in ((FIXTURES / "chatml" / "tokenizer.json", True),
+                            (FIXTURES / "chatml", False)):
+        log = io.StringIO()
+        prepare([rows], tokenizer, tmp_path / "ds", eval_fraction=0.0, fmt="chat",
+                chat_template=template, log=log, overwrite=True)
+        assert (f"prepare: {template} writes eos_token, which --tokenizer {tokenizer} does "
+                "not name" in log.getvalue()) == said
 
 
 def test_a_role_the_template_takes_is_rendered(tmp_path):
