@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mamba_jax import adapters
-from mamba_jax.chat import ChatTemplate
+from mamba_jax.chat import ADDITIONAL_TEMPLATES, ChatTemplate
 from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_overrides,
                            require_at_least)
 from mamba_jax.config import Mamba2Config
@@ -538,7 +539,7 @@ def main(argv=None):
 # them) or its generation settings, which transformers reads before what config.json says
 # (bos / eos / pad ids).
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json",
-                         "added_tokens.json", "chat_template.jinja")
+                         "added_tokens.json", "chat_template.jinja", ADDITIONAL_TEMPLATES)
 _GENERATION_CONFIG = "generation_config.json"
 
 
@@ -568,6 +569,9 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
     for name in stale:
         if (path / name).is_file():
             (path / name).unlink()
+            removed.append(name)
+        elif (path / name).is_dir():  # a folder of named chat templates
+            shutil.rmtree(path / name)
             removed.append(name)
     if tokenizer is not None:
         ids = special_token_ids(tokenizer)

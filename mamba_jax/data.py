@@ -28,8 +28,9 @@ A prepared dataset is a directory:
                   `tokenizer_source`: what --tokenizer named), `eod_token` and `eod_id`
                   (null when none was appended), `chat_template` (instruction data: the
                   template its rows were rendered with, {"source", "template", its
-                  "special_tokens"}, or null), the sources, and `train_docs`: the
-                  documents before it train, the rest are held out.
+                  "special_tokens", its "tool_use" template or null}, or null), the
+                  sources, and `train_docs`: the documents before it train, the rest are
+                  held out.
 
 Input (--format text, the default): text files (one document each), and JSON-lines (.jsonl,
 .json, .ndjson, any case) or Parquet (.parquet; pyarrow, the `parquet` extra) files, one
@@ -683,7 +684,8 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
                 if template is not None:
                     template = _chat_template(*template)
                     template = {"source": template.source, "template": template.text,
-                                "special_tokens": template.special_tokens}
+                                "special_tokens": template.special_tokens,
+                                "tool_use": template.tool_use and template.tool_use.text}
                 meta["chat_template"] = template
             np.save(work / "docs.npy", docs)
             write_index(work / "tokens.idx", lengths, dtype)
@@ -1225,7 +1227,7 @@ def data_chat_template(items: list[str]) -> tuple[ChatTemplate | None, str | Non
         meta = dataset_meta(path)
         if isinstance(meta, dict) and isinstance(meta.get("chat_template"), dict):
             found[path] = meta["chat_template"]
-    if len({json.dumps([t["template"], t["special_tokens"]], sort_keys=True)
+    if len({json.dumps([t["template"], t["special_tokens"], t.get("tool_use")], sort_keys=True)
             for t in found.values()}) > 1:
         return None, (f"--data {', '.join(found)} were rendered with different chat templates "
                       f"({', '.join(t['source'] for t in found.values())}), of which the model "
@@ -1233,7 +1235,8 @@ def data_chat_template(items: list[str]) -> tuple[ChatTemplate | None, str | Non
     record = next(iter(found.values()), None)
     if record is None:
         return None, None
-    return ChatTemplate(record["template"], record["special_tokens"], record["source"]), None
+    return ChatTemplate(record["template"], record["special_tokens"], record["source"],
+                        record.get("tool_use")), None
 
 
 def load_data(items: list[str], vocab_size: int, tokenizer=None):
