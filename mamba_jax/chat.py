@@ -17,10 +17,10 @@ tokenized without adding special tokens (the template writes them). Where a mode
 `chat_template.jinja` (and `additional_chat_templates/NAME.jinja`), those files are its
 templates, as transformers reads them, before `tokenizer_config.json`'s `chat_template` (a
 string, or a list of named templates): "default", and "tool_use" for a conversation with
-tools where the model names one. `save` writes a template beside a model's tokenizer as transformers'
-save_pretrained does (chat_template.jinja and tokenizer_config.json's special tokens), so
-that a fine-tuned model's export and its trainer's checkpoints carry the template its data
-was rendered with.
+tools where the model names one. `save` writes a template beside a model's tokenizer as
+transformers' save_pretrained does (chat_template.jinja and tokenizer_config.json's special
+tokens), so that a fine-tuned model's export and its trainer's checkpoints carry the
+template its data was rendered with.
 """
 
 from __future__ import annotations

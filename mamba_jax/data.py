@@ -1072,6 +1072,8 @@ class PackedDataset(TokenDataset):
         return self._rows(self._packing(seq_len, seed), rows, seq_len)
 
     def _refuse(self, seq_len: int, lost: int):
+        """The ValueError of training documents that keep no token to train on in rows of
+        seq_len + 1 tokens, `lost` of theirs past the cut."""
         longest = int(np.diff(self.doc_starts)[:self.train_docs].max())
         if lost:
             raise ValueError(f"--data {self.name}: cut to rows of --seq-len {seq_len} + 1 "
