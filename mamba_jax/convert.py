@@ -436,6 +436,17 @@ def _remove_replaced(path: Path) -> list[str]:
     return removed
 
 
+def _remove_model(path: Path) -> list[str]:
+    """Remove a model from `path` (its config.json, weights and generation_config.json, and
+    what _remove_replaced removes): what would be read as the model before the Megatron-LM
+    checkpoint written beside it. Returns their names."""
+    removed = [name for name in ("config.json", "model.safetensors", _GENERATION_CONFIG)
+               if (path / name).is_file()]
+    for name in removed:
+        (path / name).unlink()
+    return removed + _remove_replaced(path)
+
+
 @command("python -m mamba_jax.convert")
 def main(argv=None):
     from mamba_jax import megatron
@@ -515,6 +526,11 @@ def main(argv=None):
               f"{args.megatron_keys}) from {source}; load it in Megatron-LM with --finetune")
         for note in layout_notes(model.config, "megatron"):
             print(f"note: {note}")
+        # A model replaced in dst would be read before the checkpoint (from_pretrained reads
+        # a folder's config.json first): its files go, unless dst is src, which holds it
+        if not (Path(args.src).is_dir() and os.path.samefile(args.src, args.dst)) and \
+                (removed := _remove_model(Path(args.dst))):
+            print(f"removed the replaced model's {', '.join(removed)}")
         return
     removed = export(model, args.dst, tokenizer, format=args.to,
                      source=None if training else args.src, chat_template=chat_template)

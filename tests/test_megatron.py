@@ -8,6 +8,7 @@ fixtures' safetensors copies of the .pt and .distcp files through the same reade
 is (docs/megatron.md)."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,11 +18,12 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from mamba_jax import Mamba2Config, Mamba2LM, from_pretrained
+from mamba_jax import Mamba2Config, Mamba2LM, from_pretrained, megatron
 from mamba_jax.cli import MissingDependency
 from mamba_jax.convert import flat_params, main, model_from_params, torch_to_params
 from mamba_jax.megatron import checkpoint_tensors, megatron_args, rank_state_dicts
-from mamba_jax.megatron_files import Legacy, TorchDist
+from mamba_jax.files import holds_model
+from mamba_jax.megatron_files import TRACKER, Legacy, TorchDist, is_megatron_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_hybrid"
 
@@ -190,3 +192,24 @@ def test_set_is_refused_for_a_checkpoint_with_a_config_json():
                                          r"fields \(mamba2.chunk_size\) are taken for a "
                                          r"Megatron-LM checkpoint only"):
         from_pretrained(FIXTURE / "nemotron_h", overrides={"mamba2.chunk_size": 8})
+
+
+def test_a_megatron_checkpoint_written_over_a_model_removes_that_model(tmp_path, monkeypatch,
+                                                                       capsys):
+    """convert --to megatron --overwrite into a folder holding a model removes the model's
+    config.json and weights, which from_pretrained read before the checkpoint beside them
+    (the conversion's output read back as the replaced model). CI has no torch: the writer
+    is a stand-in laying out a checkpoint's folders."""
+    def write(model, path, tp, keys):
+        folder = Path(path) / "iter_0000000"
+        (folder / "mp_rank_00").mkdir(parents=True)
+        (Path(path) / TRACKER).write_text("0\n")
+        return folder
+
+    monkeypatch.setattr(megatron, "save_megatron", write)
+    dst = tmp_path / "dst"
+    shutil.copytree(FIXTURE / "nemotron_h", dst)
+    main([str(FIXTURE / "nemotron_h"), str(dst), "--to", "megatron", "--overwrite"])
+    assert is_megatron_checkpoint(dst) and not holds_model(dst)
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "removed the replaced model's config.json, model.safetensors"
