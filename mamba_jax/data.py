@@ -33,8 +33,8 @@ A prepared dataset is a directory:
                   held out.
 
 Input (--format text, the default): text files (one document each), and JSON-lines (.jsonl,
-.json, .ndjson, any case) or Parquet (.parquet; pyarrow, the `parquet` extra) files, one
-object per row whose --json-keys fields (Megatron's flag; "text" by default) are its
+.json, .ndjson, any case; or one JSON array of rows, read whole) or Parquet (.parquet;
+pyarrow, the `parquet` extra) files, one object per row whose --json-keys fields (Megatron's flag; "text" by default) are its
 documents, in key order (Megatron's preprocess_data writes a dataset per key instead); with
 --json-keys every input must be JSON lines or Parquet.
 
@@ -208,8 +208,10 @@ _NOT_JSON = object()  # a JSON-lines file's line that does not parse
 
 def _rows(path: Path):
     """Yield (where, row) for each row of a JSON-lines file (each non-blank line's value, or
-    _NOT_JSON; where: "PATH:LINE") or of a Parquet file (each row as a dict, read a batch
-    of rows at a time; where: "PATH row N", from 1)."""
+    _NOT_JSON; where: "PATH:LINE"), of a JSON file that holds one array of rows (read whole,
+    as datasets' load_dataset("json") reads one; where: "PATH item N", from 1) or of a
+    Parquet file (each row as a dict, read a batch of rows at a time; where: "PATH row N",
+    from 1)."""
     if is_parquet(path):
         try:
             import pyarrow
@@ -230,6 +232,17 @@ def _rows(path: Path):
         return
     # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
     with open(path, encoding="utf-8-sig") as f:
+        if f.read(4096).lstrip().startswith("["):  # one array, or JSON lines of arrays
+            f.seek(0)
+            try:
+                items = json.load(f)
+            except json.JSONDecodeError:
+                items = None
+            if isinstance(items, list):
+                for number, row in enumerate(items, 1):
+                    yield f"{path} item {number}", row
+                return
+        f.seek(0)
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:

@@ -165,17 +165,22 @@ def test_a_rows_tools_and_template_arguments_reach_the_template(tmp_path):
     assert ids == [case["ids"], [im_end] + case["ids"]]
 
 
-def test_parquet_rows_give_the_json_lines_dataset(tmp_path):
+def test_parquet_rows_and_a_json_array_give_the_json_lines_dataset(tmp_path):
+    """Parquet rows, and a .json file holding one array of rows (datasets' to_json(lines=
+    False), which load_dataset("json") reads; it was refused as a line that is not JSON),
+    give what JSON lines give."""
     import pyarrow
     import pyarrow.parquet
 
     rows = [{"messages": c["messages"]} for c in cases("generation")]
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "chats.parquet")
     write_rows(tmp_path / "chats.jsonl", rows)
-    for name in ("chats.parquet", "chats.jsonl"):
+    (tmp_path / "chats.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    for name in ("chats.parquet", "chats.jsonl", "chats.json"):
         prepare([tmp_path / name], FIXTURES / "generation", tmp_path / name.replace(".", "_"),
                 eval_fraction=0.0, fmt="chat")
-    assert stored(tmp_path / "chats_parquet") == stored(tmp_path / "chats_jsonl")
+    assert stored(tmp_path / "chats_parquet") == stored(tmp_path / "chats_jsonl") == \
+        stored(tmp_path / "chats_json")
 
 
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
