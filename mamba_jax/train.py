@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mamba_jax import adapters, compilation_cache, parallel
+from mamba_jax.chat import ChatTemplate
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
@@ -602,6 +603,8 @@ def _train(argv, held: contextlib.ExitStack):
     chat_template, mixed = data_chat_template(args.data)  # what the model answers chats with
     if mixed and lead:
         print(mixed, file=sys.stderr)
+    elif chat_template is None and source:  # else the one of the model it starts from
+        chat_template = ChatTemplate.from_model_dir(source.checkpoints or source.path)
     dtype = jnp.dtype(args.dtype)
     try:
         mesh = parallel.make_mesh(args.mesh)

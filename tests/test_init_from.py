@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import mamba_jax
 from mamba_jax import convert, parallel
+from mamba_jax.chat import ChatTemplate
 from mamba_jax.cli import UserExit
 from mamba_jax.convert import load_config, param_tensors
 from mamba_jax.data import DEFAULT_CORPUS
@@ -165,6 +166,7 @@ def test_a_trainers_checkpoint_is_a_source_and_a_resume_keeps_to_its_own(tmp_pat
     the weights that run started from; a resume restores its own run's checkpoint, and is
     refused once the source it started from holds other weights, or without it."""
     model = _model_with_tokenizer(tmp_path, files)
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     first, second = tmp_path / "first", tmp_path / "second"
     train(files, "--init-from", str(model), "--checkpoint-dir", str(first), "--out", "none")
     train(files, "--init-from", str(first / "1"), "--checkpoint-dir", str(second),
@@ -173,6 +175,9 @@ def test_a_trainers_checkpoint_is_a_source_and_a_resume_keeps_to_its_own(tmp_pat
     assert ours.keys() == theirs.keys()
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key], err_msg=key)
+    # the chat template of the model a run starts from goes with it (text data gives none)
+    for folder in (first, second, tmp_path / "out"):
+        assert ChatTemplate.from_model_dir(folder).text == "{{ messages[0]['content'] }}"
     capsys.readouterr()
 
     def resume(*source):  # at --steps 1: the checkpoint restored, and nothing to train
