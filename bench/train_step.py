@@ -7,6 +7,8 @@ the longest sequence that trains, and mamba_ssm's training step beside ours.
     python3 -m bench.train_step longest --preset mamba2-1.3b --meshes dp=1 cp=2
     python3 -m bench.train_step versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
         --baseline .baseline [--allow-slow-baseline]
+    python3 -m bench.train_step lora --preset nemotron-nano-9b-v2 --seq-len 4096 \\
+        --lora-rank 16 --base-dtype bfloat16 --full-preset mamba2-2.7b
 
 tiny: the first five losses of `python -m mamba_jax.train --steps 5` (tiny preset, float32;
   --set changes its fields, e.g. to a hybrid: --set layer_pattern=M*-M n_layer=4 ...) on the
@@ -49,6 +51,13 @@ versus: per preset, the largest batch that fits (ours: found as above over the b
   kernels, which do not install on the GPU machine, so a MIMO preset (and a layer pattern its
   blocks cannot spell) gets our columns alone. Our Mamba-3 layers run mamba3_scan's default
   implementation, "auto".
+lora: LoRA (--lora-rank, default 16, on every projection; the base stored in --base-dtype)
+  of --preset at the largest batch that fits one GPU (found as versus finds ours), beside
+  full fine-tuning of --full-preset at its largest, both measured in the run (tokens/s, peak
+  GiB), and the memory full fine-tuning of --preset would need, computed: 16 bytes a
+  parameter (float32 weights, gradients, AdamW's two moments) and the temporaries XLA plans
+  for the LoRA step at its batch (its activations). --layers takes the preset's first
+  layers, as throughput's.
 
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
@@ -89,15 +98,16 @@ class Steps:
     """Our jitted train step for one preset and mesh, compiled once per (batch, seq_len);
     scan_layers as the trainer's --scan-layers (default: the layers one after the other);
     ssd_config: the SSD kernels' config it is traced with (bench.ssd.default_config);
-    dtype: the compute dtype (the trainer's --dtype)."""
+    dtype: the compute dtype (the trainer's --dtype); tuning: a mamba_jax.adapters.Tuning
+    (LoRA adapters, a bfloat16 base) or None (every parameter trains)."""
 
     def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=False,
-                 ssd_config="", dtype="bfloat16"):
+                 ssd_config="", dtype="bfloat16", tuning=None):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
 
-        from mamba_jax import parallel
+        from mamba_jax import adapters, parallel
         from mamba_jax.config import Mamba2Config
         from mamba_jax.model import Mamba2LM
         from mamba_jax.optim import make_optimizer, make_train_step, opt_state_shardings
@@ -110,25 +120,35 @@ class Steps:
         self.mesh_spec, self.loss_chunk, self.ssd_config = mesh_spec, loss_chunk, ssd_config
         n = math.prod(parallel.parse_mesh_spec(mesh_spec).values())
         self.mesh = mesh = parallel.make_mesh(mesh_spec, jax.devices()[:n])
-        self.build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.dtype(dtype))
-        graphdef, abstract = nnx.split(nnx.eval_shape(self.build))
-        specs = parallel.param_specs(abstract, mesh)
+        build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jax.numpy.dtype(dtype))
+        self.build = tuning.build(build, 0) if tuning else build
+        # what trains (params) and, with a tuning, the frozen base apart (frozen: [state])
+        self.split = tuning.split if tuning else lambda state: (state,)
+        graphdef, whole = nnx.split(nnx.eval_shape(self.build))
+        specs = parallel.param_specs(whole, mesh)
         self.param_shardings = parallel.shardings(mesh, specs)
+        abstract, *frozen = self.split(whole)
+        self.trained_shardings, *frozen_shardings = self.split(self.param_shardings)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
         self.loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
                                              loss_chunk=loss_chunk, scan_layers=scan_layers)
+        if tuning:
+            self.loss_fn = adapters.joined(self.loss_fn)
         self.step = make_train_step(self.loss_fn, self.tx)
         self.rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
         self.replicated = NamedSharding(mesh, P())
-        params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              abstract, self.param_shardings)
-        opt_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(self.tx.init, params),
-            opt_state_shardings(self.tx, params, self.param_shardings, self.replicated))
+        placed = lambda tree, shardings: jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+        params = placed(abstract, self.trained_shardings)
+        opt_state = placed(jax.eval_shape(self.tx.init, params), opt_state_shardings(
+            self.tx, params, self.trained_shardings, self.replicated))
         self.abstract_state = (params, opt_state)
+        self.abstract_frozen = tuple(map(placed, frozen, frozen_shardings))
+        self.sizes = {"params": sum(a.size for a in jax.tree.leaves(whole)),
+                      "trained": sum(a.size for a in jax.tree.leaves(abstract))}
         self.compiled = {}
         self.state = None  # (params, opt_state) on the devices, once measure() built them
+        self.frozen = None  # the frozen part on the devices, once measure() built it
 
     def compile(self, batch, seq_len):
         """(compiled step, seconds to compile, device bytes XLA plans for it: arguments +
@@ -145,7 +165,8 @@ class Steps:
                                           sharding=self.rows)
             start = time.perf_counter()
             with default_config(self.ssd_config):
-                lowered = self.step.lower(*self.abstract_state, (tokens, tokens))
+                lowered = self.step.lower(*self.abstract_state, (tokens, tokens),
+                                          *self.abstract_frozen)
             log(f"  {self.mesh_spec} {batch}x{seq_len}: lowered in "
                 f"{time.perf_counter() - start:.1f} s")
             exe = lowered.compile()
@@ -155,7 +176,7 @@ class Steps:
             self.compiled[batch, seq_len] = (
                 exe, time.perf_counter() - start,
                 m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                + m.temp_size_in_bytes)
+                + m.temp_size_in_bytes, m.temp_size_in_bytes)
         return self.compiled[batch, seq_len]
 
     def planned(self, batch, seq_len):
@@ -183,11 +204,13 @@ class Steps:
         from mamba_jax.metrics import train_flops_per_token
         from mamba_jax.optim import init_opt_state
 
-        exe, compile_s, planned = self.compile(batch, seq_len)
+        exe, compile_s, planned, temporaries = self.compile(batch, seq_len)
         if self.state is None:  # built once per process; each step donates and returns it
             start = time.perf_counter()
-            params = parallel.init_params(self.build, self.param_shardings)
-            self.state = (params, init_opt_state(self.tx, params, self.param_shardings,
+            params, *frozen = self.split(parallel.init_params(self.build,
+                                                              self.param_shardings))
+            self.frozen = tuple(frozen)
+            self.state = (params, init_opt_state(self.tx, params, self.trained_shardings,
                                                  self.replicated))
             jax.block_until_ready(self.state)
             log(f"  {self.mesh_spec}: parameters and optimizer state built in "
@@ -208,14 +231,14 @@ class Steps:
 
         for _ in range(2):  # warm-up, each step read before the next is dispatched
             start = time.perf_counter()
-            params, opt_state, loss, _ = exe(params, opt_state, tokens)
+            params, opt_state, loss, _ = exe(params, opt_state, tokens, *self.frozen)
             timed(loss, start)
         # Then as the trainer runs them: each step dispatched before the loss of the one
         # before it is read, a step's time from one loss read to the next.
         start = time.perf_counter()
-        params, opt_state, pending, _ = exe(params, opt_state, tokens)
+        params, opt_state, pending, _ = exe(params, opt_state, tokens, *self.frozen)
         for _ in range(steps):
-            params, opt_state, loss, _ = exe(params, opt_state, tokens)
+            params, opt_state, loss, _ = exe(params, opt_state, tokens, *self.frozen)
             start, pending = timed(pending, start), loss
         loss.block_until_ready()
         step_s = float(np.median(times[2:]))
@@ -227,7 +250,8 @@ class Steps:
                 # One warm-up call compiles it.
                 with default_config(self.ssd_config):  # the warm-up call traces it
                     parts[name] = median_time(
-                        lambda fn=fn: jax.block_until_ready(fn(params, *micro)), 1, steps)
+                        lambda fn=fn: jax.block_until_ready(
+                            fn(params, *self.frozen, *micro)), 1, steps)
                 log(f"  {self.mesh_spec} {batch}x{seq_len}: {name} {parts[name]:.3f} s")
         devices = list(self.mesh.devices.flat)
         flops = train_flops_per_token(self.cfg, seq_len) * batch * seq_len
@@ -238,7 +262,8 @@ class Steps:
                 "compile_s": compile_s, "first_step_s": times[0], "step_s": step_s,
                 "tokens_s": batch * seq_len / step_s,
                 "mfu": flops / step_s / (peak_flops(devices[0].device_kind) * len(devices)),
-                "peak_gib": peak / GIB, "planned_gib": planned / GIB, "loss": loss,
+                "peak_gib": peak / GIB, "planned_gib": planned / GIB,
+                "temporaries_gib": temporaries / GIB, **self.sizes, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
                 "device_kind": devices[0].device_kind, **parts}
 
@@ -284,7 +309,7 @@ def child(args):
     if args.child == "variants":
         return variants(args)
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers,
-                  args.scan_layers)
+                  args.scan_layers, tuning=tuning(args))
     if args.child == "measure":
         result(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
         return
@@ -300,6 +325,17 @@ def child(args):
                                    args.granule, limit, log)
         measured = steps.measure(value, args.seq_len, args.steps)
     result(dict(measured, next_planned_gib=next_need / GIB, limit_gib=limit / GIB))
+
+
+def tuning(args):
+    """The mamba_jax.adapters.Tuning of --lora-rank and --base-dtype, or None."""
+    from mamba_jax.adapters import Tuning
+    from mamba_jax.config import Mamba2Config
+
+    if args.lora_rank is None:
+        return None
+    return Tuning(rank=args.lora_rank, base_dtype=args.base_dtype).check(
+        Mamba2Config.preset(args.preset))
 
 
 def variants(args):
@@ -473,12 +509,15 @@ def layers_note(args) -> str:
 
 
 def child_argv(args, kind, mesh, **changes):
-    values = dict(preset=args.preset, batch=args.batch, seq_len=args.seq_len, remat=args.remat,
-                  steps=args.steps, granule=args.granule, **changes)
-    if args.layers:
-        values["layers"] = args.layers
-    if args.limit_gib:
-        values["limit_gib"] = args.limit_gib
+    """The argv of a child of `kind` on `mesh`: args' settings, those in `changes` instead
+    (layers and lora_rank None: none)."""
+    values = {**dict(preset=args.preset, batch=args.batch, seq_len=args.seq_len,
+                     remat=args.remat, steps=args.steps, granule=args.granule,
+                     layers=args.layers, limit_gib=args.limit_gib, lora_rank=args.lora_rank),
+              **changes}
+    if values["lora_rank"] is not None:
+        values["base_dtype"] = args.base_dtype
+    values = {k: v for k, v in values.items() if v is not None}
     flags = (["--breakdown"] if args.breakdown else []) + (["--scan-layers"] if args.scan_layers
                                                            else [])
     argv = ["_child", kind, "--mesh", mesh] + [
@@ -512,6 +551,45 @@ def throughput(args):
                 print(f"|   vs first row | | | | {r['step_s'] / base['step_s']:.3f}x step time "
                       f"| | | | {r['peak_gib'] / max(base['peak_gib'], 1e-9):.2f}x peak | |",
                       flush=True)
+
+
+def lora(args):
+    """LoRA of --preset at the largest batch that fits, beside full fine-tuning of
+    --full-preset at its largest, both measured in this run, and the memory full
+    fine-tuning of --preset would need: float32 weights, gradients and AdamW's two moments
+    (16 bytes a parameter) and the activations and temporaries XLA plans for the LoRA step
+    at its batch (the same layers' forward and backward)."""
+    print(f"seqlen {args.seq_len}, bf16 compute, remat {args.remat}{layers_note(args)}; "
+          f"largest batch that fits; median of {args.steps} steps; LoRA rank "
+          f"{args.lora_rank} on every projection, the base in {args.base_dtype}")
+    print(table_header(("run", "trained / all parameters", "batch x seqlen", "step ms",
+                        "tokens/s", "peak GiB", "planned GiB")), flush=True)
+    runs = ((f"LoRA of {args.preset}", child_argv(args, "batch", "dp=1")),
+            (f"full fine-tuning of {args.full_preset}",
+             child_argv(args, "batch", "dp=1", preset=args.full_preset, layers=None,
+                        lora_rank=None)))
+    measured = {}
+    for label, argv in runs:
+        r = measured[label] = in_process(gpus(1), argv, args.timeout)[-1]
+        if "error" in r:
+            print(table_row((label, r["error"], "", "", "", "", "")), flush=True)
+            continue
+        print(table_row((label, f"{r['trained'] / 1e6:,.1f}M / {r['params'] / 1e6:,.1f}M",
+                         f"{r['batch']}x{r['seq_len']}", f"{r['step_s'] * 1e3:.1f}",
+                         f"{r['tokens_s']:,.0f}", f"{r['peak_gib']:.1f}",
+                         f"{r['planned_gib']:.1f}")), flush=True)
+    r = measured[runs[0][0]]
+    if "error" not in r:
+        states = 16 * r["params"] / GIB
+        print(table_row((f"full fine-tuning of {args.preset} (computed, not run)",
+                         f"{r['params'] / 1e6:,.1f}M / {r['params'] / 1e6:,.1f}M",
+                         f"{r['batch']}x{r['seq_len']}", "", "",
+                         f"{states + r['temporaries_gib']:.1f} needed: {states:.1f} of "
+                         f"weights, gradients and moments + {r['temporaries_gib']:.1f} of "
+                         "activations", "")), flush=True)
+        print(f"  LoRA peak / full fine-tuning's need: "
+              f"{r['peak_gib'] / (states + r['temporaries_gib']):.2f}x; device limit "
+              f"{r['limit_gib']:.1f} GiB", flush=True)
 
 
 def longest(args):
@@ -610,8 +688,8 @@ def versus(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=("tiny", "throughput", "longest", "versus", "_child",
-                                    "_theirs"))
+    p.add_argument("mode", choices=("tiny", "throughput", "longest", "versus", "lora",
+                                    "_child", "_theirs"))
     p.add_argument("child", nargs="?", choices=("measure", "longest", "batch", "variants"))
     p.add_argument("--meshes", nargs="+", default=["dp=1"])
     p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
@@ -644,25 +722,35 @@ def main(argv=None):
                    help="throughput --ssd-variants: turns each step takes")
     p.add_argument("--breakdown", action="store_true",
                    help="throughput: also time the loss alone and the loss with its gradient")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="lora (default 16), throughput: LoRA adapters of this rank on every "
+                        "projection, the only parameters that train")
+    p.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                   help="with --lora-rank: the frozen base's weights stored in this dtype")
+    p.add_argument("--full-preset", default="mamba2-2.7b",
+                   help="lora: the model whose full fine-tuning runs beside")
     p.add_argument("--limit-gib", type=float, default=None,
                    help="device memory to fit in (default: the device's bytes_limit)")
     args = p.parse_args(argv)
     defaults = {"throughput": (4, 4096, "none", None, 4),
                 "longest": (1, 32768, "full", 4096, 16384),
-                "versus": (8, 2048, "none", None, 4)}.get(args.mode)
+                "versus": (8, 2048, "none", None, 4),
+                "lora": (1, 4096, "none", None, 1)}.get(args.mode)
+    if args.mode == "lora" and args.lora_rank is None:
+        args.lora_rank = 16
     if defaults:
         for name, value in zip(("batch", "seq_len", "remat", "loss_chunk", "granule"),
                                defaults):
             if getattr(args, name) is None:
                 setattr(args, name, value)
-    if args.mode in ("tiny", "throughput", "longest", "versus"):
+    if args.mode in ("tiny", "throughput", "longest", "versus", "lora"):
         import jax  # no backend here: the GPUs are left to the child processes
         names = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                 capture_output=True, text=True).stdout.strip().replace("\n", ", ")
                  if shutil.which("nvidia-smi") else "none")
         print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, GPU: {names}", flush=True)
     {"tiny": tiny, "throughput": throughput, "longest": longest, "versus": versus,
-     "_child": child, "_theirs": theirs}[args.mode](args)
+     "lora": lora, "_child": child, "_theirs": theirs}[args.mode](args)
 
 
 if __name__ == "__main__":

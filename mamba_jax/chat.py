@@ -14,9 +14,13 @@ A template is a model's Jinja program over `messages` (OpenAI-style dicts: `role
 (`raise_exception`, `strftime_now`, a `tojson` that does not escape HTML) and its
 `{% generation %}` tag, which marks the text a fine-tune learns. The rendered text is then
 tokenized without adding special tokens (the template writes them). Where a model dir holds
-`chat_template.jinja`, that file is its template, as transformers reads it, before
-`tokenizer_config.json`'s `chat_template` (a string, or a list of named templates whose
-"default" is used).
+`chat_template.jinja` (and `additional_chat_templates/NAME.jinja`), those files are its
+templates, as transformers reads them, before `tokenizer_config.json`'s `chat_template` (a
+string, or a list of named templates): "default", and "tool_use" for a conversation with
+tools where the model names one. `save` writes a template beside a model's tokenizer as
+transformers' save_pretrained does (chat_template.jinja and tokenizer_config.json's special
+tokens), so that a fine-tuned model's export and its trainer's checkpoints carry the
+template its data was rendered with.
 """
 
 from __future__ import annotations
@@ -28,12 +32,20 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mamba_jax.files import replace_text
+from mamba_jax.tokenizer import tokenizer_file_name
 
 # The named special tokens transformers passes to a template (its SPECIAL_TOKENS_ATTRIBUTES).
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")
+# The named template transformers renders a conversation with tools with, where a model has
+# several (its get_chat_template); and the folder of a model's named templates' files
+TOOL_USE = "tool_use"
+ADDITIONAL_TEMPLATES = "additional_chat_templates"
 # The names a message's reasoning is passed under; templates read the first.
 _REASONING = ("reasoning_content", "thinking", "reasoning")
 
@@ -143,10 +155,13 @@ def _plain(messages, where: str) -> list[dict]:
 
 
 class ChatTemplate:
-    """A model's chat template with its special tokens. `source` names where it came from."""
+    """A model's chat template with its special tokens. `source` names where it came from.
+    tool_use: the model's template for conversations with tools, where it names one beside
+    its default (transformers' get_chat_template renders those with it)."""
 
     def __init__(self, text: str, special_tokens: dict[str, str] | None = None,
-                 source: str = "the chat template"):
+                 source: str = "the chat template", tool_use: str | None = None,
+                 tool_use_source: str | None = None):
         self.text, self.source = text, source
         self.special_tokens = dict(special_tokens or {})
         try:
@@ -154,30 +169,41 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as error:
             raise ChatTemplateError(f"{source}: not a Jinja template ({error.message}, line "
                                     f"{error.lineno})") from None
+        self.tool_use = None if tool_use is None else ChatTemplate(
+            tool_use, special_tokens, tool_use_source or f"{source} ({TOOL_USE})")
 
     @classmethod
     def from_model_dir(cls, directory) -> ChatTemplate | None:
         """The template of a model (or tokenizer) dir, with the special tokens of its
-        tokenizer_config.json (and special_tokens_map.json); None where it has no template."""
+        tokenizer_config.json (and special_tokens_map.json); None where it has no template.
+        As transformers reads them: chat_template.jinja ("default") and
+        additional_chat_templates/NAME.jinja, else tokenizer_config.json's chat_template (a
+        string, or a list of named templates)."""
         directory = Path(directory)
-        config = _read_json(directory / "tokenizer_config.json")
         special = model_special_tokens(directory)
-        jinja_file = directory / "chat_template.jinja"
-        if jinja_file.is_file():
-            return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))
-        text = config.get("chat_template")
+        files = [directory / "chat_template.jinja",
+                 *sorted((directory / ADDITIONAL_TEMPLATES).glob("*.jinja"))]
+        named = {("default" if path.name == "chat_template.jinja" else path.stem):
+                 (path.read_text(encoding="utf-8"), str(path)) for path in files if path.is_file()}
         where = f"{directory / 'tokenizer_config.json'}'s chat_template"
-        if isinstance(text, list):  # named templates: transformers uses "default"
-            named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
-            if "default" not in named:
-                raise ChatTemplateError(f"{where} names templates {sorted(map(str, named))} and "
-                                        "no 'default'; give one with --chat-template FILE")
-            text = named["default"]
-        if text is None:
+        if not named:  # the files take priority over tokenizer_config.json's
+            text = _read_json(directory / "tokenizer_config.json").get("chat_template")
+            if isinstance(text, list):
+                named = {t.get("name"): (t.get("template"), f"{where} {t.get('name')!r}")
+                         for t in text if isinstance(t, dict)}
+            elif text is not None:
+                named = {"default": (text, where)}
+        if not named:
             return None
-        if not isinstance(text, str):
-            raise ChatTemplateError(f"{where} is a {type(text).__name__}, not a template")
-        return cls(text, special, where)
+        if "default" not in named:
+            raise ChatTemplateError(f"{where} names templates {sorted(map(str, named))} and "
+                                    "no 'default'; give one with --chat-template FILE")
+        for text, source in named.values():
+            if not isinstance(text, str):
+                raise ChatTemplateError(f"{source} is a {type(text).__name__}, not a template")
+        text, source = named["default"]
+        tool_use, tool_use_source = named.get(TOOL_USE, (None, None))
+        return cls(text, special, source, tool_use, tool_use_source)
 
     @classmethod
     def from_file(cls, path, special_tokens: dict[str, str] | None = None) -> ChatTemplate:
@@ -190,9 +216,42 @@ class ChatTemplate:
                                     f"({getattr(error, 'strerror', None) or error})") from None
         return cls(text, special_tokens, str(path))
 
+    def unnamed_tokens(self) -> list[str]:
+        """The special tokens (TEMPLATE_TOKENS) the template writes but its special_tokens
+        lack, which render as empty text: e.g. its eos_token where a --chat-template file
+        goes with a tokenizer file, whose tokenizer_config.json would name it."""
+        read = set().union(*(jinja2.meta.find_undeclared_variables(
+            template._template.environment.parse(template.text))
+            for template in (self, self.tool_use) if template is not None))
+        return [name for name in TEMPLATE_TOKENS if name in read and name not in
+                self.special_tokens]
+
+    def save(self, directory, tokenizer) -> None:
+        """Write the template beside `tokenizer` (saved in `directory` by
+        tokenizer.save_tokenizer) as transformers' save_pretrained does, for from_model_dir and
+        transformers' AutoTokenizer to read: chat_template.jinja, and tokenizer_config.json
+        with its special tokens and, for a tokenizer.json, the class AutoTokenizer loads
+        that with (PreTrainedTokenizerFast)."""
+        directory = Path(directory)
+        config = {**({"tokenizer_class": "PreTrainedTokenizerFast"}
+                     if tokenizer_file_name(tokenizer) == "tokenizer.json" else {}),
+                  **self.special_tokens}
+        if self.tool_use is None:
+            replace_text(directory / "chat_template.jinja", self.text)
+        else:  # named, in the config (transformers would read a chat_template.jinja first)
+            (directory / "chat_template.jinja").unlink(missing_ok=True)
+            config["chat_template"] = [{"name": "default", "template": self.text},
+                                       {"name": TOOL_USE, "template": self.tool_use.text}]
+        replace_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+    def _chosen(self, kwargs) -> ChatTemplate:
+        """The template a conversation renders with: tool_use where it has tools and the
+        model names one, else this one (transformers' get_chat_template)."""
+        return self.tool_use if self.tool_use and kwargs.get("tools") is not None else self
+
     def render(self, messages, *, add_generation_prompt: bool = False, **kwargs) -> str:
         """The conversation's text, as apply_chat_template(tokenize=False) renders it."""
-        return self._render(messages, add_generation_prompt, kwargs, None)[0]
+        return self._chosen(kwargs)._render(messages, add_generation_prompt, kwargs, None)[0]
 
     def _render(self, messages, add_generation_prompt, kwargs, spans):
         env = self._template.environment
@@ -235,6 +294,8 @@ class ChatTemplate:
         that renders a conversation's beginning the same whatever follows it; one that does
         not (e.g. one that drops earlier turns' reasoning) is refused, asking for
         `{% generation %}` blocks."""
+        if (chosen := self._chosen(kwargs)) is not self:
+            return chosen.encode_with_mask(tokenizer, messages, **kwargs)
         messages = _plain(messages, self.source)
         if re.search(r"\{%-?\s*generation\s*-?%\}", self.text):
             text, spans = self._render(messages, False, kwargs, [])

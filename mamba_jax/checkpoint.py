@@ -305,7 +305,9 @@ class Checkpointer:
         meta.pop(_CHECKSUMS, None)
         return meta
 
-    def _checksums(self, step: int) -> dict | None:
+    def saved_checksums(self, step: int) -> dict | None:
+        """{path: checksum} of the arrays checkpoint `step` holds, as recorded when it was
+        saved (None for a checkpoint written before they were)."""
         return self._meta(step).get(_CHECKSUMS)
 
     def restore_part(self, step: int, abstract_part):
@@ -317,7 +319,7 @@ class Checkpointer:
                 item=abstract_part,
                 restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_part),
                 partial_restore=True))).state
-        _check_checksums(part, self._checksums(step))
+        _check_checksums(part, self.saved_checksums(step))
         return part
 
     def _set_aside(self, steps: list[int], restored: int, log) -> None:

@@ -213,9 +213,13 @@ class ModelFields:
     def field_default(cls, name: str):
         """The default value of a field named as `replace` takes it (so a command line can
         parse a value to its type); a ValueError listing the names otherwise."""
+        return cls().value_of(name)
+
+    def value_of(self, name: str):
+        """The value of a field named as `replace` takes it; a ValueError listing the names
+        otherwise."""
         section, field = _resolve(name)
-        holder = getattr(cls(), section) if section else cls()
-        return getattr(holder, field)
+        return getattr(getattr(self, section) if section else self, field)
 
 
 def hybrid_pattern(num_layers: int, attention_ratio: float = 0.0,

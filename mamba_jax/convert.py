@@ -24,13 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path, PurePosixPath
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mamba_jax import adapters
+from mamba_jax.chat import ADDITIONAL_TEMPLATES, ChatTemplate
 from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_overrides,
                            require_at_least)
 from mamba_jax.config import Mamba2Config
@@ -42,7 +47,9 @@ from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.megatron_files import TRACKER, is_megatron_checkpoint
 from mamba_jax.model import Mamba2LM
+from mamba_jax.parallel import global_array
 from mamba_jax.sharding import logical_axes, param_name
+from mamba_jax.tensors import index_shards, open_tensors
 from mamba_jax.tokenizer import (TOKENIZER_FILES, find_tokenizer, load_tokenizer, save_tokenizer,
                                  special_token_ids)
 
@@ -78,57 +85,6 @@ def load_config(path) -> tuple[Mamba2Config, str]:
 
 
 # ---------------------------------------------------------------- tensors
-
-
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint dir as float32 numpy arrays, by name."""
-    from safetensors import SafetensorError, safe_open
-
-    def read_safetensors(files):
-        out, source = {}, {}
-        for f in files:
-            try:
-                # framework="flax" reads bfloat16, which numpy cannot represent on its own.
-                with safe_open(f, framework="flax") as fh:
-                    for key in fh.keys():
-                        if key in out:
-                            raise ValueError(f"{path}: tensor {key!r} is in two shards, "
-                                             f"{source[key].name} and {f.name}; which one "
-                                             "is meant cannot be known: remove one")
-                        out[key] = np.asarray(fh.get_tensor(key).astype(jnp.float32))
-                        source[key] = f
-            except SafetensorError as error:
-                raise ValueError(f"{f}: cannot be read ({error}); the file is truncated or "
-                                 "corrupt: download or convert it again") from None
-        return out
-
-    if (path / "model.safetensors").is_file():
-        return read_safetensors([path / "model.safetensors"])
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        out = read_safetensors([path / s for s in _index_shards(index)])
-        # an entry no shard holds: the index and the shards are of other versions
-        named = json.loads(index.read_text())["weight_map"]
-        if absent := sorted(key for key in named if key not in out):
-            raise ValueError(f"{index}: names {absent[:3]}{' ...' if len(absent) > 3 else ''}"
-                             f", which no shard holds ({named[absent[0]]} should): the index "
-                             "and the shards are of different versions; download them again")
-        return out
-    if (path / "pytorch_model.bin").is_file():
-        try:
-            import torch
-        except ImportError:
-            raise MissingDependency(
-                f"{path / 'pytorch_model.bin'} is a PyTorch pickle and reading it needs torch, "
-                "which is not installed. Either `pip install torch` (CPU is enough), or convert "
-                "it once where torch is installed: `python -c \"import torch, safetensors.torch;"
-                " sd = torch.load('pytorch_model.bin', map_location='cpu', weights_only=True); "
-                "safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, "
-                "'model.safetensors')\"`") from None
-        sd = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() for k, v in sd.items()}
-    raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or "
-                            "pytorch_model.bin")
 
 
 def _layer_keys(cfg: Mamba2Config, fmt: str) -> list[tuple[str, str]]:
@@ -220,34 +176,38 @@ def tensor_map(cfg: Mamba2Config, fmt: str, shapes: dict | None = None) -> dict:
     return out
 
 
-def torch_to_params(tensors, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
-    """Checkpoint tensors (torch layout; a mapping, read a key at a time) -> our parameters
-    by flat name ("layers.0.mixer.A_log").
+def tensor_shapes(cfg: Mamba2Config, fmt: str) -> dict:
+    """{key: torch shape} of every tensor of the fmt layout that a model of cfg has
+    (tensor_map's), without building one."""
+    shapes = param_shapes(cfg)
+    return {key: entry.torch_shape([shapes[p] for p in entry.params])
+            for key, entry in tensor_map(cfg, fmt, shapes).items()}
 
-    Raises ValueError naming the key, expected and found shape on any mismatch, and on
-    missing or unexpected keys.
+
+def param_tensors(tensors: Mapping, cfg: Mamba2Config, fmt: str, source=None):
+    """A checkpoint's tensors -> our parameters: (flat name, e.g. "layers.0.mixer.A_log",
+    array in the tensor's stored dtype) pairs, one tensor read at a time (a fused tensor's
+    parameters one after the other, views of it), so that a caller placing each pair as it
+    comes holds about one tensor.
+
+    tensors: a Mapping from the fmt layout's names to arrays, read as they are looked up
+    (mamba_jax.tensors.open_tensors, mamba_jax.megatron.Tensors). Every name is checked
+    before any tensor is read: a tensor missing or one the config does not use is a
+    ValueError naming it (after `source`, e.g. the folder, where given); a tensor of
+    another shape, as it is read.
     """
+    at = "" if source is None else f"{source}: "
     # NemotronH's keys are `model.` in memory (what a state_dict gives) and `backbone.` on disk.
     names = {("backbone." + key[6:] if fmt == "nemotron_h" and key.startswith("model.")
               else key): key for key in tensors}
     if fmt == "nemotron_h":  # multi-token-prediction layers, which transformers skips too
         names = {key: name for key, name in names.items() if not key.startswith("mtp.")}
     shapes = param_shapes(cfg)
-
-    def take(key, shape):
-        if key not in names:
-            raise ValueError(f"checkpoint is missing {key!r} (expected shape {shape})")
-        t = tensors[names.pop(key)]
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(shape)} for this config")
-        return t
-
     head = _TOP_KEYS[fmt][2]
     if cfg.tie_embeddings:
         names.pop(head, None)  # mamba_ssm's state_dict lists the tied head too
     elif head not in names:
-        raise ValueError(f"checkpoint is missing {head!r}, and its embeddings are "
+        raise ValueError(f"{at}checkpoint is missing {head!r}, and its embeddings are "
                          + {"nemotron_h": "never tied in NemotronH (its tie_word_embeddings "
                                           "is not read)",
                             "megatron": "untied by its arguments "
@@ -255,14 +215,33 @@ def torch_to_params(tensors, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarra
                              fmt, "untied by its config (a transformers Mamba2 config "
                                   "without tie_word_embeddings unties them, as transformers "
                                   "does)"))
-    out = {}
-    for key, entry in tensor_map(cfg, fmt, shapes).items():
+    table = tensor_map(cfg, fmt, shapes)
+    for key, entry in table.items():
+        if key not in names:
+            raise ValueError(f"{at}checkpoint is missing {key!r} (expected shape "
+                             f"{entry.torch_shape([shapes[p] for p in entry.params])})")
+    if unused := sorted(set(names) - set(table)):
+        raise ValueError(f"{at}checkpoint has tensors this config does not use: "
+                         f"{unused}")
+
+    def take(key, shape):
+        tensor = tensors[names[key]]
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{at}checkpoint tensor {key!r} has shape "
+                             f"{tuple(tensor.shape)}, expected {tuple(shape)} for this config")
+        return tensor
+
+    for key, entry in table.items():
         wanted = [shapes[p] for p in entry.params]
-        out.update(zip(entry.params, entry.from_torch(take(key, entry.torch_shape(wanted)),
-                                                      wanted)))
-    if names:
-        raise ValueError(f"checkpoint has tensors this config does not use: {sorted(names)}")
-    return out
+        # no name here holds the tensor: it goes once its parts have been placed
+        yield from zip(entry.params, entry.from_torch(take(key, entry.torch_shape(wanted)),
+                                                      wanted))
+
+
+def torch_to_params(tensors: Mapping, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
+    """Checkpoint tensors -> our parameters by flat name, all at once (param_tensors' pairs
+    as a dict)."""
+    return dict(param_tensors(tensors, cfg, fmt))
 
 
 def params_to_torch(params: dict, cfg: Mamba2Config, fmt: str) -> dict[str, np.ndarray]:
@@ -305,22 +284,58 @@ def flat_params(model: Mamba2LM) -> dict[str, np.ndarray]:
     return {param_name(path): np.asarray(v) for path, v in leaves}
 
 
+def place_params(named, abstract, shardings):
+    """The state `abstract` describes (an nnx.State of leaves with a shape and a dtype, as
+    nnx.eval_shape gives), its arrays from `named`: (flat parameter name, host array) pairs,
+    each placed on its sharding as it comes (`shardings`: a pytree like abstract, or one
+    Sharding for every array), cast to the leaf's dtype a device's shard at a time. So the
+    host holds one pair's array and its shards' casts, never the whole model, and no device
+    receives more than its shard. A name abstract lacks or never given, or an array of
+    another shape, is a ValueError naming it."""
+    leaves = {param_name(path): leaf
+              for path, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+    where = (dict.fromkeys(leaves, shardings) if isinstance(shardings, jax.sharding.Sharding)
+             else {param_name(path): sharding for path, sharding
+                   in jax.tree_util.tree_leaves_with_path(shardings)})
+    placed = {}
+    for name, array in named:
+        if name not in leaves:
+            raise ValueError(f"parameter {name} is not one of the model's")
+        if tuple(array.shape) != tuple(leaves[name].shape):
+            raise ValueError(f"parameter {name} has shape {tuple(array.shape)}, the config "
+                             f"needs {tuple(leaves[name].shape)}")
+        placed[name] = global_array(array, where[name], leaves[name].dtype)
+        del array  # the next pair is read without this one held
+    if missing := sorted(set(leaves) - set(placed)):
+        raise ValueError(f"no array for the parameters {missing}")
+    return jax.tree_util.tree_map_with_path(lambda path, _: placed[param_name(path)],
+                                            abstract)
+
+
+def _model(cfg: Mamba2Config, named, dtype) -> Mamba2LM:
+    """A Mamba2LM of cfg (compute dtype `dtype`, None: float32) holding the float32
+    parameters `named` gives (place_params' pairs) on the first local device."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32 if dtype is None else dtype)))
+    return nnx.merge(graphdef, place_params(named, abstract, _first_device()))
+
+
+def _first_device() -> NamedSharding:
+    """The first local device, as a sharding (jax 0.12 deprecates SingleDeviceSharding)."""
+    return NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("device",)), P())
+
+
 def model_from_params(cfg: Mamba2Config, params: dict, dtype=jnp.float32) -> Mamba2LM:
     """A Mamba2LM holding exactly `params` (flat names, as flat_params returns)."""
-    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    state = nnx.state(model, nnx.Param)
-    pure = nnx.to_pure_dict(state)
+    return _model(cfg, params.items(), dtype)
 
-    def fill(path, abstract):
-        value = params[param_name(path)]
-        if value.shape != abstract.shape:
-            raise ValueError(f"parameter {param_name(path)} has shape {value.shape}, the "
-                             f"config needs {abstract.shape}")
-        return jnp.asarray(value, jnp.float32)
 
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(fill, pure))
-    nnx.update(model, state)
-    return model
+def load_params(path, cfg: Mamba2Config, fmt: str, abstract, shardings):
+    """The parameters of checkpoint dir `path` (a model of cfg in layout fmt), each tensor
+    placed on `shardings` as it is read (place_params of param_tensors): no device receives
+    more than its shard, and the host holds about one tensor in its stored dtype."""
+    return place_params(param_tensors(open_tensors(path), cfg, fmt, source=path), abstract,
+                        shardings)
 
 
 def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM:
@@ -344,12 +359,8 @@ def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM
                          "only")
     else:
         cfg, fmt = load_config(path)
-        tensors = _read_tensors(path)  # (its errors name their file)
-    try:
-        params = torch_to_params(tensors, cfg, fmt)
-    except ValueError as error:  # a tensor's name alone: say whose
-        raise ValueError(f"{path}: {error}") from None
-    return model_from_params(cfg, params, jnp.float32 if dtype is None else dtype)
+        tensors = open_tensors(path)  # (its errors name their file)
+    return _model(cfg, param_tensors(tensors, cfg, fmt, source=path), dtype)
 
 
 def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> list[str]:
@@ -411,7 +422,7 @@ def _remove_replaced(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = _index_shards(index)
+            shards = index_shards(index)
         except ValueError:
             shards = []  # not an index we could read: its files are not known
         for shard in shards:  # (an index of one shard may name the file just written)
@@ -423,6 +434,17 @@ def _remove_replaced(path: Path) -> list[str]:
             (path / name).unlink()
             removed.append(name)
     return removed
+
+
+def _remove_model(path: Path) -> list[str]:
+    """Remove a model from `path` (its config.json, weights and generation_config.json, and
+    what _remove_replaced removes): what would be read as the model before the Megatron-LM
+    checkpoint written beside it. Returns their names."""
+    removed = [name for name in ("config.json", "model.safetensors", _GENERATION_CONFIG)
+               if (path / name).is_file()]
+    for name in removed:
+        (path / name).unlink()
+    return removed + _remove_replaced(path)
 
 
 @command("python -m mamba_jax.convert")
@@ -492,6 +514,8 @@ def main(argv=None):
         source = args.src
         if found := find_tokenizer(args.src):
             tokenizer = load_tokenizer(found)
+    # beside its tokenizer, the chat template it answers chats with (a trainer's too)
+    chat_template = None if tokenizer is None else ChatTemplate.from_model_dir(args.src)
     if args.to == "megatron":
         folder = megatron.save_megatron(model, args.dst, args.target_tp_size,
                                         args.megatron_keys)
@@ -502,9 +526,14 @@ def main(argv=None):
               f"{args.megatron_keys}) from {source}; load it in Megatron-LM with --finetune")
         for note in layout_notes(model.config, "megatron"):
             print(f"note: {note}")
+        # A model replaced in dst would be read before the checkpoint (from_pretrained reads
+        # a folder's config.json first): its files go, unless dst is src, which holds it
+        if not (Path(args.src).is_dir() and os.path.samefile(args.src, args.dst)) and \
+                (removed := _remove_model(Path(args.dst))):
+            print(f"removed the replaced model's {', '.join(removed)}")
         return
     removed = export(model, args.dst, tokenizer, format=args.to,
-                     source=None if training else args.src)
+                     source=None if training else args.src, chat_template=chat_template)
     written = export_format(model.config, args.to)
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
@@ -522,35 +551,22 @@ def main(argv=None):
 # ---------------------------------------------------------------- training checkpoints
 
 
-def _index_shards(index: Path) -> list[str]:
-    """The shard files model.safetensors.index.json names, each inside its directory: a
-    path that is absolute or climbs out (..) is refused, so that an index never has us read
-    files elsewhere. (A shard may be a symlink, as in the Hugging Face cache.)"""
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError(f"{index}: expected a JSON object whose 'weight_map' maps tensor "
-                         "names to shard files") from None
-    for shard in shards:
-        if not isinstance(shard, str) or PurePosixPath(shard).is_absolute() \
-                or ".." in PurePosixPath(shard).parts:
-            raise ValueError(f"{index}: shard {shard!r} is not a file inside {index.parent}; "
-                             "an index names its shards relative to its own directory")
-    return shards
-
-
-# Beside a Hugging Face model, files that belong to its tokenizer or its generation
-# settings, which transformers reads before what config.json says (bos / eos / pad ids).
+# Beside a Hugging Face model, files that belong to its tokenizer (its chat template among
+# them) or its generation settings, which transformers reads before what config.json says
+# (bos / eos / pad ids).
 _TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json",
-                         "added_tokens.json")
+                         "added_tokens.json", "chat_template.jinja", ADDITIONAL_TEMPLATES)
 _GENERATION_CONFIG = "generation_config.json"
 
 
 def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
-           source=None) -> list[str]:
+           source=None, chat_template=None) -> list[str]:
     """save_pretrained, then the tokenizer (if given) beside the weights (tokenizer.json, or
     a SentencePiece model's tokenizer.model), its bos / eos / pad ids in config.json where
-    the layout has them (formats.with_token_ids; null for a tokenizer without them).
+    the layout has them (formats.with_token_ids; null for a tokenizer without them), and
+    with it the chat_template the model answers chats with (a chat.ChatTemplate: what
+    its instruction data was rendered with), as transformers saves one (ChatTemplate.save),
+    its special tokens' ids in config.json over the tokenizer's.
 
     A model replaced in `path` (other than `source`, the folder the model was read from,
     whose files are its own) leaves nothing that would be read as this one's: its
@@ -566,13 +582,23 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
         written = save_tokenizer(tokenizer, path)
         if not in_place:
             stale += sorted(set(TOKENIZER_FILES) - {written.name}) + list(_TOKENIZER_COMPANIONS)
-        config = json.loads((path / "config.json").read_text())
-        replace_text(path / "config.json", json.dumps(
-            with_token_ids(config, special_token_ids(tokenizer)), indent=2) + "\n")
     for name in stale:
         if (path / name).is_file():
             (path / name).unlink()
             removed.append(name)
+        elif (path / name).is_dir():  # a folder of named chat templates
+            shutil.rmtree(path / name)
+            removed.append(name)
+    if tokenizer is not None:
+        ids = special_token_ids(tokenizer)
+        if chat_template is not None and not in_place:  # in place, the folder holds it
+            chat_template.save(path, tokenizer)
+            ids |= {f"{name}_id": i for name in ("bos_token", "eos_token", "pad_token")
+                    if (token := chat_template.special_tokens.get(name)) is not None
+                    and (i := tokenizer.token_to_id(token)) is not None}
+        config = json.loads((path / "config.json").read_text())
+        replace_text(path / "config.json", json.dumps(
+            with_token_ids(config, ids), indent=2) + "\n")
     return removed
 
 
@@ -586,19 +612,36 @@ def load_training_checkpoint(path, step: int | None = None, dtype=None):
     """(model, meta) of checkpoint `step` (default: the newest) in a trainer's
     --checkpoint-dir. Only the parameters are read (not the optimizer state), onto one
     device; `dtype` is the compute dtype (default float32). meta["config"] is the run's
-    effective config: {"model": Mamba2Config fields, "train": its flags}."""
+    effective config: {"model": Mamba2Config fields, "train": its flags}.
+
+    The checkpoint of a run that trained a part of the model (LoRA adapters, --train-only)
+    holds that part: the base is rebuilt from its source, checked against the identity the
+    run recorded (mamba_jax.adapters.identity), and the model returned is the base with
+    what trained merged in (adapters.merge)."""
     from mamba_jax.checkpoint import Checkpointer
 
     def read(step):
         meta = ckpt.read_meta(step)
-        cfg = Mamba2Config.from_dict(meta["config"]["model"])
-        graphdef, abstract = nnx.split(nnx.eval_shape(
-            lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32 if dtype is None
-                             else dtype)))
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        cfg, flags = Mamba2Config.from_dict(meta["config"]["model"]), meta["config"]["train"]
+        build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(flags.get("seed", 0)),
+                                 dtype=jnp.float32 if dtype is None else dtype)
+        tuning = adapters.Tuning.of(flags)
+        if tuning:  # the checkpoint holds what trained; the base is rebuilt from its source
+            adapters.check_base(flags["base"], adapters.identity(cfg, flags["seed"]))
+            build = tuning.build(build, flags["seed"])
+        graphdef, abstract = nnx.split(nnx.eval_shape(build))
+        device = _first_device()
+        if tuning:
+            trained, frozen = tuning.split(jax.jit(lambda: nnx.split(build())[1],
+                                                   out_shardings=device)())
+        else:
+            trained, frozen = abstract, None
         target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-        return nnx.merge(graphdef, ckpt.restore_part(step, {"params": target})["params"]), meta
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), trained)
+        params = ckpt.restore_part(step, {"params": target})["params"]
+        if tuning:
+            return adapters.merge(nnx.merge(graphdef, adapters.join(params, frozen))), meta
+        return nnx.merge(graphdef, params), meta
 
     ckpt = Checkpointer(path, read_only=True)
     try:

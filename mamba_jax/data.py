@@ -26,25 +26,31 @@ A prepared dataset is a directory:
                   (`n_trained`: the tokens the mask counts), the largest token id, the
                   tokenizer ("bytes", "tokenizer.json" or "tokenizer.model", the copy;
                   `tokenizer_source`: what --tokenizer named), `eod_token` and `eod_id`
-                  (null when none was appended), the chat template's source, the sources,
-                  and `train_docs`: the documents before it train, the rest are held out.
+                  (null when none was appended), `chat_template` (instruction data: the
+                  template its rows were rendered with, {"source", "template", its
+                  "special_tokens", its "tool_use" template or null}, or null), the
+                  sources, and `train_docs`: the documents before it train, the rest are
+                  held out.
 
 Input (--format text, the default): text files (one document each), and JSON-lines (.jsonl,
-.json, .ndjson, any case) or Parquet (.parquet; pyarrow, the `parquet` extra) files, one
-object per row whose --json-keys fields (Megatron's flag; "text" by default) are its
+.json, .ndjson, any case; or one JSON array of rows, read whole) or Parquet (.parquet;
+pyarrow, the `parquet` extra) files, one object per row whose --json-keys fields (Megatron's flag; "text" by default) are its
 documents, in key order (Megatron's preprocess_data writes a dataset per key instead); with
 --json-keys every input must be JSON lines or Parquet.
 
 Instruction data (--format chat | prompt-completion; JSON lines or Parquet), one document a
-row. chat: {"messages": [{"role", "content"}, ...]} (OpenAI's roles, at least one assistant
-turn), rendered and tokenized exactly as transformers' apply_chat_template(tokenize=True)
-does (mamba_jax.chat) with --chat-template FILE or the template of the model folder
---tokenizer names; the mask counts each assistant turn (its content and its end of turn).
+row. chat: {"messages": [{"role", "content"}, ...]} (the roles the template takes, at least
+one assistant turn), rendered and tokenized exactly as transformers'
+apply_chat_template(tokenize=True) does (mamba_jax.chat) with --chat-template FILE or the
+template of the model folder --tokenizer names, with the row's "tools" and
+"chat_template_kwargs" where it has them (as TRL passes them); the mask counts each
+assistant turn (its content and its end of turn).
 prompt-completion: {"prompt": str, "completion": str}, as TRL's SFTTrainer tokenizes it:
 prompt + completion tokenized together, then the end-of-text token (the model folder's
-eos_token), the mask counting the tokens after the prompt's and the end-of-text token; or
-{"prompt": [messages], "completion": [messages]}, the prompt rendered with the generation
-prompt (not counted) and the whole conversation rendered (the rest counted).
+eos_token); or {"prompt": [messages], "completion": [messages]}, the whole conversation
+rendered; either way the mask counts the tokens from where they part from the prompt's own
+(the prompt alone tokenized, or rendered with the generation prompt: TRL's
+common_prefix_length), the end-of-text token among them.
 
 --data (the trainer) takes a dataset directory, a text file (not JSON lines), a Megatron
 dataset by its path prefix (PREFIX.bin + PREFIX.idx, trained as they are: no re-tokenising;
@@ -185,8 +191,6 @@ PARQUET = ".parquet"
 # What prepare writes (--format): plain text, every token trained; instruction data, whose
 # loss mask (loss_mask.bin) counts only what a fine-tune learns
 FORMATS = ("text", "chat", "prompt-completion")
-# The roles of OpenAI's chat messages: any other is refused
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def is_json_lines(path) -> bool:
@@ -204,8 +208,10 @@ _NOT_JSON = object()  # a JSON-lines file's line that does not parse
 
 def _rows(path: Path):
     """Yield (where, row) for each row of a JSON-lines file (each non-blank line's value, or
-    _NOT_JSON; where: "PATH:LINE") or of a Parquet file (each row as a dict, read a batch
-    of rows at a time; where: "PATH row N", from 1)."""
+    _NOT_JSON; where: "PATH:LINE"), of a JSON file that holds one array of rows (read whole,
+    as datasets' load_dataset("json") reads one; where: "PATH item N", from 1) or of a
+    Parquet file (each row as a dict, read a batch of rows at a time; where: "PATH row N",
+    from 1)."""
     if is_parquet(path):
         try:
             import pyarrow
@@ -226,6 +232,17 @@ def _rows(path: Path):
         return
     # utf-8-sig: a byte-order mark that Windows tools write is no character of the text.
     with open(path, encoding="utf-8-sig") as f:
+        if f.read(4096).lstrip().startswith("["):  # one array, or JSON lines of arrays
+            f.seek(0)
+            try:
+                items = json.load(f)
+            except json.JSONDecodeError:
+                items = None
+            if isinstance(items, list):
+                for number, row in enumerate(items, 1):
+                    yield f"{path} item {number}", row
+                return
+        f.seek(0)
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -293,16 +310,21 @@ class _Instructions:
             raise ValueError(f"{where}: {error}") from None
 
     def _messages(self, where: str, messages, field: str) -> list:
-        """messages, checked: a non-empty list of objects of a known role."""
+        """messages, checked: a non-empty list of objects with a role. Which roles there are
+        is the template's to say (OpenAI's, Llama 3.1's "ipython" for tool output, ...), as
+        transformers leaves it: one it does not know is refused by its raise_exception."""
         if not isinstance(messages, list) or not messages:
             raise ValueError(f'{where}: "{field}" is {_what(messages)}, not a list of '
                              '{"role", "content"} objects; give each row its messages')
         for i, message in enumerate(messages):
             role = message.get("role") if isinstance(message, dict) else None
-            if role not in ROLES:
-                got = f"role {role!r}" if isinstance(message, dict) else _what(message)
-                raise ValueError(f'{where}: "{field}" message {i} has {got}, not one of '
-                                 f"{', '.join(ROLES)}; give each message a role and content")
+            if not (isinstance(role, str) and role):
+                got = (f"fields {sorted(message)}" if isinstance(message, dict)
+                       and "role" not in message else f"role {role!r}"
+                       if isinstance(message, dict) else _what(message))
+                raise ValueError(f'{where}: "{field}" message {i} has {got}, not a role; give '
+                                 'each message a role and content ("role": "user", '
+                                 '"content": "...")')
         return messages
 
     def _chat(self, where: str, row):
@@ -315,7 +337,8 @@ class _Instructions:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: the chat has no assistant turn, so none of its tokens "
                              "would train; add the assistant's reply, or leave the row out")
-        return self.template.encode_with_mask(self.tokenizer, messages)
+        return self.template.encode_with_mask(self.tokenizer, messages,
+                                              **_template_options(where, row))
 
     def _prompt_completion(self, where: str, row):
         missing = [k for k in ("prompt", "completion") if not isinstance(row, dict) or k not in row]
@@ -325,14 +348,12 @@ class _Instructions:
                              f"{' and '.join(repr(k) for k in missing)}; give every row both")
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
-            # TRL's: prompt and completion tokenized together (a token may straddle them),
-            # the prompt's own tokens not trained, then the end-of-text token, trained
+            # TRL's: prompt and completion tokenized together, then the end-of-text token
             encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids
-            body, cut = encode(prompt + completion), len(encode(prompt))
+            body = encode(prompt + completion)
             end = [] if self.eos_id is None or body[-1:] == [self.eos_id] else [self.eos_id]
             ids = self.prefix + body + end + self.suffix
-            return ids, ([0] * (len(self.prefix) + cut) + [1] * (len(body) - cut + len(end))
-                         + [0] * len(self.suffix))
+            return ids, _completion_mask(self.prefix + encode(prompt), ids)
         if not (isinstance(prompt, list) and isinstance(completion, list)):
             raise ValueError(f'{where}: "prompt" and "completion" are {_what(prompt)} and '
                              f"{_what(completion)}: give two strings, or two lists of messages "
@@ -347,9 +368,52 @@ class _Instructions:
             raise ValueError(f'{where}: the "completion" has no assistant turn, so none of its '
                              "tokens would train; give the assistant's reply")
         # TRL's: the prompt rendered with the generation prompt is not trained, the rest is
-        head = self.template.encode(self.tokenizer, prompt, add_generation_prompt=True)
-        ids = self.template.encode(self.tokenizer, prompt + completion)
-        return ids, [0] * len(head) + [1] * (len(ids) - len(head))
+        options = _template_options(where, row)
+        head = self.template.encode(self.tokenizer, prompt, add_generation_prompt=True,
+                                    **options)
+        ids = self.template.encode(self.tokenizer, prompt + completion, **options)
+        return ids, _completion_mask(head, ids)
+
+
+# What a row's chat_template_kwargs may not set: the arguments prepare gives the template
+_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools")
+
+
+def _template_options(where: str, row: dict) -> dict:
+    """A row's own arguments to its template, as TRL's SFTTrainer passes them: its "tools"
+    (a list of function schemas, or that list as JSON text: a Parquet column's usual form)
+    and the entries of its "chat_template_kwargs" object (e.g. enable_thinking)."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as error:
+            raise ValueError(f'{where}: "tools" is text that is not JSON ({error}); give the '
+                             "list of tool schemas, or its JSON") from None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f'{where}: "tools" is {_what(tools)}, not a list of tool schemas '
+                         "(OpenAI's {\"type\": \"function\", \"function\": {...}})")
+    extra = row.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f'{where}: "chat_template_kwargs" is {_what(extra)}, not an object of '
+                         "the template's variables")
+    taken = sorted(set(extra or {}) & set(_TEMPLATE_ARGUMENTS))
+    if taken:
+        raise ValueError(f'{where}: "chat_template_kwargs" sets {", ".join(taken)}, which '
+                         "prepare gives the template itself; leave them out")
+    return {"tools": tools, **(extra or {})}
+
+
+def _completion_mask(prompt: list[int], ids: list[int]) -> list[int]:
+    """TRL's completion mask of a prompt-completion pair's ids: 1 from where they part from
+    the prompt's own ids on (its common_prefix_length). Tokenized together, the pair may
+    join the prompt's last characters and the completion's first into one token, and a
+    template may render the prompt alone otherwise than followed by its reply; counting
+    the prompt's ids instead left that token out or, where the prompt's ids outnumbered the
+    pair's, gave a mask longer than the ids."""
+    shared = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b),
+                  min(len(prompt), len(ids)))
+    return [0] * shared + [1] * (len(ids) - shared)
 
 
 def _chat_template(path: str, special_tokens: dict, model_dir: bool) -> ChatTemplate:
@@ -588,6 +652,13 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
             print(f"prepare: the tokenizer {tokenizer_spec} has no end-of-document token "
                   f"(none of {', '.join(SPECIAL_TOKENS['eos'])}); documents are joined "
                   "without one", file=log)
+        chat = None if template is None else _chat_template(*template)
+        if chat is not None and (unnamed := chat.unnamed_tokens()):
+            print(f"prepare: {chat.source} writes {', '.join(unnamed)}, "
+                  f"which --tokenizer {tokenizer_spec} does not name (a model folder's "
+                  "tokenizer_config.json does), so the chats hold "
+                  f"{'it' if len(unnamed) == 1 else 'them'} as empty text; give --tokenizer "
+                  "the model's folder", file=log)
         for stale in out.glob(_WORK_PREFIX + "*"):
             shutil.rmtree(stale)
             print(f"prepare: removed {stale}, left by a prepare that was interrupted",
@@ -623,8 +694,12 @@ def prepare(inputs, tokenizer_spec, out, eval_fraction=EVAL_FRACTION, workers=No
                     "sources": [str(p) for p in inputs]}
             if fmt != "text":
                 meta["n_trained"] = sum(counted for *_, counted in results)
-                meta["chat_template"] = None if template is None else \
-                    _chat_template(*template).source
+                if template is not None:
+                    template = _chat_template(*template)
+                    template = {"source": template.source, "template": template.text,
+                                "special_tokens": template.special_tokens,
+                                "tool_use": template.tool_use and template.tool_use.text}
+                meta["chat_template"] = template
             np.save(work / "docs.npy", docs)
             write_index(work / "tokens.idx", lengths, dtype)
             if not bytes_level:
@@ -829,6 +904,10 @@ class TokenDataset:
         """Whether the held-out split holds a window to evaluate."""
         return self.eval_windows(seq_len) > 0
 
+    def no_evaluation(self, seq_len: int) -> str:
+        """Why a run at seq_len does not evaluate (where evaluates is False)."""
+        return f"the held-out split has no window of --seq-len {seq_len} + 1 tokens"
+
     def prompt(self, tokenizer, max_chars: int = 24) -> str:
         """The first words of the first training document (an example prompt)."""
         start = int(self.doc_starts[0])
@@ -915,9 +994,11 @@ class PackedDataset(TokenDataset):
     the next; the rest is padding), once a run; each epoch visits the rows in a fresh
     seeded permutation, as TokenDataset's windows, so batch `step` is a pure function of
     (step, seed). A document longer than a row is cut to it (its tokens past the row's end
-    are not trained; packing_note counts them). The held-out documents are packed the same
-    way, in their order. No state crosses a document (seq_idx) and no target does (masked),
-    so a document's loss does not depend on what shares its row.
+    are not trained; packing_note counts them), and training documents that keep no token
+    to train on between them are refused. The held-out documents that keep a token to train
+    on are packed the same way, in their order, so that every evaluated row counts one. No
+    state crosses a document (seq_idx) and no target does (masked), so a document's loss
+    does not depend on what shares its row.
 
     Batches: `inputs`, `targets` [b, l] int32; `seq_idx` [b, l] int32 (a row's documents 0,
     1, ...; the padding after them one more); `loss_mask` [b, l] bool: the stored mask of
@@ -930,17 +1011,41 @@ class PackedDataset(TokenDataset):
     def __init__(self, tokens, doc_starts, train_docs: int, loss_mask, name: str = "dataset"):
         super().__init__(tokens, doc_starts, train_docs, name)
         self.loss_mask, self.train_docs = loss_mask, train_docs
-        self._packings = {}
+        self._packings, self._kept = {}, {}
+
+    def _trained(self, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per document [n_docs]: (the targets a row of seq_len + 1 tokens trains of it, the
+        trained tokens its cut leaves out). A document's first token is no target of it, and
+        a document longer than the row keeps its first seq_len + 1 tokens."""
+        if seq_len not in self._kept:
+            capacity = seq_len + 1
+            starts, ends = self.doc_starts[:-1], self.doc_starts[1:]
+            # documents are never empty: their starts rise, one sum each over the mask
+            total = np.add.reduceat(self.loss_mask, starts, dtype=np.int64) \
+                if len(starts) else np.zeros(0, np.int64)
+            lost = np.zeros(len(starts), np.int64)
+            for d in np.flatnonzero(ends - starts > capacity):
+                lost[d] = self.loss_mask[starts[d] + capacity:ends[d]].sum(dtype=np.int64)
+            self._kept[seq_len] = total - self.loss_mask[starts] - lost, lost
+        return self._kept[seq_len]
 
     def _packing(self, seq_len: int, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(documents [n] in row order, bounds [rows + 1]: row r holds documents
         [bounds[r], bounds[r + 1]) of them): the training documents in their seeded order
-        (seed), or the held-out ones in theirs (seed None), filled into rows greedily."""
+        (seed), or the held-out ones that keep a token to train on in theirs (seed None),
+        filled into rows greedily. Training documents that keep none between them are
+        refused (a ValueError naming the fix): every step would change nothing."""
         key = (seq_len, seed)
         if key not in self._packings:
             n_docs = len(self.doc_starts) - 1
-            docs = np.arange(self.train_docs, n_docs) if seed is None else \
-                np.random.default_rng([seed, _PACKING]).permutation(self.train_docs)
+            kept, lost = self._trained(seq_len)
+            if seed is None:
+                docs = np.arange(self.train_docs, n_docs)
+                docs = docs[kept[docs] > 0]
+            else:
+                docs = np.random.default_rng([seed, _PACKING]).permutation(self.train_docs)
+                if not kept[:self.train_docs].any():
+                    self._refuse(seq_len, int(lost[:self.train_docs].sum()))
             capacity = seq_len + 1
             bounds, fill = [0], 0
             for i, n in enumerate(np.minimum(np.diff(self.doc_starts)[docs], capacity).tolist()):
@@ -979,13 +1084,31 @@ class PackedDataset(TokenDataset):
     def rows_batch(self, rows, seq_len: int, seed: int) -> dict[str, np.ndarray]:
         return self._rows(self._packing(seq_len, seed), rows, seq_len)
 
+    def _refuse(self, seq_len: int, lost: int):
+        """The ValueError of training documents that keep no token to train on in rows of
+        seq_len + 1 tokens, `lost` of theirs past the cut."""
+        longest = int(np.diff(self.doc_starts)[:self.train_docs].max())
+        if lost:
+            raise ValueError(f"--data {self.name}: cut to rows of --seq-len {seq_len} + 1 "
+                             f"tokens, its training documents keep no token to train on (all "
+                             f"{lost} lie past the cut); raise --seq-len (the longest document "
+                             f"has {longest} tokens)")
+        raise ValueError(f"--data {self.name}: its training documents have no token to train "
+                         "on (their loss mask counts none); prepare rows with assistant turns "
+                         "or completions")
+
     def eval_windows(self, seq_len: int) -> int:
-        """How many rows the held-out documents fill."""
+        """How many rows the held-out documents that keep a token to train on fill."""
         return max(0, len(self._packing(seq_len, None)[1]) - 1)
 
     def evaluates(self, seq_len: int) -> bool:
-        """Whether a held-out document has a token to train on."""
-        return bool(self.eval_windows(seq_len) and self.loss_mask[self.train_end:].any())
+        """Whether a held-out document keeps a token to train on in a row (each evaluated
+        row then counts one)."""
+        return self.eval_windows(seq_len) > 0
+
+    def no_evaluation(self, seq_len: int) -> str:
+        return (f"no held-out document keeps a token to train on in a row of --seq-len "
+                f"{seq_len} + 1 tokens")
 
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """The rows of the held-out documents in order, at most max_batches batches."""
@@ -998,11 +1121,13 @@ class PackedDataset(TokenDataset):
         docs, bounds = self._packing(seq_len, seed)
         lengths = np.diff(self.doc_starts)[:self.train_docs]
         long = int((lengths > seq_len + 1).sum())
+        kept, lost = (a[:self.train_docs].sum() for a in self._trained(seq_len))
         padding = 1 - np.minimum(lengths, seq_len + 1).sum() / ((len(bounds) - 1) * (seq_len + 1))
         return (f"--data {self.name}: {len(docs)} training documents packed whole into "
                 f"{len(bounds) - 1} rows of --seq-len {seq_len} + 1 tokens ({padding:.1%} "
-                "padding)" + (f"; {long} longer than a row are cut to it, their tokens past "
-                              "it not trained (raise --seq-len to keep them)" if long else ""))
+                "padding)" + (f"; {long} longer than a row are cut to it: {lost} of the "
+                              f"{kept + lost} tokens to train on lie past the cut, not trained "
+                              "(raise --seq-len to keep them)" if long else ""))
 
 
 class BlendedDataset:
@@ -1063,6 +1188,9 @@ class BlendedDataset:
     def evaluates(self, seq_len: int) -> bool:
         return any(d.evaluates(seq_len) for d in self.datasets)
 
+    def no_evaluation(self, seq_len: int) -> str:
+        return "; ".join(f"{d.name}: {d.no_evaluation(seq_len)}" for d in self.datasets)
+
     def eval_batches(self, batch_size: int, seq_len: int, max_batches: int = 4):
         """Each dataset's TokenDataset.eval_batches, one after the other."""
         for dataset in self.datasets:
@@ -1103,6 +1231,27 @@ def parse_blend(items: list[str]) -> list[tuple[float, str]]:
                          "and datasets, each weight a positive number before its dataset: "
                          "--data 0.3 data/a 0.7 data/b")
     return list(zip(weights, items[1::2]))
+
+
+def data_chat_template(items: list[str]) -> tuple[ChatTemplate | None, str | None]:
+    """(the chat template the instruction datasets among --data's values were rendered
+    with (their meta.json's), or None, a line saying why none is taken where they were
+    rendered with different ones): what a model trained on them answers chats with."""
+    found = {}
+    for _, path in parse_blend(items):
+        meta = dataset_meta(path)
+        if isinstance(meta, dict) and isinstance(meta.get("chat_template"), dict):
+            found[path] = meta["chat_template"]
+    if len({json.dumps([t["template"], t["special_tokens"], t.get("tool_use")], sort_keys=True)
+            for t in found.values()}) > 1:
+        return None, (f"--data {', '.join(found)} were rendered with different chat templates "
+                      f"({', '.join(t['source'] for t in found.values())}), of which the model "
+                      "carries none: give serve --chat-template FILE")
+    record = next(iter(found.values()), None)
+    if record is None:
+        return None, None
+    return ChatTemplate(record["template"], record["special_tokens"], record["source"],
+                        record.get("tool_use")), None
 
 
 def load_data(items: list[str], vocab_size: int, tokenizer=None):

@@ -73,7 +73,7 @@ def replace_text(path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename."""
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
+    temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)
 
 

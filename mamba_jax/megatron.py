@@ -171,15 +171,24 @@ def check_tp(cfg: Mamba2Config, tp: int) -> None:
         sizes["attention.num_heads"] = a.num_heads
     if "-" in layers:
         sizes["mlp.d_intermediate"] = cfg.mlp.d_intermediate
-    uneven = [f"{name}={size}" for name, size in sizes.items() if size % tp]
-    # Megatron splits KV groups over the ranks, or (fewer groups than ranks) each group over
-    # tp / groups ranks.
-    if "*" in layers and a.num_heads_kv % tp and tp % a.num_heads_kv:
-        uneven.append(f"attention.num_heads_kv={a.num_heads_kv} (nor does it divide {tp})")
-    if uneven:
-        fits = [t for t in range(1, 65) if all(s % t == 0 for s in sizes.values())
-                and ("*" not in layers or a.num_heads_kv % t == 0 or t % a.num_heads_kv == 0)]
-        raise ValueError(f"--target-tp-size {tp} does not divide {', '.join(uneven)}, which "
+
+    def uneven(t: int) -> list[str]:
+        found = [f"{name}={size}" for name, size in sizes.items() if size % t]
+        if "*" not in layers:
+            return found
+        # Megatron splits KV groups over the ranks, or (fewer groups than ranks) linear_qkv's
+        # rows evenly over them, each rank then taking its group's part of the whole
+        kv, rows = a.num_heads_kv, (a.num_heads + 2 * a.num_heads_kv) * a.head_dim
+        if kv % t and t % kv:
+            found.append(f"attention.num_heads_kv={kv} (nor does it divide {t})")
+        elif kv < t and rows % t:
+            found.append(f"linear_qkv's {rows} rows ((num_heads + 2 * num_heads_kv) * "
+                         f"head_dim, split evenly where there are fewer KV heads than ranks)")
+        return found
+
+    if problems := uneven(tp):
+        fits = [t for t in range(1, 65) if not uneven(t)]
+        raise ValueError(f"--target-tp-size {tp} does not divide {', '.join(problems)}, which "
                          f"Megatron-LM splits over its tensor-parallel ranks; sizes that "
                          f"work: {fits}")
 

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from mamba_jax import layer_scan
+from mamba_jax import adapters, layer_scan
 from mamba_jax.layers.common import RMSNorm, matmul, param, uniform
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.sharding import SINGLE_DEVICE, GATHERED, ParallelContext
@@ -40,18 +40,34 @@ from mamba_jax.sharding import SINGLE_DEVICE, GATHERED, ParallelContext
 REMAT = ("none", "block", "full")
 
 
-def remat_policy(remat: str, fsdp: bool):
+def remat_policy(remat: str, fsdp: bool, tokens=None):
     """The jax.checkpoint policy around each layer, or None for no checkpoint.
 
     "block" keeps the layer's matmul outputs and recomputes the rest (norms, conv, scan)
     in the backward pass; "full" keeps only the layer's input (its Stream: the residual and
     the previous layer's output, 6 bytes an entry with a float32 residual and bf16 compute).
     Gathered FSDP weights are never kept: the backward pass gathers them again, so that a
-    device holds one layer's full weights at a time."""
+    device holds one layer's full weights at a time.
+
+    tokens: for a layer that runs on weights derived from its parameters (adapters' merged
+    weights, a bfloat16 base widened: mamba_jax.adapters.adapted), the (b, l) leading shapes
+    of its token arrays (the residual stream's, and the gathered sequence's under sequence
+    parallel). Then only what is computed from an operand of those leading shapes (of ndim
+    3 or more) is kept, and what derives from the weights alone is recomputed: kept, each
+    layer's merged weights (or their casts, transposes, a kernel's saved copy) would be held
+    through the step, a copy of the model. A name (checkpoint_name) does not do it: the
+    policy sees each operation, and the named value's producer is kept in its place."""
     if remat not in REMAT:
         raise ValueError(f"--remat {remat!r}: use one of {REMAT}")
     if remat == "full":
         return jax.checkpoint_policies.nothing_saveable
+    if tokens is not None:
+        from_tokens = lambda avals: any(getattr(a, "ndim", 0) >= 3 and a.shape[:2] in tokens
+                                        for a in avals)
+        if remat == "block":
+            return lambda prim, *avals, **params: from_tokens(avals) and \
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+        return lambda prim, *avals, **params: from_tokens(avals)
     if remat == "block":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     return jax.checkpoint_policies.save_anything_except_these_names(GATHERED) if fsdp else None
@@ -161,9 +177,15 @@ class Block(nnx.Module):
         continues from, for a kind that takes_initial_state."""
         residual, normed = self.norm.add(*stream)
         state = {} if initial_state is None else {"initial_state": initial_state}
-        out, cache = self.mixer(ctx.layer_input(normed), seq_idx, ctx=ctx, cache_len=cache_len,
-                                **state)
+        out, cache = self.adapted_mixer()(ctx.layer_input(normed), seq_idx, ctx=ctx,
+                                          cache_len=cache_len, **state)
         return Stream(residual, self._delta(ctx.layer_output(out, self.mixer.dtype))), cache
+
+    def adapted_mixer(self):
+        """The mixer as this layer runs it: with its LoRA adapters (`lora`, where
+        mamba_jax.adapters.add_lora gave it some) merged into its weights, in float32 where
+        the base is stored in bfloat16 (adapters.adapted); else the mixer itself."""
+        return adapters.adapted(self.mixer, adapters.lora_of(self))
 
     def _delta(self, out):
         """The mixer's output (float32, or under tp its ranks' shares summed in the compute
@@ -178,13 +200,14 @@ class Block(nnx.Module):
         weights: the mixer's step_weights(how), built before the decode loop; how: "xla",
         "kernel" (the mixer's step kernel) or "fused" (the whole layer as its mixer's
         fused_step, the norm inside its first kernel)."""
+        mixer = self.adapted_mixer()
         if weights is None:
-            weights = self.mixer.step_weights(how)
+            weights = mixer.step_weights(how)
         if how == "fused":
-            return self.mixer.fused_step(residual, self.norm.weight[...], self.norm.eps, cache,
-                                         weights)
-        hidden = self.norm(residual).astype(self.mixer.dtype)
-        out, cache = self.mixer.step(hidden, cache, weights, how)
+            return mixer.fused_step(residual, self.norm.weight[...], self.norm.eps, cache,
+                                    weights)
+        hidden = self.norm(residual).astype(mixer.dtype)
+        out, cache = mixer.step(hidden, cache, weights, how)
         return Stream(residual, self._delta(out)).value(), cache
 
 
@@ -385,13 +408,18 @@ class Mamba2LM(nnx.Module):
         layer's saved residuals copied into stacks and out of them (layer_scan).
         scan=False calls the layers one after the other: none of those, for a program that
         holds a copy of the layer per layer (a prefill; training without --scan-layers)."""
-        policy = remat_policy(remat, ctx.fsdp > 1)
+        # the token arrays' leading shapes: this device's part of the stream, and of the
+        # sequence gathered over tp (sequence parallel) and cp (attention's keys)
+        tokens = {(residual.shape[0], residual.shape[1] * n) for n in
+                  {1, ctx.tp, ctx.cp, ctx.tp * ctx.cp}}
         initial_states = self._check_initial_states(initial_states, residual.shape[0],
                                                     whole=ctx.tp == 1 and ctx.cp == 1)
         stream = Stream.start(residual, self.dtype)
         caches = []
         for first, end in _runs(self.config.layers):
             graphdef = nnx.graphdef(self.layers[first])  # the same in the whole run
+            policy = remat_policy(remat, ctx.fsdp > 1,
+                                  tokens if adapters.adapts(self.layers[first]) else None)
 
             def layer(stream, xs, seq_idx, graphdef=graphdef):
                 state, initial_state = xs
@@ -532,7 +560,7 @@ class Mamba2LM(nnx.Module):
         for the layers' step implementations `steps` (default: "xla" for every layer)."""
         steps = steps or ("xla",) * len(self.layers)
         return DecodeWeights(head=self.head_weight().astype(self.dtype),
-                             layers=tuple(layer.mixer.step_weights(how)
+                             layers=tuple(layer.adapted_mixer().step_weights(how)
                                           for layer, how in zip(self.layers, steps)))
 
     def step(self, token_ids, cache, weights: DecodeWeights | None = None, steps=None):

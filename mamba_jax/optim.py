@@ -103,7 +103,10 @@ def init_opt_state(tx, params, param_shardings, replicated):
 
 
 def make_train_step(loss_fn, tx, *, deterministic=False):
-    """step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm), jitted.
+    """step(params, opt_state, batch, *frozen) -> (params, opt_state, loss, grad_norm),
+    jitted. frozen: a model's parts that do not train (mamba_jax.adapters: the base beside
+    the adapters), passed to loss_fn(params, *frozen, *micro_batch) and not differentiated:
+    the gradients and the optimizer state are of params alone.
 
     batch = (inputs, targets), (inputs, targets, seq_idx) or (inputs, targets, seq_idx,
     loss_mask), each [micro-batches, b, l] (--grad-accum), accumulated in a scan. The loss is
@@ -118,18 +121,18 @@ def make_train_step(loss_fn, tx, *, deterministic=False):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def step(params, opt_state, batch):
+    def step(params, opt_state, batch, *frozen):
         n, masked = batch[0].shape[0], len(batch) > 3
         counts = batch[3].sum((1, 2), dtype=jnp.int32) if masked else None
         if n == 1:  # no loop: a scan costs a little even over one micro-batch
-            loss, grads = jax.value_and_grad(loss_fn)(params, *(a[0] for a in batch))
+            loss, grads = jax.value_and_grad(loss_fn)(params, *frozen, *(a[0] for a in batch))
         else:
             shares = (counts / jnp.maximum(counts.sum(), 1) if masked
                       else jnp.full(n, 1 / n, jnp.float32))
 
             def accumulate(total, xs):
                 share, micro_batch = xs
-                loss, grads = jax.value_and_grad(loss_fn)(params, *micro_batch)
+                loss, grads = jax.value_and_grad(loss_fn)(params, *frozen, *micro_batch)
                 return jax.tree.map(lambda t, x: t + share * x, total, (loss, grads)), None
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, (shares, batch))

@@ -27,6 +27,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -144,10 +145,19 @@ def init_params(build, param_shardings):
     return jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings)()
 
 
-def global_array(array, sharding):
-    """A host array (the same on every process) -> a jax.Array placed as sharding; each
-    process supplies only its own devices' pieces."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+def global_array(array, sharding, dtype=None):
+    """A host array (the same on every process) -> a jax.Array placed as sharding, of
+    `dtype` (default: the array's); each process supplies only its own devices' pieces,
+    each piece cast on its own and made once for the devices that hold the same one, so no
+    cast copy of the whole array is made where it is sharded."""
+    pieces = {}
+
+    def piece(index):
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in pieces:
+            pieces[key] = np.asarray(array[index], dtype)
+        return pieces[key]
+    return jax.make_array_from_callback(array.shape, sharding, piece)
 
 
 def _shard_map(body, mesh, specs, n_batch_args, out_specs):

@@ -48,6 +48,8 @@ RULES = {
     "angles": None,     # Mamba-3's rotary angles (shared by its heads)
     "conv": None,       # a causal conv's taps
     "dt_rank": None,    # Mamba-1's low-rank dt projection
+    "lora_rank": None,  # a LoRA adapter's rank (mamba_jax.adapters): its factors are split
+                        # as the input and output axes of the weight they adapt
 }
 # Axes kept whole on every rank where their mesh axis does not divide them: each rank then
 # reads the groups or KV heads its own heads use (the published Mamba2 checkpoints have one

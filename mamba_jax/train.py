@@ -4,12 +4,14 @@
     python -m mamba_jax.train --config train/mamba2-130m.toml --data data/corpus \
         --mesh dp=2,tp=4 --checkpoint-dir runs/130m/ckpt --save-every 500 --resume
     python -m mamba_jax.train --set ngroups=2 --set d_state=64
+    python -m mamba_jax.train --init-from models/mamba2-130m --data data/corpus --lr 1e-4
 
 Every run, one device or many, goes through the same sharded code (mamba_jax.parallel) over
 a mesh (`--mesh`, default: every device on dp); the step is a pure jitted function of
 (params, opt_state, batch) with the shardings in the arrays (mamba_jax.optim). Batch `s` is
 a pure function of (s, seed) (mamba_jax.data), so a checkpoint needs only the step to
 restore the data position. Checkpoints (mamba_jax.checkpoint) restore onto any mesh.
+--init-from starts from a published model or a trainer's checkpoint (mamba_jax.init_from).
 SIGTERM / SIGINT save a checkpoint at the current step and exit cleanly. A --checkpoint-dir
 is locked while a run uses it; --resume refuses one without a checkpoint (--resume-if-exists
 starts fresh there), and a resumed run supersedes what the interrupted one logged after its
@@ -42,16 +44,18 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mamba_jax import compilation_cache, parallel
+from mamba_jax import adapters, compilation_cache, parallel
+from mamba_jax.chat import ChatTemplate
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
 from mamba_jax.convert import check_exportable, export
-from mamba_jax.data import (DEFAULT_CORPUS, BlendedDataset, dataset_meta, dataset_tokenizer,
+from mamba_jax.data import (DEFAULT_CORPUS, data_chat_template, dataset_meta, dataset_tokenizer,
                             fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
 from mamba_jax.formats import export_format, layout_notes
+from mamba_jax.init_from import InitSource, check_resumed_source
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
 from mamba_jax.model import REMAT, Mamba2LM, check_causal
@@ -75,7 +79,14 @@ def build_parser():
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="a recipe (train/*.toml): flag values at the top level, Mamba2Config "
                         "overrides under [model]; flags on the command line win")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="the model (default: tiny); not with --init-from")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the model in DIR: a folder from_pretrained reads (HF "
+                        "Mamba2, Mamba, FalconMamba, NemotronH; mamba_ssm) or a trainer's "
+                        "--checkpoint-dir or one step folder of it. Its config, weights and "
+                        "tokenizer; --set may change only what keeps every parameter's "
+                        "shape; the optimizer starts fresh; --out writes its layout")
     megatron = p.add_argument_group(
         "Megatron-LM's layer flags", "the model's layers as Megatron-LM's flags give them "
         "(the same as --set n_layer=, hybrid_attention_ratio=, hybrid_mlp_ratio=, "
@@ -176,6 +187,29 @@ def build_parser():
                    help="multi-process runs: process 0's address (all processes)")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
+    tuning = p.add_argument_group(
+        "LoRA and partial training", "train a part of the model; the rest, the base, stays "
+        "frozen (mamba_jax.adapters). --out merges what trained into the base's layout")
+    tuning.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                        help="LoRA adapters of rank R on --lora-targets; only they train")
+    tuning.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                        help="the adapters' scale is A / R (default A = R: a scale of 1)")
+    tuning.add_argument("--lora-targets", nargs="+", default=None, metavar="NAME",
+                        help="the projections adapted, named as the model's checkpoint layout "
+                             "names them (in_proj out_proj; q_proj k_proj v_proj o_proj; "
+                             "up_proj down_proj; x_proj dt_proj; ...); default: every "
+                             "projection of every layer")
+    tuning.add_argument("--train-only", default=None, metavar="PATTERN",
+                        help="train the parameters whose dotted names the regular expression "
+                             "matches whole, e.g. 'layers\\.\\d+\\.mixer\\.(A_log|D)' or "
+                             "'.*norm.*' (with --lora-rank: beside the adapters)")
+    tuning.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="store the frozen base's weights in this dtype (A_log, D, "
+                             "dt_bias, norms and biases stay float32); what trains and its "
+                             "optimizer state are float32")
+    tuning.add_argument("--export-adapter", default=None, metavar="DIR",
+                        help="also write the LoRA adapters alone in PEFT's layout "
+                             "(adapter_config.json, adapter_model.safetensors)")
     compilation_cache.add_argument(p)
     return p
 
@@ -231,8 +265,14 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
     if args.loss_chunk is not None and args.loss_chunk < 1:
         raise SystemExit(f"--loss-chunk={args.loss_chunk} must be >= 1 (positions a piece), "
                          "or left out for the whole sequence at once")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise SystemExit(f"--lr={args.lr} must be a positive number (the peak learning rate)")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise SystemExit(f"--lr={args.lr} must be a number >= 0 (the peak learning rate; 0 "
+                         "changes no weight)")
+    if args.init_from and args.preset:
+        raise SystemExit(f"--preset {args.preset} with --init-from {args.init_from}: the model "
+                         "is the one in that folder; leave --preset out (of the recipe too)")
+    if not args.init_from:
+        args.preset = args.preset or "tiny"
     # Each of these below zero would train without an error, wrongly: a negative clip
     # turns every gradient around, a negative weight decay grows the weights.
     require_at_least(args, ("warmup",), least=0)
@@ -280,7 +320,17 @@ def model_config(preset: str, overrides: dict) -> Mamba2Config:
 def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
     """The command line over the --config recipe over the defaults -> (args, config)."""
     args, overrides = parse_command_line(argv)
+    if args.init_from:
+        return args, _init_source(args).config_for(overrides)
     return args, model_config(args.preset, overrides)
+
+
+def _init_source(args) -> InitSource:
+    """--init-from's source, a folder that cannot give one refused in one line."""
+    try:
+        return InitSource.open(args.init_from)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--init-from {error}") from None
 
 
 def _load_named(tokenizer: str, source: str, data: str | None = None):
@@ -392,16 +442,18 @@ def _open_checkpoints(args, tokenizer, held: contextlib.ExitStack, lead: bool):
 def _out_dir(args) -> str | None:
     """Where the final export goes: --out with {preset} filled in (any other brace is the
     path's own), or None for --out none."""
-    return None if args.out.lower() == "none" else args.out.replace("{preset}", args.preset)
+    name = args.preset or Path(args.init_from).absolute().name
+    return None if args.out.lower() == "none" else args.out.replace("{preset}", name)
 
 
-def _replaceable(args, out: str, resumed: bool) -> bool:
-    """Whether the export may write --out: it holds no model (files.model_file), or
-    --overwrite-out, or the run `resumed` from checkpoints of the --checkpoint-dir that the
-    model's own train_config.json names (a restarted job exports where it did; a run that
-    started afresh there, with --resume-if-exists, is another run)."""
+def _replaceable(args, out: str, resumed: bool, held=model_file) -> bool:
+    """Whether the export may write --out: it holds no model (files.model_file; for
+    --export-adapter, `held` is adapters.adapter_file), or --overwrite-out, or the run
+    `resumed` from checkpoints of the --checkpoint-dir that the folder's own
+    train_config.json names (a restarted job exports where it did; a run that started afresh
+    there, with --resume-if-exists, is another run)."""
     out = Path(out)
-    if args.overwrite_out or not holds_model(out):
+    if args.overwrite_out or held(out) is None:
         return True
     if resumed:
         try:
@@ -413,23 +465,43 @@ def _replaceable(args, out: str, resumed: bool) -> bool:
     return False
 
 
-def _check_out(args, out: str, resumed: bool) -> None:
-    """Refuses, before training, an --out whose model the export at the end would replace."""
-    if not _replaceable(args, out, resumed):
-        raise SystemExit(f"--out {out} already holds a model (its {model_file(out)}), which "
-                         "this run's final export would replace: give another --out, --out none, "
-                         "or --overwrite-out to replace it")
+def _check_out(args, out: str, resumed: bool, flag="--out", held=model_file) -> None:
+    """Refuses, before training, an --out (or `flag`'s folder) whose model the export at the
+    end would replace."""
+    if not _replaceable(args, out, resumed, held):
+        what = "a model" if held is model_file else "an adapter"
+        raise SystemExit(f"{flag} {out} already holds {what} (its {held(out)}), which "
+                         f"this run's final export would replace: give another {flag}, "
+                         + ("--out none, " if flag == "--out" else "")
+                         + "or --overwrite-out to replace it")
 
 
-def _export_dir(args, out: str, resumed: bool) -> str:
-    """Where the export goes: --out, or, where a model the run may not replace came into it
-    while the run trained (another run's export), the first free `OUT-N` beside it, said."""
-    if _replaceable(args, out, resumed):
+def _export_dir(args, out: str, resumed: bool, flag="--out", held=model_file) -> str:
+    """Where the export goes: --out (or `flag`'s folder), or, where a model the run may not
+    replace came into it while the run trained (another run's export), the first free
+    `OUT-N` beside it, said."""
+    if _replaceable(args, out, resumed, held):
         return out
     free = next(f"{out}-{i}" for i in itertools.count(1) if not Path(f"{out}-{i}").exists())
-    print(f"--out {out} came to hold a model while this run trained (another run's export?), "
-          f"which this run may not replace: its model goes to {free} instead", file=sys.stderr)
+    what = "model" if held is model_file else "adapter"
+    print(f"{flag} {out} came to hold a {what} while this run trained (another run's "
+          f"export?), which this run may not replace: its {what} goes to {free} instead",
+          file=sys.stderr)
     return free
+
+
+def _from_source(source, base, tuning, seed: int, mesh, shardings):
+    """The run's first parameters (an nnx.State placed on `shardings`) from --init-from's
+    source: its weights read onto the base model's shards, then, with adapters or
+    --train-only, the adapters drawn from `seed` and the frozen part cast to --base-dtype,
+    in one jit over the placed weights (donated: no second copy of the base)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(base))
+    weights = source.load(abstract, parallel.shardings(mesh, parallel.param_specs(abstract,
+                                                                                  mesh)))
+    if not tuning:
+        return weights
+    tune = lambda state: nnx.split(tuning.apply(nnx.merge(graphdef, state), seed))[1]
+    return jax.jit(tune, out_shardings=shardings, donate_argnums=0)(weights)
 
 
 @command("python -m mamba_jax.train")
@@ -477,36 +549,62 @@ def _train(argv, held: contextlib.ExitStack):
     writes = [("--checkpoint-dir", args.checkpoint_dir)]
     if lead:  # the lead alone logs and exports
         writes += [("--metrics-file", args.metrics_file), ("--tensorboard", args.tensorboard),
-                   ("--out", out)]
+                   ("--out", out), ("--export-adapter", args.export_adapter)]
     for flag, path in writes:
         if path:
             check_writable(flag, path, folder=flag != "--metrics-file")
     if lead and args.metrics_file:
         check_metrics_file(args.metrics_file)
-    if out:  # another run's checkpoints (its own are refused above, made or not)
-        check_outside_checkpoints("--out", out)
+    for flag, path in (("--out", out), ("--export-adapter", args.export_adapter)):
+        if path:  # another run's checkpoints (its own are refused above, made or not)
+            check_outside_checkpoints(flag, path)
     if args.checkpoint_dir and holds_model(args.checkpoint_dir):
         raise SystemExit(f"--checkpoint-dir {args.checkpoint_dir} holds a model (its "
                          f"{model_file(args.checkpoint_dir)}), which the commands that read "
                          "the folder would take for its checkpoints: give the checkpoints a "
                          "folder of their own")
+    source = _init_source(args) if args.init_from else None
+    if source:
+        args.tokenizer, args.tokenizer_source = source.tokenizer_for(
+            args.tokenizer, args.tokenizer_source, args.data)
     args.tokenizer = resolve_tokenizer(args)
     tokenizer = _load_named(args.tokenizer, args.tokenizer_source)
-    cfg = model_config(args.preset, overrides)
-    if tokenizer.get_vocab_size() > cfg.vocab_size and "vocab_size" not in overrides:
+    cfg = source.config_for(overrides, tokenizer) if source else model_config(args.preset,
+                                                                              overrides)
+    layout = source.export_layout(cfg) if source else "hf"  # the export's
+    if not source and tokenizer.get_vocab_size() > cfg.vocab_size and \
+            "vocab_size" not in overrides:
         if lead:
             print(f"vocab_size {tokenizer.get_vocab_size()}: the tokenizer's ({args.tokenizer}); "
                   f"the preset's {cfg.vocab_size} is too small", file=sys.stderr)
         cfg = model_config(args.preset, {**overrides, "vocab_size": tokenizer.get_vocab_size()})
-    if out:  # a run that will restore checkpoints may replace its own export there
-        _check_out(args, out, resumed=(args.resume or args.resume_if_exists)
-                   and holds_steps(args.checkpoint_dir))
+    try:
+        tuning = adapters.Tuning.of(vars(args))
+        if tuning:  # its targets and alpha spelt out, so recorded for a resume or a loader
+            tuning = tuning.check(cfg)
+            args.lora_targets, args.lora_alpha = tuning.targets, tuning.alpha
+        if args.export_adapter:
+            adapters.check_peft(cfg, tuning or adapters.Tuning())
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    # a run that will restore checkpoints may replace its own export there
+    restores = (args.resume or args.resume_if_exists) and holds_steps(args.checkpoint_dir)
+    if args.export_adapter:
+        _check_out(args, args.export_adapter, restores, "--export-adapter",
+                   adapters.adapter_file)
+    if out:
+        _check_out(args, out, restores)
         try:  # the export's layout must fit the model: say so now, not after training
-            check_exportable(cfg)
+            check_exportable(cfg, layout)
         except ValueError as error:
             raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     # Refuses bad data before any compute.
     dataset = load_data(args.data, cfg.vocab_size, tokenizer)
+    chat_template, mixed = data_chat_template(args.data)  # what the model answers chats with
+    if mixed and lead:
+        print(mixed, file=sys.stderr)
+    elif chat_template is None and source:  # else the one of the model it starts from
+        chat_template = ChatTemplate.from_model_dir(source.checkpoints or source.path)
     dtype = jnp.dtype(args.dtype)
     try:
         mesh = parallel.make_mesh(args.mesh)
@@ -527,27 +625,37 @@ def _train(argv, held: contextlib.ExitStack):
     # at the first evaluation.
     evaluating = dataset.evaluates(args.seq_len)
     if not evaluating and lead:
-        blend = isinstance(dataset, BlendedDataset)
-        short = (f"no dataset's held-out split has a window of --seq-len {args.seq_len} + 1 "
-                 "tokens" if blend else f"the held-out split has no window of --seq-len "
-                 f"{args.seq_len} + 1 tokens")
-        print(f"--data {dataset.name}: {short}, so this run does not evaluate (prepare more "
-              "documents or a larger --eval-fraction to evaluate)", file=sys.stderr)
+        print(f"--data {dataset.name}: {dataset.no_evaluation(args.seq_len)}, so this run does "
+              "not evaluate (prepare more documents or a larger --eval-fraction to evaluate)",
+              file=sys.stderr)
     ckpt = _open_checkpoints(args, tokenizer, held, lead) if args.checkpoint_dir else None
+    if ckpt and lead and chat_template:  # beside its tokenizer, where serve and convert look
+        chat_template.save(args.checkpoint_dir, tokenizer)
 
-    build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(build))
-    specs = parallel.param_specs(abstract_params, mesh)
+    base = build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
+    # With adapters or --train-only, `params` is what trains (the optimizer sees only it)
+    # and `frozen` holds the base: [state], passed to the loss beside them; else [].
+    split = tuning.split if tuning else lambda state: (state,)
+    if tuning:
+        build = tuning.build(build, args.seed)
+    graphdef, whole = nnx.split(nnx.eval_shape(build))
+    specs = parallel.param_specs(whole, mesh)
     param_shardings = parallel.shardings(mesh, specs)
+    abstract_params, shardings_trained = split(whole)[0], split(param_shardings)[0]
     tx, lr_at = make_optimizer(abstract_params, args.lr, args.steps, args.warmup,
                                args.weight_decay, args.clip, args.schedule)
     try:
-        params = parallel.init_params(build, param_shardings)
-        opt_state = init_opt_state(tx, params, param_shardings, NamedSharding(mesh, P()))
+        # a resumed run's checkpoint replaces the parameters: the source is not read then
+        if source and not (ckpt and ckpt.steps()):
+            state = _from_source(source, base, tuning, args.seed, mesh, param_shardings)
+        else:
+            state = parallel.init_params(build, param_shardings)
+        params, *frozen = split(state)
+        opt_state = init_opt_state(tx, params, shardings_trained, NamedSharding(mesh, P()))
     except jax.errors.JaxRuntimeError as error:  # before any step: the model alone
         if not _out_of_memory(error):
             raise
-        size = sum(x.size for x in jax.tree.leaves(abstract_params))
+        size = sum(x.size for x in jax.tree.leaves(whole))
         raise SystemExit(f"the model ({size / 1e6:.1f}M parameters, {3 * 4 * size / 2**30:.1f} "
                          "GiB with AdamW's two float32 moments) does not fit in the devices' "
                          f"memory ({str(error).splitlines()[0][:160]}): shard it over more "
@@ -556,6 +664,8 @@ def _train(argv, held: contextlib.ExitStack):
     effective = {"model": cfg.to_dict(), "train": {
         k: v for k, v in vars(args).items()
         if k not in ("set", "resume", "resume_if_exists", "tokenizer_source")}}
+    if source:
+        effective["train"].update(source.record())
     if args.checkpoint_dir:
         # Absolute: a resume from another folder finds its export's. And what the data and
         # the tokenizer are, wherever they are found (a resume's same_model, _note_changes):
@@ -564,6 +674,8 @@ def _train(argv, held: contextlib.ExitStack):
             checkpoint_dir=str(Path(args.checkpoint_dir).resolve()),
             data_identity=[[weight, fingerprint(path)] for weight, path in parse_blend(args.data)],
             tokenizer_sha256=hashlib.sha256(tokenizer.to_str().encode()).hexdigest())
+        if tuning:
+            effective["train"]["base"] = adapters.identity(cfg, args.seed)
 
     start, resumed = 0, False
     if ckpt:
@@ -571,6 +683,7 @@ def _train(argv, held: contextlib.ExitStack):
             # One model however its layers are spelt (ratios, mamba_ssm's blocks, a pattern)
             saved = Mamba2Config.from_dict(meta["config"]["model"]).spelt_out()
             trained = meta["config"]["train"]
+            check_resumed_source(step, args.checkpoint_dir, trained, effective["train"])
             if trained.get("tokenizer_sha256", effective["train"]["tokenizer_sha256"]) != \
                     effective["train"]["tokenizer_sha256"]:  # recorded since, beside the copy
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} was trained with "
@@ -580,6 +693,11 @@ def _train(argv, held: contextlib.ExitStack):
                 raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
                                  f"model: {_config_difference(saved, cfg.spelt_out())}; use "
                                  "its --preset/--set or another --checkpoint-dir")
+            try:
+                adapters.check_same_part(trained, effective["train"])
+            except ValueError as error:
+                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir}: {error}; use "
+                                 "its flags or another --checkpoint-dir") from None
 
         try:
             restored = ckpt.restore_latest(
@@ -597,9 +715,10 @@ def _train(argv, held: contextlib.ExitStack):
 
     loss_options = dict(remat=args.remat, sequence_parallel=args.sequence_parallel,
                         loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
-    loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, **loss_options)
-    eval_loss = jax.jit(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options,
-                                              per_row=True),
+    join = adapters.joined if tuning else lambda fn: fn
+    loss_fn = join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options))
+    eval_loss = jax.jit(join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options,
+                                                   per_row=True)),
                         compiler_options=train_compiler_options(args.deterministic))
     train_step = make_train_step(loss_fn, tx, deterministic=args.deterministic)
     micro_rows = NamedSharding(mesh, P(None, *parallel.TOKENS))
@@ -615,8 +734,9 @@ def _train(argv, held: contextlib.ExitStack):
         for batch in dataset.eval_batches(micro, args.seq_len, 4 * args.grad_accum):
             n = len(batch["inputs"])
             filled = np.arange(-n % n_shards + n) % n  # rows 0..n-1, then 0, 1, ... again
-            per_row = eval_loss(params, *(parallel.global_array(batch[name][filled], rows)
-                                          for name in _token_fields(args, dataset)))
+            per_row = eval_loss(params, *frozen, *(
+                parallel.global_array(batch[name][filled], rows)
+                for name in _token_fields(args, dataset)))
             losses.append(np.asarray(multihost_utils.process_allgather(per_row, tiled=True)
                                      if n_proc > 1 else per_row)[:n])
             counts.append(batch["loss_mask"].sum(-1) if dataset.masked else None)
@@ -624,8 +744,11 @@ def _train(argv, held: contextlib.ExitStack):
                                 if dataset.masked else None))
 
     if lead:
-        n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-        print(f"mamba_jax.train: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(whole))
+        trained = sum(x.size for x in jax.tree_util.tree_leaves(params))
+        model = f"init from {args.init_from}" if source else f"preset {args.preset}"
+        print(f"mamba_jax.train: {model}, {n_params / 1e6:.2f}M parameters"
+              + (f" ({trained / 1e6:.3f}M of them trained)" if tuning else "") + ", "
               f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
               f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
               f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}, "
@@ -699,7 +822,7 @@ def _train(argv, held: contextlib.ExitStack):
             batch = dataset.train_batch(step, args.batch_size, args.seq_len, args.seed,
                                         jax.process_index(), n_proc)
             params, opt_state, loss, grad_norm = train_step(
-                params, opt_state, _batch_arrays(batch, args, dataset, micro_rows))
+                params, opt_state, _batch_arrays(batch, args, dataset, micro_rows), *frozen)
             step += 1
             if pending is not None:
                 log(finished(*pending))
@@ -732,19 +855,29 @@ def _train(argv, held: contextlib.ExitStack):
     if stop.signal and lead:  # during the last step or its save: nothing was cut short
         print(f"{stop.signal.name} after the last step: the run is complete", file=sys.stderr)
 
-    if out:
+    if out or args.export_adapter:
+        state = adapters.join(params, *frozen) if tuning else params
         if n_proc > 1:
-            params = multihost_utils.process_allgather(params, tiled=True)  # all processes join
+            state = multihost_utils.process_allgather(state, tiled=True)  # all processes join
+        model = nnx.merge(graphdef, state)
+    if args.export_adapter and lead:
+        where = _export_dir(args, args.export_adapter, resumed, "--export-adapter",
+                            adapters.adapter_file)
+        adapters.save_peft_adapter(model, where)
+        replace_text(Path(where, "train_config.json"), json.dumps(effective, indent=2) + "\n")
+        print(f"saved {where} (LoRA adapters in PEFT's layout)", file=sys.stderr)
+    if out:
         if lead:
             out = _export_dir(args, out, resumed)
-            removed = export(nnx.merge(graphdef, params), out, tokenizer)
+            removed = export(adapters.merge(model) if tuning else model, out, tokenizer,
+                             format=layout, chat_template=chat_template)
             replace_text(Path(out, "train_config.json"), json.dumps(effective, indent=2) + "\n")
             if removed := [name for name in removed if name != "train_config.json"]:
                 print(f"removed the replaced model's {', '.join(removed)} from {out}",
                       file=sys.stderr)
-            layout = export_format(cfg, "hf")
-            named = "" if layout == "hf" else f" ({layout}'s layout)"
-            for note in layout_notes(cfg, layout):
+            written = export_format(cfg, layout)
+            named = "" if written == "hf" else f" ({written}'s layout)"
+            for note in layout_notes(cfg, written):
                 print(f"note: {note}", file=sys.stderr)
             print(f"saved {out}{named}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",

@@ -25,7 +25,7 @@ from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
            "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3",
-           "tiles"]
+           "tiles", "init_from"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
@@ -460,10 +460,15 @@ def test_our_training_child_runs_the_layers_as_asked(scan_layers):
     from bench.train_step import child_argv, layers_note
     args = argparse.Namespace(preset="mamba2-370m", batch=8, seq_len=2048, remat="none",
                               steps=3, granule=4, layers=None, limit_gib=None, breakdown=False,
-                              loss_chunk=None, scan_layers=scan_layers)
+                              loss_chunk=None, scan_layers=scan_layers, lora_rank=16,
+                              base_dtype="bfloat16")
     argv = child_argv(args, "measure", "dp=1")
     assert ("--scan-layers" in argv) == scan_layers
     assert ("--scan-layers" in layers_note(args)) == scan_layers
+    # bench.train_step lora's two children: LoRA over a bfloat16 base, and full training
+    assert {"--lora-rank=16", "--base-dtype=bfloat16"} <= set(argv)
+    full = child_argv(args, "measure", "dp=1", lora_rank=None)
+    assert not any(a.startswith(("--lora-rank", "--base-dtype")) for a in full)
 
 
 def test_our_decode_timing_compiles_one_decode_loop():

@@ -92,3 +92,26 @@ def test_template_sources_and_their_errors(tmp_path):
         {"chat_template": [{"name": "tool_use", "template": "T"}]}))
     with pytest.raises(ChatTemplateError, match="no 'default'"):
         ChatTemplate.from_model_dir(tmp_path)
+
+
+def test_a_conversation_with_tools_renders_with_the_models_tool_use_template(tmp_path):
+    """As transformers' get_chat_template (checked by hand with transformers 5.24): a model
+    naming a "tool_use" template beside its default renders a conversation with tools with
+    it (every one rendered with the default), named in tokenizer_config.json or as
+    additional_chat_templates/tool_use.jinja; save keeps both, as a list in the config."""
+    chat, tools = [{"role": "user", "content": "x"}], [{"type": "function",
+                                                       "function": {"name": "f"}}]
+    listed, files, saved = (tmp_path / name for name in ("listed", "files", "saved"))
+    (files / "additional_chat_templates").mkdir(parents=True)
+    listed.mkdir()
+    saved.mkdir()
+    (listed / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "D"},
+        {"name": "tool_use", "template": "T{{ tools | length }}"}]}))
+    (files / "chat_template.jinja").write_text("D")
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text("T{{ tools | length }}")
+    ChatTemplate.from_model_dir(listed).save(
+        saved, Tokenizer.from_file(str(FIXTURES / "chatml" / "tokenizer.json")))
+    for folder in (listed, files, saved):
+        template = ChatTemplate.from_model_dir(folder)
+        assert (template.render(chat), template.render(chat, tools=tools)) == ("D", "T1")

@@ -305,13 +305,16 @@ def test_an_export_over_a_model_removes_the_files_it_does_not_replace(tmp_path, 
     (dst / "notes.txt").write_text("a user's file\n")
     # the replaced model's ids, which transformers' generate reads before config.json's
     (dst / "generation_config.json").write_text('{"eos_token_id": 7}\n')
-    for name in ("tokenizer.model", "tokenizer_config.json"):
+    for name in ("tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
+                 "additional_chat_templates/tool_use.jinja"):
+        (dst / name).parent.mkdir(exist_ok=True)
         (dst / name).write_text("the replaced model's\n")
     main([str(FIXTURES / "trained_tiny"), str(dst), "--to", "hf", "--overwrite"])
     assert capsys.readouterr().out.splitlines()[1] == (
         "removed the replaced model's model-1.safetensors, model-2.safetensors, "
         "model.safetensors.index.json, train_config.json, generation_config.json, "
-        "tokenizer.model, tokenizer_config.json")
+        "tokenizer.model, tokenizer_config.json, chat_template.jinja, "
+        "additional_chat_templates")
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors",
                                                      "notes.txt", "tokenizer.json"]
     # Converted in place, its shards become the one file; its other files are its own.

@@ -3,6 +3,7 @@ apply_chat_template does (tests/fixtures/chat, saved from transformers) and stor
 mask beside the tokens; PackedDataset packs whole documents into rows with their document
 ids; bad rows are one line naming the file, the row and the fix; the trainer runs on it."""
 
+import io
 import json
 from pathlib import Path
 
@@ -89,17 +90,97 @@ def test_prompt_completion_rows_train_the_completion_and_its_end_of_text(tmp_pat
     assert masks[2] == [0] * len(head) + [1] * (len(ids[2]) - len(head)) and len(head) > 3
 
 
-def test_parquet_rows_give_the_json_lines_dataset(tmp_path):
+def test_prompt_completion_masks_from_where_the_pair_parts_from_the_prompt(tmp_path):
+    """A token that joins the prompt's end and the completion's start trains, and a template
+    whose generation prompt the reply does not continue masks from where they part: TRL's
+    common_prefix_length. The masks are TRL 1.16's (SFTTrainer's tokenize_fn, by hand with
+    transformers 5.24); counting the prompt's own ids instead left the joined token out, and
+    where they outnumbered the pair's gave a mask longer than the document."""
+    rows = [{"prompt": "the Licen", "completion": "se"},  # "Licen" + "se": one token
+            {"prompt": "Copyri", "completion": "ght"},
+            {"prompt": [{"role": "user", "content": "hi"}],
+             "completion": [{"role": "assistant", "content": "Sure."}]}]
+    template = tmp_path / "think.jinja"  # the generation prompt opens an empty thought
+    template.write_text("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+                        "m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if "
+                        "add_generation_prompt %}{{ '<|im_start|>assistant\\n<think></think>' }}"
+                        "{% endif %}")
+    prepare([write_rows(tmp_path / "pc.jsonl", rows)], FIXTURES / "chatml", tmp_path / "ds",
+            eval_fraction=0.0, fmt="prompt-completion", chat_template=template)
+    ids, masks = stored(tmp_path / "ds")
+    assert ids[:2] == [[317, 68, 328, 513], [34, 78, 355, 359, 513]]
+    assert masks == [[0, 0, 1, 1], [0, 0, 0, 1, 1], [0] * 17 + [1] * 6]
+    assert len(ids[2]) == 23
+
+
+def test_a_template_writing_special_tokens_the_tokenizer_does_not_name_is_said(tmp_path):
+    """A --chat-template file beside a tokenizer file (no tokenizer_config.json names its
+    special tokens) renders its eos_token as empty text, as transformers would without
+    one: the chats lose their ends of turn, which prepare says (it said nothing)."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% if m['role'] == "
+                        "'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+    rows = write_rows(tmp_path / "c.jsonl", [{"messages": CHAT}])
+    for tokenizer, said in ((FIXTURES / "chatml" / "tokenizer.json", True),
+                            (FIXTURES / "chatml", False)):
+        log = io.StringIO()
+        prepare([rows], tokenizer, tmp_path / "ds", eval_fraction=0.0, fmt="chat",
+                chat_template=template, log=log, overwrite=True)
+        assert (f"prepare: {template} writes eos_token, which --tokenizer {tokenizer} does "
+                "not name" in log.getvalue()) == said
+
+
+def test_a_role_the_template_takes_is_rendered(tmp_path):
+    """Which roles there are is the template's to say, as in transformers: Llama 3.1's
+    "ipython" (tool output) renders where the template takes it (it was refused as no
+    OpenAI role)."""
+    chat = [*CHAT, {"role": "ipython", "content": "42"}, {"role": "assistant", "content": "ok"}]
+    prepare([write_rows(tmp_path / "chats.jsonl", [{"messages": chat}])], FIXTURES / "chatml",
+            tmp_path / "ds", eval_fraction=0.0, fmt="chat")
+    (doc,), (mask,) = stored(tmp_path / "ds")
+    tokenizer = Tokenizer.from_file(str(FIXTURES / "chatml" / "tokenizer.json"))
+    assert "<|im_start|>ipython\n42<|im_end|>" in tokenizer.decode(doc, skip_special_tokens=False)
+    assert tokenizer.decode([t for t, m in zip(doc, mask) if m], skip_special_tokens=False) == \
+        "hello<|im_end|>\nok<|im_end|>\n"
+
+
+def test_a_rows_tools_and_template_arguments_reach_the_template(tmp_path):
+    """A row's "tools" (a list, or its JSON text as Parquet columns hold it) and
+    "chat_template_kwargs" render with its messages, as TRL's SFTTrainer passes them to
+    apply_chat_template: transformers' rendering with the tools (they were dropped)."""
+    case = next(c for c in json.loads((FIXTURES / "reasoning" / "expected.json").read_text(
+        encoding="utf-8"))["cases"] if c["tools"] and not c["add_generation_prompt"])
+    template = tmp_path / "flag.jinja"  # the reasoning fixture's, after a template variable
+    template.write_text("{{ greeting }}" + json.loads(
+        (FIXTURES / "reasoning" / "tokenizer_config.json").read_text())["chat_template"])
+    rows = [{"messages": case["messages"], "tools": case["tools"],
+             "chat_template_kwargs": {"greeting": ""}},
+            {"messages": case["messages"], "tools": json.dumps(case["tools"]),
+             "chat_template_kwargs": {"greeting": "<|im_end|>"}}]
+    prepare([write_rows(tmp_path / "chats.jsonl", rows)], FIXTURES / "reasoning",
+            tmp_path / "ds", eval_fraction=0.0, fmt="chat", chat_template=template)
+    ids, _ = stored(tmp_path / "ds")
+    im_end = Tokenizer.from_file(str(FIXTURES / "reasoning" / "tokenizer.json")).token_to_id(
+        "<|im_end|>")
+    assert ids == [case["ids"], [im_end] + case["ids"]]
+
+
+def test_parquet_rows_and_a_json_array_give_the_json_lines_dataset(tmp_path):
+    """Parquet rows, and a .json file holding one array of rows (datasets' to_json(lines=
+    False), which load_dataset("json") reads; it was refused as a line that is not JSON),
+    give what JSON lines give."""
     import pyarrow
     import pyarrow.parquet
 
     rows = [{"messages": c["messages"]} for c in cases("generation")]
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "chats.parquet")
     write_rows(tmp_path / "chats.jsonl", rows)
-    for name in ("chats.parquet", "chats.jsonl"):
+    (tmp_path / "chats.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    for name in ("chats.parquet", "chats.jsonl", "chats.json"):
         prepare([tmp_path / name], FIXTURES / "generation", tmp_path / name.replace(".", "_"),
                 eval_fraction=0.0, fmt="chat")
-    assert stored(tmp_path / "chats_parquet") == stored(tmp_path / "chats_jsonl")
+    assert stored(tmp_path / "chats_parquet") == stored(tmp_path / "chats_jsonl") == \
+        stored(tmp_path / "chats_json")
 
 
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
@@ -116,9 +197,11 @@ CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
 @pytest.mark.parametrize("fmt,line,refusal", [
     ("chat", json.dumps({"messages": CHAT[:1]}), r"bad.jsonl:2: the chat has no assistant "
                                                  r"turn, so none of its tokens would train"),
-    ("chat", json.dumps({"messages": [{"role": "robot", "content": "x"}, CHAT[1]]}),
-     r"bad.jsonl:2: \"messages\" message 0 has role 'robot', not one of system, developer, "
-     r"user, assistant, tool, function"),
+    ("chat", json.dumps({"messages": [{"from": "human", "value": "x"}, CHAT[1]]}),
+     r"bad.jsonl:2: \"messages\" message 0 has fields \['from', 'value'\], not a role; give "
+     r"each message a role and content"),
+    ("chat", json.dumps({"messages": [{"role": "", "content": "x"}, CHAT[1]]}),
+     r"bad.jsonl:2: \"messages\" message 0 has role '', not a role"),
     ("chat", json.dumps([CHAT]), r"bad.jsonl:2: expected a JSON object with a \"messages\" "
                                  r"list \(--format chat\), got a list"),
     ("chat", '{"messages": [', r"bad.jsonl:2: expected .* got a line that is not JSON"),
@@ -130,6 +213,10 @@ CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hel
      r"\(--format prompt-completion\), got a dict without 'completion'"),
     ("prompt-completion", json.dumps({"prompt": "p", "completion": 3}),
      r"bad.jsonl:2: \"prompt\" and \"completion\" are a str and a int"),
+    ("chat", json.dumps({"messages": CHAT, "tools": "[{"}),
+     r"bad.jsonl:2: \"tools\" is text that is not JSON"),
+    ("chat", json.dumps({"messages": CHAT, "chat_template_kwargs": {"tools": []}}),
+     r"bad.jsonl:2: \"chat_template_kwargs\" sets tools, which prepare gives the template"),
 ])
 def test_bad_rows_are_one_line_naming_the_file_the_row_and_the_fix(tmp_path, fmt, line,
                                                                     refusal):
@@ -239,6 +326,44 @@ def test_documents_longer_than_a_row_are_cut_and_counted(tmp_path):
     assert sorted(batch["loss_mask"].sum(-1).tolist())[-2:] == [15, 15]
 
 
+# At --seq-len 16, (prompt bytes, completion bytes) of documents of which 0 and 5 targets train
+LATE, EARLY = (20, 10), (2, 5)
+
+
+def shaped(tmp_path, name, shapes, eval_fraction=0.4) -> PackedDataset:
+    """A prompt-completion dataset of byte documents of `shapes` [(prompt bytes, completion
+    bytes)], the last eval_fraction held out."""
+    rows = [{"prompt": "P" * p, "completion": "c" * c} for p, c in shapes]
+    prepare([write_rows(tmp_path / f"{name}.jsonl", rows)], "bytes", tmp_path / name,
+            eval_fraction=eval_fraction, fmt="prompt-completion")
+    return TokenDataset.load(tmp_path / name, vocab_size=256)
+
+
+def test_held_out_documents_that_keep_no_trained_token_in_a_row_are_not_evaluated(tmp_path):
+    """Cut to a row, a document may keep no token to train on: a held-out one is not
+    evaluated, so every evaluated row counts a token (held-out rows that counted none
+    divided the evaluation by zero)."""
+    mixed = shaped(tmp_path, "mixed", [LATE, EARLY, LATE, LATE, EARLY])  # 2 held out
+    assert mixed.evaluates(16)
+    assert [b["loss_mask"].sum(-1).tolist() for b in mixed.eval_batches(4, 16)] == [[5]]
+    held_late = shaped(tmp_path, "held_late", [EARLY, EARLY, LATE, LATE, LATE])
+    assert not held_late.evaluates(16) and not list(held_late.eval_batches(4, 16))
+    assert "no held-out document keeps a token" in held_late.no_evaluation(16)
+
+
+def test_training_documents_that_keep_no_trained_token_in_a_row_are_refused(tmp_path):
+    """Training documents that keep no token to train on between them, cut to rows, are
+    refused naming --seq-len (every step would skip its update: a run that trained nothing);
+    the packing note counts the trained tokens a cut leaves out."""
+    mixed = shaped(tmp_path, "mixed", [LATE, EARLY, LATE, LATE, EARLY])
+    assert "2 longer than a row are cut to it: 20 of the 25 tokens to train on lie past " \
+           "the cut" in mixed.packing_note(16, seed=0)
+    with pytest.raises(ValueError, match=r"--seq-len 16 \+ 1 tokens, its training documents keep "
+                                         r"no token to train on \(all 30 lie past the cut\); "
+                                         r"raise --seq-len \(the longest document has 30"):
+        shaped(tmp_path, "late", [LATE, LATE, LATE, EARLY, EARLY]).train_batch(0, 1, 16, 0)
+
+
 def test_held_out_documents_are_evaluated_masked_and_a_blend_masks_every_row(tmp_path):
     dataset = packed(tmp_path, [8] * 10, trained_from=3, eval_fraction=0.2)
     assert dataset.evaluates(16)
@@ -258,6 +383,7 @@ def test_held_out_documents_are_evaluated_masked_and_a_blend_masks_every_row(tmp
 
 
 def test_the_trainer_trains_on_chats_with_grad_accum_and_evaluates(tmp_path, capsys):
+    from mamba_jax.convert import main as convert
     from mamba_jax.train import main as train
 
     chats = [{"messages": [{"role": "user", "content": f"Question {i}?"},
@@ -270,7 +396,22 @@ def test_the_trainer_trains_on_chats_with_grad_accum_and_evaluates(tmp_path, cap
            "--set", "d_model=32",
            "--set", "n_layer=1", "--set", "headdim=16", "--set", "d_state=16",
            "--set", "chunk_size=16", "--metrics-file", str(tmp_path / "m.jsonl"),
-           "--out", "none"])
+           "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records) and "eval_loss" in records[-1]
     assert "36 training documents packed whole into" in capsys.readouterr().err
+    # The export, the checkpoints and their conversion carry the template the chats were
+    # rendered with, and its special tokens, as transformers saves them (serve and
+    # apply_chat_template read them there; they were lost); the export's
+    # tokenizer_config.json names the class that loads it.
+    convert([str(tmp_path / "ckpt"), str(tmp_path / "converted"), "--to", "hf"])
+    given = ChatTemplate.from_model_dir(FIXTURES / "chatml")
+    for folder in (tmp_path / "out", tmp_path / "ckpt", tmp_path / "converted"):
+        carried = ChatTemplate.from_model_dir(folder)
+        assert (carried.text, carried.special_tokens) == (given.text, given.special_tokens)
+        assert carried.source == str(folder / "chat_template.jinja")
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert config == {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}
+    im_end = Tokenizer.from_file(str(FIXTURES / "chatml" / "tokenizer.json")).token_to_id(
+        "<|im_end|>")  # where transformers' generate stops
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == im_end

@@ -8,6 +8,7 @@ fixtures' safetensors copies of the .pt and .distcp files through the same reade
 is (docs/megatron.md)."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,11 +18,12 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from mamba_jax import Mamba2Config, Mamba2LM, from_pretrained
+from mamba_jax import Mamba2Config, Mamba2LM, from_pretrained, megatron
 from mamba_jax.cli import MissingDependency
 from mamba_jax.convert import flat_params, main, model_from_params, torch_to_params
 from mamba_jax.megatron import checkpoint_tensors, megatron_args, rank_state_dicts
-from mamba_jax.megatron_files import Legacy, TorchDist
+from mamba_jax.files import holds_model
+from mamba_jax.megatron_files import TRACKER, Legacy, TorchDist, is_megatron_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_hybrid"
 
@@ -160,6 +162,15 @@ def test_a_tp_size_megatron_cannot_split_is_refused():
     with pytest.raises(ValueError, match=r"--target-tp-size 8 does not divide mamba2.ngroups=4, "
                                          r".*sizes that work: \[1, 2, 4\]"):
         rank_state_dicts(flat_params(Mamba2LM(HYBRID, rngs=nnx.Rngs(0))), HYBRID, 8)
+    # One KV head over 3 ranks: Megatron splits linear_qkv's (6 + 2) * 8 rows evenly, which
+    # 3 does not divide (it was a numpy traceback, "array split does not result in an equal
+    # division")
+    mqa = HYBRID.replace(d_model=48, layer_pattern="*", n_layer=1, pad_vocab_size_multiple=48,
+                         attention=dict(num_heads=6, num_heads_kv=1, head_dim=8,
+                                        rotary_emb_dim=4))
+    with pytest.raises(ValueError, match=r"--target-tp-size 3 does not divide linear_qkv's 64 "
+                                         r"rows .* sizes that work: \[1, 2\]"):
+        rank_state_dicts(flat_params(Mamba2LM(mqa, rngs=nnx.Rngs(0))), mqa, 3)
 
 
 def test_megatron_files_without_torch_are_one_line_naming_the_extra(tmp_path, monkeypatch,
@@ -181,3 +192,24 @@ def test_set_is_refused_for_a_checkpoint_with_a_config_json():
                                          r"fields \(mamba2.chunk_size\) are taken for a "
                                          r"Megatron-LM checkpoint only"):
         from_pretrained(FIXTURE / "nemotron_h", overrides={"mamba2.chunk_size": 8})
+
+
+def test_a_megatron_checkpoint_written_over_a_model_removes_that_model(tmp_path, monkeypatch,
+                                                                       capsys):
+    """convert --to megatron --overwrite into a folder holding a model removes the model's
+    config.json and weights, which from_pretrained read before the checkpoint beside them
+    (the conversion's output read back as the replaced model). CI has no torch: the writer
+    is a stand-in laying out a checkpoint's folders."""
+    def write(model, path, tp, keys):
+        folder = Path(path) / "iter_0000000"
+        (folder / "mp_rank_00").mkdir(parents=True)
+        (Path(path) / TRACKER).write_text("0\n")
+        return folder
+
+    monkeypatch.setattr(megatron, "save_megatron", write)
+    dst = tmp_path / "dst"
+    shutil.copytree(FIXTURE / "nemotron_h", dst)
+    main([str(FIXTURE / "nemotron_h"), str(dst), "--to", "megatron", "--overwrite"])
+    assert is_megatron_checkpoint(dst) and not holds_model(dst)
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "removed the replaced model's config.json, model.safetensors"

@@ -164,10 +164,11 @@ def test_an_export_with_the_residual_in_float32_says_nemotron_h_does_not_keep_it
 
 
 def test_mtp_tensors_are_skipped_and_a_tied_model_writes_its_head(tmp_path):
-    from mamba_jax.convert import _read_tensors, model_from_params, torch_to_params
+    from mamba_jax.convert import model_from_params, torch_to_params
+    from mamba_jax.tensors import open_tensors
     name = "Nemotron-H-4B-Base-8K"
     cfg = load_config(FIXTURES / name)[0]
-    tensors = _read_tensors(FIXTURES / name)
+    tensors = dict(open_tensors(FIXTURES / name))
     extra = {**tensors, "mtp.layers.0.mixer.q_proj.weight": np.zeros((4, 4), np.float32)}
     params = torch_to_params(tensors, cfg, "nemotron_h")
     assert torch_to_params(extra, cfg, "nemotron_h").keys() == params.keys()

@@ -327,9 +327,11 @@ def test_every_evaluation_prints_a_line(capsys):
     assert evaluated == list(range(3, 40, 3))
 
 
-def test_the_learning_rate_must_be_positive():
-    for lr in ("0", "-1e-3", "nan", "inf"):
-        with pytest.raises(SystemExit, match=f"--lr={float(lr)} must be a positive number"):
+def test_the_learning_rate_must_be_a_number_at_least_0():
+    # 0 is a run that changes no weight (tests/test_init_from.py trains at it)
+    assert parse_args(["--lr=0"])[0].lr == 0
+    for lr in ("-1e-3", "nan", "inf"):
+        with pytest.raises(SystemExit, match=f"--lr={float(lr)} must be a number >= 0"):
             parse_args([f"--lr={lr}"])
 
 
