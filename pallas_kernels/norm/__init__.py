@@ -38,10 +38,10 @@ from __future__ import annotations
 from pallas_kernels import fallback, hardware
 from pallas_kernels.norm import reference, triton
 from pallas_kernels.norm.reference import (add_rms_norm_reference, gated_rms_norm_reference,
-                                           rms_norm_reference)
+                                           gated_rms_norm_spanning, rms_norm_reference)
 from pallas_kernels.triton_call import off_gpu
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_reference", "add_rms_norm",
+__all__ = ["gated_rms_norm", "gated_rms_norm_reference", "gated_rms_norm_spanning", "add_rms_norm",
            "add_rms_norm_reference", "rms_norm_reference", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("auto", "xla", "triton")
