@@ -43,16 +43,18 @@ def loss_and_grads(cfg, mesh_spec=None):
     return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
 
 
-@pytest.mark.parametrize("ngroups,mesh_spec", [
-    (8, None),              # pallas_kernels.mamba2_mixer
-    (1, None),
-    (8, "tp=4,dp=2"),       # the same on each rank's heads and groups
-    (2, "tp=4,dp=2"),       # each rank's heads read one of 2 groups; a group spans 2 ranks
-    (1, "cp=2,tp=2,dp=2"),  # the conv's halo and the scan's state cross devices; the one
-                            # group spans the tp ranks
-], ids=["g8", "g1", "g8-tp4", "g2-tp4", "g1-cp2-tp2"])
-def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
-    cfg = mamba_config(ngroups=ngroups).replace(n_layer=1)
+@pytest.mark.parametrize("ngroups,mesh_spec,D_has_hdim", [
+    (8, None, False),              # pallas_kernels.mamba2_mixer
+    (1, None, False),
+    (8, "tp=4,dp=2", False),       # the same on each rank's heads and groups
+    (2, "tp=4,dp=2", False),       # each rank's heads read one of 2 groups, which spans 2
+                                   # ranks
+    (1, "cp=2,tp=2,dp=2", True),   # the conv's halo and the scan's state cross devices; the
+                                   # one group spans the tp ranks; D [h, p] split by heads
+], ids=["g8", "g1", "g8-tp4", "g2-tp4", "g1-cp2-tp2-D_has_hdim"])
+def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec, D_has_hdim):
+    cfg = mamba_config(ngroups=ngroups).replace(n_layer=1,
+                                                **{"mamba2.D_has_hdim": D_has_hdim})
     value, grads = loss_and_grads(cfg)
     calls = take_the_kernels(monkeypatch)
     kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
