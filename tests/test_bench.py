@@ -23,7 +23,7 @@ from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
            "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3",
-           "tiles", "init_from"]
+           "tiles", "init_from", "continued"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
@@ -401,6 +401,27 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
         tiles.parse_config(conv.Config(), "run=many")
     with pytest.raises(SystemExit, match="step_rows 8 must divide run 12"):
         tiles.parse_config(conv.Config(), "run=12")
+
+
+def test_continued_times_the_fused_and_the_composed_mixer_on_a_cpu(monkeypatch, capsys):
+    """bench.continued at the tiny preset with the kernels taken (Pallas's interpreter): a
+    row of both sides' times, their ratio, planned memory and the loss; off the kernels its
+    fused side cannot trace the fused mixer, which it says rather than time the composed one
+    twice."""
+    from bench import continued
+    from mesh_check import take_the_kernels
+    options = ["--presets", "tiny", "--layers", "1", "--batch", "1", "--seq-len", "24",
+               "--prefix", "9", "--warmup", "0", "--reps", "1"]
+    with pytest.raises(SystemExit, match="the fused side traced the fused mixer: False"):
+        continued.main(options)
+    take_the_kernels(monkeypatch)
+    continued.main(options)
+    row = capsys.readouterr().out.splitlines()[-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["tiny (1 layers)", "1x24"]
+    composed, fused, ratio, *gib, loss = cells[2:]
+    assert float(composed) > 0 and float(fused) > 0 and float(ratio.rstrip("x")) > 0
+    assert all(float(g) >= 0 for g in gib) and 0 < float(loss) < 10  # a tiny model's GiB: 0.0
 
 
 def test_forward_and_backward_computes_the_output_with_the_gradients():
