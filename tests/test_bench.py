@@ -403,25 +403,15 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
         tiles.parse_config(conv.Config(), "run=12")
 
 
-def test_continued_times_the_fused_and_the_composed_mixer_on_a_cpu(monkeypatch, capsys):
-    """bench.continued at the tiny preset with the kernels taken (Pallas's interpreter): a
-    row of both sides' times, their ratio, planned memory and the loss; off the kernels its
-    fused side cannot trace the fused mixer, which it says rather than time the composed one
-    twice."""
+def test_continued_refuses_to_time_a_fused_side_that_is_not_fused():
+    """bench.continued off the kernels (no Hopper GPU): its fused side traces the composed
+    mixer, which it says before compiling anything rather than time the composed one twice
+    (its rows, run on the CPU with the kernels taken in Pallas's interpreter: about a minute
+    of compiles, left out of the suite)."""
     from bench import continued
-    from mesh_check import take_the_kernels
-    options = ["--presets", "tiny", "--layers", "1", "--batch", "1", "--seq-len", "24",
-               "--prefix", "9", "--warmup", "0", "--reps", "1"]
-    with pytest.raises(SystemExit, match="the fused side traced the fused mixer: False"):
-        continued.main(options)
-    take_the_kernels(monkeypatch)
-    continued.main(options)
-    row = capsys.readouterr().out.splitlines()[-1]
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[:2] == ["tiny (1 layers)", "1x24"]
-    composed, fused, ratio, *gib, loss = cells[2:]
-    assert float(composed) > 0 and float(fused) > 0 and float(ratio.rstrip("x")) > 0
-    assert all(float(g) >= 0 for g in gib) and 0 < float(loss) < 10  # a tiny model's GiB: 0.0
+    with pytest.raises(SystemExit, match="tiny: the fused side traced the fused mixer: False"):
+        continued.main(["--presets", "tiny", "--layers", "1", "--batch", "1", "--seq-len",
+                        "24", "--prefix", "9", "--warmup", "0", "--reps", "1"])
 
 
 def test_forward_and_backward_computes_the_output_with_the_gradients():
