@@ -1,8 +1,9 @@
 """A Mamba2 layer with D per head channel (mamba2.D_has_hdim, mamba_ssm's D_has_hdim: its D of
 d_inner, our D [h, p]): the layer against a float64 oracle written from its definition
 (values and every gradient, D's per channel), on the XLA path (the fused mixer on the
-kernels equals it: tests/test_mamba2_mixer.py); the decoding steps (XLA's, the step kernel's and the fused
-block's) against the forward, where mamba_ssm's own step broadcasts D per head; the mamba_ssm
+kernels equals it: tests/test_mamba2_mixer.py); the decoding steps (XLA's, the step
+kernel's and the fused block's) against the forward, where mamba_ssm's own step broadcasts D
+per head; the mamba_ssm
 checkpoint layout both ways (D of d_inner, in its (h p) order), the layouts without it
 refusing it. Its tensor-parallel split of D's heads: tests/test_kernel_path.py's cp x tp case.
 
