@@ -286,8 +286,10 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
         hybrid.update(attn_layer_idx=tuple(d["attn_layer_idx"]), **_attn_from_mamba_ssm(d, path))
     if d.get("d_intermediate", 0):
         hybrid["d_intermediate"] = _gated_mlp_width(d)
-    for flag, ok in (("D_has_hdim", False), ("norm_before_gate", False), ("rmsnorm", True)):
+    for flag, ok in (("norm_before_gate", False), ("rmsnorm", True)):
         _require(ssm.pop(flag, ok) == ok, path, f"ssm_cfg.{flag} must be {ok}")
+    # its D of d_inner, one a head channel: our D [h, p]
+    per_channel = {"mamba2.D_has_hdim": ssm.pop("D_has_hdim", False)}
     _require(ssm.pop("d_ssm", None) is None, path, "ssm_cfg.d_ssm is not supported")
     if "dt_limit" in ssm:
         ssm["dt_limit"] = _decode_limit(ssm["dt_limit"])
@@ -295,7 +297,7 @@ def config_from_mamba_ssm(d: dict, path="config.json") -> Mamba2Config:
         d_model=d["d_model"], n_layer=d["n_layer"], vocab_size=d["vocab_size"],
         pad_vocab_size_multiple=d.get("pad_vocab_size_multiple", 8),
         residual_in_fp32=d.get("residual_in_fp32", True),
-        tie_embeddings=d.get("tie_embeddings", True), **ssm, **hybrid))
+        tie_embeddings=d.get("tie_embeddings", True), **ssm, **per_channel, **hybrid))
 
 
 def _mamba1_from_mamba_ssm(d: dict, ssm: dict, path) -> Mamba2Config:
@@ -488,6 +490,9 @@ def hf_config_dict(cfg: Mamba2Config) -> dict:
         return hf_mamba1_config_dict(cfg)
     v, m = cfg.padded_vocab_size, cfg.mamba2
     _derived_width(cfg, "hf")
+    if m.D_has_hdim:
+        raise ValueError("format='hf': transformers' Mamba2 has one D a head, not one a head "
+                         "channel (mamba2.D_has_hdim)")
     return {
         "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "vocab_size": v,
@@ -540,11 +545,12 @@ def _mamba2_ssm_cfg(cfg: Mamba2Config) -> dict:
     m = cfg.mamba2
     _derived_width(cfg, "mamba_ssm")
     limit = {} if m.dt_limit == (0.0, math.inf) else {"dt_limit": list(m.dt_limit)}
+    per_channel = {"D_has_hdim": True} if m.D_has_hdim else {}  # as its default, left out
     return {"layer": "Mamba2", "d_state": m.d_state, "d_conv": m.d_conv, "expand": m.expand,
             "headdim": m.headdim, "ngroups": m.ngroups, "chunk_size": m.chunk_size,
             "dt_min": m.dt_min, "dt_max": m.dt_max, "dt_init_floor": m.dt_init_floor,
             **limit, "A_init_range": list(m.A_init_range), "conv_bias": m.conv_bias,
-            "bias": m.bias}
+            "bias": m.bias, **per_channel}
 
 
 def mamba_ssm_config_dict(cfg: Mamba2Config) -> dict:
@@ -597,7 +603,9 @@ def nemotron_h_config_dict(cfg: Mamba2Config) -> dict:
          "attention biases (NemotronH has none)"),
         (m.dt_limit != (m.dt_min, math.inf),
          f"mamba2.dt_limit={m.dt_limit} (NemotronH clamps dt at time_step_min: set dt_limit="
-         f"({m.dt_min}, inf))")) if bad]
+         f"({m.dt_min}, inf))"),
+        ("M" in layers and m.D_has_hdim,
+         "mamba2.D_has_hdim (NemotronH has one D a head)")) if bad]
     if problems:
         raise ValueError("format='nemotron_h' cannot express " + "; ".join(problems))
     return {
@@ -753,6 +761,8 @@ def megatron_args_dict(cfg: Mamba2Config) -> dict:
         ("M" in layers and cfg.norm_eps != MEGATRON_MAMBA_NORM_EPS,
          f"norm_eps={cfg.norm_eps} (Megatron's Mamba mixer norm takes "
          f"{MEGATRON_MAMBA_NORM_EPS})"),
+        ("M" in layers and m.D_has_hdim,
+         "mamba2.D_has_hdim (Megatron-LM's arguments have no D per head channel)"),
         ("*" in layers and a.out_bias and (not a.qkv_bias or mlp),
          "attention.out_bias without qkv_bias, or beside MLP layers (Megatron's "
          "add_bias_linear gives every linear layer a bias)")) if bad]

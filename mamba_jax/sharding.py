@@ -221,21 +221,27 @@ class ParallelContext:
         return lax.all_gather(x, self.axis_names.cp, axis=axis, tiled=True) if self.cp > 1 \
             else x
 
-    def with_previous_tokens(self, x, width: int, before=None):
-        """x [b, l, ...] -> [b, width + l, ...]: the previous cp device's last `width` tokens
-        before this device's, for a conv's window across the cut; on the first device (and
-        on one device) `before` [b, width, ...], what stands before the sequence (a
-        continued sequence's last inputs), or zeros where None (then x itself on one
-        cp)."""
+    def previous_tokens(self, x, width: int, before=None):
+        """The `width` tokens before this device's x [b, l, ...] -> [b, width, ...]: the
+        previous cp device's last ones, for a conv's window across the cut; on the first
+        device (and on one device) `before` [b, width, ...], what stands before the sequence
+        (a continued sequence's last inputs), or zeros where None; None where nothing stands
+        before x (one cp device and no `before`, or width 0)."""
         if width == 0 or (self.cp == 1 and before is None):
-            return x
+            return None
         if self.cp == 1:
-            return jnp.concatenate([before.astype(x.dtype), x], axis=1)
+            return before.astype(x.dtype)
         halo = lax.ppermute(x[:, -width:], self.axis_names.cp,
                             [(i, i + 1) for i in range(self.cp - 1)])
         if before is not None:
             halo = jnp.where(self.cp_index() == 0, before.astype(x.dtype), halo)
-        return jnp.concatenate([halo, x], axis=1)
+        return halo
+
+    def with_previous_tokens(self, x, width: int, before=None):
+        """x [b, l, ...] -> [b, width + l, ...]: `previous_tokens` before x (x itself where
+        there are none)."""
+        halo = self.previous_tokens(x, width, before)
+        return x if halo is None else jnp.concatenate([halo, x], axis=1)
 
     def with_next_tokens(self, x, width: int):
         """x [b, l, ...] -> [b, l + width, ...]: the next cp device's first `width` tokens

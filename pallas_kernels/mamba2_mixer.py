@@ -20,9 +20,21 @@ and ddt into the in-projection's gradient. Here:
   conv's backward kernel writes dxBC into the next e in place (input_output_aliases), and
   ddt goes into the last h.
 
-One device's or tensor-parallel rank's share (its heads and whole groups); the layer keeps
-its composed form (the reference) under context parallelism, for a continued conv window
-and where tp splits a group (mamba_jax.layers.mamba2).
+One device's or tensor-parallel rank's share (its heads), on any mesh, as the layer's
+composed form (mamba_jax.layers.mamba2) computes it:
+- `conv_before`: the conv's k - 1 inputs before the first token (the previous device's last
+  ones under context parallelism, a continued sequence's window), which the conv kernel reads
+  as its own operand (no copy of xBC with them in front) and whose gradient it writes;
+- `shapes.sequence_axis`: the SSD passes its state across the devices of that mesh axis
+  (pallas_kernels.ssd's context parallelism), inside this custom_vjp: its forward and its
+  recomputation in the backward each all-gather the parts' states;
+- `head_groups`: a tensor-parallel rank whose heads read groups that tp does not divide holds
+  every group's B and C (the conv over all of them); the scan reads its heads' groups
+  (pallas_kernels.ssd.reference.take_groups), and their gradients go back to those groups;
+- `shapes.norm_axis`: where tp splits a group of the gated norm, the norm is the composed
+  form's (pallas_kernels.norm.gated_rms_norm_spanning: the groups' sums of squares psummed
+  over that axis) in XLA, differentiated by JAX, and its dz is the first h*p columns of the
+  in-projection's gradient buffer, which the conv's backward kernel then fills in place.
 """
 
 from __future__ import annotations
@@ -35,18 +47,22 @@ import jax.numpy as jnp
 
 from pallas_kernels import ssd as ssd_kernels
 from pallas_kernels.conv import triton as conv
+from pallas_kernels.norm import gated_rms_norm_spanning
 from pallas_kernels.norm import triton as norm
-from pallas_kernels.ssd.reference import document_ids
+from pallas_kernels.ssd.reference import document_ids, take_groups
 from pallas_kernels.triton_call import off_gpu
 
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """The mixer's static sizes and options (legend above): heads, headdim, groups, d_state;
-    chunk_size, dt_limit and the norm's eps and groups (this rank's); dtype, the compute
-    dtype of out_proj's matmuls; out_dtype, their output's: the compute dtype where the
-    caller rounds the output to it anyway (the matmul then writes half the bytes, and its
-    cotangent arrives in it), else float32."""
+    """The mixer's static sizes and options (legend above): heads, headdim, the groups of B
+    and C in zxbcdt's columns (this rank's, or every group: `head_groups`), d_state;
+    chunk_size, dt_limit and the norm's eps and groups (this rank's whole groups, or with
+    norm_axis the layer's, which span the norm_ranks devices of that mesh axis); dtype, the
+    compute dtype of out_proj's matmuls; out_dtype, their output's: the compute dtype where
+    the caller rounds the output to it anyway (the matmul then writes half the bytes, and
+    its cotangent arrives in it), else float32; sequence_axis: the mesh axis the sequence is
+    split over (context parallelism), or None."""
     h: int
     p: int
     g: int
@@ -57,6 +73,9 @@ class Shapes:
     norm_groups: int
     dtype: str
     out_dtype: str
+    sequence_axis: str | None = None
+    norm_axis: str | None = None
+    norm_ranks: int = 1
 
     @property
     def parts(self):
@@ -74,32 +93,48 @@ class Shapes:
         return self.xBC_start + sum(self.parts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
 def mamba2_mixer(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state,
-                 seq_idx, shapes: Shapes):
+                 conv_before, seq_idx, head_groups, shapes: Shapes):
     """zxbcdt [b, l, W] (the compute dtype), conv_w [k, e] and conv_b [e] or None float32,
-    dt_bias, A_log, D [h], norm_w [h, p], out_proj [h, p, d] float32, initial_state [b, h, p,
-    n] float32 or None, seq_idx [b, l] int or None -> (out_proj's output [b, l, d] in
-    shapes.out_dtype, without its bias; the final state [b, h, p, n] float32)."""
+    dt_bias, A_log [h], D [h] or [h, p] (mamba_ssm's D_has_hdim), norm_w [h, p], out_proj [h,
+    p, d] float32, initial_state [b, h, p, n] float32 or None, conv_before [b, k - 1, e] in
+    zxbcdt's dtype or None (zeros), seq_idx [b, l] int or None ([b, k - 1 + l] with
+    conv_before: the ids of its rows first), head_groups int32 [1] or [h] or None (B and C
+    hold this rank's groups: the module docstring) -> (out_proj's output [b, l, d] in
+    shapes.out_dtype, without its bias; the final state [b, h, p, n] float32, this device's
+    under shapes.sequence_axis)."""
     return _mixer_fwd(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-                      initial_state, seq_idx, shapes)[0]
+                      initial_state, conv_before, seq_idx, head_groups, shapes)[0]
 
 
-def _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc):
+def _x_B_C(shapes, zxbcdt, conv_w, conv_b, conv_before, doc):
     """The conv's x [b, l, h, p], B, C [b, l, g, n], from zxbcdt's xBC columns in place."""
     b, l, _ = zxbcdt.shape
     x, B, C = conv.forward(zxbcdt, conv_w, conv_b, doc, l, shapes.parts, config=conv.Config(),
-                           interpret=off_gpu(), x_start=shapes.xBC_start)
+                           interpret=off_gpu(), x_start=shapes.xBC_start, before=conv_before)
     return (x.reshape(b, l, shapes.h, shapes.p), B.reshape(b, l, shapes.g, shapes.n),
             C.reshape(b, l, shapes.g, shapes.n))
 
 
-def _scan(shapes, x, B, C, dt, A_log, D, dt_bias, initial_state, seq_idx):
-    """The SSD scan with its D skip on the kernels -> (y [b, l, h, p], final state)."""
+def _scan(shapes, x, B, C, dt, A_log, D, dt_bias, initial_state, seq_idx, head_groups):
+    """The SSD scan with its D skip on the kernels over the groups the heads read ->
+    (y [b, l, h, p], final state)."""
+    if head_groups is not None:
+        B, C = take_groups(B, head_groups), take_groups(C, head_groups)
     return ssd_kernels.ssd(x, dt, -jnp.exp(A_log), B, C, chunk_size=shapes.chunk_size, D=D,
                            dt_bias=dt_bias, dt_softplus=True, dt_limit=shapes.dt_limit,
                            initial_state=initial_state, seq_idx=seq_idx,
-                           return_final_state=True, segments=1, implementation="triton")
+                           return_final_state=True, sequence_axis=shapes.sequence_axis,
+                           segments=1, implementation="triton")
+
+
+def _documents(zxbcdt, seq_idx):
+    """(the conv's document ids over seq_idx's rows, the scan's seq_idx [b, l]: its last l),
+    or Nones."""
+    if seq_idx is None:
+        return None, None
+    return document_ids(seq_idx), seq_idx[:, seq_idx.shape[1] - zxbcdt.shape[1]:]
 
 
 def _dt(shapes, zxbcdt):
@@ -107,10 +142,41 @@ def _dt(shapes, zxbcdt):
     return zxbcdt[..., shapes.dt_start:].astype(jnp.float32)
 
 
+def _z(shapes, zxbcdt):
+    """z [b, l, h, p]: zxbcdt's first h*p columns."""
+    return zxbcdt[..., :shapes.xBC_start].reshape(*zxbcdt.shape[:2], shapes.h, shapes.p)
+
+
+def _spanning_norm(shapes, y, z, norm_w):
+    """The gated norm of a rank whose groups span shapes.norm_axis (module docstring)."""
+    return gated_rms_norm_spanning(y, z, norm_w, shapes.eps, shapes.norm_groups,
+                                   shapes.norm_axis, shapes.norm_ranks)
+
+
 def _normed(shapes, y, zxbcdt, norm_w):
-    """The gated norm of y [b, l, h, p] by z, zxbcdt's first h*p columns (read in place)."""
+    """The gated norm of y [b, l, h, p] by z, zxbcdt's first h*p columns (read in place by the
+    kernel)."""
+    if shapes.norm_axis is not None:
+        return _spanning_norm(shapes, y, _z(shapes, zxbcdt), norm_w)
     return norm.forward(y, zxbcdt, norm_w, shapes.eps, shapes.norm_groups,
                         config=norm.Config(), interpret=off_gpu())
+
+
+def _norm_backward(shapes, y, zxbcdt, norm_w, dnormed):
+    """The gated norm's backward -> (dy, the in-projection's gradient buffer [b, l, W] with
+    dz in its first h*p columns, dnorm_w, the norm's output recomputed)."""
+    if shapes.norm_axis is not None:
+        normed, norm_vjp = jax.vjp(functools.partial(_spanning_norm, shapes), y,
+                                   _z(shapes, zxbcdt), norm_w)
+        dy, dz, dnorm_w = norm_vjp(dnormed)
+        dz = dz.reshape(*zxbcdt.shape[:2], -1)
+        # one buffer, dz then zeros: the conv's and dt's columns are written into it
+        dzxbcdt = jnp.pad(dz, ((0, 0), (0, 0), (0, zxbcdt.shape[-1] - dz.shape[-1])))
+        return dy, dzxbcdt, dnorm_w, normed
+    dy, dzxbcdt, dnorm_w, normed = norm.backward(y, zxbcdt, norm_w, dnormed, shapes.eps,
+                                                 shapes.norm_groups, config=norm.Config(),
+                                                 interpret=off_gpu(), with_out=True)
+    return dy, dzxbcdt.reshape(zxbcdt.shape), dnorm_w, normed
 
 
 def _out_proj(shapes, normed, out_proj):
@@ -119,19 +185,19 @@ def _out_proj(shapes, normed, out_proj):
 
 
 def _mixer_fwd(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state,
-               seq_idx, shapes):
-    doc = None if seq_idx is None else document_ids(seq_idx)
-    x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc)
+               conv_before, seq_idx, head_groups, shapes):
+    doc, scan_seq_idx = _documents(zxbcdt, seq_idx)
+    x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, conv_before, doc)
     y, final_state = _scan(shapes, x, B, C, _dt(shapes, zxbcdt), A_log, D, dt_bias,
-                           initial_state, seq_idx)
+                           initial_state, scan_seq_idx, head_groups)
     out = _out_proj(shapes, _normed(shapes, y, zxbcdt, norm_w), out_proj)
     return (out, final_state), (zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-                                initial_state, seq_idx, y)
+                                initial_state, conv_before, seq_idx, head_groups, y)
 
 
 def _mixer_bwd(shapes, residuals, cotangents):
-    (zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state, seq_idx,
-     y) = residuals
+    (zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state, conv_before,
+     seq_idx, head_groups, y) = residuals
     dout, dfinal = cotangents
     dtype = shapes.dtype
     # out_proj's input gradient, in the compute dtype straight from the matmul (its
@@ -142,28 +208,26 @@ def _mixer_bwd(shapes, residuals, cotangents):
                          preferred_element_type=dtype)
     # the norm: dy, dz into the first h*p columns of the in-projection's gradient, and its
     # output recomputed in the same pass for out_proj's weight gradient
-    dy, dzxbcdt, dnorm_w, normed = norm.backward(y, zxbcdt, norm_w, dnormed, shapes.eps,
-                                                 shapes.norm_groups, config=norm.Config(),
-                                                 interpret=off_gpu(), with_out=True)
-    dzxbcdt = dzxbcdt.reshape(zxbcdt.shape)
+    dy, dzxbcdt, dnorm_w, normed = _norm_backward(shapes, y, zxbcdt, norm_w, dnormed)
     dout_proj = jnp.einsum("blhp,bld->hpd", normed, dout, preferred_element_type=jnp.float32)
     # the scan's backward over x, B, C recomputed
-    doc = None if seq_idx is None else document_ids(seq_idx)
-    x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, doc)
-    scan = lambda x, B, C, dt, A_log, D, dt_bias, state: _scan(shapes, x, B, C, dt, A_log, D,
-                                                               dt_bias, state, seq_idx)
+    doc, scan_seq_idx = _documents(zxbcdt, seq_idx)
+    x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, conv_before, doc)
+    scan = lambda x, B, C, dt, A_log, D, dt_bias, state: _scan(
+        shapes, x, B, C, dt, A_log, D, dt_bias, state, scan_seq_idx, head_groups)
     _, scan_vjp = jax.vjp(scan, x, B, C, _dt(shapes, zxbcdt), A_log, D, dt_bias, initial_state)
     dx, dB, dC, ddt, dA_log, dD, ddt_bias, dinitial = scan_vjp((dy, dfinal))
     # the conv's backward writes dxBC into the next e columns, in place; ddt the last h
     flat = lambda a: a.reshape(*a.shape[:2], -1)
-    dzxbcdt, dconv_w, dconv_b = conv.backward(
+    dzxbcdt, dconv_w, dconv_b, dbefore = conv.backward(
         zxbcdt, conv_w, conv_b, doc, (flat(dx), flat(dB), flat(dC)), config=conv.Config(),
-        interpret=off_gpu(), x_start=shapes.xBC_start, dx_into=dzxbcdt)
+        interpret=off_gpu(), x_start=shapes.xBC_start, dx_into=dzxbcdt, before=conv_before)
     dzxbcdt = dzxbcdt.at[..., shapes.dt_start:].set(ddt.astype(dzxbcdt.dtype))
-    dseq = None if seq_idx is None else jnp.zeros(seq_idx.shape, jax.dtypes.float0)
+    ints = lambda a: None if a is None else jnp.zeros(a.shape, jax.dtypes.float0)
     return (dzxbcdt, dconv_w.astype(conv_w.dtype),
             None if conv_b is None else dconv_b.astype(conv_b.dtype), ddt_bias, dA_log, dD,
-            dnorm_w, dout_proj.astype(out_proj.dtype), dinitial, dseq)
+            dnorm_w, dout_proj.astype(out_proj.dtype), dinitial, dbefore, ints(seq_idx),
+            ints(head_groups))
 
 
 mamba2_mixer.defvjp(_mixer_fwd, _mixer_bwd)

@@ -20,7 +20,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import pallas_kernels.conv as conv
+import pallas_kernels.norm as norm
+import pallas_kernels.ssd as ssd
 from mamba_jax import Mamba2Config, Mamba2LM, parallel
+from mamba_jax.layers import mamba2
 from mamba_jax.sharding import param_name
 from mamba_jax.optim import make_optimizer, make_train_step
 from mamba_jax.parallel import global_array
@@ -182,3 +186,17 @@ def single_device_train_losses(cfg: Mamba2Config = mamba_config()):
         losses.append(float(loss))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     return losses
+
+
+def take_the_kernels(monkeypatch):
+    """The layer on the SSD's, the conv's and the norms' kernels (the gated norm's and the
+    residual add and norm's) from here on (their "auto" takes them on a GPU only) -> a list
+    that gains an entry at each call of the fused mixer (pallas_kernels.mamba2_mixer)."""
+    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
+    monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
+    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
+    monkeypatch.setattr(norm, "add_kernels_run", lambda *args: True)
+    calls = []
+    fused = mamba2.mamba2_mixer
+    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
+    return calls

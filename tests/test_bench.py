@@ -25,7 +25,7 @@ from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
            "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3",
-           "tiles", "init_from"]
+           "tiles", "init_from", "continued"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
@@ -418,6 +418,17 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
         tiles.parse_config(conv.Config(), "run=many")
     with pytest.raises(SystemExit, match="step_rows 8 must divide run 12"):
         tiles.parse_config(conv.Config(), "run=12")
+
+
+def test_continued_refuses_to_time_a_fused_side_that_is_not_fused():
+    """bench.continued off the kernels (no Hopper GPU): its fused side traces the composed
+    mixer, which it says before compiling anything rather than time the composed one twice
+    (its rows, run on the CPU with the kernels taken in Pallas's interpreter: about a minute
+    of compiles, left out of the suite)."""
+    from bench import continued
+    with pytest.raises(SystemExit, match="tiny: the fused side traced the fused mixer: False"):
+        continued.main(["--presets", "tiny", "--layers", "1", "--batch", "1", "--seq-len",
+                        "24", "--prefix", "9", "--warmup", "0", "--reps", "1"])
 
 
 def test_forward_and_backward_computes_the_output_with_the_gradients():

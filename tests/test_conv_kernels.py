@@ -100,6 +100,39 @@ def test_kernels_match_the_float64_reference(case, dtype, config):
         assert error < TOLERANCE[dtype], f"{name}: {error:.2e} (seed {seed})"
 
 
+def test_rows_before_the_first_as_an_operand_of_their_own():
+    """`before` (the previous device's or a continued window's last inputs, not copied in
+    front of x): the outputs and every gradient, dbefore too, of the conv over x with them in
+    front, float32, a document starting inside them and one after them; short runs, so that
+    only the first run's walk writes dbefore (the default tiles: tests/test_mamba2_mixer.py)."""
+    config = "short_runs"
+    b, rows, k, parts = 2, 45, 4, (64, 16, 16)
+    seed = np.random.SeedSequence().entropy % 2**31
+    x, w, bb, _, dy = inputs(b, rows, (96,), k, rows - (k - 1), False, True, parts,
+                             jnp.float32, seed)
+    doc = jnp.zeros((b, rows), jnp.int32).at[:, 1:].add(1).at[1, 9:].add(1)
+
+    @jax.jit  # the kernels: the forward, and the backward with dbefore from its walk
+    def kernels(before, x, w, bb, dy):
+        options = dict(config=CONFIGS[config], interpret=True, before=before)
+        y = triton.forward(x, w, bb, doc, x.shape[1], parts, **options)
+        dx, dw, dbias, dbefore = triton.backward(x, w, bb, doc, dy, **options)
+        return y, dbefore, dx, dw, dbias
+    ours = kernels(x[:, :k - 1], x[:, k - 1:], w, bb, dy)
+    with jax.enable_x64(True):
+        up = lambda a: jax.tree.map(lambda t: jnp.asarray(t, jnp.float64), a)
+        reference = values_and_gradients("xla", up(x), up(w), up(bb), doc, up(dy),
+                                         rows - (k - 1), parts)
+    want = (jnp.concatenate(reference[0], -1), reference[1][:, :k - 1],
+            reference[1][:, k - 1:], *reference[2:])
+    for name, o, r in zip(("y", "dbefore", "dx", "dweight", "dbias"),
+                          (jnp.concatenate(ours[0], -1), *ours[1:]), want):
+        o, r = np.asarray(o, np.float64), np.asarray(r, np.float64)
+        assert o.shape == r.shape, name
+        error = np.abs(o - r).max() / np.abs(r).max()
+        assert error < TOLERANCE[jnp.float32], f"{name}: {error:.2e} (seed {seed})"
+
+
 def test_a_step_of_rows_must_divide_the_run():
     with pytest.raises(ValueError, match="step_rows 3 must divide run 64"):
         triton.Config(run=64, step_rows=3)

@@ -5,9 +5,10 @@ an odd length over packed documents, and continued from the states of the sequen
 (the conv's window and the SSM's state, gradients into both) under each --remat choice;
 and a prefill's returned states. The residual stream's add and norm run on their kernels
 too (pallas_kernels.norm.add_rms_norm, every layer's norm and norm_f). On
-the kernels the layer runs as one custom_vjp (pallas_kernels.mamba2_mixer) where each rank
-holds whole groups on one cp device, ngroups 1 and 8, else composed, the conv inside the
-scan's custom_vjp (a tp rank reading groups that tp does not divide; cp). The kernels run in
+the kernels the layer runs as one custom_vjp (pallas_kernels.mamba2_mixer) on every mesh:
+each rank's whole groups, or every group's B and C on each rank where tp does not divide
+them (its heads reading theirs, the norm's groups spanning ranks), and under cp (the conv's
+halo from the previous device, the scan's state across devices). The kernels run in
 Pallas's interpreter.
 
 Tolerances: logits and loss within 1e-5 absolute; every gradient within 1e-5 absolute +
@@ -20,14 +21,10 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-import pallas_kernels.conv as conv
-import pallas_kernels.norm as norm
-import pallas_kernels.ssd as ssd
 from mamba_jax import parallel
-from mamba_jax.layers import mamba2
 from mamba_jax.sharding import param_name
 from mesh_check import (FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOGIT_ATOL, mamba_config,
-                        model_and_batch, reference_loss)
+                        model_and_batch, reference_loss, take_the_kernels)
 
 SEQ = 44  # cp parts of 22, tp shards of 11: no multiple of the kernels' chunk
 
@@ -46,34 +43,22 @@ def loss_and_grads(cfg, mesh_spec=None):
     return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
 
 
-def take_the_kernels(monkeypatch):
-    """The layer on the SSD's, the conv's and the norms' kernels (the gated norm's and the
-    residual add and norm's) from here on (their "auto" takes them on a GPU only) -> a list
-    that gains an entry at each call of the fused mixer (pallas_kernels.mamba2_mixer)."""
-    monkeypatch.setattr(ssd, "kernels_are_faster", lambda x, B: True)
-    monkeypatch.setattr(conv, "kernels_run", lambda *args: True)
-    monkeypatch.setattr(norm, "kernels_run", lambda *args: True)
-    monkeypatch.setattr(norm, "add_kernels_run", lambda *args: True)
-    calls = []
-    fused = mamba2.mamba2_mixer
-    monkeypatch.setattr(mamba2, "mamba2_mixer", lambda *a: calls.append(1) or fused(*a))
-    return calls
-
-
-@pytest.mark.parametrize("ngroups,mesh_spec", [
-    (8, None),              # pallas_kernels.mamba2_mixer
-    (1, None),
-    (8, "tp=4,dp=2"),       # the same on each rank's heads and groups
-    (2, "tp=4,dp=2"),       # each rank's heads read one of 2 groups, taken inside the vjp
-    (1, "cp=2,tp=2,dp=2"),  # the conv's halo crosses devices (the conv runs before the scan)
-], ids=["g8", "g1", "g8-tp4", "g2-tp4", "g1-cp2-tp2"])
-def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec):
-    cfg = mamba_config(ngroups=ngroups).replace(n_layer=1)
+@pytest.mark.parametrize("ngroups,mesh_spec,D_has_hdim", [
+    (8, None, False),              # pallas_kernels.mamba2_mixer
+    (1, None, False),
+    (8, "tp=4,dp=2", False),       # the same on each rank's heads and groups
+    (2, "tp=4,dp=2", False),       # each rank's heads read one of 2 groups, which spans 2
+                                   # ranks
+    (1, "cp=2,tp=2,dp=2", True),   # the conv's halo and the scan's state cross devices; the
+                                   # one group spans the tp ranks; D [h, p] split by heads
+], ids=["g8", "g1", "g8-tp4", "g2-tp4", "g1-cp2-tp2-D_has_hdim"])
+def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec, D_has_hdim):
+    cfg = mamba_config(ngroups=ngroups).replace(n_layer=1,
+                                                **{"mamba2.D_has_hdim": D_has_hdim})
     value, grads = loss_and_grads(cfg)
     calls = take_the_kernels(monkeypatch)
     kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
-    # one custom_vjp on the kernels where each rank holds whole groups on one cp device
-    assert bool(calls) == (mesh_spec is None or ngroups % 4 == 0 and "cp" not in mesh_spec)
+    assert calls  # one custom_vjp on the kernels
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)
     reference = dict(jax.tree_util.tree_leaves_with_path(grads))
@@ -102,8 +87,9 @@ def test_kernel_path_continues_from_states(monkeypatch, remat):
         return jax.jit(jax.value_and_grad(objective, (0, 1)),
                        compiler_options=FAST_COMPILE)(params, states)
     value, grads = run("none")
-    take_the_kernels(monkeypatch)
+    calls = take_the_kernels(monkeypatch)
     kernel_value, kernel_grads = run(remat)
+    assert calls  # the conv window before the first token read by the fused mixer
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL * abs(float(value)))
     reference = dict(jax.tree_util.tree_leaves_with_path(grads))

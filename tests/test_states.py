@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from mamba_jax import Mamba2Config, Mamba2LM, parallel
 from mamba_jax.convert import load_training_checkpoint, save_pretrained
 from mamba_jax.checkpoint import Checkpointer
-from mesh_check import FAST_COMPILE, tiny_config
+from mesh_check import FAST_COMPILE, take_the_kernels, tiny_config
 
 CUT, SEQ = 13, 32  # a's length: not a multiple of the chunk (16)
 CFG = tiny_config(n_layer=3, layer_pattern="MM-", d_model=32, mlp=dict(d_intermediate=32))
@@ -88,10 +88,15 @@ def test_a_forward_continued_from_the_states_equals_the_whole_forward(one_device
     assert_grads_close(joined_grads, grads)
 
 
-def test_states_continue_under_a_mesh(one_device):
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla", "kernels"])
+def test_states_continue_under_a_mesh(one_device, kernels, monkeypatch):
     # fsdp, cp and tp (sequence parallel) at once: the states of a's last cp device enter
     # b's first, and under tp each rank's conv window and heads' states go back to it.
+    # kernels: the Mamba2 layers as the fused mixer on the kernels (in Pallas's
+    # interpreter), against the one device's XLA path: its one group spans the tp ranks,
+    # each reading it, the conv takes b's window and cp's halo and the scan the states.
     graphdef, params, (hidden, grads, _, _) = one_device
+    calls = take_the_kernels(monkeypatch) if kernels else []
     mesh = parallel.make_mesh("fsdp=2,cp=2,tp=2")
     specs = parallel.param_specs(params, mesh)
     sharded_params = jax.device_put(params, parallel.shardings(mesh, specs))
@@ -125,6 +130,7 @@ def test_states_continue_under_a_mesh(one_device):
     joined = np.concatenate([np.asarray(h_a)[:, 3:], np.asarray(h_b)[:, :SEQ - CUT]], axis=1)
     np.testing.assert_allclose(joined, hidden, rtol=0, atol=1e-5)
     assert_grads_close(joined_grads, grads)
+    assert bool(calls) == kernels
 
 
 @pytest.mark.parametrize("layers", ["13", "M*"])

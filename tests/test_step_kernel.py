@@ -16,30 +16,34 @@ from pallas_kernels.ssd.step import (Blocks, Int8State, dequantize, mamba_step,
                                      mamba_step_shifted, quantize, quantized_values)
 
 
-def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias):
-    """mamba_step's arguments: zxbcdt the in-projection's output [z, xBC, dt]."""
+def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias, D_per_channel=False):
+    """mamba_step's arguments: zxbcdt the in-projection's output [z, xBC, dt]; D [h], or
+    [h, p] (mamba_ssm's D_has_hdim) where D_per_channel."""
     e = h * p + 2 * g * n
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     zxbcdt = jnp.concatenate([arr(b, h * p), arr(b, e), arr(b, h) - 1.0], axis=1)
     return dict(conv_state=arr(b, e, k).astype(window_dtype), zxbcdt=zxbcdt,
                 conv_w=0.5 * arr(e, k),
                 conv_b=0.1 * arr(e) if bias else None,
-                A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32), D=arr(h),
+                A=-jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32),
+                D=arr(h, p) if D_per_channel else arr(h),
                 dt_bias=0.5 * arr(h), state=arr(b, h, p, n).astype(state_dtype))
 
 
-# Each dtype of the window and of the state meets each group count and bias/limit setting.
-@pytest.mark.parametrize("window_dtype,state_dtype,g,bias,dt_limit", [
-    (jnp.float32, jnp.float32, 1, True, (0.0, math.inf)),
-    (jnp.bfloat16, jnp.bfloat16, 1, True, (0.0, math.inf)),
-    (jnp.bfloat16, jnp.float32, 4, False, (0.01, 0.5)),
-    (jnp.float32, jnp.bfloat16, 4, False, (0.5, math.inf)),  # one bound alone
-    (jnp.float32, jnp.float32, 1, False, (0.0, 0.05))])
-def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit):
+# Each dtype of the window and of the state meets each group count and bias/limit setting,
+# and D per head channel (D [h, p]: each program reads its rows' D).
+@pytest.mark.parametrize("window_dtype,state_dtype,g,bias,dt_limit,D_per_channel", [
+    (jnp.float32, jnp.float32, 1, True, (0.0, math.inf), False),
+    (jnp.bfloat16, jnp.bfloat16, 1, True, (0.0, math.inf), True),
+    (jnp.bfloat16, jnp.float32, 4, False, (0.01, 0.5), False),
+    (jnp.float32, jnp.bfloat16, 4, False, (0.5, math.inf), True),  # one bound alone
+    (jnp.float32, jnp.float32, 1, False, (0.0, 0.05), False)])
+def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit,
+                                     D_per_channel):
     rng = np.random.default_rng()  # fresh inputs every run
     # 16 heads' programs: each head's p = 32 is split in two programs of 16 rows.
     args = _inputs(rng, b=2, h=8, p=32, g=g, n=32, k=4, window_dtype=window_dtype,
-                   state_dtype=state_dtype, bias=bias)
+                   state_dtype=state_dtype, bias=bias, D_per_channel=D_per_channel)
     y_ref, window_ref, state_ref = mamba_step(**args, dt_limit=dt_limit, implementation="xla")
     y, window, state = mamba_step(**args, dt_limit=dt_limit, implementation="triton")
     # The same step over the window already shifted: bit for bit, in the kernel and in the
@@ -224,14 +228,14 @@ def test_tiles_split_or_join_the_headdim_to_the_same_values(block_p):
 @pytest.mark.parametrize("p", [80, 96, 192])
 def test_headdims_that_are_no_power_of_two_run_in_power_of_two_blocks(p):
     """80 (Nemotron Nano 2's), 96 and 192: each head's rows in programs of 16, 32 and 64
-    (the largest power of two dividing p); the step, then (at 80) the rest of the block
-    after it as the fused step runs it (the step kernel and the norm-matmul kernel over
-    out_proj's k = h * p inputs), against the reference: the same float32 arithmetic, 1e-5
-    of the largest value."""
+    (the largest power of two dividing p), with D per head channel (each program reads its
+    rows'); the step, then (at 80) the rest of the block after it as the fused step runs it
+    (the step kernel and the norm-matmul kernel over out_proj's k = h * p inputs), against
+    the reference: the same float32 arithmetic, 1e-5 of the largest value."""
     rng = np.random.default_rng()  # fresh inputs every run
     b = h = 2 if p == 80 else 1  # fewer programs where only the tiling differs
     args = _inputs(rng, b=b, h=h, p=p, g=1, n=16, k=4, window_dtype=jnp.float32,
-                   state_dtype=jnp.float32, bias=True)
+                   state_dtype=jnp.float32, bias=True, D_per_channel=True)
     got, want = (mamba_step(**args, implementation=i) for i in ("triton", "xla"))
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(b))))
@@ -252,11 +256,12 @@ def test_cooperative_kernel_computes_the_two_kernels_values(norm_groups, bias):
     program) at one program: the interpreter runs programs one at a time, so one that waited
     for another would never return; one program runs the same code as each of the GPU's.
     Its residual and state equal the two kernels' (the step kernel, then the norm-matmul
-    kernel) bit for bit, and it adds one arrival to the counter from where it was."""
+    kernel) bit for bit, and it adds one arrival to the counter from where it was. With a
+    bias, D per head channel too."""
     rng = np.random.default_rng()  # fresh inputs every run
     h, p, n, d = 1, 32, 16, 8  # one head, one program of its 32 rows
     args = _inputs(rng, b=1, h=h, p=p, g=1, n=n, k=4, window_dtype=jnp.bfloat16,
-                   state_dtype=jnp.float32, bias=bias)
+                   state_dtype=jnp.float32, bias=bias, D_per_channel=bias)
     window = args.pop("conv_state")
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     out_args = dict(residual=arr(1, d), norm_weight=arr(h * p),

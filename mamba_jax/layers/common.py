@@ -25,6 +25,7 @@ from flax import nnx
 
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels import norm as norm_kernels
+from pallas_kernels.ssd.reference import take_groups
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
@@ -132,31 +133,27 @@ def gated_rms_norm(y, z, weight, eps, ngroups, ctx: ParallelContext = SINGLE_DEV
     if ngroups % tp == 0:
         return norm_kernels.gated_rms_norm(y, z, weight, eps, ngroups // tp,
                                            implementation=implementation)
+    return norm_kernels.gated_rms_norm_spanning(y, z, weight, eps, ngroups, ctx.axis_names.tp,
+                                                tp)
 
-    @jax.checkpoint
-    def norm(y, z, weight):
-        h, p = y.shape[-2:]
-        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        heads = ctx.tp_index() * h + jnp.arange(h)
-        member = (heads[:, None] // (h * tp // ngroups)
-                  == jnp.arange(ngroups)).astype(jnp.float32)  # [h, ngroups]
-        sum_sq = ctx.psum_tp(jnp.einsum("...hp,hg->...g", gated * gated, member))
-        inv_rms = jax.lax.rsqrt(sum_sq / (h * tp * p // ngroups) + eps) @ member.T
-        normed = gated * inv_rms[..., None]
-        return (normed * weight.astype(jnp.float32)).astype(y.dtype)
-    return norm(y, z, weight)
+
+def local_head_groups(heads: int, groups: int, ctx: ParallelContext):
+    """The groups this tp rank's heads read, of `groups` kept whole on each rank (tp does not
+    divide them), int32: [1] when they all read one, else one per head [heads/tp]. heads:
+    the layer's, over all ranks."""
+    local, per_group = heads // ctx.tp, heads // groups
+    first = ctx.tp_index() * local
+    if per_group % local == 0:
+        return jnp.full((1,), first // per_group, jnp.int32)
+    return ((first + jnp.arange(local)) // per_group).astype(jnp.int32)
 
 
 def groups_of_local_heads(x, heads: int, groups: int, ctx: ParallelContext):
     """x [b, l, groups, n], every group (kept whole on each tp rank: tp does not divide them)
-    -> the groups this rank's heads read: [b, l, 1, n] when they all read one, else one per
-    head, [b, l, heads/tp, n]. Mamba's B and C by group, or attention's keys and values by
-    KV head; heads: the layer's, over all ranks."""
-    local, per_group = heads // ctx.tp, heads // groups
-    first = ctx.tp_index() * local
-    if per_group % local == 0:
-        return jax.lax.dynamic_slice_in_dim(x, first // per_group, 1, axis=2)
-    return jnp.take(x, (first + jnp.arange(local)) // per_group, axis=2)
+    -> the groups this rank's heads read (local_head_groups): [b, l, 1, n] when they all read
+    one, else one per head, [b, l, heads/tp, n]. Mamba's B and C by group, or attention's
+    keys and values by KV head; heads: the layer's, over all ranks."""
+    return take_groups(x, local_head_groups(heads, groups, ctx))
 
 
 def conv_window(inputs, doc, k: int):

@@ -31,7 +31,8 @@ from flax import nnx
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
 from mamba_jax.layers.common import (Mixer, check_mamba_section, conv_window, dense,
                                      dt_bias_init, gated_rms_norm, groups_of_local_heads,
-                                     matmul, number_pair, param, split_last, uniform)
+                                     local_head_groups, matmul, number_pair, param, split_last,
+                                     uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels import conv as conv_kernels
 from pallas_kernels import norm as norm_kernels
@@ -71,6 +72,9 @@ class Mamba2Section:
     # state is given, as mamba_ssm's Mamba2Simple(learnable_init_states=True); parameter
     # init_states, held by our checkpoints, not by the HF, mamba_ssm or NemotronH formats.
     learnable_init_state: bool = False
+    # D per head channel [h, p] (mamba_ssm's D_has_hdim: its D of d_inner) instead of one a
+    # head [h]: y += D * x channel by channel, in the forward, the kernels and the step.
+    D_has_hdim: bool = False
 
     def __post_init__(self):
         # Lists from JSON become tuples, so configs stay hashable and compare equal.
@@ -212,15 +216,18 @@ class Mamba2Mixer(Mixer):
                               / math.sqrt(len(cfg.layers)), "heads", "head_dim", "embed")
 
     def _init_ssm(self, rngs: nnx.Rngs, suffix: str = ""):
-        """dt_bias{suffix}, A_log{suffix}, D{suffix} [h], as mamba_ssm initialises them: dt
-        log-uniform in [dt_min, dt_max], floored, stored through the inverse softplus; A
-        uniform in A_init_range; D ones. Trained without weight decay."""
-        m, h = self.cfg.mamba2, dims(self.cfg).h
+        """dt_bias{suffix}, A_log{suffix} [h] and D{suffix} [h] (or [h, p] with D_has_hdim),
+        as mamba_ssm initialises them: dt log-uniform in [dt_min, dt_max], floored, stored
+        through the inverse softplus; A uniform in A_init_range; D ones. Trained without
+        weight decay."""
+        m, (_, _, h, p, *_) = self.cfg.mamba2, dims(self.cfg)
         dt_bias = dt_bias_init(rngs, h, m)
         A = jax.random.uniform(rngs.params(), (h,), jnp.float32, *m.A_init_range)
-        for name, value in (("dt_bias", dt_bias), ("A_log", jnp.log(A)),
-                            ("D", jnp.ones((h,), jnp.float32))):
+        for name, value in (("dt_bias", dt_bias), ("A_log", jnp.log(A))):
             setattr(self, name + suffix, param(value, "heads", decay=False))
+        D_axes = ("heads", "head_dim") if m.D_has_hdim else ("heads",)
+        setattr(self, "D" + suffix, param(jnp.ones((h, p)[:len(D_axes)], jnp.float32), *D_axes,
+                                          decay=False))
 
     def _init_conv(self, rngs: nnx.Rngs, suffix: str = ""):
         """The conv's parameters x_conv{suffix}, B_conv{suffix}, C_conv{suffix} [k, ...] and
@@ -253,16 +260,23 @@ class Mamba2Mixer(Mixer):
         before = self.window_before(initial_state)
         entering = self.entering_state(u.shape[0], initial_state)
         shapes = self._mixer_shapes(ctx)
-        if self.mixer_kernels_run(u, ctx, before, shapes):
+        width = self.cfg.mamba2.d_conv - 1
+        if self.mixer_kernels_run(u, shapes):
             zxbcdt = self.project_packed(u)
+            xBC = zxbcdt[..., shapes.xBC_start:shapes.dt_start]
+            # the conv's inputs before the first token, read by its kernel in place of zeros
+            halo = ctx.previous_tokens(xBC, width, before)
+            seq = self._seq_with_previous(seq_idx, ctx, before)
             out, ssm_state = mamba2_mixer(
                 zxbcdt, *self._conv_params(), self.dt_bias[...], self.A_log[...], self.D[...],
-                self.norm[...], self.out_proj[...], entering, seq_idx, shapes)
+                self.norm[...], self.out_proj[...], entering, halo, seq,
+                self._head_groups(ctx), shapes)
             # Mixer.__call__'s float32; Block._delta rounds it back to the compute dtype, a
             # pair of converts that XLA removes
             out = out.astype(jnp.float32)
-            xBC = zxbcdt[..., shapes.xBC_start:shapes.dt_start]
-            doc = None if seq_idx is None else document_ids(seq_idx)
+            # the cache's window reads the last inputs, with those before the first token
+            xBC = xBC if halo is None else jnp.concatenate([halo, xBC], axis=1)
+            doc = None if seq is None else document_ids(seq)
         else:
             z, xBC_in, dt = self.project(u)
             operands = self._conv_operands(xBC_in, seq_idx, ctx, before)
@@ -273,34 +287,42 @@ class Mamba2Mixer(Mixer):
             return out, None
         return out, MambaCache(self.final_window(xBC, doc, ctx), ctx.from_last_cp(ssm_state))
 
-    def mixer_kernels_run(self, u, ctx: ParallelContext, before, shapes: MixerShapes) -> bool:
-        """Whether the mixer runs as pallas_kernels.mamba2_mixer: where the conv's, the gated
-        norm's and the SSD's kernels each run ("auto"'s choices, which log a fallback on a
-        GPU they were measured on), on one cp device (the conv reads no other device's
-        inputs), with no conv window before the first token and whole groups on each tp
-        rank. shapes: this rank's (`_mixer_shapes`)."""
+    def mixer_kernels_run(self, u, shapes: MixerShapes) -> bool:
+        """Whether the mixer runs as pallas_kernels.mamba2_mixer: where the conv's and the
+        SSD's kernels each run, and the gated norm's where each rank holds whole groups
+        ("auto"'s choices, which log a fallback on a GPU they were measured on). On any
+        mesh, and continued from a conv window. shapes: this rank's (`_mixer_shapes`)."""
         m = self.cfg.mamba2
-        if ctx.cp > 1 or before is not None or m.ngroups % ctx.tp:
-            return False
         b, l = u.shape[:2]
         s, e = shapes, sum(shapes.parts)
         like = lambda *shape: jax.ShapeDtypeStruct(shape, self.dtype)
         return (ssd_kernels.kernels_are_faster(like(b, l, s.h, s.p), like(b, l, s.g, s.n))
                 and conv_kernels.kernels_run(like(b, l, e), like(m.d_conv, e), m.d_conv - 1, l,
                                              s.parts)
-                and norm_kernels.kernels_run(like(b, l, s.h, s.p), s.norm_groups))
+                and (s.norm_axis is not None
+                     or norm_kernels.kernels_run(like(b, l, s.h, s.p), s.norm_groups)))
+
+    def _head_groups(self, ctx: ParallelContext):
+        """The groups this rank's heads read (common.local_head_groups) where tp does not
+        divide the groups, else None."""
+        m = self.cfg.mamba2
+        return None if m.ngroups % ctx.tp == 0 else local_head_groups(dims(self.cfg).h,
+                                                                       m.ngroups, ctx)
 
     def _mixer_shapes(self, ctx: ParallelContext) -> MixerShapes:
         """pallas_kernels.mamba2_mixer's sizes of this rank's heads and groups."""
         m = self.cfg.mamba2
         h, p = self.x_conv.shape[1:]
         g, n = self.B_conv.shape[1:]
+        # Where tp splits the norm's groups, they span the ranks (gated_rms_norm)
+        spanning = dict(norm_groups=m.ngroups // ctx.tp) if m.ngroups % ctx.tp == 0 else dict(
+            norm_groups=m.ngroups, norm_axis=ctx.axis_names.tp, norm_ranks=ctx.tp)
         # The block rounds the output to the compute dtype after the bias (Block._delta):
         # without a bias, the matmul may round it.
         return MixerShapes(h=h, p=p, g=g, n=n, chunk_size=m.chunk_size, dt_limit=m.dt_limit,
-                           eps=self.cfg.norm_eps, norm_groups=m.ngroups // ctx.tp,
-                           dtype=jnp.dtype(self.dtype).name,
-                           out_dtype="float32" if m.bias else jnp.dtype(self.dtype).name)
+                           eps=self.cfg.norm_eps, dtype=jnp.dtype(self.dtype).name,
+                           out_dtype="float32" if m.bias else jnp.dtype(self.dtype).name,
+                           sequence_axis=ctx.sequence_axis, **spanning)
 
     def window_before(self, initial_state: MambaCache | None):
         """The conv inputs before the first token [b, k - 1, e] from a cache's window (its
@@ -326,12 +348,16 @@ class Mamba2Mixer(Mixer):
         padding), which the next token's conv must not read (`conv_window`)."""
         return ctx.from_last_cp(conv_window(xBC_ext, doc, self.cfg.mamba2.d_conv))
 
-    @staticmethod
-    def _seq_before(seq_idx, before):
-        """The seq_idx of a continued window's inputs: the first token's document."""
-        if before is None:
+    def _seq_with_previous(self, seq_idx, ctx: ParallelContext, before):
+        """seq_idx [b, l] with the ids of the conv's inputs before the first token in front
+        ([b, d_conv - 1 + l], as ctx.with_previous_tokens puts those inputs): the previous
+        cp device's, and a continued window's in the first token's document; seq_idx itself
+        where nothing stands before it, None without it."""
+        if seq_idx is None:
             return None
-        return jnp.broadcast_to(seq_idx[:, :1], (seq_idx.shape[0], before.shape[1]))
+        seq_before = None if before is None else jnp.broadcast_to(
+            seq_idx[:, :1], (seq_idx.shape[0], before.shape[1]))
+        return ctx.with_previous_tokens(seq_idx, self.cfg.mamba2.d_conv - 1, seq_before)
 
     def output_bias(self):
         return self.out_bias[...] if self.cfg.mamba2.bias else None
@@ -406,12 +432,9 @@ class Mamba2Mixer(Mixer):
         start; before [b, d_conv - 1, e]: the inputs before the first token
         (window_before), else zeros."""
         w, bias = self._conv_params()
-        width = self.cfg.mamba2.d_conv - 1
-        doc = None
-        if seq_idx is not None:
-            doc = document_ids(ctx.with_previous_tokens(seq_idx, width,
-                                                        self._seq_before(seq_idx, before)))
-        return ctx.with_previous_tokens(xBC, width, before), w, bias, doc
+        seq = self._seq_with_previous(seq_idx, ctx, before)
+        doc = None if seq is None else document_ids(seq)
+        return ctx.with_previous_tokens(xBC, self.cfg.mamba2.d_conv - 1, before), w, bias, doc
 
     def split_conv_output(self, out, ctx: ParallelContext = SINGLE_DEVICE):
         """The conv's output [..., e] -> x [..., h, p], B, C [..., g, n] (`_shaped`)."""

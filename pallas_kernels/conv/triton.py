@@ -23,6 +23,12 @@ any of them: one row a step waited out the memory's latency at every row.
   k outputs that row feeds are known: the walk runs m rows past its run. The outputs whose
   own rows are the run's give the weight's and the bias's gradients, float32 partials [b,
   runs, ...] summed after the kernel (no atomics: the bits do not vary).
+- `before` [b, m, e]: the m rows before x's first (the previous device's last inputs under
+  context parallelism, a continued sequence's window), read where the first run's window
+  reaches before row 0, in place of zeros, with their document ids first in doc; their
+  gradient is the first run's walk's dx of rows -m .. -1, which it computes on its way
+  (written to dbefore, its own array). Without it those rows would be a copy of the whole
+  input with them in front.
 
 Rows are loaded at scalar indices with a mask (a row before the first or past the end reads
 zeros), which Pallas's interpreter and the GPU treat alike.
@@ -122,10 +128,20 @@ def _starts(parts):
     return [sum(parts[:i]) for i in range(len(parts))]
 
 
-def _doc(doc_ref, bi, row, rows_in):
-    """The document of a row, -1 outside the input."""
-    inside = (row >= 0) & (row < rows_in)
-    return jnp.where(inside, doc_ref[bi, jnp.clip(row, 0, rows_in - 1)], -1)
+def _doc(doc_ref, bi, row, rows_in, before):
+    """The document of a row, -1 outside the input; doc_ref holds the `before` rows (0, or
+    m) before x's first, then x's."""
+    inside = (row >= -before) & (row < rows_in)
+    return jnp.where(inside, doc_ref[bi, jnp.clip(row + before, 0, rows_in + before - 1)], -1)
+
+
+def _earlier(row, x_ref, before_ref, T, m, x_start):
+    """Row T >= -m of the input, at or before a run's first own row: x's where T >= 0, else
+    before's (zeros without it)."""
+    value = row.load(x_ref, T, T >= 0, -x_start)
+    if before_ref is not None:
+        value = value + row.load(before_ref, T + m, T < 0)
+    return value
 
 
 def _pre(w, bias, window, docs, own_doc):
@@ -140,9 +156,10 @@ def _pre(w, bias, window, docs, own_doc):
 
 
 def _forward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, parts, x_start,
-                    has_bias, has_doc):
+                    has_bias, has_doc, has_before):
     bias_ref, rest = split_optional(rest, has_bias)
-    doc_ref, y_refs = split_optional(rest, has_doc)
+    doc_ref, rest = split_optional(rest, has_doc)
+    before_ref, y_refs = split_optional(rest, has_before)
     bi = pl.program_id(0)
     row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
     m, off = k - 1, rows_in - l
@@ -150,8 +167,9 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, p
     w = [row.vector(w_ref, j) for j in range(k)]
     bias = row.vector(bias_ref) if has_bias else jnp.zeros((be,), jnp.float32)
     first = start - m
-    window = tuple(row.load(x_ref, first + j, first + j >= 0, -x_start) for j in range(m))
-    docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
+    ahead = m if has_before else 0  # doc's rows before x's first
+    window = tuple(_earlier(row, x_ref, before_ref, first + j, m, x_start) for j in range(m))
+    docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in, ahead)
                                               for j in range(m))
 
     def walk(y_ref, part_start):
@@ -159,7 +177,8 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, p
             window, docs = carry
             Ts = [start + i * step_rows + r for r in range(step_rows)]
             xs = [row.load(x_ref, T, T < rows_in, -x_start) for T in Ts]
-            own_docs = [None if docs is None else _doc(doc_ref, bi, T, rows_in) for T in Ts]
+            own_docs = [None if docs is None else _doc(doc_ref, bi, T, rows_in, ahead)
+                        for T in Ts]
             for T, x, own_doc in zip(Ts, xs, own_docs):
                 pre = _pre(w, bias, window + (x,),
                            None if docs is None else docs + (own_doc,), own_doc)
@@ -173,13 +192,16 @@ def _forward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, p
 
 
 def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, parts,
-                     x_start, has_bias, has_doc, dx_into):
+                     x_start, has_bias, has_doc, has_before, dx_into):
     dy_refs, rest = rest[:len(parts)], rest[len(parts):]
     bias_ref, rest = split_optional(rest, has_bias)
     doc_ref, rest = split_optional(rest, has_doc)
+    before_ref, rest = split_optional(rest, has_before)
     if dx_into:  # the buffer dx is written into, aliased to the output dx_ref
         rest = rest[1:]
-    dx_ref, dw_ref, *dbias_ref = rest
+    dx_ref, dw_ref, *rest = rest
+    dbias_ref, rest = split_optional(rest, has_bias)
+    dbefore_ref = rest[0] if has_before else None
     bi, ri = pl.program_id(0), pl.program_id(2)
     row = _Row(bi, pl.program_id(1), be=be, e=e, rows_in=rows_in)
     m, off = k - 1, rows_in - l
@@ -188,8 +210,9 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, 
     bias = row.vector(bias_ref) if has_bias else jnp.zeros((be,), jnp.float32)
     first = start - m
     zeros = jnp.zeros((be,), jnp.float32)
-    window = tuple(row.load(x_ref, first + j, first + j >= 0, -x_start) for j in range(m))
-    docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in)
+    ahead = m if has_before else 0  # doc's rows before x's first
+    window = tuple(_earlier(row, x_ref, before_ref, first + j, m, x_start) for j in range(m))
+    docs = None if doc_ref is None else tuple(_doc(doc_ref, bi, first + j, rows_in, ahead)
                                               for j in range(m))
     # g of the m outputs whose own rows precede the run: they feed no row of the run
     gs = (zeros,) * m
@@ -200,7 +223,8 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, 
             xs = [row.load(x_ref, T, T < rows_in, -x_start) for T in Ts]
             dys = [row.load(dy_ref, T - off, (T >= off) & (T < rows_in), part_start)
                    for T in Ts]
-            own_docs = [None if doc_ref is None else _doc(doc_ref, bi, T, rows_in) for T in Ts]
+            own_docs = [None if doc_ref is None else _doc(doc_ref, bi, T, rows_in, ahead)
+                        for T in Ts]
             for r, (T, x, dy, own_doc) in enumerate(zip(Ts, xs, dys, own_docs)):
                 carry = row_step(i0 * step_rows + r, T, x, dy, own_doc, carry)
             return carry
@@ -231,6 +255,8 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, 
             # run + m) are the next run's to write
             row.store(dx_ref, s, dx, (i >= m) & (i < run + m) & (s < rows_in),
                       -x_start if dx_into else 0)
+            if dbefore_ref is not None:  # the first run's walk passes before's rows first
+                row.store(dbefore_ref, s + m, dx, s < 0)
             return (rows[1:], None if row_docs is None else row_docs[1:], gs[1:], dw, dbias)
 
         carry = (window, docs, gs, (zeros,) * k, zeros)
@@ -239,7 +265,7 @@ def _backward_kernel(x_ref, w_ref, *rest, k, run, step_rows, be, l, e, rows_in, 
             plgpu.store(dw_ref.at[bi, ri, jnp.int32(j), pl.ds(row.c0, be)], dw[j],
                         mask=row.col_mask)
         if has_bias:
-            plgpu.store(dbias_ref[0].at[bi, ri, pl.ds(row.c0, be)], dbias, mask=row.col_mask)
+            plgpu.store(dbias_ref.at[bi, ri, pl.ds(row.c0, be)], dbias, mask=row.col_mask)
 
     row.by_part(parts, dy_refs, walk)
 
@@ -260,44 +286,51 @@ def _part_block(parts):
     return g & -g
 
 
-def forward(x, w, bias, doc, l, parts, *, config, interpret=False, x_start=0):
+def forward(x, w, bias, doc, l, parts, *, config, interpret=False, x_start=0, before=None):
     """x [b, r, e], w [k, e], bias [e] or None, doc [b, r] int32 or None -> the last l outputs
     in x.dtype, as a tuple of their parts' arrays [b, l, part] (parts: sizes summing to e).
     x_start: x may be wider, its channels [x_start, x_start + e) the conv's (read in place,
-    as from Mamba2's in-projection output)."""
+    as from Mamba2's in-projection output). before: None (zeros stand before x), or the k - 1
+    rows before x's first [b, k - 1, e] (module docstring); doc is then [b, k - 1 + r], their
+    ids first."""
     b, e = x.shape[0], w.shape[1]
     o = _options(x, w, l, parts, config, x_start)
     kernel = functools.partial(_forward_kernel, **o, has_bias=bias is not None,
-                               has_doc=doc is not None)
+                               has_doc=doc is not None, has_before=before is not None)
     grid = (b, pl.cdiv(e, o["be"]), pl.cdiv(l, o["run"]))
     out_shape = [jax.ShapeDtypeStruct((b, l, size), x.dtype) for size in parts]
     return tuple(call(kernel, grid, out_shape, config.forward_warps, config.stages, interpret,
-                      "conv1d_forward")(x, w, *present(bias, doc)))
+                      "conv1d_forward")(x, w, *present(bias, doc, before)))
 
 
-def backward(x, w, bias, doc, dy, *, config, interpret=False, x_start=0, dx_into=None):
+def backward(x, w, bias, doc, dy, *, config, interpret=False, x_start=0, dx_into=None,
+             before=None):
     """forward's inputs and dy (the output's cotangent: its parts [b, l, part]) -> (dx [b, r,
-    e] in x.dtype, dw [k, e], dbias [e] or None, float32). dx_into: None (dx its own array),
-    or a buffer of x's shape that dx is written into in place, at x's channels [x_start,
-    x_start + e), the rest of it left as it is: Mamba2's in-projection gradient, whose other
-    columns are the gate's and dt's."""
+    e] in x.dtype, dw [k, e], dbias [e] or None, float32; dbefore [b, k - 1, e] in before's
+    dtype, or None without before). dx_into: None (dx its own array), or a buffer of x's
+    shape that dx is written into in place, at x's channels [x_start, x_start + e), the rest
+    of it left as it is: Mamba2's in-projection gradient, whose other columns are the gate's
+    and dt's."""
     b, rows_in = x.shape[:2]
     k, l, e = w.shape[0], dy[0].shape[1], w.shape[1]
     o = _options(x, w, l, tuple(d.shape[-1] for d in dy), config, x_start)
     runs = pl.cdiv(rows_in, o["run"])
     kernel = functools.partial(_backward_kernel, **o, has_bias=bias is not None,
-                               has_doc=doc is not None, dx_into=dx_into is not None)
+                               has_doc=doc is not None, has_before=before is not None,
+                               dx_into=dx_into is not None)
     out_shape = [jax.ShapeDtypeStruct((b, rows_in, e) if dx_into is None else x.shape,
                                       x.dtype),
                  jax.ShapeDtypeStruct((b, runs, k, e), jnp.float32)]
     if bias is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, runs, e), jnp.float32))
-    args = (x, w, *dy, *present(bias, doc, dx_into))
-    out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape, config.backward_warps,
-               config.stages, interpret, "conv1d_backward",
-               None if dx_into is None else {len(args) - 1: 0})(*args)
-    dx, dw = out[0], out[1].sum(axis=(0, 1))
-    return dx, dw, (out[2].sum(axis=(0, 1)) if bias is not None else None)
+    if before is not None:
+        out_shape.append(jax.ShapeDtypeStruct(before.shape, before.dtype))
+    args = (x, w, *dy, *present(bias, doc, before, dx_into))
+    dx, dw, *out = call(kernel, (b, pl.cdiv(e, o["be"]), runs), out_shape,
+                        config.backward_warps, config.stages, interpret, "conv1d_backward",
+                        None if dx_into is None else {len(args) - 1: 0})(*args)
+    dbias = out.pop(0).sum(axis=(0, 1)) if bias is not None else None
+    return dx, dw.sum(axis=(0, 1)), dbias, (out[0] if before is not None else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -315,7 +348,7 @@ def _conv_fwd(x, w, bias, doc, l, parts, config, interpret):
 
 def _conv_bwd(l, parts, config, interpret, residuals, dy):
     x, w, bias, doc = residuals
-    dx, dw, dbias = backward(x, w, bias, doc, dy, config=config, interpret=interpret)
+    dx, dw, dbias, _ = backward(x, w, bias, doc, dy, config=config, interpret=interpret)
     ddoc = None if doc is None else jnp.zeros(doc.shape, jax.dtypes.float0)
     return dx, dw.astype(w.dtype), None if bias is None else dbias.astype(bias.dtype), ddoc
 

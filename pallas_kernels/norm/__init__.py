@@ -10,6 +10,10 @@ y, z [..., h, p] (bfloat16 in training, or float32), weight [h, p] (float32), h 
 by ngroups -> out [..., h, p] in y's dtype. In float32: gated = y * silu(z); each of the
 ngroups contiguous groups of (h / ngroups) * p entries of the flattened (h, p) axes times
 rsqrt(mean(gated**2 over the group) + eps); times weight; rounded to y's dtype.
+gated_rms_norm_spanning(y, z, weight, eps, ngroups, axis_name, ranks): the same inside
+jax.shard_map for a device's heads of a layer whose groups span the devices of a mesh axis
+(tensor parallelism that does not divide the groups), in XLA: each device sums its part of
+every group's squares, and one psum over axis_name completes them.
 
 `implementation`: "xla" (reference.py, any platform), "triton" (triton.py: one Pallas
 kernel for the forward, reading y and z and writing out once, and one for the backward,
@@ -38,11 +42,11 @@ from __future__ import annotations
 from pallas_kernels import fallback, hardware
 from pallas_kernels.norm import reference, triton
 from pallas_kernels.norm.reference import (add_rms_norm_reference, gated_rms_norm_reference,
-                                           rms_norm_reference)
+                                           gated_rms_norm_spanning, rms_norm_reference)
 from pallas_kernels.triton_call import off_gpu
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_reference", "add_rms_norm",
-           "add_rms_norm_reference", "rms_norm_reference", "IMPLEMENTATIONS"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_reference", "gated_rms_norm_spanning",
+           "add_rms_norm", "add_rms_norm_reference", "rms_norm_reference", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("auto", "xla", "triton")
 

@@ -31,6 +31,25 @@ def gated_rms_norm_reference(y, z, weight, eps, ngroups):
     return (normed * weight.astype(compute)).astype(y.dtype)
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3, 4, 5, 6))
+def gated_rms_norm_spanning(y, z, weight, eps, ngroups, axis_name, ranks):
+    """gated_rms_norm_reference where the layer's heads are split over the `ranks` devices of
+    the mesh axis `axis_name` (inside jax.shard_map) but its ngroups groups are not, so that
+    a group spans devices: y, z [..., h, p], device r's heads [r*h, (r+1)*h) of the layer's
+    h * ranks, weight [h, p] -> [..., h, p] in y's dtype, computed in float32. Each device
+    sums the squares of its part of every group and one psum over axis_name completes them:
+    [..., ngroups] floats, not activations."""
+    h, p = y.shape[-2:]
+    gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    heads = jax.lax.axis_index(axis_name) * h + jnp.arange(h)
+    member = (heads[:, None] // (h * ranks // ngroups)
+              == jnp.arange(ngroups)).astype(jnp.float32)  # [h, ngroups]
+    sum_sq = jax.lax.psum(jnp.einsum("...hp,hg->...g", gated * gated, member), axis_name)
+    inv_rms = jax.lax.rsqrt(sum_sq / (h * ranks * p // ngroups) + eps) @ member.T
+    normed = gated * inv_rms[..., None]
+    return (normed * weight.astype(jnp.float32)).astype(y.dtype)
+
+
 @functools.partial(jax.checkpoint, static_argnums=(2,))
 def rms_norm_reference(x, weight, eps):
     """x [..., d], weight [d] -> x * rsqrt(mean(x**2) + eps) * weight in x's dtype, computed

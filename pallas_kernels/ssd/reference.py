@@ -45,6 +45,15 @@ def document_ids(seq_idx):
     return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
 
 
+def take_groups(B, index):
+    """B [b, l, g, n] (or C, or any [b, l, g, ...]) -> its groups index [k] int32, [b, l, k,
+    ...]: a slice where k is 1 (the heads that read those groups, a tensor-parallel rank's,
+    whose groups tp does not divide)."""
+    if index.shape[0] == 1:
+        return jax.lax.dynamic_slice_in_dim(B, index[0], 1, axis=2)
+    return jnp.take(B, index, axis=2)
+
+
 def weighted_state(x, B, weights, acc):
     """sum_s weights_s x_s B_s^T, the state a span of tokens leaves from a zero state:
     x [..., s, g, r, p], B [..., s, g, n], weights [..., s, g, r] (decay to the span's end

@@ -18,7 +18,8 @@ projection and the step), any float dtype. Its xBC [b, e] is this token's conv i
 rounded to conv_state's dtype, as the cache stores it): the conv sees conv_state shifted by
 one with it appended, which is also the conv_state returned. Its dt [b, h] is used before
 dt_bias, softplus (Mamba2's, always) and the dt_limit clamp, in float32. conv_w [e, k] and
-conv_b [e] (or None): the depthwise conv. A [h] (negative), D [h], dt_bias [h] float32.
+conv_b [e] (or None): the depthwise conv. A [h] (negative), D [h] (or [h, p], one a headdim
+channel: mamba_ssm's D_has_hdim), dt_bias [h] float32.
 state [b, h, p, n], float32 or bfloat16, or an Int8State (int8 values and a float32 scale per
 headdim channel, below). `mamba_step_shifted` takes the window already shifted, with this
 token's input its last column (the batch-1 decoding step's in-projection kernel,
@@ -67,7 +68,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import hardware
 from pallas_kernels.decode.norm_matmul import largest_power_of_two_dividing, shift_window
-from pallas_kernels.ssd.reference import process_dt
+from pallas_kernels.ssd.reference import d_skip, process_dt
 from pallas_kernels.triton_call import call, off_gpu
 
 IMPLEMENTATIONS = ("xla", "triton")
@@ -263,7 +264,7 @@ def reference_shifted(window, conv_w, conv_b, dt, A, D, dt_bias, state, *,
     new = old * decay[:, :, None, None] + dtx[..., None] * B_h[:, :, None, :]
     y = (decay[:, :, None] * jnp.einsum("bhpn,bhn->bhp", old, C_h,
                                         precision=jax.lax.Precision.HIGHEST)
-         + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + D[:, None] * x)
+         + dtx * jnp.sum(B_h * C_h, axis=-1)[:, :, None] + d_skip(D, x, jnp.float32))
     return y, store_state(new, state)
 
 
@@ -354,7 +355,8 @@ def step_program(conv_ref, *refs, p, bp, n, r, g, k, xbc_at, dt_at, has_bias, dt
     old_decay = decay
     if int8:  # the scale multiplies the read-out and the decay, not each value
         read, old_decay = read * old_scale, (decay * old_scale)[:, None]
-    y = (decay * read + dtx * jnp.sum(B * C) + D_ref[hi] * x).astype(y_dtype)
+    D = D_ref[hi] if len(D_ref.shape) == 1 else D_ref[hi, rows]  # [h] or [h, p]
+    y = (decay * read + dtx * jnp.sum(B * C) + D * x).astype(y_dtype)
     channels = pl.ds(x_start, bp)  # y's, z's and the norm weight's, as x's
     if gate:  # z: dt_ref's (zxbcdt's) first h*p columns
         z = dt_ref[bi, channels].astype(jnp.float32)
