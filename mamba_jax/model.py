@@ -22,6 +22,7 @@ sequence parallelism the residual stream between layers is [b, l/tp, d].
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -137,10 +138,37 @@ def check_per_token(where: str, shape: tuple, **per_token):
                              f"per token, the inputs' [batch, seqlen] = {tuple(shape)}")
 
 
-def _runs(layers: str):
-    """(first, end) of each run of consecutive layers of one kind."""
+def _runs(layers):
+    """(first, end) of each run of consecutive equal entries of layers: a layer's kind, or
+    its (kind, precision)."""
     starts = [i for i in range(len(layers)) if i == 0 or layers[i] != layers[i - 1]]
     return list(zip(starts, starts[1:] + [len(layers)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+    """FP8 training: every layer's projections (each kind's in- and out-projections,
+    attention's, the MLP's) as FP8 matmuls (pallas_kernels.fp8: E4M3 weights and
+    activations, E5M2 gradients, per-tensor current scaling, each amax reduced over the
+    mesh), but the first and the last `skip_layers` layers', which stay in the compute
+    dtype, as do the embedding and the LM head. The scan, the conv, the norms and the
+    float32 rules are unchanged. skip_layers=1 is Megatron-LM's default for
+    --first-last-layers-bf16 (--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16
+    1), which its Nemotron-H recipes use. Mamba2LM.loss (and hidden, __call__) take it as
+    `fp8=`; the trainer's --fp8."""
+
+    skip_layers: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.skip_layers, int) or isinstance(self.skip_layers, bool) \
+                or self.skip_layers < 0:
+            raise ValueError(f"Fp8(skip_layers={self.skip_layers!r}): give the number of "
+                             "layers kept in the compute dtype at each end, 0 or more")
+
+    def in_fp8(self, n_layers: int) -> tuple[bool, ...]:
+        """Per layer of n_layers, whether its projections run in FP8."""
+        k = self.skip_layers
+        return tuple(k <= i < n_layers - k for i in range(n_layers))
 
 
 class Stream(NamedTuple):
@@ -301,20 +329,22 @@ class Mamba2LM(nnx.Module):
     # ------------------------------------------------------------ the forward
 
     def __call__(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-                 remat="none", initial_states=None, return_states=False, scan_layers=True):
+                 remat="none", initial_states=None, return_states=False, scan_layers=True,
+                 fp8: Fp8 | None = None):
         """input_ids [b, l] -> logits [b, l, v] float32 ([b, l, v/tp] under tp: this rank's
         slice of the vocabulary). seq_idx [b, l]: packed documents (no state crosses a
-        document start). initial_states, return_states, scan_layers: as `hidden`'s; with
-        return_states, (logits, states)."""
+        document start). initial_states, return_states, scan_layers, fp8: as `hidden`'s;
+        with return_states, (logits, states)."""
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
                              initial_states=initial_states, return_states=return_states,
-                             scan_layers=scan_layers)
+                             scan_layers=scan_layers, fp8=fp8)
         if return_states:
             return self._vocab(hidden[0], self.head_weight(ctx)), hidden[1]
         return self._vocab(hidden, self.head_weight(ctx))
 
     def hidden(self, input_ids, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
-               remat="none", initial_states=None, return_states=False, scan_layers=True):
+               remat="none", initial_states=None, return_states=False, scan_layers=True,
+               fp8: Fp8 | None = None):
         """input_ids [b, l] -> the final norm's output [b, l, d] in the compute dtype (every
         position of this device's part, whatever the sequence parallelism). remat: "none",
         "block" or "full" activation checkpointing of each layer (remat_policy). scan_layers:
@@ -326,22 +356,23 @@ class Mamba2LM(nnx.Module):
         conv window and SSM state may each be None; None for a layer without one), e.g. the
         states a previous call returned; gradients flow into it. return_states: also return
         each layer's state after the last token (its decoding cache; under cp every device
-        gets the end of the whole sequence): (hidden, states)."""
+        gets the end of the whole sequence): (hidden, states). fp8: an Fp8 recipe, the
+        layers' projections in FP8 (for training); None: every matmul in the compute dtype."""
         check_tokens(type(self).__name__, input_ids, self.config.padded_vocab_size,
                      seq_idx=seq_idx)
         stream, states = self._layers(self.embed(input_ids, ctx), seq_idx, ctx, remat,
                                       cache_len=input_ids.shape[1] if return_states else None,
-                                      scan=scan_layers, initial_states=initial_states)
+                                      scan=scan_layers, initial_states=initial_states, fp8=fp8)
         hidden = self._final(stream, ctx)
         return (hidden, states) if return_states else hidden
 
     def loss(self, input_ids, targets, seq_idx=None, *, ctx: ParallelContext = SINGLE_DEVICE,
              remat="none", loss_chunk=None, initial_states=None, return_states=False,
-             scan_layers=True):
+             scan_layers=True, fp8: Fp8 | None = None):
         """Per-token next-token cross-entropy [b, l] float32 (nats) of targets [b, l] (with
         return_states, (that, the states): `hidden`'s initial_states and return_states, for
         truncated backpropagation through time over the pieces of a long sequence; its
-        remat and scan_layers).
+        remat, scan_layers and fp8).
 
         loss_chunk: positions per piece. The logits of one piece at a time, recomputed in the
         backward pass, so the largest logits buffer is [b, loss_chunk, v/tp], not [b, l,
@@ -354,7 +385,7 @@ class Mamba2LM(nnx.Module):
         check_ids(where, "targets", targets, self.config.padded_vocab_size)
         hidden = self.hidden(input_ids, seq_idx, ctx=ctx, remat=remat,
                              initial_states=initial_states, return_states=return_states,
-                             scan_layers=scan_layers)
+                             scan_layers=scan_layers, fp8=fp8)
         hidden, states = hidden if return_states else (hidden, None)
         with_states = lambda losses: (losses, states) if return_states else losses
         head = self.head_weight(ctx)
@@ -394,10 +425,11 @@ class Mamba2LM(nnx.Module):
         return ctx.gather_params(head)[...]
 
     def _layers(self, residual, seq_idx, ctx, remat="none", cache_len=None, scan=True,
-                initial_states=None):
+                initial_states=None, fp8: Fp8 | None = None):
         """Every layer: residual [b, l(/tp), d] -> (the Stream after the last layer, per
         layer its cache or None). initial_states: per layer the cache it continues from, or
-        None (`hidden`).
+        None (`hidden`). fp8: the layers whose projections run in FP8 (their context's
+        `fp8`), each run of layers one precision.
 
         scan: one scan per run of consecutive layers of one kind, not a copy of the layer per
         layer: compile time and program size stay those of one layer per run. An all-Mamba
@@ -416,12 +448,15 @@ class Mamba2LM(nnx.Module):
                                                     whole=ctx.tp == 1 and ctx.cp == 1)
         stream = Stream.start(residual, self.dtype)
         caches = []
-        for first, end in _runs(self.config.layers):
+        n = len(self.layers)
+        in_fp8 = fp8.in_fp8(n) if fp8 else (False,) * n
+        for first, end in _runs(tuple(zip(self.config.layers, in_fp8))):
             graphdef = nnx.graphdef(self.layers[first])  # the same in the whole run
             policy = remat_policy(remat, ctx.fsdp > 1,
                                   tokens if adapters.adapts(self.layers[first]) else None)
 
-            def layer(stream, xs, seq_idx, graphdef=graphdef):
+            def layer(stream, xs, seq_idx, graphdef=graphdef,
+                      ctx=dataclasses.replace(ctx, fp8=in_fp8[first])):
                 state, initial_state = xs
                 block = nnx.merge(graphdef, ctx.gather_params(state))
                 return block(stream, seq_idx, ctx=ctx, cache_len=cache_len,

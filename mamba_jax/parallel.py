@@ -169,7 +169,7 @@ def _shard_map(body, mesh, specs, n_batch_args, out_specs):
 
 
 def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
-                 loss_chunk=None, scan_layers=True, per_row=False):
+                 loss_chunk=None, scan_layers=True, per_row=False, fp8=None):
     """loss(params, inputs [b, l], targets [b, l], seq_idx=None, loss_mask=None) -> mean
     next-token cross-entropy (nats) over the counted tokens: Mamba2LM.loss on every device,
     summed over the mesh and divided by the count of counted tokens (per_row: each row's
@@ -181,7 +181,9 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     params are placed as `specs`; the token arrays as TOKENS (rows over dp and fsdp, the
     sequence over cp). remat: "none", "block" or "full" activation checkpointing of each
     layer (model.remat_policy). loss_chunk: the logits and cross-entropy that many positions
-    at a time (Mamba2LM.loss); None: all at once. scan_layers: Mamba2LM.loss's."""
+    at a time (Mamba2LM.loss); None: all at once. scan_layers: Mamba2LM.loss's. fp8: a
+    model.Fp8 recipe, the layers' projections in FP8 (their scales reduced over the mesh, so
+    that the loss and its gradients are one device's); None: the compute dtype."""
     ctx = ParallelContext.for_mesh(mesh, sequence_parallel)
     token_axes = BATCH_AXES + ("cp",)
     n_shards = math.prod(mesh.shape[a] for a in token_axes)
@@ -190,7 +192,7 @@ def make_loss_fn(graphdef, specs, mesh, *, sequence_parallel=True, remat="none",
     def body(params, inputs, targets, seq_idx=None, loss_mask=None):
         token_loss = nnx.merge(graphdef, params).loss(inputs, targets, seq_idx, ctx=ctx,
                                                       remat=remat, loss_chunk=loss_chunk,
-                                                      scan_layers=scan_layers)
+                                                      scan_layers=scan_layers, fp8=fp8)
         axes = -1 if per_row else None
         if loss_mask is None:
             count = token_loss.shape[-1] * mesh.shape["cp"] if per_row else \

@@ -151,9 +151,11 @@ def param_specs(params, mesh, axis_names: AxisNames = AxisNames()):
 @dataclasses.dataclass(frozen=True)
 class ParallelContext:
     """The mesh as a layer's forward sees it from inside `jax.shard_map`: the sizes of the
-    tp, cp and fsdp axes and whether the residual stream is sequence-parallel, and the
-    collectives over them. Every method is the identity where its axis has size 1, so
-    SINGLE_DEVICE runs the one-device forward with no collective at all.
+    tp, cp, fsdp and dp axes and whether the residual stream is sequence-parallel, and the
+    collectives over them; and whether this layer's projections run as FP8 matmuls, whose
+    per-tensor scales are reduced over the mesh (`fp8`, `scale_axes`). Every method is the
+    identity where its axis has size 1, so SINGLE_DEVICE runs the one-device forward with no
+    collective at all.
 
     Legend: b batch, l this device's tokens, d d_model.
     """
@@ -162,7 +164,11 @@ class ParallelContext:
     cp: int = 1
     fsdp: int = 1
     sequence_parallel: bool = False  # the residual stream [b, l/tp, d] between layers
-    axis_names: AxisNames = AxisNames()  # the mesh's names of the tp, cp and fsdp axes
+    axis_names: AxisNames = AxisNames()  # the mesh's names of the tp, cp, fsdp and dp axes
+    dp: int = 1
+    # This layer's projections (layers.common.matmul and dense) as FP8 matmuls
+    # (pallas_kernels.fp8); the model sets it per layer for training (model.Fp8).
+    fp8: bool = False
 
     @classmethod
     def for_mesh(cls, mesh, sequence_parallel: bool = True,
@@ -172,7 +178,17 @@ class ParallelContext:
         size = lambda role: axis_size(mesh, getattr(axis_names, role))
         return cls(tp=size("tp"), cp=size("cp"), fsdp=size("fsdp"),
                    sequence_parallel=sequence_parallel and size("tp") > 1,
-                   axis_names=axis_names)
+                   axis_names=axis_names, dp=size("dp"))
+
+    def scale_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1, over which an FP8 scale's amax is reduced: every axis
+        that an activation (rows over dp and fsdp, the sequence over cp, heads or the
+        sequence over tp), a weight (tp) or a gradient may be split over, so that a scale
+        equals one device's. Over an axis on which a tensor is whole, each device's max is
+        already the max: one scalar all-reduce a matmul, whatever the tensor."""
+        sizes = {"dp": self.dp, "fsdp": self.fsdp, "cp": self.cp, "tp": self.tp}
+        return tuple(getattr(self.axis_names, role) for role, size in sizes.items()
+                     if size > 1)
 
     # ------------------------------------------------------------ tensor parallel
 

@@ -58,7 +58,7 @@ from mamba_jax.formats import export_format, layout_notes
 from mamba_jax.init_from import InitSource, check_resumed_source
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
-from mamba_jax.model import REMAT, Mamba2LM, check_causal
+from mamba_jax.model import REMAT, Fp8, Mamba2LM, check_causal
 from mamba_jax.optim import (SCHEDULES, WSD_DECAY_FRACTION, init_opt_state, make_optimizer,
                              make_train_step, train_compiler_options, warmup_steps)
 from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, save_tokenizer
@@ -122,6 +122,16 @@ def build_parser():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (parameters and optimizer state stay float32)")
+    p.add_argument("--fp8", action="store_true",
+                   help="train the layers' projections (Mamba in- and out-projections, "
+                        "attention's, the MLP's) as FP8 matmuls: E4M3 weights and "
+                        "activations, E5M2 gradients, each tensor scaled by its own largest "
+                        "value, on Hopper's FP8 tensor cores; the embedding, the LM head and "
+                        "the first and last --fp8-skip-layers layers stay in --dtype (use "
+                        "with --dtype bfloat16). Evaluation and the export run in --dtype")
+    p.add_argument("--fp8-skip-layers", type=int, default=1, metavar="N",
+                   help="with --fp8, the layers kept in --dtype at each end of the model "
+                        "(Megatron-LM's --num-layers-at-start/end-in-bf16)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--schedule", choices=SCHEDULES, default="cosine")
     p.add_argument("--warmup", type=int, default=30,
@@ -275,7 +285,7 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         args.preset = args.preset or "tiny"
     # Each of these below zero would train without an error, wrongly: a negative clip
     # turns every gradient around, a negative weight decay grows the weights.
-    require_at_least(args, ("warmup",), least=0)
+    require_at_least(args, ("warmup", "fp8_skip_layers"), least=0)
     if not (math.isfinite(args.clip) and args.clip > 0):
         raise SystemExit(f"--clip={args.clip} must be a positive number (the largest global "
                          "gradient norm)")
@@ -305,6 +315,19 @@ def _check_recipe_value(path, key: str, value, action: argparse.Action) -> None:
     if not ok:
         raise SystemExit(f"--config {path}: {key} = {value!r} must be {want}, as "
                          f"{action.option_strings[0]} takes")
+
+
+def fp8_recipe(args, cfg: Mamba2Config) -> Fp8 | None:
+    """The training loss's FP8 recipe (None without --fp8); refused where
+    --fp8-skip-layers leaves no layer to it."""
+    if not args.fp8:
+        return None
+    recipe, n = Fp8(args.fp8_skip_layers), len(cfg.layers)
+    if not any(recipe.in_fp8(n)):
+        raise SystemExit(f"--fp8-skip-layers {args.fp8_skip_layers} keeps all {n} layers of "
+                         "the model in --dtype, so nothing would train in FP8: use at most "
+                         f"{(n - 1) // 2}, or leave out --fp8")
+    return recipe
 
 
 def model_config(preset: str, overrides: dict) -> Mamba2Config:
@@ -606,6 +629,7 @@ def _train(argv, held: contextlib.ExitStack):
     elif chat_template is None and source:  # else the one of the model it starts from
         chat_template = ChatTemplate.from_model_dir(source.checkpoints or source.path)
     dtype = jnp.dtype(args.dtype)
+    fp8 = fp8_recipe(args, cfg)
     try:
         mesh = parallel.make_mesh(args.mesh)
         n_shards = mesh.shape["dp"] * mesh.shape["fsdp"]
@@ -716,7 +740,8 @@ def _train(argv, held: contextlib.ExitStack):
     loss_options = dict(remat=args.remat, sequence_parallel=args.sequence_parallel,
                         loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
     join = adapters.joined if tuning else lambda fn: fn
-    loss_fn = join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options))
+    loss_fn = join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options, fp8=fp8))
+    # Held-out losses in --dtype under --fp8 too: the model as generate and the export run it
     eval_loss = jax.jit(join(parallel.make_loss_fn(graphdef, specs, mesh, **loss_options,
                                                    per_row=True)),
                         compiler_options=train_compiler_options(args.deterministic))
@@ -751,7 +776,9 @@ def _train(argv, held: contextlib.ExitStack):
               + (f" ({trained / 1e6:.3f}M of them trained)" if tuning else "") + ", "
               f"data {dataset.name}, {jax.devices()[0].platform} x {jax.device_count()} "
               f"({n_proc} processes), mesh {dict(mesh.shape)}, sequence parallel "
-              f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}, "
+              f"{args.sequence_parallel and mesh.shape['tp'] > 1}, compute {args.dtype}"
+              + (f" (FP8 projections in layers {args.fp8_skip_layers}.."
+                 f"{len(cfg.layers) - 1 - args.fp8_skip_layers})" if fp8 else "") + ", "
               f"remat {args.remat}, layers {'scanned' if args.scan_layers else 'unrolled'}, "
               f"compilation cache {cache_dir or 'off'}"
               + (f", resumed at step {start}" if start else ""), file=sys.stderr)

@@ -45,6 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import fp8
 from pallas_kernels import ssd as ssd_kernels
 from pallas_kernels.conv import triton as conv
 from pallas_kernels.norm import gated_rms_norm_spanning
@@ -62,7 +63,8 @@ class Shapes:
     compute dtype of out_proj's matmuls; out_dtype, their output's: the compute dtype where
     the caller rounds the output to it anyway (the matmul then writes half the bytes, and
     its cotangent arrives in it), else float32; sequence_axis: the mesh axis the sequence is
-    split over (context parallelism), or None."""
+    split over (context parallelism), or None; fp8: None, or out_proj's matmuls in FP8
+    (pallas_kernels.fp8, current scaling), each amax reduced over these mesh axes."""
     h: int
     p: int
     g: int
@@ -76,6 +78,7 @@ class Shapes:
     sequence_axis: str | None = None
     norm_axis: str | None = None
     norm_ranks: int = 1
+    fp8: tuple[str, ...] | None = None
 
     @property
     def parts(self):
@@ -179,9 +182,44 @@ def _norm_backward(shapes, y, zxbcdt, norm_w, dnormed):
     return dy, dzxbcdt.reshape(zxbcdt.shape), dnorm_w, normed
 
 
+_OUT_PROJ = "blhp,hpd->bld"
+
+
 def _out_proj(shapes, normed, out_proj):
-    return jnp.einsum("blhp,hpd->bld", normed, out_proj.astype(shapes.dtype),
-                      preferred_element_type=jnp.dtype(shapes.out_dtype))
+    """The out-projection of the normed y [b, l, h, p] -> ([b, l, d] in out_dtype, the FP8
+    scales of normed and out_proj, or None in the compute dtype)."""
+    out_dtype = jnp.dtype(shapes.out_dtype)
+    if shapes.fp8 is None:
+        return jnp.einsum(_OUT_PROJ, normed, out_proj.astype(shapes.dtype),
+                          preferred_element_type=out_dtype), None
+    (q_n, s_n), (q_w, s_w) = fp8.operands(normed, out_proj, shapes.dtype, shapes.fp8)
+    return jnp.einsum(_OUT_PROJ, fp8.dequantize(q_n, s_n), fp8.dequantize(q_w, s_w),
+                      preferred_element_type=out_dtype), (s_n, s_w)
+
+
+def _out_proj_backward(shapes, dout, out_proj, scales):
+    """out_proj's backward products: (dnormed [b, l, h, p] in the compute dtype, a function
+    of the normed y [b, l, h, p] -> out_proj's gradient [h, p, d] float32). In the compute
+    dtype where `scales` is None; else in FP8: dout in E5M2 with its own scale, normed and
+    out_proj in E4M3 with the forward's `scales`."""
+    dtype = shapes.dtype
+    spec_dnormed, spec_dw = fp8.transposed(_OUT_PROJ)
+    if scales is None:
+        # dnormed in the compute dtype straight from the matmul (its accumulation is
+        # float32 either way): a float32 product and its conversion were two more passes
+        # over [b, l, h, p]
+        dout = dout.astype(dtype)
+        w, as_operand, precision = out_proj.astype(dtype), lambda normed: normed, None
+    else:
+        s_n, s_w = scales
+        dout = fp8.gradient(dout, dtype, shapes.fp8)
+        w = fp8.dequantize(fp8.quantize(out_proj, fp8.E4M3, s_w), s_w)
+        as_operand = lambda normed: fp8.dequantize(fp8.quantize(normed, fp8.E4M3, s_n), s_n)
+        precision = fp8.BACKWARD
+    product = functools.partial(jnp.einsum, precision=precision)
+    dnormed = product(spec_dnormed, dout, w, preferred_element_type=dtype)
+    return dnormed, lambda normed: product(spec_dw, as_operand(normed), dout,
+                                           preferred_element_type=jnp.float32)
 
 
 def _mixer_fwd(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state,
@@ -190,26 +228,20 @@ def _mixer_fwd(zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, init
     x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, conv_before, doc)
     y, final_state = _scan(shapes, x, B, C, _dt(shapes, zxbcdt), A_log, D, dt_bias,
                            initial_state, scan_seq_idx, head_groups)
-    out = _out_proj(shapes, _normed(shapes, y, zxbcdt, norm_w), out_proj)
+    out, scales = _out_proj(shapes, _normed(shapes, y, zxbcdt, norm_w), out_proj)
     return (out, final_state), (zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj,
-                                initial_state, conv_before, seq_idx, head_groups, y)
+                                initial_state, conv_before, seq_idx, head_groups, y, scales)
 
 
 def _mixer_bwd(shapes, residuals, cotangents):
     (zxbcdt, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_proj, initial_state, conv_before,
-     seq_idx, head_groups, y) = residuals
+     seq_idx, head_groups, y, scales) = residuals
     dout, dfinal = cotangents
-    dtype = shapes.dtype
-    # out_proj's input gradient, in the compute dtype straight from the matmul (its
-    # accumulation is float32 either way): a float32 product and its conversion were two
-    # more passes over [b, l, h, p]
-    dout = dout.astype(dtype)
-    dnormed = jnp.einsum("bld,hpd->blhp", dout, out_proj.astype(dtype),
-                         preferred_element_type=dtype)
+    dnormed, weight_gradient = _out_proj_backward(shapes, dout, out_proj, scales)
     # the norm: dy, dz into the first h*p columns of the in-projection's gradient, and its
     # output recomputed in the same pass for out_proj's weight gradient
     dy, dzxbcdt, dnorm_w, normed = _norm_backward(shapes, y, zxbcdt, norm_w, dnormed)
-    dout_proj = jnp.einsum("blhp,bld->hpd", normed, dout, preferred_element_type=jnp.float32)
+    dout_proj = weight_gradient(normed)
     # the scan's backward over x, B, C recomputed
     doc, scan_seq_idx = _documents(zxbcdt, seq_idx)
     x, B, C = _x_B_C(shapes, zxbcdt, conv_w, conv_b, conv_before, doc)

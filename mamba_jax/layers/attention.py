@@ -196,7 +196,7 @@ class Attention(Mixer):
         token attends across a document start and positions restart there. initial_state:
         the AttentionCache the tokens continue (`continue_cache`)."""
         a = self.cfg.attention
-        q, k, v = self.project(u)
+        q, k, v = self.project(u, ctx=ctx)
         if a.num_heads_kv % ctx.tp:  # every KV head on every rank: take our queries' ones
             k, v = (groups_of_local_heads(t, a.num_heads, a.num_heads_kv, ctx) for t in (k, v))
         if initial_state is not None:
@@ -211,7 +211,7 @@ class Attention(Mixer):
         mask = None  # one device, one document per row: attend's own causal mask
         if cp > 1 or seq_idx is not None:
             mask = attention_mask(index, jnp.arange(cp * l), starts, k_starts)
-        out = self.out_proj_partial(attend(q, keys, values, self.scale, mask))
+        out = self.out_proj_partial(attend(q, keys, values, self.scale, mask), ctx=ctx)
         if cache_len is None:
             return out, None
         pad = ((0, 0), (0, cache_len - l), (0, 0), (0, 0))
@@ -252,14 +252,15 @@ class Attention(Mixer):
     def output_bias(self):
         return self.out_bias[...] if self.cfg.attention.out_bias else None
 
-    def project(self, u, weights: AttentionWeights | None = None):
+    def project(self, u, weights: AttentionWeights | None = None,
+                ctx: ParallelContext = SINGLE_DEVICE):
         """u [..., d] -> q [..., h, e], k, v [..., k, e] in the compute dtype (over a
         tensor-parallel shard, this rank's heads). weights: AttentionWeights for the XLA
         step; None reads the parameters."""
         w = weights or AttentionWeights(self.q_proj[...], self.k_proj[...], self.v_proj[...],
                                         None)
         bias = lambda name: getattr(self, name)[...] if self.cfg.attention.qkv_bias else None
-        return tuple(dense(u, w_r, self.dtype, bias(name), out_dtype=self.dtype)
+        return tuple(dense(u, w_r, self.dtype, bias(name), out_dtype=self.dtype, ctx=ctx)
                      for w_r, name in ((w.q, "q_bias"), (w.k, "k_bias"), (w.v, "v_bias")))
 
     def rotate(self, q, k, positions):
@@ -272,11 +273,11 @@ class Attention(Mixer):
                                a.rotary_interleaved)
         return rot(q), rot(k)
 
-    def out_proj_partial(self, o, o_proj=None):
+    def out_proj_partial(self, o, o_proj=None, ctx: ParallelContext = SINGLE_DEVICE):
         """o [..., h, e] -> [..., d] float32, without the bias: over a shard of the heads, one
         tensor-parallel rank's share of the sum. o_proj [h, e, d]: None reads the parameter."""
         w = self.o_proj[...] if o_proj is None else o_proj
-        return matmul("...he,hed->...d", o, w, self.dtype)
+        return matmul("...he,hed->...d", o, w, self.dtype, ctx=ctx)
 
     # ------------------------------------------------------------ decoding
 

@@ -78,7 +78,7 @@ class BidirectionalMamba2(Mamba2Mixer):
         """Mixer.__call__: u [b, l, d] -> (this rank's share of out_proj [b, l, d] float32,
         None: the layer keeps no cache). seq_idx [b, l]: packed documents, each mixed as if
         alone, both ways."""
-        z, xBC, dt = self.project(u)
+        z, xBC, dt = self.project(u, ctx=ctx)
         k = self.cfg.mamba2.d_conv
         if self.cfg.bidirectional.centred_conv:
             forward = backward = self.window_conv(xBC, seq_idx, ctx, "", (k - 1) // 2)

@@ -24,31 +24,41 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
+from pallas_kernels import fp8
 from pallas_kernels import norm as norm_kernels
 from pallas_kernels.ssd.reference import take_groups
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
-def matmul(spec, a, b, dtype, out_dtype=jnp.float32):
+def matmul(spec, a, b, dtype, out_dtype=jnp.float32, ctx: ParallelContext = SINGLE_DEVICE):
     """jnp.einsum(spec, a, b) with both operands cast to the compute dtype, float32
     accumulation and an out_dtype result, for every weight matmul of the model (b the
     weight). A result that is cast to the compute dtype anyway is asked for in it
     (out_dtype=dtype): the matmul writes half the bytes, as torch's autocast Linear does.
+    spec: two operands, e.g. "...d,df->...f".
 
-    Its derivative runs in the compute dtype, as torch's autocast backward does: the custom
-    JVP takes the tangent matmuls in dtype, so the transposed (backward) matmuls take the
-    cotangent in dtype. Differentiated as is, each backward matmul would mix a float32
-    cotangent with a bf16 operand, which XLA runs as a float32 (TF32) matmul, about 2x
-    slower (a third of the 1.3b train step's time, bench/profile_step.py). The weight's
-    gradient is rounded to dtype before it is widened to b's dtype, as before the cast.
-    A JVP rather than a VJP keeps the matmuls visible to jax.checkpoint policies (a
-    custom_vjp's residuals are saved whatever the policy). spec: two operands, e.g.
-    "...d,df->...f"."""
+    Its derivative runs in the compute dtype, as torch's autocast backward does
+    (`_compute_matmul`). Where ctx.fp8 (a training layer's projections under --fp8), an
+    FP8 matmul instead (pallas_kernels.fp8: E4M3 operands, the backward's gradient E5M2,
+    per-tensor current scales reduced over ctx.scale_axes()), its backward in dtype too."""
+    if ctx.fp8:
+        return fp8.matmul(spec, a, b, dtype, out_dtype, ctx.scale_axes())
+    return _compute_matmul(spec, a, b, dtype, out_dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
+def _compute_matmul(spec, a, b, dtype, out_dtype):
+    """matmul in the compute dtype. Its custom JVP takes the tangent matmuls in dtype, so the
+    transposed (backward) matmuls take the cotangent in dtype. Differentiated as is, each
+    backward matmul would mix a float32 cotangent with a bf16 operand, which XLA runs as a
+    float32 (TF32) matmul, about 2x slower (a third of the 1.3b train step's time,
+    bench/profile_step.py). The weight's gradient is rounded to dtype before it is widened
+    to b's dtype, as before the cast. A JVP rather than a VJP keeps the matmuls visible to
+    jax.checkpoint policies (a custom_vjp's residuals are saved whatever the policy)."""
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
 
 
-@matmul.defjvp
-def _matmul_jvp(spec, dtype, out_dtype, primals, tangents):
+@_compute_matmul.defjvp
+def _compute_matmul_jvp(spec, dtype, out_dtype, primals, tangents):
     (a, b), (ta, tb) = primals, tangents
     a_c, b_c = a.astype(dtype), b.astype(dtype)
     y = jnp.einsum(spec, a_c, b_c, preferred_element_type=out_dtype)
@@ -57,11 +67,12 @@ def _matmul_jvp(spec, dtype, out_dtype, primals, tangents):
     return y, t.astype(out_dtype)
 
 
-def dense(u, w, dtype, bias=None, out_dtype=jnp.float32):
+def dense(u, w, dtype, bias=None, out_dtype=jnp.float32, ctx: ParallelContext = SINGLE_DEVICE):
     """u [..., d] times w [d, ...] -> [..., ...] out_dtype (plus bias [...]): the
-    projections' matmul (see matmul). Over a tensor-parallel shard of w's output axes, this
-    rank's outputs; over a shard of d (a row-parallel input), this rank's share of the sum."""
-    y = matmul("...d,df->...f", u, w.reshape(w.shape[0], -1), dtype, out_dtype)
+    projections' matmul (see matmul; ctx.fp8: as FP8). Over a tensor-parallel shard of w's
+    output axes, this rank's outputs; over a shard of d (a row-parallel input), this rank's
+    share of the sum."""
+    y = matmul("...d,df->...f", u, w.reshape(w.shape[0], -1), dtype, out_dtype, ctx)
     y = y.reshape(*u.shape[:-1], *w.shape[1:])
     return y if bias is None else y + bias.astype(out_dtype)
 

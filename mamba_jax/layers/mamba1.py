@@ -159,14 +159,14 @@ class Mamba1Mixer(Mixer):
         """Mixer.__call__: u [b, l, d] -> (this rank's share of out_proj [b, l, d] float32,
         a MambaCache or None). seq_idx [b, l]: packed documents; the conv and the state
         restart where it changes."""
-        x_in, z = self.project(u)
+        x_in, z = self.project(u, ctx=ctx)
         x = self.conv_silu(x_in, seq_idx, ctx)
         dt, B, C = self.select(x, ctx)
         y, ssm_state = selective_scan(
             x, dt, self.A(), B, C, D=self.D[...], dt_bias=self.dt_proj_bias[...],
             dt_softplus=True, initial_state=None, seq_idx=seq_idx, return_final_state=True,
             sequence_axis=ctx.sequence_axis, chunk_size=self.cfg.mamba1.chunk_size)
-        out = self.out_proj_partial(self.gate(y, z))
+        out = self.out_proj_partial(self.gate(y, z), ctx=ctx)
         if cache_len is None:
             return out, None
         doc = None if seq_idx is None else document_ids(seq_idx)
@@ -188,12 +188,12 @@ class Mamba1Mixer(Mixer):
             return w, None
         return w, jnp.concatenate([self.in_proj_x_bias[...], self.in_proj_z_bias[...]])
 
-    def project(self, u, in_proj=None):
+    def project(self, u, in_proj=None, ctx: ParallelContext = SINGLE_DEVICE):
         """u [..., d] -> x, z [..., i] in the compute dtype: one matmul over in_proj() (or
         StepWeights.in_proj), its output split (its gradient one concatenation:
         split_last)."""
         w, bias = self.in_proj() if in_proj is None else in_proj
-        xz = dense(u, w, self.dtype, bias, out_dtype=self.dtype)
+        xz = dense(u, w, self.dtype, bias, out_dtype=self.dtype, ctx=ctx)
         return split_last(xz, (xz.shape[-1] // 2,) * 2)
 
     def _conv_params(self):
@@ -239,11 +239,11 @@ class Mamba1Mixer(Mixer):
         return jax.checkpoint(lambda y, z: (y.astype(jnp.float32) * jax.nn.silu(
             z.astype(jnp.float32))).astype(dtype))(y, z)
 
-    def out_proj_partial(self, y, out_proj=None):
+    def out_proj_partial(self, y, out_proj=None, ctx: ParallelContext = SINGLE_DEVICE):
         """y [..., i] -> [..., d] float32 without the bias: over a shard of the channels one
         tensor-parallel rank's share of the sum."""
         return matmul("...i,id->...d", y, self.out_proj[...] if out_proj is None else out_proj,
-                      self.dtype)
+                      self.dtype, ctx=ctx)
 
     # ------------------------------------------------------------ decoding
 

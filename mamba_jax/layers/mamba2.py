@@ -262,7 +262,7 @@ class Mamba2Mixer(Mixer):
         shapes = self._mixer_shapes(ctx)
         width = self.cfg.mamba2.d_conv - 1
         if self.mixer_kernels_run(u, shapes):
-            zxbcdt = self.project_packed(u)
+            zxbcdt = self.project_packed(u, ctx=ctx)
             xBC = zxbcdt[..., shapes.xBC_start:shapes.dt_start]
             # the conv's inputs before the first token, read by its kernel in place of zeros
             halo = ctx.previous_tokens(xBC, width, before)
@@ -278,7 +278,7 @@ class Mamba2Mixer(Mixer):
             xBC = xBC if halo is None else jnp.concatenate([halo, xBC], axis=1)
             doc = None if seq is None else document_ids(seq)
         else:
-            z, xBC_in, dt = self.project(u)
+            z, xBC_in, dt = self.project(u, ctx=ctx)
             operands = self._conv_operands(xBC_in, seq_idx, ctx, before)
             y, ssm_state = self.conv_and_scan(operands, dt, seq_idx, ctx, entering)
             out = self.gated_out_proj(y, z, ctx)
@@ -310,7 +310,8 @@ class Mamba2Mixer(Mixer):
                                                                        m.ngroups, ctx)
 
     def _mixer_shapes(self, ctx: ParallelContext) -> MixerShapes:
-        """pallas_kernels.mamba2_mixer's sizes of this rank's heads and groups."""
+        """pallas_kernels.mamba2_mixer's sizes of this rank's heads and groups, and whether
+        its out-projection runs in FP8 (ctx.fp8)."""
         m = self.cfg.mamba2
         h, p = self.x_conv.shape[1:]
         g, n = self.B_conv.shape[1:]
@@ -322,7 +323,8 @@ class Mamba2Mixer(Mixer):
         return MixerShapes(h=h, p=p, g=g, n=n, chunk_size=m.chunk_size, dt_limit=m.dt_limit,
                            eps=self.cfg.norm_eps, dtype=jnp.dtype(self.dtype).name,
                            out_dtype="float32" if m.bias else jnp.dtype(self.dtype).name,
-                           sequence_axis=ctx.sequence_axis, **spanning)
+                           sequence_axis=ctx.sequence_axis,
+                           fp8=ctx.scale_axes() if ctx.fp8 else None, **spanning)
 
     def window_before(self, initial_state: MambaCache | None):
         """The conv inputs before the first token [b, k - 1, e] from a cache's window (its
@@ -372,16 +374,16 @@ class Mamba2Mixer(Mixer):
         biases = (self.z_bias, self.x_bias, self.B_bias, self.C_bias, self.dt_proj_bias)
         return w, jnp.concatenate([b[...].reshape(-1) for b in biases])
 
-    def project(self, u, in_proj=None):
+    def project(self, u, in_proj=None, ctx: ParallelContext = SINGLE_DEVICE):
         """u [..., d] -> z [..., h, p] and xBC [..., e] (the conv's channels x, B, C) in the
         compute dtype, dt [..., h] float32 (before dt_bias and softplus): project_packed's
         output split (its gradient one concatenation: split_last)."""
-        zxbcdt = self.project_packed(u, in_proj)
+        zxbcdt = self.project_packed(u, in_proj, ctx)
         z_size, dt_size = math.prod(self.z_proj.shape[1:]), self.dt_proj.shape[1]
         z, xBC, dt = split_last(zxbcdt, (z_size, zxbcdt.shape[-1] - z_size - dt_size, dt_size))
         return z.reshape(*z.shape[:-1], *self.z_proj.shape[1:]), xBC, dt.astype(jnp.float32)
 
-    def project_packed(self, u, in_proj=None):
+    def project_packed(self, u, in_proj=None, ctx: ParallelContext = SINGLE_DEVICE):
         """u [..., d] -> zxbcdt [..., h*p + e + h] in the compute dtype, mamba_ssm's in_proj
         output order z, xBC, dt (the decoding step's kernels read xBC and dt from it in
         place).
@@ -390,7 +392,7 @@ class Mamba2Mixer(Mixer):
         and the backward pass runs one matmul for du instead of five and their sum. dt
         leaves it in the compute dtype, as from mamba_ssm's in_proj."""
         w, bias = self.in_proj() if in_proj is None else in_proj
-        return dense(u, w, self.dtype, bias, out_dtype=self.dtype)
+        return dense(u, w, self.dtype, bias, out_dtype=self.dtype, ctx=ctx)
 
     def _conv_params(self, suffix: str = ""):
         """The conv weight [k, e] and bias [e] (or None) over the fused xBC channels, of the
@@ -457,7 +459,7 @@ class Mamba2Mixer(Mixer):
         @jax.checkpoint
         def norm_and_project(y, z, norm, out_proj):
             normed = gated_rms_norm(y, z, norm, self.cfg.norm_eps, m.ngroups, ctx)
-            return matmul("...hp,hpd->...d", normed, out_proj, self.dtype)
+            return matmul("...hp,hpd->...d", normed, out_proj, self.dtype, ctx=ctx)
         return norm_and_project(y, z, self.norm[...], self.out_proj[...])
 
     def out_proj_partial(self, y, out_proj):

@@ -180,7 +180,7 @@ class Mamba3Mixer(Mixer):
         # Checkpointed: the backward pass recomputes the gate's float32 terms from y and z,
         # which it keeps anyway (160 of the 297 MB a mamba3-1.3b layer on the kernels kept
         # per 2048-token row without it).
-        out = jax.checkpoint(lambda y, z: self.out_proj_partial(self.gate(y, z)))(y, z)
+        out = jax.checkpoint(lambda y, z: self.out_proj_partial(self.gate(y, z), ctx=ctx))(y, z)
         # Under cp, the state after the whole sequence: the last part's, on every device
         return out, (None if cache_len is None else jax.tree.map(ctx.from_last_cp, state))
 
@@ -208,7 +208,7 @@ class Mamba3Mixer(Mixer):
         r, g, n = self.B_proj.shape[1:]
         a = self.angle_proj.shape[1]
         w = self.in_proj() if in_proj is None else in_proj
-        out = dense(u, w, self.dtype, out_dtype=self.dtype)
+        out = dense(u, w, self.dtype, out_dtype=self.dtype, ctx=ctx)
         sizes = (h * p, h * p, r * g * n, r * g * n, h, h, h, a)
         z, x, B, C, dd_dt, dd_A, trap, angles = split_last(out, sizes)
         lead = out.shape[:-1]
@@ -236,12 +236,12 @@ class Mamba3Mixer(Mixer):
         norm = self.norm[...] if self.cfg.mamba3.is_outproj_norm else None
         return gate(y, z, self._mimo("mimo_z"), self._mimo("mimo_o"), norm).astype(self.dtype)
 
-    def out_proj_partial(self, y, out_proj=None):
+    def out_proj_partial(self, y, out_proj=None, ctx: ParallelContext = SINGLE_DEVICE):
         """y [..., h, p] -> [..., d] float32: over a shard of the heads, this tp rank's
         share of the sum. out_proj: Mamba3Weights.out_proj [d, h*p]; None reads the
         parameter."""
         if out_proj is None:
-            return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype)
+            return matmul("...hp,hpd->...d", y, self.out_proj[...], self.dtype, ctx=ctx)
         return matmul("...e,de->...d", y.reshape(*y.shape[:-2], -1), out_proj, self.dtype)
 
     # ------------------------------------------------------------ decoding

@@ -86,18 +86,18 @@ class MLP(Mixer):
         None: an MLP keeps nothing between tokens). Each token alone: seq_idx and ctx's
         sequence axes do not matter to it."""
         gate = self.gate_proj[...] if self.activation == "swiglu" else None
-        return self._mlp(u, MLPWeights(self.up_proj[...], gate, self.down_proj[...])), None
+        return self._mlp(u, MLPWeights(self.up_proj[...], gate, self.down_proj[...]), ctx), None
 
-    def _mlp(self, u, weights: MLPWeights):
+    def _mlp(self, u, weights: MLPWeights, ctx: ParallelContext = SINGLE_DEVICE):
         """u [..., d] -> [..., d] float32 through weights (the parameters' layout)."""
-        up = dense(u, weights.up, self.dtype)
+        up = dense(u, weights.up, self.dtype, ctx=ctx)
         if self.activation == "swiglu":
-            hidden = up * jax.nn.silu(dense(u, weights.gate, self.dtype))
+            hidden = up * jax.nn.silu(dense(u, weights.gate, self.dtype, ctx=ctx))
         elif self.activation == "relu2":
             hidden = jnp.square(jax.nn.relu(up))
         else:
             hidden = jax.nn.gelu(up, approximate=self.activation == "gelu_tanh")
-        return dense(hidden.astype(self.dtype), weights.down, self.dtype)
+        return dense(hidden.astype(self.dtype), weights.down, self.dtype, ctx=ctx)
 
     def step_weights(self, how: str = "xla") -> MLPWeights:
         """MLPWeights for the XLA step, or with how "fused" for fused_step."""
