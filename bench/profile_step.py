@@ -6,7 +6,8 @@ device kernels summed by name and by kind. With --decode NEW, the same for gener
         [--step-implementation triton] [--ssm-state-dtype bfloat16] --out DIR
 
 Builds and compiles the step as bench.train_step does (Steps: same mesh, remat and
-parameters; the trainer's XLA options, cuBLAS's GEMMs), runs two warm-up steps, traces
+parameters; the trainer's XLA options, cuBLAS's GEMMs; --fp8: the trainer's --fp8, whose
+FP8 GEMMs XLA runs on cuBLASLt, counted in the header), runs two warm-up steps, traces
 --steps steps, and prints the step time, GPU time per step by kind (matmul, SSD Pallas
 kernels, collectives, copies, other fusions) and the --top kernels by GPU time per step,
 each with the HLO ops that launched it (the trace's `hlo_op`, by time) and, for an XLA
@@ -65,10 +66,11 @@ import tempfile
 import time
 
 from bench import baseline
-from bench.train_step import (Steps, add_scan_layers_argument, layers_note, not_comparable,
-                              their_step, their_use)
+from bench.train_step import (Steps, add_scan_layers_argument, fp8_gemms, fp8_note, fp8_skip,
+                              layers_note, not_comparable, their_step, their_use)
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
+    ("FP8 matmul", r"e4m3|e5m2"),  # cuBLASLt's names carry their FP8 types
     ("matmul", r"gemm|cublas|cutlass|sm90_xmma|nvjet|dot"),
     ("SSD Pallas", r"ssd|chunk|state_passing|bmm|pallas"),
     ("collective", r"nccl|all_reduce|all-reduce|all_gather|all-gather|reduce_scatter|"
@@ -387,6 +389,9 @@ def main(argv=None):
     p.add_argument("--loss-chunk", type=int, default=None)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--fp8", action="store_true", help="our step with the trainer's --fp8")
+    p.add_argument("--fp8-skip-layers", type=int, default=1, metavar="N",
+                   help="with --fp8: the trainer's --fp8-skip-layers")
     p.add_argument("--out", required=True, help="folder for the trace and the HLO")
     p.add_argument("--decode", type=int, default=0, metavar="NEW",
                    help="profile generate() of NEW tokens after a --seq-len prompt instead")
@@ -413,13 +418,15 @@ def main(argv=None):
     import jax
 
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk,
-                  scan_layers=args.scan_layers)
+                  scan_layers=args.scan_layers, fp8_skip_layers=fp8_skip(args))
     print(f"{time.strftime('%Y-%m-%d')} jax {jax.__version__}, {jax.devices()[0].device_kind}; "
           f"{args.preset} {args.mesh} {args.batch}x{args.seq_len} remat {args.remat}"
-          f"{layers_note(args)}")
+          f"{layers_note(args)}{fp8_note(args)}")
     steps.measure(args.batch, args.seq_len, 1)  # compiles, builds the state, warms up
     exe = steps.compiled[args.batch, args.seq_len][0]
     hlo = exe.as_text()
+    if args.fp8:
+        print(f"{fp8_gemms(hlo)} FP8 GEMMs (cuBLASLt) in the step")
     with open(os.path.join(args.out, "step.hlo.txt"), "w") as f:
         f.write(hlo)
     state = list(steps.state)

@@ -6,7 +6,7 @@ the longest sequence that trains, and mamba_ssm's training step beside ours.
         --meshes dp=1 tp=2 dp=2
     python3 -m bench.train_step longest --preset mamba2-1.3b --meshes dp=1 cp=2
     python3 -m bench.train_step versus --presets mamba2-370m mamba2-1.3b --seq-len 2048 \\
-        --baseline .baseline [--allow-slow-baseline]
+        --baseline .baseline [--allow-slow-baseline] [--fp8]
     python3 -m bench.train_step lora --preset nemotron-nano-9b-v2 --seq-len 4096 \\
         --lora-rank 16 --base-dtype bfloat16 --full-preset mamba2-2.7b
 
@@ -59,6 +59,12 @@ lora: LoRA (--lora-rank, default 16, on every projection; the base stored in --b
   for the LoRA step at its batch (its activations). --layers takes the preset's first
   layers, as throughput's.
 
+--fp8 (throughput, versus): our step with the trainer's --fp8 too (--fp8-skip-layers, default
+  1), in a process of its own, a row after our bf16 one: its tokens/s against mamba_ssm's and
+  against our bf16 step's, and how many FP8 GEMMs XLA made of its matmuls (the cuBLASLt
+  custom calls in the compiled step; a matmul it did not rewrite runs in bf16). mamba_ssm
+  has no FP8 path: its row is its bf16 step.
+
 Each mesh or framework runs in its own process, pinned to its GPUs (the first of those the
 script sees: CUDA_VISIBLE_DEVICES=2,3 runs it on GPUs 2 and 3), so that its peak memory is
 its own; ours compiled with the trainer's XLA options (cuBLAS's GEMMs, no cuBLASLt:
@@ -77,6 +83,7 @@ import itertools
 import json
 import math
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -99,17 +106,18 @@ class Steps:
     scan_layers as the trainer's --scan-layers (default: the layers one after the other);
     ssd_config: the SSD kernels' config it is traced with (bench.ssd.default_config);
     dtype: the compute dtype (the trainer's --dtype); tuning: a mamba_jax.adapters.Tuning
-    (LoRA adapters, a bfloat16 base) or None (every parameter trains)."""
+    (LoRA adapters, a bfloat16 base) or None (every parameter trains); fp8_skip_layers:
+    None, or the trainer's --fp8 with --fp8-skip-layers this."""
 
     def __init__(self, preset, mesh_spec, remat, loss_chunk, layers=None, scan_layers=False,
-                 ssd_config="", dtype="bfloat16", tuning=None):
+                 ssd_config="", dtype="bfloat16", tuning=None, fp8_skip_layers=None):
         import jax
         from flax import nnx
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         from mamba_jax import adapters, parallel
         from mamba_jax.config import Mamba2Config
-        from mamba_jax.model import Mamba2LM
+        from mamba_jax.model import Fp8, Mamba2LM
         from mamba_jax.optim import make_optimizer, make_train_step, opt_state_shardings
 
         cfg = Mamba2Config.preset(preset)
@@ -130,8 +138,10 @@ class Steps:
         abstract, *frozen = self.split(whole)
         self.trained_shardings, *frozen_shardings = self.split(self.param_shardings)
         self.tx, _ = make_optimizer(abstract, 3e-4, 1000, 10, 0.1, 1.0)
+        self.fp8 = None if fp8_skip_layers is None else Fp8(fp8_skip_layers)
         self.loss_fn = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
-                                             loss_chunk=loss_chunk, scan_layers=scan_layers)
+                                             loss_chunk=loss_chunk, scan_layers=scan_layers,
+                                             fp8=self.fp8)
         if tuning:
             self.loss_fn = adapters.joined(self.loss_fn)
         self.step = make_train_step(self.loss_fn, self.tx)
@@ -258,7 +268,8 @@ class Steps:
         peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devices)
         loss = float(loss)
         self.state = (params, opt_state)
-        return {"mesh": self.mesh_spec, "batch": batch, "seq_len": seq_len,
+        return {"mesh": self.mesh_spec, "fp8": self.fp8 is not None,
+                "fp8_gemms": fp8_gemms(exe.as_text()), "batch": batch, "seq_len": seq_len,
                 "compile_s": compile_s, "first_step_s": times[0], "step_s": step_s,
                 "tokens_s": batch * seq_len / step_s,
                 "mfu": flops / step_s / (peak_flops(devices[0].device_kind) * len(devices)),
@@ -266,6 +277,16 @@ class Steps:
                 "temporaries_gib": temporaries / GIB, **self.sizes, "loss": loss,
                 "finite": math.isfinite(loss), "devices": len(devices),
                 "device_kind": devices[0].device_kind, **parts}
+
+
+# The custom call of XLA's FP8 GEMMs (its GEMM rewriter's, on cuBLASLt): a dot of dequantized
+# FP8 operands that it did not rewrite runs as a bf16 GEMM instead, silently.
+FP8_GEMM = 'custom_call_target="__cublas$lt$matmul$f8"'
+
+
+def fp8_gemms(hlo_text: str) -> int:
+    """How many FP8 GEMMs a compiled program's HLO holds (0 off a GPU)."""
+    return hlo_text.count(FP8_GEMM)
 
 
 def peak_flops(device_kind):
@@ -309,7 +330,7 @@ def child(args):
     if args.child == "variants":
         return variants(args)
     steps = Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers,
-                  args.scan_layers, tuning=tuning(args))
+                  args.scan_layers, tuning=tuning(args), fp8_skip_layers=fp8_skip(args))
     if args.child == "measure":
         result(steps.measure(args.batch, args.seq_len, args.steps, args.breakdown))
         return
@@ -342,7 +363,8 @@ def variants(args):
     """One step per --ssd-variants entry, taking turns --rounds times over one state (the
     first step builds it; each hands it to the next): a result per step and round."""
     runs = [Steps(args.preset, args.mesh, args.remat, args.loss_chunk, args.layers,
-                  args.scan_layers, config) for config in args.ssd_variants]
+                  args.scan_layers, config, fp8_skip_layers=fp8_skip(args))
+            for config in args.ssd_variants]
     state = None
     for round_ in range(1, args.rounds + 1):
         for steps in runs:
@@ -350,6 +372,29 @@ def variants(args):
             measured = steps.measure(args.batch, args.seq_len, args.steps, args.breakdown)
             state, steps.state = steps.state, None
             result(dict(measured, ssd=steps.ssd_config, round=round_))
+
+
+def fp8_skip(args) -> int | None:
+    """A child's Steps fp8_skip_layers: --fp8-skip-layers where it runs --fp8, else None."""
+    return args.fp8_skip_layers if args.fp8 else None
+
+
+def apart(jobs: dict, timeout: float) -> dict:
+    """Each job (this script's child argv) on a GPU of its own, as many at once as there are
+    GPUs (one after the other, in order, on a one-GPU machine): {key: its last report}."""
+    lanes = queue.Queue()
+    for lane in range(max(1, min(gpu_count(), len(jobs)))):
+        lanes.put(lane)
+
+    def run(argv):
+        lane = lanes.get()
+        try:
+            return in_process(gpus(1, skip=lane), argv, timeout)[-1]
+        finally:
+            lanes.put(lane)
+    with concurrent.futures.ThreadPoolExecutor(lanes.qsize()) as pool:
+        running = {key: pool.submit(run, argv) for key, argv in jobs.items()}
+        return {key: future.result() for key, future in running.items()}
 
 
 def in_process(gpus: str, argv: list[str], timeout: float, xla_flags: str = "") -> list[dict]:
@@ -508,9 +553,9 @@ def layers_note(args) -> str:
     return "; our layers scanned (--scan-layers)" if args.scan_layers else ""
 
 
-def child_argv(args, kind, mesh, **changes):
+def child_argv(args, kind, mesh, fp8=False, **changes):
     """The argv of a child of `kind` on `mesh`: args' settings, those in `changes` instead
-    (layers and lora_rank None: none)."""
+    (layers and lora_rank None: none); fp8: with the trainer's --fp8."""
     values = {**dict(preset=args.preset, batch=args.batch, seq_len=args.seq_len,
                      remat=args.remat, steps=args.steps, granule=args.granule,
                      layers=args.layers, limit_gib=args.limit_gib, lora_rank=args.lora_rank),
@@ -520,27 +565,55 @@ def child_argv(args, kind, mesh, **changes):
     values = {k: v for k, v in values.items() if v is not None}
     flags = (["--breakdown"] if args.breakdown else []) + (["--scan-layers"] if args.scan_layers
                                                            else [])
+    if fp8:  # this child's step with the trainer's --fp8
+        flags += ["--fp8", f"--fp8-skip-layers={args.fp8_skip_layers}"]
     argv = ["_child", kind, "--mesh", mesh] + [
         f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
     return argv + flags + ([f"--loss-chunk={args.loss_chunk}"] if args.loss_chunk else [])
 
 
+def precisions(args) -> tuple[bool, ...]:
+    """Our steps to run, as child_argv's fp8: the bf16 one, and with --fp8 the FP8 one."""
+    return (False, True) if args.fp8 else (False,)
+
+
+def fp8_note(args) -> str:
+    """What a table's introduction says of --fp8."""
+    return (f"; rows marked --fp8: the trainer's --fp8 (FP8 projections but in the first and "
+            f"last {args.fp8_skip_layers} layers)" if args.fp8 else "")
+
+
+def fp8_line(r, bf16) -> str:
+    """An FP8 row's comparison with our bf16 row of the same mesh (or None)."""
+    against = ("" if bf16 is None or "error" in bf16 else
+               f"{r['tokens_s'] / bf16['tokens_s']:.3f}x our bf16 tokens/s, ")
+    return f"{against}{r['fp8_gemms']} FP8 GEMMs (cuBLASLt) in the step"
+
+
 def throughput(args):
     part = f" (its first {args.layers} layers)" if args.layers else ""
-    print(f"{args.preset}{part}, bf16 compute, remat {args.remat}{layers_note(args)}; median "
-          f"of {args.steps} steps")
+    print(f"{args.preset}{part}, bf16 compute, remat {args.remat}{layers_note(args)}"
+          f"{fp8_note(args)}; median of {args.steps} steps")
     print(row_head(), flush=True)
     bases = {}
     kind, extra = ("variants", ["--rounds", str(args.rounds), "--ssd-variants",
                                 *args.ssd_variants]) if args.ssd_variants else ("measure", [])
-    for mesh, variant in itertools.product(args.meshes, args.xla_variants):
+    bf16 = {}  # (mesh, flags, round) -> our bf16 row, for the FP8 row after it
+    for mesh, variant, fp8 in itertools.product(args.meshes, args.xla_variants,
+                                                precisions(args)):
         flags = " ".join("--" + flag for flag in variant.split())
-        for r in in_process(gpus_for(mesh), child_argv(args, kind, mesh) + extra,
+        for r in in_process(gpus_for(mesh), child_argv(args, kind, mesh, fp8) + extra,
                             args.timeout, xla_flags=flags):
             label = " ".join(part for part in (
-                mesh, flags, "ssd " + (r["ssd"] or "default") if "ssd" in r else "",
+                mesh, flags, "--fp8" if fp8 else "",
+                "ssd " + (r["ssd"] or "default") if "ssd" in r else "",
                 f"round {r['round']}" if "round" in r else "") if part)
             print(row(r, label), flush=True)
+            key = (mesh, flags, r.get("ssd"), r.get("round"))
+            if fp8 and "error" not in r:
+                print(f"|   --fp8 | | | | {fp8_line(r, bf16.get(key))} | | | | | |", flush=True)
+            elif not fp8:
+                bf16[key] = r
             if "forward_s" in r:
                 print(f"|   breakdown | | | | forward {r['forward_s'] * 1e3:.1f} ms, "
                       f"forward+backward {r['forward_backward_s'] * 1e3:.1f} ms, optimizer "
@@ -632,11 +705,11 @@ def versus(args):
     compared = {use: baseline.comparison(args.baseline, use, args.allow_slow_baseline)
                 for use in dict.fromkeys(uses.values())}
     print(f"seqlen {args.seq_len}, bf16 compute over float32 weights, AdamW; largest batch "
-          f"that fits; median of {args.steps} steps; ours on one GPU, mamba_ssm on the next at "
-          "the same time (on a one-GPU machine, one after the other). First step: ours, the "
-          "compile and the first step at the batch measured; theirs, the first step its "
-          f"process ran (batch {args.batch}, its CUDA and Triton compiles and autotuning "
-          f"included){layers_note(args)}")
+          f"that fits; median of {args.steps} steps; ours and mamba_ssm each on a GPU of its "
+          "own, at the same time where there are enough GPUs, else one after the other. First "
+          "step: ours, the compile and the first step at the batch measured; theirs, the first "
+          f"step its process ran (batch {args.batch}, its CUDA and Triton compiles and "
+          f"autotuning included){layers_note(args)}{fp8_note(args)}")
     print(f"mamba_ssm from {args.baseline}")
     if any("3" in cfg.layers for cfg in configs.values()):
         print("ours: Mamba-3 layers on mamba3_scan's \"auto\": the SSD's Pallas kernels on a "
@@ -651,34 +724,35 @@ def versus(args):
     for preset, cfg in configs.items():
         args.preset = preset
         why = not_comparable(cfg, args.baseline)
-        # On two GPUs at the same time, each its own; on one, ours and then theirs.
-        apart = gpu_count() >= 2
-        theirs_argv = ["_theirs", f"--preset={preset}", f"--batch={args.batch}",
-                       f"--seq-len={args.seq_len}", f"--steps={args.steps}",
-                       f"--granule={args.granule}", f"--baseline={args.baseline}"]
-        with concurrent.futures.ThreadPoolExecutor(2 if apart else 1) as pool:
-            mine = pool.submit(in_process, gpus(1), child_argv(args, "batch", "dp=1"),
-                               args.timeout)
-            their = None if why else pool.submit(in_process, gpus(1, skip=1 if apart else 0),
-                                                 theirs_argv, args.timeout)
-            m = mine.result()[-1]
-            t = {"error": f"not run: {why}"} if why else their.result()[-1]
-        ours_cells = ("", "", "", "", "") if "error" in m else (
-            m["batch"], f"{m['tokens_s']:,.0f}", f"{100 * m['mfu']:.1f}%",
-            f"{m['peak_gib']:.1f}", f"{m['compile_s'] + m['first_step_s']:.1f}")
+        jobs = {fp8: child_argv(args, "batch", "dp=1", fp8) for fp8 in precisions(args)}
+        if not why:
+            jobs["theirs"] = ["_theirs", f"--preset={preset}", f"--batch={args.batch}",
+                              f"--seq-len={args.seq_len}", f"--steps={args.steps}",
+                              f"--granule={args.granule}", f"--baseline={args.baseline}"]
+        done = apart(jobs, args.timeout)
+        m, t = done[False], done.get("theirs", {"error": f"not run: {why}"})
         theirs_cells = ("", "", "", "", "") if "error" in t else (
             t["batch"], f"{t['tokens_s']:,.0f}", f"{100 * t['mfu']:.1f}%",
             f"{t['peak_gib']:.1f}", f"{t.get('first_step_s', math.nan):.1f}")
-        ratio = ("" if "error" in m or "error" in t else
-                 compared[uses[preset]].ratio(m["tokens_s"], t["tokens_s"]))
-        print(table_row((preset, *ours_cells[:4], *theirs_cells[:4], ratio, ours_cells[4],
-                         theirs_cells[4])), flush=True)
-        if "error" in m:
-            print(f"  ours: {m['error']}", flush=True)
-        else:
-            print(f"  ours: next batch planned {m['next_planned_gib']:.1f} GiB > "
-                  f"{m['limit_gib']:.1f}; first step {m['first_step_s']:.1f} s after "
-                  f"{m['compile_s']:.1f} s of compile", flush=True)
+        for fp8 in precisions(args):
+            r = done[fp8]
+            ours_cells = ("", "", "", "", "") if "error" in r else (
+                r["batch"], f"{r['tokens_s']:,.0f}", f"{100 * r['mfu']:.1f}%",
+                f"{r['peak_gib']:.1f}", f"{r['compile_s'] + r['first_step_s']:.1f}")
+            ratio = ("" if "error" in r or "error" in t else
+                     compared[uses[preset]].ratio(r["tokens_s"], t["tokens_s"]))
+            print(table_row((preset + (" --fp8" if fp8 else ""), *ours_cells[:4],
+                             *theirs_cells[:4], ratio, ours_cells[4], theirs_cells[4])),
+                  flush=True)
+        for fp8 in precisions(args):
+            r, who = done[fp8], "ours --fp8" if fp8 else "ours"
+            if "error" in r:
+                print(f"  {who}: {r['error']}", flush=True)
+                continue
+            print(f"  {who}: next batch planned {r['next_planned_gib']:.1f} GiB > "
+                  f"{r['limit_gib']:.1f}; first step {r['first_step_s']:.1f} s after "
+                  f"{r['compile_s']:.1f} s of compile"
+                  + (f"; {fp8_line(r, m)}" if fp8 else ""), flush=True)
         if "error" in t:
             print(f"  theirs: {t['error']}", flush=True)
         else:
@@ -720,6 +794,11 @@ def main(argv=None):
                         "'keep_states=True' ...), taking turns over one state")
     p.add_argument("--rounds", type=int, default=2,
                    help="throughput --ssd-variants: turns each step takes")
+    p.add_argument("--fp8", action="store_true",
+                   help="throughput, versus: our step with the trainer's --fp8 too, beside the "
+                        "bf16 one (in a _child: this step with --fp8)")
+    p.add_argument("--fp8-skip-layers", type=int, default=1, metavar="N",
+                   help="with --fp8: the trainer's --fp8-skip-layers")
     p.add_argument("--breakdown", action="store_true",
                    help="throughput: also time the loss alone and the loss with its gradient")
     p.add_argument("--lora-rank", type=int, default=None,

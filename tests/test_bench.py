@@ -25,7 +25,7 @@ from bench import baseline, harness
 
 SCRIPTS = ["generate", "train_step", "ssd", "step", "conv", "norm", "norm_matmul",
            "profile_step", "dispatch", "headdim", "selective_scan", "serve_load", "mamba3",
-           "tiles", "init_from", "continued"]
+           "tiles", "init_from", "continued", "fp8_numerics"]
 MODULES = ["harness", "baseline", *SCRIPTS]
 
 # mamba_ssm's selection, as its modules make it at import
@@ -647,3 +647,53 @@ def test_ssd_variants_rows_compare_within_their_round(monkeypatch, capsys):
         "dp=1 ssd default round 2", "dp=1 ssd keep_states=True round 2"]
     assert [line.split("|")[5].strip() for line in rows if "vs first row" in line] == [
         "1.000x step time", "0.900x step time", "1.000x step time", "0.500x step time"]
+
+
+def _measured(step_s, **extra):
+    return dict(step_s=step_s, devices=1, batch=2, seq_len=8, compile_s=1.0,
+                tokens_s=16 / step_s, mfu=0.1, peak_gib=1.0, loss=1.0, finite=True, **extra)
+
+
+def test_throughput_with_fp8_runs_our_fp8_step_after_the_bf16_one(monkeypatch, capsys):
+    from bench import train_step
+
+    argvs = []
+    monkeypatch.setattr(train_step, "in_process", lambda gpus, argv, timeout, xla_flags: (
+        argvs.append(argv) or [_measured(0.8 if "--fp8" in argv else 1.0, fp8_gemms=12)]))
+    train_step.main(["throughput", "--preset", "tiny", "--steps", "1", "--fp8"])
+    assert ["--fp8" in argv for argv in argvs] == [False, True]
+    assert "--fp8-skip-layers=1" in argvs[1]
+    out = capsys.readouterr().out
+    assert "| dp=1 --fp8 |" in out
+    assert "1.250x our bf16 tokens/s, 12 FP8 GEMMs (cuBLASLt) in the step" in out
+
+
+def test_versus_jobs_run_each_on_a_gpu_of_its_own(monkeypatch):
+    from bench import train_step
+
+    seen = []
+    monkeypatch.setattr(train_step, "gpu_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setattr(train_step, "in_process", lambda gpus, argv, timeout: (
+        seen.append((gpus, argv[0])) or [{"ran": argv[0]}]))
+    done = train_step.apart({False: ["ours"], True: ["ours fp8"], "theirs": ["theirs"]}, 1)
+    assert done == {False: {"ran": "ours"}, True: {"ran": "ours fp8"},
+                    "theirs": {"ran": "theirs"}}
+    assert {gpus for gpus, _ in seen} == {"4", "5"}  # one GPU each, two at a time
+
+
+def test_fp8_numerics_compares_the_last_held_out_losses(tmp_path):
+    from bench import fp8_numerics
+
+    def records(eval_loss):
+        return [{"step": 1, "loss": 3.0, "tokens_per_s": 10.0},
+                {"step": 2, "loss": 2.5, "tokens_per_s": 12.0, "eval_loss": eval_loss}]
+    within = fp8_numerics.summary({"bf16": records(2.0), "fp8": records(2.01)})
+    assert "--fp8's last held-out loss +0.50% of bf16's: within the 1% target" in within
+    assert "| --fp8 | 2 | 2.0100 (2) | 2.5000 | 12 |" in within
+    beyond = fp8_numerics.summary({"bf16": records(2.0), "fp8": records(2.03)})
+    assert "+1.50% of bf16's: NOT within" in beyond
+    fp8_numerics.write_csv({"bf16": records(2.0), "fp8": records(2.03)}, tmp_path / "c.csv")
+    assert (tmp_path / "c.csv").read_text().splitlines() == [
+        "step,bf16_loss,bf16_eval_loss,fp8_loss,fp8_eval_loss", "1,3.0,,3.0,",
+        "2,2.5,2.0,2.5,2.03"]
