@@ -21,7 +21,10 @@ SCHEDULES = ("cosine", "wsd")
 # GEMMs rather than XLA's Triton GEMM fusions, whose autotuning kept mamba2-1.3b's first
 # compile past 150 s on an H200, against about 32 s without (docs/performance.md), and no
 # cuBLASLt, without which jax 0.11.2's compile of a hybrid with MLP layers failed there
-# ("BlasLt is unavailable"). The speeds in BENCHMARKS.md were measured with both.
+# ("BlasLt is unavailable"). The speeds in BENCHMARKS.md were measured with both. Under
+# --fp8 the FP8 GEMMs are cuBLASLt's whatever these say (XLA's GEMM rewriter makes every
+# dot of dequantized FP8 operands a cuBLASLt FP8 call without reading the flag): the choice
+# is per GEMM, FP8 ones on cuBLASLt, the rest (the LM head, the bf16 layers) on cuBLAS.
 TRAIN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
                           "xla_gpu_enable_cublaslt": False}
 # Bitwise-reproducible GPU steps (the trainer's --deterministic): XLA's scatter-adds (such

@@ -17,12 +17,17 @@ value past it would: never inf or NaN (E4M3 has no inf, and a plain cast of 449 
 XLA's GEMM rewriter (xla/service/gpu/transforms/gemm_rewriter.cc) matches
 `dot(convert(a_f8) * s_a, convert(b_f8) * s_b)` (a dequantize around each operand of a
 dot, through reshapes and transposes) and emits one `__cublas$lt$matmul$f8` custom call
-with the scales folded into its alpha, whatever `xla_gpu_enable_cublaslt` says (that flag
-picks the library of the other GEMMs). This module writes exactly that pattern; on a CPU
-the same program runs with the dequantized operands multiplied in the compute dtype: an
-emulation, for numerics. The backward products ask for Precision.HIGHEST, which XLA reads
-as cuBLASLt's FP8 accumulation without fast accumulation (TE's use_split_accumulator for
-dgrad and wgrad), the forward's DEFAULT as with it.
+with the scales folded into its alpha; the rewriter does not read `xla_gpu_enable_cublaslt`
+(that flag picks the library of the other GEMMs). This module writes exactly that pattern;
+on a CPU the same program runs with the dequantized operands multiplied in the compute
+dtype: an emulation, for numerics. The backward products ask for Precision.HIGHEST, as
+flax's FP8 ops (flax.linen.fp8_ops) do, for cuBLASLt's FP8 accumulation without its fast
+accumulation (Transformer Engine's split accumulator for dgrad and wgrad); the forward
+keeps DEFAULT.
+
+flax.linen.fp8_ops has the same quantize and dequantize, but for delayed scaling only (an
+amax history in linen variables that its custom VJPs overwrite through the gradient), with
+no reduction of an amax over a mesh: not used here.
 """
 
 from __future__ import annotations
