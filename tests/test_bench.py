@@ -606,7 +606,7 @@ def test_ssd_variants_trace_under_their_config_and_take_turns_over_one_state(mon
     calls = []
 
     class Steps:  # the state a measure hands on, and which config measured it
-        def __init__(self, *args):
+        def __init__(self, *args, fp8_skip_layers):
             self.ssd_config, self.state = args[-1], None
 
         def measure(self, batch, seq_len, steps, breakdown):
@@ -618,7 +618,7 @@ def test_ssd_variants_trace_under_their_config_and_take_turns_over_one_state(mon
     train_step.variants(argparse.Namespace(
         preset="tiny", mesh="dp=1", remat="none", loss_chunk=None, layers=None,
         scan_layers=False, ssd_variants=["", "keep_states=True"], rounds=2, batch=2, seq_len=8,
-        steps=1, breakdown=False))
+        steps=1, breakdown=False, fp8=False, fp8_skip_layers=1))
     assert calls == [("", None), ("keep_states=True", 1), ("", 2), ("keep_states=True", 3)]
     reported = [json.loads(line[7:]) for line in capsys.readouterr().out.splitlines()]
     assert [(r["ssd"], r["round"]) for r in reported] == [("", 1), ("keep_states=True", 1),
