@@ -158,7 +158,9 @@ def build_parser():
                    help="compute the logits and the loss TOKENS positions at a time, "
                         "recomputed in the backward pass (long sequences: the full logits "
                         "are seq-len x vocab floats per row)")
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=100, metavar="N",
+                   help="evaluate on the held-out split every N steps and after the last; "
+                        "0: never")
     p.add_argument("--metrics-file", default=None,
                    help="append one JSON line per step (step, loss, lr, grad_norm, ...)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -269,7 +271,8 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
         raise SystemExit(str(error)) from None
     layer_flags = {name: getattr(args, name) for name in MEGATRON_FLAGS
                    if getattr(args, name) is not None}
-    require_at_least(args, ("steps", "batch_size", "seq_len", "grad_accum", "eval_every"))
+    require_at_least(args, ("steps", "batch_size", "seq_len", "grad_accum"))
+    require_at_least(args, ("eval_every",), least=0)  # 0: no evaluation
     if args.save_every is not None:  # None: not given, SAVE_EVERY in _train
         require_at_least(args, ("save_every",))
     if args.loss_chunk is not None and args.loss_chunk < 1:
@@ -647,8 +650,8 @@ def _train(argv, held: contextlib.ExitStack):
         raise SystemExit(str(e)) from None
     # Without a held-out window, say so now and train without evaluating rather than fail
     # at the first evaluation.
-    evaluating = dataset.evaluates(args.seq_len)
-    if not evaluating and lead:
+    evaluating = args.eval_every > 0 and dataset.evaluates(args.seq_len)
+    if args.eval_every and not evaluating and lead:
         print(f"--data {dataset.name}: {dataset.no_evaluation(args.seq_len)}, so this run does "
               "not evaluate (prepare more documents or a larger --eval-fraction to evaluate)",
               file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Test set-up: 8 fake CPU devices for the mesh tests, and XLA:CPU's quickest compiles; the
-layer_scans fixture.
+"""Test set-up: 8 fake CPU devices for the mesh tests, and XLA:CPU's quickest compiles; one
+worker process per core where pytest-xdist runs the tests; the layer_scans fixture.
 
 XLA reads XLA_FLAGS when jax initialises its backends, so this runs before any test module
 imports jax. Compiling dominates the suite's time and optimization level 0 about halves it;
@@ -23,6 +23,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"mamba-jax-tests-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads -n
+def pytest_cmdline_main(config):
+    """`-n auto --maxprocesses 4` where pytest-xdist is loaded and the command line names no
+    workers (-n, --tx, --dist): one worker per core, at most 4 (each worker is a JAX process
+    with 8 fake devices; CI's two cores run the suite in 5.5 minutes instead of 8, compiling
+    being mostly single-threaded). Here rather than in pyproject's addopts, whose -n
+    `pytest -p no:xdist` refused as an unknown option. Not in a worker: it would start
+    workers of its own."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.option.numprocesses is None and not config.option.tx \
+            and config.option.dist == "no":
+        config.option.numprocesses = "auto"
+        config.option.maxprocesses = config.option.maxprocesses or 4
 
 
 @pytest.fixture

@@ -532,6 +532,21 @@ def test_a_warmup_as_long_as_the_run_is_shortened_and_says_so(tmp_path, capsys):
     np.testing.assert_allclose(lrs[:3], [0.0, 5e-4, 1e-3], rtol=1e-6)  # the peak at step 2
 
 
+def test_eval_every_0_trains_without_evaluating(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--eval-every", "0", "--metrics-file", str(metrics),
+          "--out", "none"])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert not any("eval_loss" in r for r in records)  # not even after the last step
+    assert "does not evaluate" not in capsys.readouterr().err  # asked for: nothing to say
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert ("--eval-every N evaluate on the held-out split every N steps and after the last; "
+            "0: never (default: 100)") in " ".join(capsys.readouterr().out.split())
+
+
 def test_save_every_without_a_checkpoint_dir_says_it_saves_nothing(tmp_path, capsys):
     small = ["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
              "--set", "n_layer=1", "--out", "none"]
