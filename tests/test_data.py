@@ -413,7 +413,7 @@ def test_a_megatron_indexed_dataset_trains_as_it_is(tmp_path):
         TokenDataset.load(prefix, vocab_size=100000)
 
 
-def test_a_blend_draws_rows_by_weight_deterministically_per_step_and_seed(tmp_path):
+def test_a_blend_draws_rows_by_relative_weight_deterministically_per_step_and_seed(tmp_path):
     for name, offset in (("a", 0), ("b", 200)):
         Path(tmp_path / f"{name}.bin").write_bytes(
             (np.arange(4000) % 100 + offset).astype("<u2").tobytes())
@@ -429,5 +429,10 @@ def test_a_blend_draws_rows_by_weight_deterministically_per_step_and_seed(tmp_pa
               for i in range(2)]
     np.testing.assert_array_equal(np.concatenate([h["inputs"] for h in halves]),
                                   again["inputs"])
+    # Weights are relative, as Megatron's: 2 and 1 draw two rows from a for one from b
+    ds = load_data(["2", str(tmp_path / "a"), "1", str(tmp_path / "b")], 300)
+    from_b = np.mean([row[0] >= 200 for step in range(40)
+                      for row in ds.train_batch(step, 16, 8, seed=3)["inputs"]])
+    assert 0.25 < from_b < 0.42  # 640 rows with p = 1/3: 4.5 standard deviations
     with pytest.raises(ValueError, match=r"each weight a positive number before its dataset"):
         load_data(["0.3", str(tmp_path / "a"), str(tmp_path / "b")], 300)

@@ -86,6 +86,12 @@ def reference(mixer, u, seq_idx):
 def test_bidirectional_layer_matches_its_definition(centred):
     cfg = Mamba2Config(**CFG, **{"bidirectional.centred_conv": centred})
     mixer = BidirectionalMamba2(cfg, rngs=nnx.Rngs(0))
+    # Each direction's own D, dt_bias and A_log, unlike each other: at init every D is one,
+    # and a backward direction that read the forward's would pass
+    keys = iter(jax.random.split(jax.random.key(2), 6))
+    for name in ("D", "D_b", "dt_bias", "dt_bias_b", "A_log", "A_log_b"):
+        value = getattr(mixer, name)
+        value[...] = jax.random.uniform(next(keys), value.shape, minval=-1.0, maxval=1.5)
     u = jax.random.normal(jax.random.key(1), (2, 20, 16))
     out, cache = mixer(u, jnp.asarray(SEQ_IDX))
     assert cache is None
