@@ -96,7 +96,9 @@ class ModelFields:
             raise ValueError(f"Mamba2Config.norm_eps={self.norm_eps!r} must be > 0")
         self._check_layers()
         for symbol in sorted(set(self.layers)):
-            KINDS[symbol].check_config(self)
+            kind = KINDS[symbol]
+            object.__setattr__(self, kind.name, kind.completed(self))
+            kind.check_config(self)
 
     def _check_layers(self):
         pattern = self.layer_pattern

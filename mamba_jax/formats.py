@@ -16,9 +16,7 @@ import re
 
 from mamba_jax.config import Mamba2Config, hybrid_pattern
 from mamba_jax.layers import mamba1, mamba2
-
-# mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this (multiple_of=128).
-GATED_MLP_MULTIPLE = 128
+from mamba_jax.layers.mlp import GATED_MLP_MULTIPLE
 # NemotronH's layer type names (and older spellings) -> our symbols.
 _NEMOTRON_TYPES = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
                    "attention": "*", "mlp": "-"}

@@ -74,13 +74,27 @@ def test_mamba_ssm_form_spells_out_blocks_of_mixer_then_mlp():
     assert Mamba2Config(n_layer=3, attn_layer_idx=(0, 2)).layers == "*M*"
 
 
+def test_mlp_layers_without_a_width_get_the_default_one():
+    # mamba_ssm's GatedMLP's for SwiGLU (8/3 d_model up to a multiple of 128), Megatron's 4
+    # d_model for the ungated; the width a config states is its own, and mamba_ssm's form
+    # without one has no MLP layers
+    pattern = dict(n_layer=2, layer_pattern="M-")
+    assert Mamba2Config(d_model=160, **pattern).mlp.d_intermediate == 512  # 426 -> 512
+    assert Mamba2Config(d_model=160, **pattern, mlp_activation="relu2").mlp.d_intermediate \
+        == 640
+    assert Mamba2Config(d_model=160, **pattern, d_intermediate=96).mlp.d_intermediate == 96
+    assert Mamba2Config(d_model=160, n_layer=2, hybrid_mlp_ratio=0.5).mlp.d_intermediate == 512
+    cfg = Mamba2Config(d_model=160, n_layer=2, attn_layer_idx=[1])
+    assert cfg.layers == "M*" and cfg.mlp.d_intermediate == 0
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(layer_pattern="M-E*"), r"unknown symbol 'E' at position 2\n    M-E\*\n      \^"),
     (dict(layer_pattern="M*", n_layer=3), r"'M\*' has 2 layers but n_layer=3; set n_layer=2 "
                                           r"\(.*\), or a layer_pattern of 3 symbols \(the "
                                           r"trainer's --hybrid-override-pattern\)"),
-    (dict(layer_pattern="M-", n_layer=2, d_intermediate=0),
-     r"MLP layers .* mlp.d_intermediate=0"),
+    (dict(layer_pattern="M-", n_layer=2, d_intermediate=-8),
+     r"mlp.d_intermediate=-8 must be > 0 \(the MLP width; 0 for the default, 128 here\)"),
     (dict(layer_pattern="M*", n_layer=2, attn_layer_idx=[1]), "not both"),
     (dict(layer_pattern="*", n_layer=1, attn_num_heads_kv=3),
      r"attention.num_heads_kv=3 does not divide attention.num_heads=4"),

@@ -283,6 +283,9 @@ class Mixer(nnx.Module):
       the layer's output for rms_norm(residual) * norm_weight, the updated cache).
     - `flops_per_token(cfg, seq_len)` (a classmethod): forward matmul FLOPs per token, 2 a
       multiply-add, for MFU.
+    - `completed(cfg)` (a classmethod; by default the section as given): its section with
+      the fields that default from the shared ones filled in, for a config with layers of
+      this kind (Mamba2Config stores it so, before check_config).
     """
 
     symbol: ClassVar[str]
@@ -304,6 +307,12 @@ class Mixer(nnx.Module):
     def init_cache(self, batch_size: int, cache_len: int):
         """An empty decoding cache (None: the layer keeps nothing between tokens)."""
         return None
+
+    @classmethod
+    def completed(cls, cfg):
+        """cfg's section of this kind with its defaults that depend on the shared fields
+        filled in (the class docstring)."""
+        return getattr(cfg, cls.name)
 
     def cache_for_decoding(self, cache, how: str, ssm_state_dtype: str):
         """The prefill's cache as the decode loop carries it: its states stored in

@@ -25,6 +25,8 @@ from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 
 ACTIVATIONS = ("swiglu", "relu2", "gelu", "gelu_tanh")
+# mamba_ssm's GatedMLP rounds its hidden width up to a multiple of this (multiple_of=128).
+GATED_MLP_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +34,19 @@ class MLPSection:
     """cfg.mlp: the MLP's hidden width and activation ("swiglu": mamba_ssm's GatedMLP,
     "relu2": NemotronH's, "gelu" / "gelu_tanh": Megatron's default / --openai-gelu). In
     mamba_ssm's layer form (no layer_pattern) d_intermediate > 0 gives every block an MLP
-    layer."""
+    layer. A model with MLP layers and d_intermediate 0 gets default_width's."""
 
     d_intermediate: int = 0
     activation: str = "swiglu"
+
+
+def default_width(d_model: int, activation: str) -> int:
+    """The MLP width where none is given: mamba_ssm's GatedMLP's for SwiGLU (8/3 d_model,
+    rounded up to a multiple of 128), Megatron's ffn_hidden_size (4 d_model) for the
+    ungated activations."""
+    if activation == "swiglu":
+        return -(-int(8 * d_model / 3) // GATED_MLP_MULTIPLE) * GATED_MLP_MULTIPLE
+    return 4 * d_model
 
 
 class MLPWeights(NamedTuple):
@@ -137,18 +148,23 @@ class MLP(Mixer):
                                implementation="triton"), cache
 
     @classmethod
+    def completed(cls, cfg):
+        """cfg.mlp with d_intermediate 0 (not given) set to default_width."""
+        m = cfg.mlp
+        if m.d_intermediate != 0 or m.activation not in ACTIVATIONS:
+            return m  # given, or refused by check_config
+        return dataclasses.replace(m, d_intermediate=default_width(cfg.d_model, m.activation))
+
+    @classmethod
     def check_config(cls, cfg):
         m = cfg.mlp
-        if not isinstance(m.d_intermediate, int) or isinstance(m.d_intermediate, bool):
-            raise ValueError(f"Mamba2Config.mlp.d_intermediate={m.d_intermediate!r} must be "
-                             "an integer")
         if m.activation not in ACTIVATIONS:
             raise ValueError(f"Mamba2Config.mlp.activation={m.activation!r}; use one of "
                              f"{ACTIVATIONS}")
-        if cfg.mlp.d_intermediate <= 0:
-            raise ValueError(f"Mamba2Config: the layers {cfg.layers!r} have MLP layers (-) but "
-                             f"mlp.d_intermediate={cfg.mlp.d_intermediate}; set the MLP width "
-                             "mlp.d_intermediate > 0")
+        if cfg.mlp.d_intermediate < 0:
+            raise ValueError(f"Mamba2Config.mlp.d_intermediate={cfg.mlp.d_intermediate} must "
+                             "be > 0 (the MLP width; 0 for the default, "
+                             f"{default_width(cfg.d_model, m.activation)} here)")
 
     @classmethod
     def flops_per_token(cls, cfg, seq_len: int) -> float:
