@@ -1,10 +1,12 @@
 """Checkpoints in and out: Hugging Face `Mamba2ForCausalLM`, `MambaForCausalLM`,
 `FalconMambaForCausalLM` and `NemotronHForCausalLM`, and mamba_ssm `MambaLMHeadModel` (Mamba2
-or Mamba-1, with attention and MLP layers or without).
+or Mamba-1, with attention and MLP layers or without), and our own layout for a model none
+of them holds.
 
     model = from_pretrained("path/to/dir")                  # layout detected from config.json
-    save_pretrained(model, "out", format="hf")              # or "mamba_ssm", "nemotron_h"
-    python -m mamba_jax.convert SRC DST --to hf|mamba_ssm|nemotron_h
+    save_pretrained(model, "out", format="hf")              # or "mamba_ssm", "nemotron_h",
+                                                            # "mamba_jax"
+    python -m mamba_jax.convert SRC DST --to hf|mamba_ssm|nemotron_h|mamba_jax
 
 A checkpoint dir holds config.json and model.safetensors (or a sharded
 model.safetensors.index.json, or pytorch_model.bin, which needs torch to read). The layouts
@@ -16,7 +18,8 @@ MHA fuses `in_proj` [q | k | v] (and its bias) and has `out_proj`; NemotronH has
 `k_proj`, `v_proj`, `o_proj`. MLP: mamba_ssm's Block holds `norm2` and `mlp.fc1` [up | gate],
 `mlp.fc2` beside its mixer (our layers i and i+1); NemotronH's MLP layer has `mixer.up_proj`,
 `mixer.down_proj`. NemotronH's own keys start `model.` in memory and `backbone.` on disk: both
-are read.
+are read. Our own layout ("mamba_jax") stores our parameters under their own names
+(`layers.0.mixer.z_proj`, split as the model holds them) beside the whole Mamba2Config.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_over
 from mamba_jax.config import Mamba2Config
 from mamba_jax.files import (check_outside_checkpoints, check_writable, holds_checkpoints,
                              holds_model, model_file, replace_text)
-from mamba_jax.formats import (config_dict, config_from, detect_format, export_format,
-                               layout_notes, mamba_ssm_blocks, with_token_ids)
+from mamba_jax.formats import (OWN, config_dict, config_from, detect_format, layout_notes,
+                               mamba_ssm_blocks, published_layouts, refusal, with_token_ids)
 from mamba_jax.layers import checkpoint_keys
 from mamba_jax.layers.registry import KINDS
 from mamba_jax.megatron_files import TRACKER, is_megatron_checkpoint
@@ -53,15 +56,17 @@ from mamba_jax.tensors import index_shards, open_tensors
 from mamba_jax.tokenizer import (TOKENIZER_FILES, find_tokenizer, load_tokenizer, save_tokenizer,
                                  special_token_ids)
 
-FORMATS = ("hf", "mamba_ssm", "nemotron_h")
-# Per layout: the embedding's, the final norm's and the (untied) head's keys.
+FORMATS = ("hf", "mamba_ssm", "nemotron_h", OWN)
+# Per layout: the embedding's, the final norm's and the (untied) head's keys (our own
+# layout's: our parameters' names).
 _TOP_KEYS = {"hf": ("backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight"),
              "mamba_ssm": ("backbone.embedding.weight", "backbone.norm_f.weight",
                            "lm_head.weight"),
              "nemotron_h": ("backbone.embeddings.weight", "backbone.norm_f.weight",
                             "lm_head.weight"),
              "megatron": ("embedding.word_embeddings.weight", "decoder.final_norm.weight",
-                          "output_layer.weight")}
+                          "output_layer.weight"),
+             OWN: ("embedding", "norm_f.weight", "lm_head")}
 # Megatron-LM's layer norms, fused into each kind's first projection (its TE layer spec).
 _MEGATRON_NORM_KEYS = {"M": "mixer.in_proj.layer_norm_weight",
                        "*": "self_attention.linear_qkv.layer_norm_weight",
@@ -69,7 +74,7 @@ _MEGATRON_NORM_KEYS = {"M": "mixer.in_proj.layer_norm_weight",
 
 
 def load_config(path) -> tuple[Mamba2Config, str]:
-    """(Mamba2Config, "hf" | "mamba_ssm" | "nemotron_h") from a checkpoint dir's config.json."""
+    """(Mamba2Config, its layout: one of FORMATS) from a checkpoint dir's config.json."""
     file = Path(path) / "config.json"
     if not file.is_file():
         hint = (" (it holds training checkpoints: python -m mamba_jax.convert exports one)"
@@ -135,20 +140,52 @@ def _held_table(mine, symbol: str, fmt: str, i: int) -> dict:
 def check_exportable(cfg: Mamba2Config, format: str = "hf") -> str:
     """The layout save_pretrained(format=format) writes a model of cfg in, or the
     ValueError it would raise there: a config field or a layer's parameter the layout
-    cannot hold. From the config alone (no model built): the trainer asks before training."""
+    cannot hold. "hf" is the first of formats.published_layouts that holds the model, else
+    our own (OWN); any other format is itself. From the config alone (no model built): the
+    trainer asks before training."""
     names = param_shapes(cfg)
-    for i, symbol in enumerate(cfg.layers):  # first: no other layout is the fix for these
-        held = set().union(*map(_held_params, KINDS[symbol].checkpoint_keys.values()))
-        if unheld := sorted(set(_layer_params(names, i)) - held):
-            raise ValueError(f"layer {i}'s parameters {unheld} have no tensor in any layout "
-                             f"({', '.join(FORMATS)}): the trainer's checkpoints "
-                             "(--checkpoint-dir) keep them, and generate, serve and "
-                             "load_training_checkpoint read those")
-    fmt = export_format(cfg, format)
-    config_dict(cfg, fmt)
-    for i, symbol in enumerate(cfg.layers):
-        _held_table(_layer_params(names, i), symbol, fmt, i)
-    return fmt
+    if format == "hf":
+        return next((fmt for fmt in published_layouts(cfg)
+                     if _refusal(cfg, fmt, names) is None), OWN)
+    if why := _refusal(cfg, format, names):
+        fits = [fmt for fmt in FORMATS
+                if fmt not in (format, OWN) and _refusal(cfg, fmt, names) is None]
+        hint = (f"use format={fits[0]!r}" if fits else f"no published layout holds it: "
+                f"format={OWN!r} (ours, which transformers does not read) does")
+        raise ValueError(f"{why}; {hint}")
+    return format
+
+
+def _held_tables(cfg: Mamba2Config, names: dict, fmt: str) -> list[dict]:
+    """Each layer's checkpoint keys in fmt (_held_table), refusing a parameter that fmt
+    holds no tensor for (our own layout holds them all, as they are)."""
+    if fmt == OWN:
+        return []
+    return [_held_table(_layer_params(names, i), symbol, fmt, i)
+            for i, symbol in enumerate(cfg.layers)]
+
+
+def _refusal(cfg: Mamba2Config, fmt: str, names: dict) -> str | None:
+    """Why the layout fmt cannot hold a model of cfg (its config.json or a parameter; names:
+    param_shapes(cfg)), or None where it can."""
+    if why := refusal(cfg, fmt):
+        return why
+    try:
+        _held_tables(cfg, names, fmt)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def export_notes(cfg: Mamba2Config, fmt: str) -> list[str]:
+    """What an export in the layout fmt (check_exportable's) says, a line each: for our own
+    layout, why no published one holds the model and who reads it; what the layout
+    computes otherwise than cfg (formats.layout_notes)."""
+    if fmt != OWN:
+        return layout_notes(cfg, fmt)
+    why = _refusal(cfg, published_layouts(cfg)[0], param_shapes(cfg))
+    return [f"in mamba_jax's own layout, which from_pretrained, generate, serve and convert "
+            f"read and transformers does not: no published layout holds the model ({why})"]
 
 
 def _layer_params(flat: dict, i: int) -> dict:
@@ -163,6 +200,8 @@ def tensor_map(cfg: Mamba2Config, fmt: str, shapes: dict | None = None) -> dict:
     only where it is untied. shapes: param_shapes(cfg), where the caller has them. A
     parameter the layout has no tensor for is a ValueError naming it."""
     shapes = param_shapes(cfg) if shapes is None else shapes
+    if fmt == OWN:  # our parameters, by their own names and shapes
+        return {name: checkpoint_keys.AsIs(name) for name in shapes}
     embedding, norm_f, head = _TOP_KEYS[fmt]
     out = {embedding: checkpoint_keys.AsIs("embedding"),
            norm_f: checkpoint_keys.Flat("norm_f.weight")}
@@ -342,7 +381,8 @@ def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM
     """Load a Hugging Face Mamba2ForCausalLM, MambaForCausalLM, FalconMambaForCausalLM or
     NemotronHForCausalLM, or a mamba_ssm MambaLMHeadModel checkpoint dir, or a Megatron-LM
     checkpoint (its --save dir or one iteration's folder; legacy at any tensor-parallel
-    size, or torch_dist: mamba_jax.megatron, which needs torch).
+    size, or torch_dist: mamba_jax.megatron, which needs torch), or one in our own layout
+    (save_pretrained's for a model none of those holds).
 
     Parameters become float32; `dtype` is the compute dtype (default float32). overrides:
     for a Megatron-LM checkpoint, config fields (as --set names them) over its saved
@@ -365,16 +405,19 @@ def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM
 
 def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> list[str]:
     """Write config.json and model.safetensors (float32) in the HF, mamba_ssm or NemotronH
-    layout. "hf" is Mamba2ForCausalLM for a Mamba2-only model, MambaForCausalLM (or
-    FalconMambaForCausalLM, with mamba1.bc_dt_rms) for a Mamba-1-only one and
+    layout, or our own. "hf" is Mamba2ForCausalLM for a Mamba2-only model, MambaForCausalLM
+    (or FalconMambaForCausalLM, with mamba1.bc_dt_rms) for a Mamba-1-only one and
     NemotronHForCausalLM ("nemotron_h") for a hybrid, or mamba_ssm's layout where only it
-    holds the hybrid (formats.export_format); a layout that cannot express the model is a
-    ValueError naming what does not fit and the layouts that can.
+    holds the hybrid or the model has Mamba-3 layers (formats.published_layouts), and our
+    own ("mamba_jax") where no published layout holds the model (export_notes says why);
+    another format that cannot express the model is a ValueError naming what does not fit
+    and the layout that can.
 
     HF: `Mamba2ForCausalLM.from_pretrained(path)` (or NemotronHForCausalLM) loads it.
     mamba_ssm (whose from_pretrained reads only pytorch_model.bin):
     `MambaLMHeadModel(MambaConfig(**json.load(...)))` then
-    `load_state_dict(safetensors.torch.load_file(path + "/model.safetensors"))`.
+    `load_state_dict(safetensors.torch.load_file(path + "/model.safetensors"))`. Our own:
+    from_pretrained here (and generate, serve, convert); transformers does not read it.
 
     A model already in `path` is replaced: its weight files and the trainer's
     train_config.json that the new ones do not replace are removed (their names returned).
@@ -455,7 +498,7 @@ def main(argv=None):
         prog="python -m mamba_jax.convert", formatter_class=HelpFormatter,
         description="Convert a Mamba2, Mamba-1 or hybrid checkpoint dir between the HF "
                     "(Mamba2, Mamba, FalconMamba, NemotronH), mamba_ssm and Megatron-LM "
-                    "layouts (reads any, Megatron's legacy and torch_dist at any "
+                    "layouts and our own (reads any, Megatron's legacy and torch_dist at any "
                     "tensor-parallel size; also turns pytorch_model.bin into "
                     "model.safetensors), or export a step of a trainer's --checkpoint-dir "
                     "(Orbax) to one of them.")
@@ -466,8 +509,9 @@ def main(argv=None):
                                     "--overwrite)")
     parser.add_argument("--to", choices=(*FORMATS, "megatron"), required=True,
                         help="the layout: hf is transformers' Mamba2ForCausalLM (or Mamba's, "
-                             "or NemotronH's for a hybrid), and mamba_ssm's for a model with "
-                             "Mamba-3 layers, which transformers lacks; megatron is "
+                             "or NemotronH's for a hybrid), mamba_ssm's for a model with "
+                             "Mamba-3 layers, which transformers lacks, and our own "
+                             "(mamba_jax) for a model no published layout holds; megatron is "
                              "Megatron-LM's legacy layout (needs torch)")
     parser.add_argument("--target-tp-size", type=int, default=1,
                         help="with --to megatron: its tensor-parallel size (one "
@@ -534,11 +578,11 @@ def main(argv=None):
         return
     removed = export(model, args.dst, tokenizer, format=args.to,
                      source=None if training else args.src, chat_template=chat_template)
-    written = export_format(model.config, args.to)
+    written = check_exportable(model.config, args.to)
     layout = written if written == args.to else f"{written}, the layout --to {args.to} writes " \
         "for this model"
     print(f"wrote {args.dst} ({layout}) from {source}")
-    for note in layout_notes(model.config, written):
+    for note in export_notes(model.config, written):
         print(f"note: {note}")
     if removed:
         print(f"removed the replaced model's {', '.join(removed)}")

@@ -3,9 +3,11 @@
 Layouts: Hugging Face `Mamba2ForCausalLM`, `MambaForCausalLM` and `FalconMambaForCausalLM`
 ("hf", told apart by model_type), mamba_ssm `MambaLMHeadModel` ("mamba_ssm", Mamba2,
 Mamba-1 or Mamba-3 layers with optional attention blocks and MLPs), Hugging Face
-`NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers), and the arguments a
-Megatron-LM checkpoint saves ("megatron"; its folders: mamba_jax.megatron). Every field a
-layout has and we cannot represent is refused by name rather than silently dropped.
+`NemotronHForCausalLM` ("nemotron_h", Megatron's hybrid layers), the arguments a Megatron-LM
+checkpoint saves ("megatron"; its folders: mamba_jax.megatron), and our own ("mamba_jax",
+for a model no published layout holds: the whole Mamba2Config under config.json's
+"mamba_jax", beside a few of HF's fields for tools that look). Every field a layout has and
+we cannot represent is refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -410,9 +412,62 @@ def _default(value, default):
     return default if value is None else value
 
 
+OWN = "mamba_jax"  # our own layout's name (config.json's model_type and section)
+_OWN_FIELDS = {"d_model": _WIDTH, "n_layer": _LAYERS, "vocab_size": _VOCAB,
+               "layer_pattern": _text}
+
+
+def own_config_dict(cfg: Mamba2Config) -> dict:
+    """Our layout's config.json: cfg whole (to_dict, infinities as HF writes them) under
+    "mamba_jax", and HF's names of its width, layers and vocabulary (the embedding's rows)
+    for tools that read those; transformers has no model_type "mamba_jax"."""
+    return {"architectures": ["Mamba2LM"], "model_type": OWN, "hidden_size": cfg.d_model,
+            "num_hidden_layers": len(cfg.layers), "vocab_size": cfg.padded_vocab_size,
+            "hybrid_override_pattern": cfg.layers, "dtype": "float32",
+            OWN: _encode_floats(cfg.to_dict())}
+
+
+def config_from_own(d: dict, path="config.json") -> Mamba2Config:
+    """Our layout's config.json -> its Mamba2Config (own_config_dict's inverse)."""
+    _check_fields(d, path, {OWN: lambda v: None if isinstance(v, dict) else "a JSON object"},
+                  (OWN,))
+    fields = _decode_floats(d[OWN])
+    _check_fields(fields, path, _OWN_FIELDS, where=f"{OWN}.")
+    try:
+        return Mamba2Config.from_dict(fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {OWN}: {error}") from None
+
+
+def _encode_floats(value):
+    """A JSON-ready copy of a config dict: tuples as lists, an infinite float as HF's
+    {"__float__": "Infinity"} (json.dumps would write bare Infinity, which strict readers
+    refuse)."""
+    if isinstance(value, dict):
+        return {key: _encode_floats(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode_floats(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return {"__float__": "Infinity" if value > 0 else "-Infinity"}
+    return value
+
+
+def _decode_floats(value):
+    """_encode_floats' inverse (lists stay lists: the config takes them for its tuples)."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {key: _decode_floats(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
+
+
 def detect_format(d: dict) -> str:
     if not isinstance(d, dict):
         raise ValueError("config.json must hold a JSON object")
+    if OWN in d or d.get("model_type") == OWN:
+        return OWN
     if "ssm_cfg" in d or "d_model" in d:
         return "mamba_ssm"
     kind = d.get("model_type")
@@ -430,24 +485,33 @@ def detect_format(d: dict) -> str:
 
 def config_from(d: dict, fmt: str, path="config.json") -> Mamba2Config:
     parse = {"hf": config_from_hf, "mamba_ssm": config_from_mamba_ssm,
-             "nemotron_h": config_from_nemotron_h}[fmt]
+             "nemotron_h": config_from_nemotron_h, OWN: config_from_own}[fmt]
     return parse(d, path)
 
 
-def export_format(cfg: Mamba2Config, fmt: str) -> str:
-    """The layout written for `fmt`: "hf" is Mamba2ForCausalLM (or MambaForCausalLM) for a
-    model of Mamba2 (or Mamba-1) layers only, NemotronHForCausalLM ("nemotron_h") for a
-    hybrid, or mamba_ssm's MambaLMHeadModel for a hybrid that only it can express, and
-    mamba_ssm's for a model with Mamba-3 layers (transformers has no Mamba-3); other layouts
-    are themselves."""
-    if fmt != "hf" or set(cfg.layers) in ({"M"}, {"1"}):
-        return fmt
+def published_layouts(cfg: Mamba2Config) -> tuple[str, ...]:
+    """The published layouts "hf" writes a model of cfg in, the first that holds it (its
+    natural one first): Mamba2ForCausalLM (or MambaForCausalLM) for a model of Mamba2 (or
+    Mamba-1) layers only, else NemotronHForCausalLM (a Mamba width of its own) or
+    mamba_ssm's; for a hybrid NemotronHForCausalLM, else mamba_ssm's (its own hybrids:
+    SwiGLU MLPs, rotary attention, dt unclamped); mamba_ssm's for Mamba-3 layers
+    (transformers has none). Where none holds it, our own (OWN)."""
     if "3" in cfg.layers:
-        return "mamba_ssm"
-    # A hybrid: NemotronH's, or mamba_ssm's where it alone holds the model (mamba_ssm's own
-    # hybrids: SwiGLU MLPs, rotary attention, dt unclamped)
-    only_mamba_ssm = _refusal(cfg, "nemotron_h") and not _refusal(cfg, "mamba_ssm")
-    return "mamba_ssm" if only_mamba_ssm else "nemotron_h"
+        return ("mamba_ssm",)
+    if set(cfg.layers) == {"M"}:
+        return ("hf", "nemotron_h", "mamba_ssm")
+    return ("hf", "mamba_ssm") if set(cfg.layers) == {"1"} else ("nemotron_h", "mamba_ssm")
+
+
+def export_format(cfg: Mamba2Config, fmt: str) -> str:
+    """The layout written for `fmt`, as cfg's config.json alone decides it: "hf" is the
+    first of published_layouts whose config.json holds cfg, else our own (OWN); other
+    layouts are themselves. (convert.check_exportable asks the layers' parameters too: a
+    learnable initial state no published layout holds.)"""
+    if fmt != "hf":
+        return fmt
+    return next((layout for layout in published_layouts(cfg) if refusal(cfg, layout) is None),
+                OWN)
 
 
 def hf_mamba1_config_dict(cfg: Mamba2Config) -> dict:
@@ -795,8 +859,8 @@ def megatron_args_dict(cfg: Mamba2Config) -> dict:
 
 
 def layout_notes(cfg: Mamba2Config, fmt: str) -> list[str]:
-    """What the layout fmt (as export_format gives it) computes otherwise than cfg, beyond
-    the fields it refuses: a line each, for an export to say."""
+    """What the layout fmt (as written) computes otherwise than cfg, beyond the fields it
+    refuses: a line each, for an export to say."""
     notes = []
     if fmt == "megatron" and "M" in cfg.layers and cfg.mamba2.dt_limit != (0.0, math.inf):
         notes.append(f"Megatron-LM does not clamp dt; this model clamps it to "
@@ -820,21 +884,14 @@ def with_token_ids(config: dict, token_ids: dict) -> dict:
 
 def config_dict(cfg: Mamba2Config, fmt: str) -> dict:
     """cfg as the layout fmt's config.json; a ValueError naming what the layout cannot
-    express, and the layouts that can (or that none can, and why)."""
-    try:
-        return _WRITERS[fmt](cfg)
-    except ValueError as error:
-        others = {other: _refusal(cfg, other) for other in _WRITERS if other != fmt}
-        fits = [other for other, why in others.items() if why is None]
-        hint = (f"use format={fits[0]!r}" if fits else
-                "no other layout holds the model either (" + "; ".join(others.values()) + ")")
-        raise ValueError(f"{error}; {hint}") from None
+    express (convert.check_exportable adds the layout that can)."""
+    return _WRITERS[fmt](cfg)
 
 
-def _refusal(cfg: Mamba2Config, fmt: str) -> str | None:
-    """Why the layout fmt cannot express cfg, or None where it can."""
+def refusal(cfg: Mamba2Config, fmt: str) -> str | None:
+    """Why the layout fmt's config.json cannot express cfg, or None where it can."""
     try:
-        _WRITERS[fmt](cfg)
+        config_dict(cfg, fmt)
     except ValueError as error:
         return str(error)
     return None
@@ -848,4 +905,4 @@ def _encode_limit(limit):
 
 
 _WRITERS = {"hf": hf_config_dict, "mamba_ssm": mamba_ssm_config_dict,
-            "nemotron_h": nemotron_h_config_dict}
+            "nemotron_h": nemotron_h_config_dict, OWN: own_config_dict}

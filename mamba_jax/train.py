@@ -49,12 +49,11 @@ from mamba_jax.chat import ChatTemplate
 from mamba_jax.checkpoint import Checkpointer, abstract_like
 from mamba_jax.cli import HelpFormatter, command, parse_overrides, require_at_least
 from mamba_jax.config import PRESETS, Mamba2Config, check_field
-from mamba_jax.convert import check_exportable, export
+from mamba_jax.convert import check_exportable, export, export_notes
 from mamba_jax.data import (DEFAULT_CORPUS, data_chat_template, dataset_meta, dataset_tokenizer,
                             fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
-from mamba_jax.formats import export_format, layout_notes
 from mamba_jax.init_from import InitSource, check_resumed_source
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
@@ -620,10 +619,6 @@ def _train(argv, held: contextlib.ExitStack):
                    adapters.adapter_file)
     if out:
         _check_out(args, out, restores)
-        try:  # the export's layout must fit the model: say so now, not after training
-            check_exportable(cfg, layout)
-        except ValueError as error:
-            raise SystemExit(f"--out {args.out}: {error}; or --out none") from None
     # Refuses bad data before any compute.
     dataset = load_data(args.data, cfg.vocab_size, tokenizer)
     chat_template, mixed = data_chat_template(args.data)  # what the model answers chats with
@@ -905,9 +900,9 @@ def _train(argv, held: contextlib.ExitStack):
             if removed := [name for name in removed if name != "train_config.json"]:
                 print(f"removed the replaced model's {', '.join(removed)} from {out}",
                       file=sys.stderr)
-            written = export_format(cfg, layout)
+            written = check_exportable(cfg, layout)
             named = "" if written == "hf" else f" ({written}'s layout)"
-            for note in layout_notes(cfg, written):
+            for note in export_notes(cfg, written):
                 print(f"note: {note}", file=sys.stderr)
             print(f"saved {out}{named}; try: python -m mamba_jax.generate --checkpoint "
                   f"{shlex.quote(out)} --prompt {shlex.quote(dataset.prompt(tokenizer))}",

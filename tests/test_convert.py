@@ -42,7 +42,7 @@ def test_greedy_generation_gives_the_pytorch_tokens(case):
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
-@pytest.mark.parametrize("fmt", ["hf", "mamba_ssm"])
+@pytest.mark.parametrize("fmt", ["hf", "mamba_ssm", "mamba_jax"])
 @pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
 def test_save_then_load_round_trips_every_parameter(tmp_path, fmt, tie, bias):
     cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=8, ngroups=2,
@@ -53,11 +53,14 @@ def test_save_then_load_round_trips_every_parameter(tmp_path, fmt, tie, bias):
     loaded_cfg, detected = load_config(tmp_path)
     assert detected == fmt
     assert loaded_cfg.padded_vocab_size == cfg.padded_vocab_size == 256
-    if fmt == "mamba_ssm":
+    if fmt != "hf":
         assert loaded_cfg == cfg
     keys = load_file(tmp_path / "model.safetensors").keys()
-    # HF drops a tied head; mamba_ssm's strict load_state_dict expects it.
-    assert ("lm_head.weight" in keys) == (not tie or fmt == "mamba_ssm")
+    # HF drops a tied head; mamba_ssm's strict load_state_dict expects it; ours by our names
+    if fmt == "mamba_jax":
+        assert keys == flat_params(model).keys() and ("lm_head" in keys) == (not tie)
+    else:
+        assert ("lm_head.weight" in keys) == (not tie or fmt == "mamba_ssm")
     loaded = mamba_jax.from_pretrained(tmp_path)
     a, b = flat_params(model), flat_params(loaded)
     assert a.keys() == b.keys()
@@ -460,6 +463,15 @@ def test_config_files_that_are_not_a_config_are_named(tmp_path):
     with pytest.raises(ValueError, match="hybrid_override_pattern=.* must be a string of at "
                                          "most 1024 characters"):
         load_config(tmp_path)
+    for section, must in (({"n_layer": 10**9}, r"mamba_jax.n_layer=1000000000 must be an "
+                                                r"integer in \[1, 1024\]"),
+                          ({"mamba2": {"d_sate": 16}}, r"mamba_jax: Mamba2Config.mamba2 has "
+                                                       r"no fields \['d_sate'\]"),
+                          ([], "mamba_jax=\\[\\] must be a JSON object")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba_jax",
+                                                          "mamba_jax": section}))
+        with pytest.raises(ValueError, match=must):
+            load_config(tmp_path)
 
 
 def test_a_truncated_safetensors_file_is_named(tmp_path, capsys):
@@ -492,10 +504,14 @@ def test_the_hint_for_pytorch_bin_without_torch_loads_weights_only(tmp_path, mon
 
 
 def test_a_norm_eps_the_mamba_ssm_layout_cannot_hold_is_refused(tmp_path):
-    """mamba_ssm's config has no norm epsilon: a Mamba-3 model (which only that layout
-    holds) with another one was written, and reloaded with 1e-5 (logits 0.96 apart)."""
+    """mamba_ssm's config has no norm epsilon: a Mamba-3 model (which only that layout of
+    the published ones holds) with another one was written, and reloaded with 1e-5
+    (logits 0.96 apart). Asked for, it is refused; by default it goes to our own layout,
+    which keeps the epsilon."""
     model = Mamba2LM(Mamba2Config.preset("mamba3-tiny", norm_eps=0.5), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"format='mamba_ssm' has no norm epsilon \(its norms "
                                          r"take 1e-05\); this model has norm_eps=0.5"):
-        mamba_jax.save_pretrained(model, tmp_path / "m3")
+        mamba_jax.save_pretrained(model, tmp_path / "m3", format="mamba_ssm")
     assert not (tmp_path / "m3").exists()
+    mamba_jax.save_pretrained(model, tmp_path / "m3")
+    assert load_config(tmp_path / "m3") == (model.config, "mamba_jax")

@@ -271,13 +271,12 @@ def test_a_hybrid_only_mamba_ssm_can_hold_is_written_in_its_layout(tmp_path):
     """The "hf" default (the trainer's --out, convert's --to hf) of a hybrid NemotronH
     cannot express (SwiGLU MLPs, rotary attention, dt unclamped: mamba_ssm's own hybrids)
     writes mamba_ssm's MambaLMHeadModel, which holds it, and loads back the same."""
-    from mamba_jax.convert import load_config
-    from mamba_jax.formats import export_format
+    from mamba_jax.convert import check_exportable, load_config
     cfg = hybrid_config(layer_pattern="M-*-", d_intermediate=128)
-    assert export_format(cfg, "hf") == "mamba_ssm"
-    assert export_format(hybrid_config(layer_pattern="M-*-", d_intermediate=128,
-                                       mlp_activation="relu2", attn_rotary_emb_dim=0,
-                                       dt_limit=(0.001, math.inf)), "hf") == "nemotron_h"
+    assert check_exportable(cfg) == "mamba_ssm"
+    assert check_exportable(hybrid_config(layer_pattern="M-*-", d_intermediate=128,
+                                          mlp_activation="relu2", attn_rotary_emb_dim=0,
+                                          dt_limit=(0.001, math.inf))) == "nemotron_h"
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
     mamba_jax.save_pretrained(model, tmp_path)
     loaded, fmt = load_config(tmp_path)
@@ -286,19 +285,34 @@ def test_a_hybrid_only_mamba_ssm_can_hold_is_written_in_its_layout(tmp_path):
     np.testing.assert_array_equal(mamba_jax.from_pretrained(tmp_path)(ids), model(ids))
 
 
-def test_a_hybrid_no_layout_holds_is_refused_with_every_layouts_reason(tmp_path):
-    """Neither NemotronH (SwiGLU) nor mamba_ssm's blocks (an MLP after an MLP) hold it: each
-    layout's refusal says so and why the others cannot, rather than send the user from
-    one to the other."""
-    model = nnx.eval_shape(lambda: Mamba2LM(hybrid_config(layer_pattern="M--", d_intermediate=128),
-                                            rngs=nnx.Rngs(0)))
-    for fmt in ("hf", "mamba_ssm", "nemotron_h"):
+def test_a_hybrid_no_published_layout_holds_is_written_in_our_own_and_reads_back(tmp_path):
+    """Neither NemotronH (SwiGLU) nor mamba_ssm's blocks (an MLP after an MLP) hold it: "hf"
+    writes our own layout (the whole config, our parameters by name), which from_pretrained
+    reads back exactly, and says why in one line; asked for by name, a published layout
+    refuses it, naming ours (its refusal listed every layout's reasons, some 700
+    characters)."""
+    from mamba_jax.convert import check_exportable, export_notes, load_config
+    cfg = hybrid_config(layer_pattern="M--", d_intermediate=128)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    for fmt in ("mamba_ssm", "nemotron_h"):
         with pytest.raises(ValueError) as refused:
             mamba_jax.save_pretrained(model, tmp_path, format=fmt)
-        why = str(refused.value)
-        assert "use format=" not in why and "no other layout holds the model either" in why
-        assert "mlp.activation='swiglu'" in why and "are not mamba_ssm Blocks" in why
+        assert str(refused.value).endswith("; no published layout holds it: "
+                                           "format='mamba_jax' (ours, which transformers does "
+                                           "not read) does")
     assert not (tmp_path / "config.json").exists()
+    assert check_exportable(cfg) == "mamba_jax"
+    [note] = export_notes(cfg, "mamba_jax")
+    assert note.startswith("in mamba_jax's own layout, which from_pretrained, generate, serve "
+                           "and convert read and transformers does not: no published layout "
+                           "holds the model (format='nemotron_h' cannot express "
+                           "mlp.activation='swiglu'")
+    mamba_jax.save_pretrained(model, tmp_path)
+    assert load_config(tmp_path) == (cfg, "mamba_jax")
+    written = json.loads((tmp_path / "config.json").read_text())  # strict JSON: no Infinity
+    assert written["mamba_jax"]["mamba2"]["dt_limit"] == [0.0, {"__float__": "Infinity"}]
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 100, (1, 9)))
+    np.testing.assert_array_equal(mamba_jax.from_pretrained(tmp_path)(ids), model(ids))
 
 
 def test_layouts_refuse_the_layer_kinds_they_have_no_place_for(tmp_path):
@@ -312,10 +326,11 @@ def test_layouts_refuse_the_layer_kinds_they_have_no_place_for(tmp_path):
                                          r"\(\*\) and MLP \(-\) layers, not layers '33'; "
                                          r"use format='mamba_ssm'"):
         mamba_jax.save_pretrained(model, tmp_path, format="nemotron_h")
+    from mamba_jax.convert import check_exportable
     from mamba_jax.formats import config_dict
-    with pytest.raises(ValueError, match=r"format='hf': .* not layers '33'; use "
-                                         r"format='mamba_ssm'"):
+    with pytest.raises(ValueError, match=r"format='hf': .* not layers '33'"):
         config_dict(cfg, "hf")
+    assert check_exportable(cfg) == "mamba_ssm"
     assert not (tmp_path / "config.json").exists()
 
 

@@ -183,15 +183,16 @@ def test_mtp_tensors_are_skipped_and_a_tied_model_writes_its_head(tmp_path):
     np.testing.assert_array_equal(loaded.lm_head[...], tied.embedding[...])
 
 
-@pytest.mark.parametrize("fmt", ["mamba_ssm", "hf"])
-@pytest.mark.parametrize("dt_limit,hint", [
-    ((0.001, float("inf")), "use format='nemotron_h'"),
-    # NemotronH clamps dt too: no layout holds this one, and the refusal says why
-    ((0.0, float("inf")), r"no other layout holds the model either \(.*set dt_limit=")])
-def test_layouts_that_derive_the_mamba_width_refuse_an_independent_one(tmp_path, fmt,
-                                                                        dt_limit, hint):
+@pytest.mark.parametrize("dt_limit,hint,written", [
+    ((0.001, float("inf")), "use format='nemotron_h'", "nemotron_h"),
+    # NemotronH clamps dt too: no published layout holds this one, our own does
+    ((0.0, float("inf")), "no published layout holds it: format='mamba_jax'", "mamba_jax")])
+def test_layouts_that_derive_the_mamba_width_refuse_an_independent_one(tmp_path, dt_limit,
+                                                                        hint, written):
+    from mamba_jax.convert import check_exportable
     cfg = Mamba2Config(d_model=32, n_layer=1, vocab_size=64, mamba2=dict(
         d_state=16, headdim=16, nheads=6, dt_limit=dt_limit))  # 96 wide, not 2 * 32
     model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"nheads \* headdim = 6 \* 16 = 96; " + hint):
-        mamba_jax.save_pretrained(model, tmp_path, format=fmt)
+        mamba_jax.save_pretrained(model, tmp_path, format="mamba_ssm")
+    assert check_exportable(cfg) == written  # "hf": the first layout that holds it

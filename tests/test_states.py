@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mamba_jax import Mamba2Config, Mamba2LM, parallel
-from mamba_jax.convert import load_training_checkpoint, save_pretrained
+from mamba_jax.convert import from_pretrained, load_training_checkpoint, save_pretrained
 from mamba_jax.checkpoint import Checkpointer
 from mesh_check import FAST_COMPILE, take_the_kernels, tiny_config
 
@@ -198,19 +198,23 @@ def test_a_learnable_initial_state_trains_and_is_checkpointed(tmp_path):
     start = mixer.init_cache(2).ssm_state
     np.testing.assert_array_equal(start, jnp.broadcast_to(trained, start.shape))
     assert np.abs(logits - from_zeros).max() > 1e-3
-    # Our (trainer's) checkpoints hold it; the published layouts refuse it by name.
+    # Our (trainer's) checkpoints and our own layout hold it; a published layout asked for
+    # by name refuses it, naming ours (NemotronH's config refusal named hf as the fix,
+    # which has no tensor for it either).
     ckpt = Checkpointer(tmp_path, async_save=False)
     ckpt.save(1, {"params": nnx.state(model)}, {"config": {"model": cfg.to_dict(),
                                                            "train": {}}})
     ckpt.close()
     restored, _ = load_training_checkpoint(tmp_path)
     np.testing.assert_array_equal(restored.layers[0].mixer.init_states[...], trained)
-    for format in ("hf", "nemotron_h"):  # (NemotronH's config refusal named hf as the fix)
-        with pytest.raises(ValueError, match=r"layer 0's parameters \['init_states'\] have no "
-                                             r"tensor in any layout .*: the trainer's "
-                                             r"checkpoints \(--checkpoint-dir\) keep them"):
-            save_pretrained(model, tmp_path / format, format=format)
-        assert not (tmp_path / format).exists()  # refused before its folder was made
+    with pytest.raises(ValueError, match=r"format='nemotron_h' cannot express mamba2.dt_limit"
+                                         r".*; no published layout holds it: "
+                                         r"format='mamba_jax'"):
+        save_pretrained(model, tmp_path / "named", format="nemotron_h")
+    assert not (tmp_path / "named").exists()  # refused before its folder was made
+    save_pretrained(model, tmp_path / "hf")  # the default: our own layout, as no other
+    restored = from_pretrained(tmp_path / "hf")
+    np.testing.assert_array_equal(restored.layers[0].mixer.init_states[...], trained)
 
 
 def test_initial_states_for_a_layer_without_state_are_refused():

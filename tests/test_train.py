@@ -401,20 +401,32 @@ def test_an_out_inside_the_checkpoint_dir_is_refused(tmp_path, capsys, inside):
     assert not ckpt.exists()
 
 
-def test_a_model_the_export_cannot_hold_is_refused_before_training(tmp_path, capsys):
-    """A learnable initial state has no key in any published layout: refused before the
-    run trains (it was refused at the export, the trained weights lost without
-    --checkpoint-dir)."""
-    with pytest.raises(SystemExit) as refused:
-        main(["--steps", "1", "--set", "mamba2.learnable_init_state=true", "--out",
-              str(tmp_path / "out")])
-    assert refused.value.code == 2
-    err = capsys.readouterr().err
-    assert err.endswith(f"--out {tmp_path / 'out'}: layer 0's parameters ['init_states'] "
-                        "have no tensor in any layout (hf, mamba_ssm, nemotron_h): the "
-                        "trainer's checkpoints (--checkpoint-dir) keep them, and generate, "
-                        "serve and load_training_checkpoint read those; or --out none\n")
-    assert "1/1" not in err  # no step ran
+def test_a_hybrid_no_published_layout_holds_trains_and_exports_in_our_own(tmp_path, capsys):
+    """The README's hybrid: SwiGLU MLP layers without a width (the default one), attention,
+    dt unclamped. No published layout holds it: the run exported it in our own layout,
+    said why in one line, and generate reads it (it stopped at the width, then refused
+    the default --out in some 700 characters)."""
+    from mamba_jax.convert import flat_params, load_config, load_training_checkpoint
+    from mamba_jax.generate import load_for_generation
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--num-layers", "4", "--hybrid-override-pattern", "M*-M", "--eval-every", "0",
+          "--out", str(out), "--checkpoint-dir", str(ckpt)])
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2].startswith("note: in mamba_jax's own layout, which from_pretrained, "
+                              "generate, serve and convert read and transformers does not: no "
+                              "published layout holds the model (format='nemotron_h' cannot "
+                              "express mlp.activation='swiglu'")
+    assert err[-1].startswith(f"saved {out} (mamba_jax's layout); try: ")
+    trained, _ = load_training_checkpoint(ckpt)
+    cfg, fmt = load_config(out)
+    assert fmt == "mamba_jax" and cfg == trained.config and cfg.mlp.d_intermediate == 256
+    model, tokenizer, _ = load_for_generation(out)  # generate's and serve's reading
+    assert model.config == cfg and tokenizer.encode("GNU").ids == list(b"GNU")
+    exported, saved = flat_params(model), flat_params(trained)
+    assert exported.keys() == saved.keys()
+    for name, value in saved.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
 
 def test_bidirectional_layers_are_refused_for_a_language_model(capsys):
