@@ -76,8 +76,9 @@ def build_parser():
                                 description="Train a Mamba2 language model.",
                                 formatter_class=HelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="a recipe (train/*.toml): flag values at the top level, Mamba2Config "
-                        "overrides under [model]; flags on the command line win")
+                   help="a recipe (train/*.toml): flag values at the top level (paths "
+                        "relative to the recipe's folder), Mamba2Config overrides under "
+                        "[model]; flags on the command line win")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="the model (default: tiny); not with --init-from")
     p.add_argument("--init-from", default=None, metavar="DIR",
@@ -258,7 +259,7 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
             _check_recipe_value(path, key, value, actions[key])
         if "tokenizer" in recipe and args.tokenizer is None:  # named so in what it says
             tokenizer_source = f"the tokenizer of --config {path}"
-        parser.set_defaults(**recipe)
+        parser.set_defaults(**_recipe_paths(path, recipe))
         args = parser.parse_args(argv)
     args.tokenizer_source = tokenizer_source
     if isinstance(args.data, str):  # a recipe's data = "PATH"
@@ -294,6 +295,33 @@ def parse_command_line(argv=None) -> tuple[argparse.Namespace, dict]:
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise SystemExit(f"--weight-decay={args.weight_decay} must be a number >= 0 (0: none)")
     return args, {**model_overrides, **layer_flags, **parse_overrides(args.set)}
+
+
+# A recipe's values that are paths (the words these flags take instead of one kept as they
+# are): read relative to the recipe's folder, as the command line's are to the current one.
+RECIPE_PATHS = {"data": (), "tokenizer": ("bytes",), "init_from": (), "checkpoint_dir": (),
+                "out": ("none",), "export_adapter": (), "metrics_file": (), "tensorboard": (),
+                "compilation_cache": ("off",)}
+
+
+def _recipe_paths(path: Path, recipe: dict) -> dict:
+    """The recipe at `path` with its RECIPE_PATHS values relative to its folder (an absolute
+    one, or ~, as it is; data's weights as they are)."""
+    def resolve(value, words=()):
+        if value.lower() in words or Path(value).expanduser().is_absolute():
+            return value
+        return os.path.normpath(path.parent / value)
+    out = dict(recipe)
+    for key, words in RECIPE_PATHS.items():
+        if key == "data" and key in out:
+            items = [str(v) for v in ([out[key]] if isinstance(out[key], str) else out[key])]
+            # one path, or [WEIGHT, PATH, ...] (another length: refused as --data's)
+            first = 0 if len(items) == 1 else 1
+            out[key] = [resolve(v) if i >= first and (i - first) % 2 == 0 else v
+                        for i, v in enumerate(items)]
+        elif key in out:
+            out[key] = resolve(out[key], words)
+    return out
 
 
 def _check_recipe_value(path, key: str, value, action: argparse.Action) -> None:

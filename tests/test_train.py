@@ -192,18 +192,53 @@ def test_a_recipes_tokenizer_is_named_as_the_recipes_where_it_is_wrong(tmp_path,
         main([*flags, "--data", str(tmp_path / "ds")])
     assert (f"was prepared with {tmp_path / 'ds' / 'tokenizer.json'}, not the tokenizer of "
             f"--config {recipe} (bytes)") in capsys.readouterr().err
-    recipe.write_text('tokenizer = "no/such/tokenizer.json"\n')
+    recipe.write_text('tokenizer = "no/such/tokenizer.json"\n')  # beside the recipe
+    missing = tmp_path / "no" / "such" / "tokenizer.json"
     with pytest.raises(SystemExit):
         main(flags)
-    assert (f"the tokenizer of --config {recipe}: tokenizer file no/such/tokenizer.json not "
+    assert (f"the tokenizer of --config {recipe}: tokenizer file {missing} not "
             "found") in capsys.readouterr().err
     with pytest.raises(SystemExit):  # with a prepared --data: it named neither
         main([*flags, "--data", str(tmp_path / "ds")])
     assert capsys.readouterr().err.endswith(
-        f"the tokenizer of --config {recipe}: tokenizer file no/such/tokenizer.json not found"
+        f"the tokenizer of --config {recipe}: tokenizer file {missing} not found"
         ": pass --tokenizer PATH/tokenizer.json or PATH/tokenizer.model (SentencePiece), or "
         "--tokenizer bytes for byte-level models; or leave it out of the recipe to train with "
         f"the tokenizer --data {tmp_path / 'ds'} was prepared with\n")
+
+
+def test_a_recipes_paths_are_read_from_its_folder_and_data_brings_its_tokenizer(
+        tmp_path, monkeypatch):
+    """A recipe's tokenizer.json was looked for in the current folder (from the repository
+    root: not found, though --data held its own). Its paths are its folder's now, and the
+    recipes in train/ name no tokenizer: a dataset's own is used."""
+    from pathlib import Path
+
+    from bpe import bpe_tokenizer
+
+    from mamba_jax.data import DEFAULT_CORPUS, prepare
+    from mamba_jax.train import parse_command_line, resolve_tokenizer
+
+    repo = Path(__file__).parents[1]
+    bpe_tokenizer(tmp_path / "tokenizer.json")
+    prepare([DEFAULT_CORPUS], str(tmp_path / "tokenizer.json"), tmp_path / "ds")
+    monkeypatch.chdir(repo)
+    args, _ = parse_command_line(["--config", "train/mamba2-130m.toml", "--data",
+                                  str(tmp_path / "ds")])
+    assert resolve_tokenizer(args) == str(tmp_path / "ds" / "tokenizer.json")
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "r.toml").write_text(
+        'data = [2, "a.txt", 1, "/abs/b"]\ntokenizer = "../tokenizer.json"\nout = "out"\n'
+        'checkpoint_dir = "~/ck"\nmetrics_file = "m.jsonl"\ncompilation_cache = "off"\n')
+    monkeypatch.chdir(tmp_path / "ds")  # anywhere else
+    args, _ = parse_command_line(["--config", str(recipes / "r.toml")])
+    assert args.data == ["2", str(recipes / "a.txt"), "1", "/abs/b"]
+    assert (args.tokenizer, args.out) == (str(tmp_path / "tokenizer.json"), str(recipes / "out"))
+    assert (args.checkpoint_dir, args.metrics_file, args.compilation_cache) == (
+        "~/ck", str(recipes / "m.jsonl"), "off")
+    args, _ = parse_command_line(["--config", str(recipes / "r.toml"), "--out", "here"])
+    assert args.out == "here"  # the command line's, from the current folder
 
 
 def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
