@@ -28,6 +28,8 @@ next save of that step is not refused and later resumes do not trip over it agai
 from __future__ import annotations
 
 import logging
+import math
+import re
 import shutil
 import sys
 import time
@@ -50,6 +52,10 @@ class ChangedArrays(ValueError):
 
 
 _CHECKSUMS = "array_checksums"  # meta's key for them; read_meta returns meta without it
+# A state's parts as the commands name them; unread_damage reads at most this many bytes
+# at a time.
+_PART_NAMES = {"opt_state": "optimizer state", "params": "weights"}
+_CHECK_BYTES = 1 << 30
 
 
 @jax.jit
@@ -82,14 +88,23 @@ def checksums(tree) -> dict[str, int]:
             for path, value in jax.tree_util.tree_leaves_with_path(sums)}
 
 
+def _path_key(path: str) -> tuple[str, ...]:
+    """A keystr path as its keys alone: "['opt_state'][1][0].mu['layers'][0]" and the
+    same tree read back from Orbax's metadata, "['opt_state'][1][0]['mu']['layers']['0']",
+    are both ('opt_state', '1', '0', 'mu', 'layers', '0')."""
+    return tuple(a or b or c for a, b, c in re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", path))
+
+
 def _check_checksums(tree, saved: dict | None) -> None:
-    """ChangedArrays where an array of `tree` (restored) has another checksum than `saved`
-    (a checkpoint's record, None in those written before it); paths it lacks are not
-    checked."""
+    """ChangedArrays where an array of `tree` (restored; Orbax's PLACEHOLDER leaves, not
+    read, are skipped) has another checksum than `saved` (a checkpoint's record, None in
+    those written before it); paths it lacks are not checked."""
     if saved is None:
         return
-    changed = [path for path, value in checksums(tree).items()
-               if path in saved and saved[path] != value]
+    saved = {_path_key(path): value for path, value in saved.items()}
+    read = jax.tree.map(lambda x: None if x is ocp.PLACEHOLDER else x, tree)
+    changed = [path for path, value in checksums(read).items()
+               if saved.get(_path_key(path), value) != value]
     if changed:
         raise ChangedArrays(f"{len(changed)} of its arrays differ from what was saved "
                             f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): "
@@ -270,23 +285,69 @@ class Checkpointer:
         """(step, read(step)) of the newest checkpoint that `read` succeeds on, or of `step`
         alone where given: for the commands that only read a run's checkpoints (generate,
         serve, convert), while the run may still write and prune them. One that cannot be
-        read (corrupt, or removed by the run's --keep meanwhile) is said in one line and the
-        one before it tried; nothing is set aside. ValueError when none can be read."""
+        read (corrupt, or removed by the run's --keep meanwhile) is said in one line, naming
+        the step read instead, and the one before it tried; nothing is set aside.
+        ValueError when none can be read."""
         global _restore_failed
         log = log or sys.stderr
         _quiet_failed_restores()
-        steps = self.steps()
+        steps, unreadable = self.steps(), []
         for candidate in reversed(steps) if step is None else [step]:
             try:
-                return candidate, read(candidate)
+                result = read(candidate)
             except Exception as error:  # noqa: BLE001 - Orbax and TensorStore raise many kinds
+                _restore_failed = True  # its reads' stragglers are quieted too
                 if step is not None:
-                    _restore_failed = True  # its reads' stragglers are quieted too
                     raise ValueError(f"checkpoint {self.directory / str(step)} cannot be read "
                                      f"({_reason(error)})") from None
-                self._report(candidate, error, log)
+                unreadable.append((candidate, _reason(error)))
+                continue
+            for bad, why in unreadable:
+                print(f"checkpoint {self.directory / str(bad)} cannot be read ({why}): read "
+                      f"step {candidate} instead (train --resume would set step {bad} aside)",
+                      file=log)
+            return candidate, result
+        for bad, why in unreadable:
+            print(f"checkpoint {self.directory / str(bad)} cannot be read ({why})", file=log)
         raise ValueError(f"none of the checkpoints {steps} in {self.directory} can be read "
                          "(see above)")
+
+    def unread_damage(self, step: int, read: str = "params") -> str | None:
+        """What of checkpoint `step`'s state other than its part `read` cannot be restored
+        (unreadable, or its arrays not those saved), in a phrase naming the parts (the
+        optimizer state, ...) and the first failure; None where all of it restores. For
+        the commands that read the weights alone, to say what train --resume would refuse.
+        Read onto one device (the CPU's where jax has one) at most _CHECK_BYTES at a time,
+        each piece dropped once its checksums are compared."""
+        global _restore_failed
+        _quiet_failed_restores()
+        try:
+            tree = ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state")
+            tree = {key: part for key, part in getattr(tree, "tree", tree).items()
+                    if key != read}
+        except Exception as error:  # noqa: BLE001
+            return f"its state's metadata cannot be read ({_reason(error)})"
+        names = ", ".join(_PART_NAMES.get(key, key) for key in tree)
+        try:
+            device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        except RuntimeError:  # a jax without its CPU backend (JAX_PLATFORMS=cuda)
+            device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        size = lambda leaf: math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        start, saved = 0, self.saved_checksums(step)
+        while start < len(leaves):
+            end, total = start + 1, size(leaves[start])
+            while end < len(leaves) and total + size(leaves[end]) <= _CHECK_BYTES:
+                total, end = total + size(leaves[end]), end + 1
+            piece = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
+                     if start <= i < end else ocp.PLACEHOLDER for i, leaf in enumerate(leaves)]
+            try:
+                self.restore_part(step, jax.tree_util.tree_unflatten(treedef, piece), saved)
+            except Exception as error:  # noqa: BLE001
+                _restore_failed = True
+                return f"its {names} cannot be read ({_reason(error)})"
+            start = end
+        return None
 
     def _report(self, step: int, error: Exception, log) -> int:
         global _restore_failed
@@ -310,16 +371,17 @@ class Checkpointer:
         saved (None for a checkpoint written before they were)."""
         return self._meta(step).get(_CHECKSUMS)
 
-    def restore_part(self, step: int, abstract_part):
+    def restore_part(self, step: int, abstract_part, checksums: dict | None = None):
         """The subtree of checkpoint `step`'s state that `abstract_part` describes (e.g.
-        {"params": ...} without the optimizer state), read into its shardings; ChangedArrays
-        where its arrays are not those that were saved."""
+        {"params": ...} without the optimizer state; a leaf Orbax's PLACEHOLDER is not
+        read), read into its shardings; ChangedArrays where its arrays are not those that
+        were saved (`checksums`: the step's record, read here where not given)."""
         part = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
                 item=abstract_part,
                 restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_part),
                 partial_restore=True))).state
-        _check_checksums(part, self.saved_checksums(step))
+        _check_checksums(part, self.saved_checksums(step) if checksums is None else checksums)
         return part
 
     def _set_aside(self, steps: list[int], restored: int, log) -> None:

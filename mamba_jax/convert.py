@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -652,11 +653,14 @@ def is_training_checkpoint(path) -> bool:
     return holds_checkpoints(path) and not holds_model(path)
 
 
-def load_training_checkpoint(path, step: int | None = None, dtype=None):
-    """(model, meta) of checkpoint `step` (default: the newest) in a trainer's
-    --checkpoint-dir. Only the parameters are read (not the optimizer state), onto one
-    device; `dtype` is the compute dtype (default float32). meta["config"] is the run's
-    effective config: {"model": Mamba2Config fields, "train": its flags}.
+def load_training_checkpoint(path, step: int | None = None, dtype=None, log=None):
+    """(model, meta) of checkpoint `step` (default: the newest that reads) in a trainer's
+    --checkpoint-dir. The parameters are read onto one device; `dtype` is the compute dtype
+    (default float32). meta["config"] is the run's effective config: {"model": Mamba2Config
+    fields, "train": its flags}. The rest of the step's state (the optimizer state) is
+    checked, not kept: where it cannot be restored, one line on `log` (stderr) says which
+    step the weights are from, what is damaged and what train --resume would do, as does
+    a newer step skipped (Checkpointer.read_newest).
 
     The checkpoint of a run that trained a part of the model (LoRA adapters, --train-only)
     holds that part: the base is rebuilt from its source, checked against the identity the
@@ -695,7 +699,15 @@ def load_training_checkpoint(path, step: int | None = None, dtype=None):
         if step is not None and step not in steps:
             raise ValueError(f"{path}: no checkpoint of step {step}; it holds steps {steps}")
         # The newest that reads: a run writing there may have a step half-pruned.
-        return ckpt.read_newest(read, step)[1]
+        read_step, (model, meta) = ckpt.read_newest(read, step, log)
+        if damage := ckpt.unread_damage(read_step):
+            before = [s for s in steps if s < read_step]
+            instead = (f"resume from step {before[-1]}" if before else
+                       "refuse to resume, with no step before it")
+            print(f"checkpoint {ckpt.directory / str(read_step)}: its weights are read, but "
+                  f"{damage}; train --resume would set step {read_step} aside and {instead}",
+                  file=log or sys.stderr)
+        return model, meta
     finally:
         ckpt.close()
 

@@ -6,8 +6,10 @@ the ones that must be killed or need another device count run as subprocesses.
 """
 
 import errno
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -430,7 +432,8 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
     convert([str(torn), str(tmp_path / "from_1"), "--to", "hf"])
     out, err = capsys.readouterr()
     assert f"from step 1 of {torn}" in out and "Traceback" not in err
-    assert f"checkpoint {torn / '2'} cannot be restored (" in err
+    assert re.fullmatch(rf"checkpoint {torn / '2'} cannot be read \(.*\): read step 1 instead "
+                        r"\(train --resume would set step 2 aside\)\n", err)
     from mamba_jax import checkpoint
     monkeypatch.setattr(checkpoint, "_restore_failed", False)
     with pytest.raises(SystemExit, match=rf"checkpoint {torn / '2'} cannot be read \("):
@@ -439,6 +442,44 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
     with pytest.raises(SystemExit, match=rf"--checkpoint-dir {final} holds a model \(its "
                                          "config.json\), which the commands"):
         main([*SMALL, "--steps", "1", "--checkpoint-dir", str(final)])
+    # The newest step's optimizer state damaged (a data file cut short), its weights whole:
+    # generate and convert read the weights, and say what is damaged and what a resume
+    # does, as train --resume then does (they read the weights without a word).
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ck, damaged)
+    _damage_the_optimizer_state_only(damaged, 2)
+    capsys.readouterr()
+    convert([str(damaged), str(tmp_path / "from_damaged"), "--to", "hf"])
+    out, err = capsys.readouterr()
+    assert f"from step 2 of {damaged}" in out
+    assert re.fullmatch(rf"checkpoint {damaged / '2'}: its weights are read, but its "
+                        r"optimizer state cannot be read \(.*\); train --resume would set step "
+                        r"2 aside and resume from step 1\n", err)
+    assert (tmp_path / "from_damaged" / "model.safetensors").read_bytes() == \
+        (tmp_path / "hf" / "model.safetensors").read_bytes()
+    generate(["--checkpoint", str(damaged), *prompt])
+    out, err = capsys.readouterr()
+    assert out == from_checkpoint and err.startswith(f"checkpoint {damaged / '2'}: its weights")
+    main([*SMALL, "--steps", "2", "--checkpoint-dir", str(damaged), "--resume", "--out", "none"])
+    err = capsys.readouterr().err
+    assert "checkpoint 2 set aside as " in err and "the run goes on from step 1" in err
+
+
+def _damage_the_optimizer_state_only(directory, step):
+    """Cut to half a data file of checkpoint `step` that its weights do not read (Orbax
+    packs arrays into shared files: one that reading the weights alone still passes)."""
+    from mamba_jax.convert import load_training_checkpoint
+    files = sorted((directory / str(step) / "state").glob("ocdbt.process_*/d/*"),
+                   key=lambda f: f.stat().st_size, reverse=True)
+    for data in files:
+        whole = data.read_bytes()
+        os.truncate(data, len(whole) // 2)
+        try:
+            load_training_checkpoint(directory, step, log=io.StringIO())
+            return
+        except ValueError:  # the weights' file: put it back
+            data.write_bytes(whole)
+    raise AssertionError(f"no data file of {directory / str(step)} holds optimizer state alone")
 
 
 def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(
