@@ -9,7 +9,10 @@ config fields --set gives (train, convert): parse_overrides.
 
 Inside, a check raises SystemExit("message") or lets the library's ValueError / OSError
 (FileNotFoundError, a disk full, ...) through: their messages already name what is wrong.
-Anything else (a bug) keeps its traceback.
+Anything else (a bug) keeps its traceback. While a command runs, Orbax's warnings and
+notices (logged through absl) are dropped: its bookkeeping, nothing the user can act on;
+what matters of it (a save that failed, a checkpoint that cannot be read) the commands say
+in their own lines.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import logging
 import signal
 import sys
 
@@ -43,13 +47,25 @@ class UserExit(SystemExit):
         self.code = 2
 
 
+class _WithoutOrbaxNotices(logging.Filter):
+    """Drops what Orbax logs below ERROR (through absl's logger): "Attempted to create
+    temporary directory ... which already exists. Removing ..." as a resumed run saves the
+    step a killed one left unfinished, and the like."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("/orbax/" in record.pathname and record.levelno < logging.ERROR)
+
+
 def command(prog: str):
     """Decorate a CLI's main(argv): SystemExit("message") and USER_ERRORS become
-    `prog: message` on stderr and UserExit (status 2)."""
+    `prog: message` on stderr and UserExit (status 2); Orbax's notices are dropped while
+    it runs."""
 
     def decorate(main):
         @functools.wraps(main)
         def run(argv=None):
+            quiet = _WithoutOrbaxNotices()
+            logging.getLogger("absl").addFilter(quiet)
             try:
                 return main(argv)
             except UserExit:
@@ -63,6 +79,8 @@ def command(prog: str):
             except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a failure to trace
                 print(f"{prog}: interrupted", file=sys.stderr)
                 raise SystemExit(128 + signal.SIGINT) from None
+            finally:
+                logging.getLogger("absl").removeFilter(quiet)
             print(f"{prog}: {message}", file=sys.stderr)
             raise UserExit(message)
 
