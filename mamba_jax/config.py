@@ -95,10 +95,14 @@ class ModelFields:
         if not self.norm_eps > 0:
             raise ValueError(f"Mamba2Config.norm_eps={self.norm_eps!r} must be > 0")
         self._check_layers()
+        read = set()
         for symbol in sorted(set(self.layers)):
             kind = KINDS[symbol]
             object.__setattr__(self, kind.name, kind.completed(self))
             kind.check_config(self)
+            read.update((kind.name, *kind.reads))
+        for name in sorted(set(SECTIONS) - read):  # read by no layer: still a valid one
+            SECTIONS[name].check_section(self)
 
     def _check_layers(self):
         pattern = self.layer_pattern

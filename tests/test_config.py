@@ -225,6 +225,24 @@ def test_an_override_of_a_section_no_layer_reads_is_refused():
     assert Mamba2Config.preset("tiny", layer_pattern="BB", d_state=32).mamba2.d_state == 32
 
 
+@pytest.mark.parametrize("section,match", [
+    (dict(attention=dict(num_heads=0)), r"attention.num_heads=0 must be a positive integer"),
+    (dict(mlp=dict(activation="swish")), r"mlp.activation='swish'; use one of"),
+    (dict(mamba1=dict(dt_min=0.5, dt_max=0.1)), r"mamba1.dt_min=0.5 > dt_max=0.1: swap them"),
+    (dict(mamba3=dict(rope_fraction=0.3)), r"mamba3.rope_fraction=0.3: mamba_ssm's Mamba3 "),
+])
+def test_a_section_no_layer_reads_is_still_validated_when_a_config_is_built(section, match):
+    """Built directly (a constructor, from_dict: what preset refuses as changing nothing),
+    a wrong value in a section no layer reads was taken without a word; its own checks
+    run (how it would fit d_model is not asked: Mamba-1 at d_model 100 takes mamba2's
+    headdim 64, which does not divide 200)."""
+    with pytest.raises(ValueError, match=match):
+        Mamba2Config(d_model=64, n_layer=2, **section)
+    with pytest.raises(ValueError, match=match):
+        Mamba2Config.from_dict({**Mamba2Config(d_model=64, n_layer=2).to_dict(), **section})
+    assert Mamba2Config(d_model=100, n_layer=2, layer_pattern="11").layers == "11"
+
+
 def test_expand_where_nheads_sets_the_width_is_refused():
     # Nemotron Nano 2's width is its 128 heads of 80: expand was taken and changed nothing
     for name, overrides in [("nemotron-nano-9b-v2", {"mamba2.expand": 7}),

@@ -255,7 +255,7 @@ def test_megatron_pattern_round_trips_through_mamba_ssm_blocks(tmp_path):
     ("mamba_ssm", dict(layer_pattern="M--*"), "not mamba_ssm Blocks"),
     ("mamba_ssm", dict(layer_pattern="M-"), r"multiple of 128;.* mlp.d_intermediate=48"),
     ("nemotron_h", dict(layer_pattern="M*"), r"attention.rotary_emb_dim=4"),
-    ("hf", dict(layer_pattern="M-"), r"mlp.activation='swiglu' .* dt_limit="),
+    ("nemotron_h", dict(layer_pattern="M-"), r"mlp.activation='swiglu' .* dt_limit="),
     ("mamba_ssm", dict(layer_pattern="M-", d_intermediate=128, mlp_activation="gelu"),
      r"GatedMLP is SwiGLU .* mlp.activation='gelu'"),
 ])

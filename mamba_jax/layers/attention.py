@@ -348,7 +348,7 @@ class Attention(Mixer):
     # ------------------------------------------------------------ the kind
 
     @classmethod
-    def check_config(cls, cfg):
+    def check_section(cls, cfg):
         a = cfg.attention
         for name in ("num_heads", "num_heads_kv", "head_dim"):
             value = getattr(a, name)

@@ -197,17 +197,11 @@ def check_dt_section(cfg, name: str, integers,
                          "swap them")
 
 
-def check_mamba_section(cfg, name: str, integers) -> None:
-    """check_dt_section, and for a section of heads (cfg.<name>: mamba2's or mamba3's):
-    headdim divides d_model * expand (unless the section sets nheads) and ngroups the
-    heads."""
-    check_dt_section(cfg, name, integers)
+def check_heads(cfg, name: str) -> None:
+    """For a section of heads (cfg.<name>: mamba2's or mamba3's): headdim divides d_model *
+    expand (unless the section sets nheads) and ngroups the heads."""
     m = getattr(cfg, name)
     nheads = getattr(m, "nheads", None)  # set: the width is nheads * headdim on its own
-    if nheads is not None and (not isinstance(nheads, int) or isinstance(nheads, bool)
-                               or nheads <= 0):
-        raise ValueError(f"Mamba2Config.{name}.nheads={nheads!r} must be a positive integer, "
-                         "or None for expand * d_model / headdim")
     d_inner = m.expand * cfg.d_model
     if nheads is None and d_inner % m.headdim:
         divisors = [v for v in range(1, d_inner + 1) if d_inner % v == 0]
@@ -320,10 +314,18 @@ class Mixer(nnx.Module):
         return cache
 
     @classmethod
-    def check_config(cls, cfg) -> None:
+    def check_section(cls, cfg) -> None:
         """Raise a ValueError naming the field, its value and the fix where this kind's
-        section is invalid or does not fit cfg's shared fields; Mamba2Config runs it for
-        each kind its layers use."""
+        section is invalid in itself (its fields' values, not how they fit cfg's shared
+        fields); Mamba2Config runs it for each section no layer reads (a value set there
+        changes nothing, but a wrong one is still refused), check_config for the others."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """check_section, and a ValueError naming the fields where this kind's section
+        does not fit cfg's shared fields; Mamba2Config runs it for each kind its layers
+        use."""
+        cls.check_section(cfg)
 
     @classmethod
     def kernels_support(cls, cfg) -> bool:

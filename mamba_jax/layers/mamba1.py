@@ -285,7 +285,7 @@ class Mamba1Mixer(Mixer):
     # ------------------------------------------------------------ the kind
 
     @classmethod
-    def check_config(cls, cfg):
+    def check_section(cls, cfg):
         check_dt_section(cfg, "mamba1", ("d_state", "d_conv", "expand", "chunk_size"),
                          ("dt_min", "dt_max", "dt_init_floor", "dt_scale", "bc_dt_rms_eps"))
         m = cfg.mamba1

@@ -29,10 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import Conv, Flat, Linear
-from mamba_jax.layers.common import (Mixer, check_mamba_section, conv_window, dense,
-                                     dt_bias_init, gated_rms_norm, groups_of_local_heads,
-                                     local_head_groups, matmul, number_pair, param, split_last,
-                                     uniform)
+from mamba_jax.layers.common import (Mixer, check_dt_section, check_heads, conv_window,
+                                     dense, dt_bias_init, gated_rms_norm,
+                                     groups_of_local_heads, local_head_groups, matmul,
+                                     number_pair, param, split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels import conv as conv_kernels
 from pallas_kernels import norm as norm_kernels
@@ -581,9 +581,18 @@ class Mamba2Mixer(Mixer):
 
     @classmethod
     def check_config(cls, cfg):
-        check_mamba_section(cfg, "mamba2", ("d_state", "d_conv", "expand", "headdim",
-                                            "ngroups", "chunk_size"))
+        cls.check_section(cfg)
+        check_heads(cfg, "mamba2")
+
+    @classmethod
+    def check_section(cls, cfg):
+        check_dt_section(cfg, "mamba2", ("d_state", "d_conv", "expand", "headdim", "ngroups",
+                                         "chunk_size"))
         m = cfg.mamba2
+        if m.nheads is not None and (not isinstance(m.nheads, int)
+                                     or isinstance(m.nheads, bool) or m.nheads <= 0):
+            raise ValueError(f"Mamba2Config.mamba2.nheads={m.nheads!r} must be a positive "
+                             "integer, or None for expand * d_model / headdim")
         if len(m.dt_limit) != 2 or not 0.0 <= m.dt_limit[0] < m.dt_limit[1]:
             raise ValueError(f"Mamba2Config.mamba2.dt_limit={m.dt_limit} must be (lo, hi) "
                              "with 0 <= lo < hi; (0.0, inf) means no limit")

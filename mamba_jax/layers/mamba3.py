@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mamba_jax.layers.checkpoint_keys import AsIs, Flat, Linear
-from mamba_jax.layers.common import (Mixer, check_mamba_section, dense, dt_bias_init,
-                                     groups_of_local_heads, matmul, param, split_last, uniform)
+from mamba_jax.layers.common import (Mixer, check_dt_section, check_heads, dense,
+                                     dt_bias_init, groups_of_local_heads, matmul, param,
+                                     split_last, uniform)
 from mamba_jax.sharding import SINGLE_DEVICE, ParallelContext
 from pallas_kernels.decode.norm_matmul import rms_norm_matmul
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
@@ -310,8 +311,13 @@ class Mamba3Mixer(Mixer):
 
     @classmethod
     def check_config(cls, cfg):
-        check_mamba_section(cfg, "mamba3", ("d_state", "expand", "headdim", "ngroups",
-                                            "mimo_rank", "chunk_size"))
+        cls.check_section(cfg)
+        check_heads(cfg, "mamba3")
+
+    @classmethod
+    def check_section(cls, cfg):
+        check_dt_section(cfg, "mamba3", ("d_state", "expand", "headdim", "ngroups", "mimo_rank",
+                                         "chunk_size"))
         m = cfg.mamba3
         if not m.A_floor > 0:
             raise ValueError(f"Mamba2Config.mamba3.A_floor={m.A_floor!r} must be > 0")

@@ -156,7 +156,7 @@ class MLP(Mixer):
         return dataclasses.replace(m, d_intermediate=default_width(cfg.d_model, m.activation))
 
     @classmethod
-    def check_config(cls, cfg):
+    def check_section(cls, cfg):
         m = cfg.mlp
         if m.activation not in ACTIVATIONS:
             raise ValueError(f"Mamba2Config.mlp.activation={m.activation!r}; use one of "
