@@ -269,6 +269,10 @@ def param_tensors(tensors: Mapping, cfg: Mamba2Config, fmt: str, source=None):
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{at}checkpoint tensor {key!r} has shape "
                              f"{tuple(tensor.shape)}, expected {tuple(shape)} for this config")
+        if not jnp.issubdtype(tensor.dtype, jnp.floating):  # (an int64 D was cast silently)
+            raise ValueError(f"{at}checkpoint tensor {key!r} is of dtype {tensor.dtype}; the "
+                             "model's weights are floating-point tensors (float32, bfloat16 or "
+                             "float16): the file holds something else there")
         return tensor
 
     for key, entry in table.items():

@@ -59,7 +59,8 @@ class SafetensorsTensors(Mapping):
 
 class TorchTensors(Mapping):
     """The tensors of a pytorch_model.bin (read with torch, memory-mapped), by name; each
-    made a numpy array as it is asked for (float32: numpy has no torch bfloat16)."""
+    made a numpy array as it is asked for (a floating-point one float32: numpy has no torch
+    bfloat16; another in its own dtype, for the reader to refuse)."""
 
     def __init__(self, file: Path):
         try:
@@ -75,7 +76,8 @@ class TorchTensors(Mapping):
         self._tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
 
     def __getitem__(self, key: str) -> np.ndarray:
-        return self._tensors[key].float().numpy()
+        tensor = self._tensors[key]
+        return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
 
     def __iter__(self):
         return iter(self._tensors)

@@ -123,6 +123,15 @@ def test_missing_tensor_is_named(tmp_path):
         mamba_jax.from_pretrained(tmp_path)
 
 
+def test_a_tensor_of_an_integer_dtype_is_refused_not_cast(tmp_path):
+    _save_changed_fixture(tmp_path, lambda t: t.update(
+        {"backbone.layers.0.mixer.D": np.ones(4, np.int64)}))  # cast to float32 silently
+    with pytest.raises(ValueError, match=rf"^{tmp_path}: checkpoint tensor 'backbone.layers.0"
+                                         r".mixer.D' is of dtype int64; the model's weights "
+                                         r"are floating-point tensors"):
+        mamba_jax.from_pretrained(tmp_path)
+
+
 def test_shape_mismatch_names_key_and_both_shapes(tmp_path):
     _save_changed_fixture(tmp_path, lambda t: t.update(
         {"backbone.layers.0.mixer.conv1d.weight": np.zeros((96, 1, 3), np.float32)}))

@@ -119,6 +119,9 @@ def test_documents_do_not_see_each_other():
     (dict(B=jnp.zeros((1, 8, 3, 2))), "nheads=4 is not divisible by ngroups=3"),
     (dict(chunk_size=0), "chunk_size must be a positive int"),
     (dict(implementation="cuda"), "implementation='cuda' is not one of"),
+    # an integer D (or A, dt) was cast without a word
+    (dict(D=jnp.ones(4, jnp.int32)), r"D of dtype int32; give it in a floating-point dtype"),
+    (dict(dt=jnp.zeros((1, 8, 4), bool)), r"dt of dtype bool"),
 ])
 def test_bad_shapes_are_named(bad, match):
     args = dict(x=jnp.zeros((1, 8, 4, 2)), dt=jnp.zeros((1, 8, 4)), A=jnp.zeros(4),

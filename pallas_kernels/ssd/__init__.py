@@ -164,5 +164,11 @@ def _check_shapes(x, dt, A, B, C, chunk_size, D, dt_bias, initial_state, seq_idx
             raise ValueError(f"ssd: {name} must have shape {shape}, got {value.shape}")
     if D is not None and D.shape not in ((h,), (h, p)):
         raise ValueError(f"ssd: D must have shape ({h},) or ({h}, {p}), got {D.shape}")
+    given = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias,
+             "initial_state": initial_state}
+    for name, value in given.items():  # an integer one was cast without a word
+        if value is not None and not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(f"ssd: {name} of dtype {value.dtype}; give it in a floating-point "
+                             "dtype (float32, or bfloat16 for x, B and C)")
     if not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"ssd: chunk_size must be a positive int, got {chunk_size!r}")
