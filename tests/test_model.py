@@ -200,3 +200,32 @@ def test_the_layers_one_after_the_other_are_traced_once_a_run(monkeypatch):
     assert np.isfinite(float(value)) and all(
         np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
     np.testing.assert_allclose(value, loss(params, True), rtol=1e-6)
+
+
+def _largest_value(jaxpr) -> int:
+    """The most elements of any value a jaxpr computes, its inner jaxprs' included."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        most = max([most, *(math.prod(v.aval.shape) for v in eqn.outvars
+                            if hasattr(v.aval, "shape"))])
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    most = max(most, _largest_value(inner))
+    return most
+
+
+def test_a_chunk_size_far_above_the_sequence_pads_no_whole_chunk():
+    """The chunked scans padded a sequence to a whole chunk: chunk_size 65536 over 8 tokens
+    made [8, 65536, ...] values and a [65536, 65536] decay matrix a layer (out of memory,
+    the trainer naming the batch). A chunk over the whole sequence is the same scan (the
+    scans' tests hold every chunk size to their oracles)."""
+    sections = dict(chunk_size=65536, headdim=16, d_state=8)
+    cfg = Mamba2Config(d_model=32, n_layer=2, layer_pattern="M3", vocab_size=64,
+                       mamba2=sections, mamba3=sections)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)))
+    graphdef, state = nnx.split(model)
+    logits = lambda state, ids: nnx.merge(graphdef, state)(ids)
+    assert _largest_value(jax.make_jaxpr(logits)(state, ids).jaxpr) < 20_000  # the embedding

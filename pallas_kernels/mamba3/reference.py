@@ -366,12 +366,13 @@ def entering_ssm(init: Mamba3State, weight, mimo_x):
 
 def mamba3_chunked(C, B, x, adt, dt, trap, angles, C_bias, B_bias, *, chunk_size, D=None,
                    mimo_x=None, rotary="pairwise", initial_state=None, seq_idx=None):
-    """The chunked algorithm in XLA ops; any l (padded to a chunk multiple inside).
-    Arguments and results as `mamba3_naive`. Matmul operands are in x's dtype (bf16
+    """The chunked algorithm in XLA ops; any l (padded to a chunk multiple inside; a
+    chunk_size above l is one chunk of l tokens). Arguments and results as `mamba3_naive`. Matmul operands are in x's dtype (bf16
     allowed) with float32 accumulation; angles, decays, cumulative sums and states are
     float32 (float64 for float64 inputs)."""
     b, l, h, p = x.shape
     r, _, n = C.shape[2:]
+    chunk_size = min(chunk_size, l)
     acc = accumulation_dtype(x)
     cd = x.dtype  # the matmul operands' dtype
     dt, adt = dt.astype(acc), adt.astype(acc)

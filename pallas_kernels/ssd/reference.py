@@ -116,7 +116,8 @@ def d_skip(D, x, acc):
 
 def ssd_chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus=False,
                 dt_limit=(0.0, math.inf), initial_state=None, seq_idx=None):
-    """The chunked SSD algorithm in XLA ops; any l (padded to a chunk multiple inside).
+    """The chunked SSD algorithm in XLA ops; any l (padded to a chunk multiple inside; a
+    chunk_size above l is one chunk of l tokens, not a chunk_size one mostly padding).
 
     Matmul operands stay in x's dtype (bf16 allowed) with float32 accumulation; decays,
     cumulative sums and states are float32 (float64 for float64 inputs).
@@ -125,7 +126,7 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size, D=None, dt_bias=None, dt_softplus
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     r = h // g
-    q = chunk_size
+    q = min(chunk_size, l)
     acc = accumulation_dtype(x)
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit).astype(acc)
     doc = None if seq_idx is None else document_ids(seq_idx)
