@@ -138,6 +138,21 @@ def check_per_token(where: str, shape: tuple, **per_token):
                              f"per token, the inputs' [batch, seqlen] = {tuple(shape)}")
 
 
+def _row_shapes(state, expected) -> tuple[list, list]:
+    """The shapes a row of a layer's state holds, and of `expected` (init_cache's, as
+    shapes), field by field where both have the field (a MambaCache's may be None: zeros;
+    a decoding cache's step counter is not init_cache's): an array's, or an Int8State's
+    values' (the state it stores), or a nested field's arrays'."""
+    got, want = [], []
+    for value, like in zip(state, expected):
+        if value is None or like is None:
+            continue
+        for side, out in ((value, got), (like, want)):
+            arrays = [side] if hasattr(side, "shape") else jax.tree.leaves(side)
+            out.extend(tuple(a.shape[1:]) for a in arrays)
+    return got, want
+
+
 def _runs(layers):
     """(first, end) of each run of consecutive equal entries of layers: a layer's kind, or
     its (kind, precision)."""
@@ -610,12 +625,24 @@ class Mamba2LM(nnx.Module):
             raise ValueError(f"step: token_ids of shape {jnp.shape(token_ids)} and dtype "
                              f"{jnp.result_type(token_ids)}; give one integer id per row, [b]")
         # each layer's rows: its cache's first array's (a step kernel's counter comes last)
+        batch = jnp.shape(token_ids)[0]
         rows = {jax.tree.leaves(c)[0].shape[0] for c in cache if jax.tree.leaves(c)}
-        if len(cache) != len(self.layers) or rows - {jnp.shape(token_ids)[0]} \
+        if len(cache) != len(self.layers) or rows - {batch} \
                 or any(type(c) is not kind for c, kind in zip(cache, self._cache_kinds())):
-            raise ValueError(f"step: the cache must be this model's, for {jnp.shape(token_ids)[0]} "
+            raise ValueError(f"step: the cache must be this model's, for {batch} "
                              f"rows (a prefill's of these rows, or init_cache's): one entry "
                              f"per layer, {len(self.layers)}")
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if layer_cache is None:  # a layer without state
+                continue
+            # shapes are static: checked as the step is traced, nothing left under jit
+            slots = jax.tree.leaves(layer_cache)[0].shape[1] if layer.mixer.cache_grows else 0
+            got, want = _row_shapes(layer_cache, jax.eval_shape(
+                lambda mixer=layer.mixer: mixer.init_cache(batch, slots)))
+            if got != want:  # another model's: it failed in a concatenation
+                raise ValueError(f"step: the cache of layer {i} holds arrays of shapes {got} a "
+                                 f"row, where this model's takes {want}: give this model's "
+                                 "cache (its prefill's or init_cache's)")
         for layer_cache in cache:  # outside jit, where a growing cache's length is known
             length = getattr(layer_cache, "length", None)
             if length is not None and not isinstance(length, jax.core.Tracer) \

@@ -179,11 +179,17 @@ def test_a_cache_with_no_slot_for_the_next_token_is_named(model):
     _, cache = model.prefill(ids, cache_len=8)
     mamba_only = Mamba2LM(Mamba2Config.preset("tiny", n_layer=model.config.n_layer),
                           rngs=nnx.Rngs(0))
+    other = Mamba2LM(hybrid_config(d_state=16), rngs=nnx.Rngs(0))
     for call, match in [(lambda: model.step(ids[:, :1], cache), r"token_ids of shape \(2, 1\)"),
                         (lambda: model.step(ids[:1, 0], cache), "the cache must be this "
                                                                 "model's, for 1 rows"),
                         (lambda: model.step(ids[:, 0], mamba_only.prefill(ids)[1]),
-                         "the cache must be this model's, for 2 rows")]:
+                         "the cache must be this model's, for 2 rows"),
+                        # of the same layer kinds, another model's shapes (it failed in a
+                        # concatenation)
+                        (lambda: model.step(ids[:, 0], other.init_cache(2, 8)),
+                         r"the cache of layer 0 holds arrays of shapes \[\(96, 4\), \(4, 16, "
+                         r"16\)\] a row, where this model's takes \[\(80, 4\), \(4, 16, 8\)\]")]:
         with pytest.raises(ValueError, match=f"step: {match}"):
             call()
 
