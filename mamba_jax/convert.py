@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -426,7 +427,40 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> list[str]:
 
     A model already in `path` is replaced: its weight files and the trainer's
     train_config.json that the new ones do not replace are removed (their names returned).
+    Its tokenizer stays (a user's file); where the replaced model was another one (of other
+    parameter shapes), a KeptTokenizer warning says so: generate and serve would read that
+    tokenizer with this model.
     """
+    path = Path(path)
+    replaced = _shapes_in(path)
+    removed = _write(model, path, format)
+    kept = find_tokenizer(path)
+    if kept and replaced is not None and replaced != param_shapes(model.config):
+        warnings.warn(f"{kept} is the replaced model's (of other shapes), kept beside this "
+                      "one: generate and serve would read it with this model; remove it, or "
+                      "write this model's there (mamba_jax.tokenizer.save_tokenizer)",
+                      KeptTokenizer, stacklevel=2)
+    return removed
+
+
+class KeptTokenizer(UserWarning):
+    """save_pretrained replaced another model whose tokenizer stays in its folder."""
+
+
+def _shapes_in(path: Path) -> dict | None:
+    """The parameter shapes of the model in `path` (param_shapes), {} for one whose config
+    cannot be read, or None where it holds none."""
+    if not holds_model(path):
+        return None
+    try:
+        return param_shapes(load_config(path)[0])
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(model: Mamba2LM, path: Path, format: str) -> list[str]:
+    """save_pretrained's writing: config.json and model.safetensors, and the replaced
+    model's files removed (their names)."""
     from safetensors.numpy import save_file
 
     if format not in FORMATS:
@@ -446,7 +480,6 @@ def save_pretrained(model: Mamba2LM, path, format: str = "hf") -> list[str]:
     if wrong:
         raise ValueError(f"save_pretrained: the model's parameters do not fit its config: "
                          f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
-    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = params_to_torch(params, cfg, format)
     # Write to temporary names and rename, so an interrupted save never leaves a torn pair.
@@ -623,8 +656,8 @@ def export(model: Mamba2LM, path, tokenizer=None, format: str = "hf",
     kind (found before this one's) and its tokenizer's companions (tokenizer_config.json
     ...) are removed. Returns the names of the replaced model's files removed (with
     save_pretrained's)."""
-    removed = save_pretrained(model, path, format=format)
     path = Path(path)
+    removed = _write(model, path, format)  # (a kept tokenizer: the caller says so)
     in_place = source is not None and os.path.samefile(source, path)
     stale = [] if in_place else [_GENERATION_CONFIG]
     if tokenizer is not None:

@@ -260,6 +260,28 @@ def test_convert_without_a_tokenizer_over_a_model_with_one_says_it_kept_it(tmp_p
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
+def test_save_pretrained_over_another_model_with_a_tokenizer_warns_that_it_kept_it(tmp_path):
+    """The API's export over a model with a tokenizer left that tokenizer, which generate
+    then read with the new model, without a word (convert says so itself); the same model
+    saved again in place keeps its own tokenizer, nothing to say."""
+    import warnings
+
+    from mamba_jax.convert import KeptTokenizer
+    from mamba_jax.tokenizer import byte_tokenizer, save_tokenizer
+    first = Mamba2LM(Mamba2Config.preset("tiny", d_model=64, n_layer=1), rngs=nnx.Rngs(0))
+    mamba_jax.save_pretrained(first, tmp_path)
+    save_tokenizer(byte_tokenizer(), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeptTokenizer)
+        mamba_jax.save_pretrained(mamba_jax.from_pretrained(tmp_path), tmp_path)
+    other = Mamba2LM(Mamba2Config.preset("tiny", d_model=32, n_layer=1), rngs=nnx.Rngs(0))
+    with pytest.warns(KeptTokenizer, match=rf"^{tmp_path / 'tokenizer.json'} is the replaced "
+                                           r"model's \(of other shapes\), kept beside this "
+                                           r"one: generate and serve would read it"):
+        mamba_jax.save_pretrained(other, tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+
+
 @pytest.mark.parametrize("dst,refusal", [("file", "a file, not a folder"),
                                           ("file/out", "file is a file, not a folder")])
 def test_convert_names_a_dst_it_could_not_write(tmp_path, capsys, dst, refusal):
