@@ -473,19 +473,22 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
 
 
 def _damage_the_optimizer_state_only(directory, step):
-    """Cut to half a data file of checkpoint `step` that its weights do not read (Orbax
-    packs arrays into shared files: one that reading the weights alone still passes)."""
+    """Cut to half a data file of checkpoint `step` that its weights do not read and the
+    rest of its state does (Orbax packs arrays into shared files): the first, largest
+    first, after which the weights still read and something else is said damaged."""
     from mamba_jax.convert import load_training_checkpoint
     files = sorted((directory / str(step) / "state").glob("ocdbt.process_*/d/*"),
-                   key=lambda f: f.stat().st_size, reverse=True)
+                   key=lambda f: (-f.stat().st_size, f.name))
     for data in files:
-        whole = data.read_bytes()
+        whole, said = data.read_bytes(), io.StringIO()
         os.truncate(data, len(whole) // 2)
         try:
-            load_training_checkpoint(directory, step, log=io.StringIO())
-            return
-        except ValueError:  # the weights' file: put it back
-            data.write_bytes(whole)
+            load_training_checkpoint(directory, step, log=said)
+            if said.getvalue():
+                return
+        except ValueError:  # the weights' file
+            pass
+        data.write_bytes(whole)
     raise AssertionError(f"no data file of {directory / str(step)} holds optimizer state alone")
 
 
