@@ -277,9 +277,11 @@ class Mixer(nnx.Module):
       the layer's output for rms_norm(residual) * norm_weight, the updated cache).
     - `flops_per_token(cfg, seq_len)` (a classmethod): forward matmul FLOPs per token, 2 a
       multiply-add, for MFU.
-    - `completed(cfg)` (a classmethod; by default the section as given): its section with
-      the fields that default from the shared ones filled in, for a config with layers of
-      this kind (Mamba2Config stores it so, before check_config).
+    - `check_section(cfg)` and `check_fit(cfg)` (classmethods): its section's own values
+      refused, and how they fit the shared fields; `completed(cfg)` (by default the section
+      as given): its section with the fields that default from the shared ones filled in,
+      for a config with layers of this kind (Mamba2Config stores it so, before
+      check_config).
     """
 
     symbol: ClassVar[str]
@@ -321,11 +323,15 @@ class Mixer(nnx.Module):
         changes nothing, but a wrong one is still refused), check_config for the others."""
 
     @classmethod
+    def check_fit(cls, cfg) -> None:
+        """Raise a ValueError naming the fields where this kind's section does not fit
+        cfg's shared fields (a width its heads do not divide)."""
+
+    @classmethod
     def check_config(cls, cfg) -> None:
-        """check_section, and a ValueError naming the fields where this kind's section
-        does not fit cfg's shared fields; Mamba2Config runs it for each kind its layers
-        use."""
+        """check_section and check_fit: Mamba2Config runs it for each kind its layers use."""
         cls.check_section(cfg)
+        cls.check_fit(cfg)
 
     @classmethod
     def kernels_support(cls, cfg) -> bool:

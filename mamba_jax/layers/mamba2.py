@@ -580,8 +580,7 @@ class Mamba2Mixer(Mixer):
     # ------------------------------------------------------------ the kind
 
     @classmethod
-    def check_config(cls, cfg):
-        cls.check_section(cfg)
+    def check_fit(cls, cfg):
         check_heads(cfg, "mamba2")
 
     @classmethod

@@ -310,11 +310,6 @@ class Mamba3Mixer(Mixer):
     # ------------------------------------------------------------ the kind
 
     @classmethod
-    def check_config(cls, cfg):
-        cls.check_section(cfg)
-        check_heads(cfg, "mamba3")
-
-    @classmethod
     def check_section(cls, cfg):
         check_dt_section(cfg, "mamba3", ("d_state", "expand", "headdim", "ngroups", "mimo_rank",
                                          "chunk_size"))
@@ -327,6 +322,10 @@ class Mamba3Mixer(Mixer):
         if m.d_state % 2 or dims(cfg).a == 0:
             raise ValueError(f"Mamba2Config.mamba3.d_state={m.d_state} must be even and "
                              "leave at least one rotary pair (d_state * rope_fraction >= 2)")
+
+    @classmethod
+    def check_fit(cls, cfg):
+        check_heads(cfg, "mamba3")
 
     @classmethod
     def kernels_support(cls, cfg) -> bool:
