@@ -48,7 +48,12 @@ SKIP = {
     r"^curl ": "a request to a running server (tests/test_serve.py sends them)",
     r"^(\S*/)?python3? -m mamba_jax\.generate --server ": "the client of a running server "
                                                           "(tests/test_serve.py)",
+    r"^python3? -m mamba_jax\.convert (ckpts .*|.* --to megatron)": (
+        "a Megatron-LM checkpoint the user brings (ckpts/), read or written with torch, "
+        "the megatron extra that CI does not install"),
 }
+# The start of a line that is a command: an unlabelled block holding one must say ```bash.
+COMMAND_LINE = re.compile(r"^(\$ )?((\S*/)?python3?(\.\d+)? -m |(\S*/)?pip |curl )")
 
 TRAIN_TINY = ["--steps", "2", "--batch-size", "16", "--seq-len", "32", "--eval-every", "0"]
 # A large preset's layers at the tiny preset's shape, by the preset's layer kinds.
@@ -75,9 +80,13 @@ def documented_commands() -> list[Command]:
         text = doc.read_text()
         name = doc.relative_to(ROOT)
         for block in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
-            if block.group(1) not in SHELL_BLOCKS:
-                continue
             first = text.count("\n", 0, block.start(2)) + 1
+            if block.group(1) not in SHELL_BLOCKS:
+                assert block.group(1) or not any(map(COMMAND_LINE.match,
+                                                     block.group(2).splitlines())), (
+                    f"{name}:{first}: a block of commands without a language: label it "
+                    "```bash (a block of Python ```python), so that its commands are run here")
+                continue
             where, pending = None, ""
             for number, line in enumerate(block.group(2).splitlines(), first):
                 where = where or number
