@@ -8,15 +8,17 @@ fake CPU devices otherwise), ARGS expanded as a shell would (globs). A training 
 gets TRAIN_TINY appended (the command line's last value wins), and a recipe of a large
 preset its model shrunk to the tiny preset's shape (TINY_MODEL; its name, and so its
 default --out, kept). Commands run in a copy of the repository root's view: a folder
-holding the recipes (train/) and what a user brings (BROUGHT: a tokenizer.json, JSON-lines
-shards). The commands of one block run in order in one folder where they share a path (a
-block of steps: prepare, train, resume, generate); each in a folder of its own otherwise
-(a block of alternatives, each of which exports runs/tiny).
+holding the recipes (train/) and what a user brings (bring: a tokenizer.json, JSON-lines
+shards, and the dataset the Training section prepares where a later section trains on it).
+The commands of one block run in order in one folder where they share a path (a block of
+steps: prepare, train, resume, generate); each in a folder of its own otherwise (a block of
+alternatives, each of which exports runs/tiny).
 
 A failure names the file and line, the command as written and as run, its exit status and
 the end of its output. Two runner processes (4 and 8 devices); about a minute on 2 cores.
 """
 
+import io
 import json
 import os
 import re
@@ -160,9 +162,17 @@ def devices(run: list[str]) -> int:
                          for size in re.findall(r"=(\d+)", part)) or "8")
 
 
-# What a user brings that the commands read: stand-ins, in every folder.
-def bring(folder: Path) -> None:
+# The dataset the Training section prepares (its step 1), which later sections train on.
+PREPARED = "data/corpus"
+
+
+def bring(folder: Path, unit: list) -> None:
+    """What a user brings that the commands read, stand-ins in `folder`: the recipes (the
+    repository's train/), a tokenizer.json and JSON-lines shards, and PREPARED from them
+    where a command of the unit reads it and none prepares it."""
     from bpe import bpe_tokenizer
+
+    from mamba_jax.data import prepare
 
     (folder / "train").symlink_to(ROOT / "train")  # the recipes, from the repository root
     bpe_tokenizer(folder / "tokenizer.json")
@@ -170,6 +180,10 @@ def bring(folder: Path) -> None:
     corpus = (ROOT / "mamba_jax" / "corpus" / "licenses.txt").read_text()
     lines = [json.dumps({"text": corpus[i:i + 2000]}) for i in range(0, 60000, 2000)]
     (folder / "shards" / "part-0.jsonl").write_text("\n".join(lines) + "\n")
+    words = [set(c.argv) for c in unit]
+    if any(PREPARED in w for w in words) and not any({"prepare", PREPARED} <= w for w in words):
+        prepare([folder / "shards" / "part-0.jsonl"], str(folder / "tokenizer.json"),
+                folder / PREPARED, log=io.StringIO())
 
 
 RUNNER = r"""
@@ -230,7 +244,7 @@ def test_every_command_in_the_docs_is_on_the_skip_list_or_runs_here_as_written(t
     for i, unit in enumerate(units):
         folder = tmp_path / f"unit{i}"
         folder.mkdir()
-        bring(folder)
+        bring(folder, unit)
         runs = [as_run(c, folder) for c in unit]
         counts = {devices(run) for run in runs}
         assert len(counts) == 1, f"{unit[0].block}: one sequence asks for {counts} devices"
