@@ -53,6 +53,10 @@ SKIP = {
     r"^python3? -m mamba_jax\.convert (ckpts .*|.* --to megatron)": (
         "a Megatron-LM checkpoint the user brings (ckpts/), read or written with torch, "
         "the megatron extra that CI does not install"),
+    r"^lm_eval ": "lm-eval against a running server, its tasks' data from the network "
+                  "(tests/test_serve.py replays its requests)",
+    r"^git archive main \|": "the earlier commit's code for bench.serve_load --before (a GPU "
+                             "benchmark)",
 }
 # The start of a line that is a command: an unlabelled block holding one must say ```bash.
 COMMAND_LINE = re.compile(r"^(\$ )?((\S*/)?python3?(\.\d+)? -m |(\S*/)?pip |curl )")
@@ -96,11 +100,12 @@ def documented_commands() -> list[Command]:
                 if line.endswith("\\") or _open_quote(pending):
                     continue
                 lexer = shlex.shlex(pending.replace("\\\n", " "), posix=True,
-                                    punctuation_chars="&;")
+                                    punctuation_chars="&;|()")
                 lexer.whitespace_split, lexer.commenters = True, "#"
-                words = []
+                words, depth = [], 0  # a pipeline or a subshell ( ... ) is one command
                 for word in [*lexer, ";"]:
-                    if word in ("&&", ";"):
+                    depth += (word == "(") - (word == ")")
+                    if word in ("&&", ";") and not depth:
                         if words:
                             found.append(Command(f"{name}:{where}", " ".join(words),
                                                  tuple(words), f"{name}:{first}"))
