@@ -346,8 +346,9 @@ def check_same_part(saved: dict, flags: dict) -> None:
 
 def check_base(saved: dict | None, current: dict | None) -> None:
     """A ValueError naming both where the base a checkpoint's run adapted (`saved`, its
-    identity) is not the one found now (`current`)."""
-    if saved != current:
+    identity) is not the one found now (`current`): their hashes differ (the same weights
+    moved to another folder are the same base)."""
+    if (saved or {}).get("hash") != (current or {}).get("hash"):
         raise ValueError(f"its base is {describe(saved)}, this one's is {describe(current)}: "
                          "what trained fits the base it trained on")
 

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +38,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mamba_jax import adapters
 from mamba_jax.chat import ADDITIONAL_TEMPLATES, ChatTemplate
 from mamba_jax.cli import (HelpFormatter, MissingDependency, command, parse_overrides,
                            require_at_least)
@@ -362,10 +360,10 @@ def _model(cfg: Mamba2Config, named, dtype) -> Mamba2LM:
     parameters `named` gives (place_params' pairs) on the first local device."""
     graphdef, abstract = nnx.split(nnx.eval_shape(
         lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32 if dtype is None else dtype)))
-    return nnx.merge(graphdef, place_params(named, abstract, _first_device()))
+    return nnx.merge(graphdef, place_params(named, abstract, first_device()))
 
 
-def _first_device() -> NamedSharding:
+def first_device() -> NamedSharding:
     """The first local device, as a sharding (jax 0.12 deprecates SingleDeviceSharding)."""
     return NamedSharding(Mesh(np.array(jax.local_devices()[:1]), ("device",)), P())
 
@@ -373,14 +371,6 @@ def _first_device() -> NamedSharding:
 def model_from_params(cfg: Mamba2Config, params: dict, dtype=jnp.float32) -> Mamba2LM:
     """A Mamba2LM holding exactly `params` (flat names, as flat_params returns)."""
     return _model(cfg, params.items(), dtype)
-
-
-def load_params(path, cfg: Mamba2Config, fmt: str, abstract, shardings):
-    """The parameters of checkpoint dir `path` (a model of cfg in layout fmt), each tensor
-    placed on `shardings` as it is read (place_params of param_tensors): no device receives
-    more than its shard, and the host holds about one tensor in its stored dtype."""
-    return place_params(param_tensors(open_tensors(path), cfg, fmt, source=path), abstract,
-                        shardings)
 
 
 def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM:
@@ -530,7 +520,8 @@ def _remove_model(path: Path) -> list[str]:
 
 @command("python -m mamba_jax.convert")
 def main(argv=None):
-    from mamba_jax import megatron
+    from mamba_jax import megatron  # (they import this module)
+    from mamba_jax.init_from import load_training_checkpoint
 
     parser = argparse.ArgumentParser(
         prog="python -m mamba_jax.convert", formatter_class=HelpFormatter,
@@ -688,65 +679,6 @@ def is_training_checkpoint(path) -> bool:
     """Whether `path` is a trainer's --checkpoint-dir (files.holds_checkpoints), not a
     model's folder: a run that has not saved yet is one, which holds no checkpoint."""
     return holds_checkpoints(path) and not holds_model(path)
-
-
-def load_training_checkpoint(path, step: int | None = None, dtype=None, log=None):
-    """(model, meta) of checkpoint `step` (default: the newest that reads) in a trainer's
-    --checkpoint-dir. The parameters are read onto one device; `dtype` is the compute dtype
-    (default float32). meta["config"] is the run's effective config: {"model": Mamba2Config
-    fields, "train": its flags}. The rest of the step's state (the optimizer state) is
-    checked, not kept: where it cannot be restored, one line on `log` (stderr) says which
-    step the weights are from, what is damaged and what train --resume would do, as does
-    a newer step skipped (Checkpointer.read_newest).
-
-    The checkpoint of a run that trained a part of the model (LoRA adapters, --train-only)
-    holds that part: the base is rebuilt from its source, checked against the identity the
-    run recorded (mamba_jax.adapters.identity), and the model returned is the base with
-    what trained merged in (adapters.merge)."""
-    from mamba_jax.checkpoint import Checkpointer
-
-    def read(step):
-        meta = ckpt.read_meta(step)
-        cfg, flags = Mamba2Config.from_dict(meta["config"]["model"]), meta["config"]["train"]
-        build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(flags.get("seed", 0)),
-                                 dtype=jnp.float32 if dtype is None else dtype)
-        tuning = adapters.Tuning.of(flags)
-        if tuning:  # the checkpoint holds what trained; the base is rebuilt from its source
-            adapters.check_base(flags["base"], adapters.identity(cfg, flags["seed"]))
-            build = tuning.build(build, flags["seed"])
-        graphdef, abstract = nnx.split(nnx.eval_shape(build))
-        device = _first_device()
-        if tuning:
-            trained, frozen = tuning.split(jax.jit(lambda: nnx.split(build())[1],
-                                                   out_shardings=device)())
-        else:
-            trained, frozen = abstract, None
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), trained)
-        params = ckpt.restore_part(step, {"params": target})["params"]
-        if tuning:
-            return adapters.merge(nnx.merge(graphdef, adapters.join(params, frozen))), meta
-        return nnx.merge(graphdef, params), meta
-
-    ckpt = Checkpointer(path, read_only=True)
-    try:
-        steps = ckpt.steps()
-        if not steps:
-            raise FileNotFoundError(f"{path}: holds no complete training checkpoint")
-        if step is not None and step not in steps:
-            raise ValueError(f"{path}: no checkpoint of step {step}; it holds steps {steps}")
-        # The newest that reads: a run writing there may have a step half-pruned.
-        read_step, (model, meta) = ckpt.read_newest(read, step, log)
-        if damage := ckpt.unread_damage(read_step):
-            before = [s for s in steps if s < read_step]
-            instead = (f"resume from step {before[-1]}" if before else
-                       "refuse to resume, with no step before it")
-            print(f"checkpoint {ckpt.directory / str(read_step)}: its weights are read, but "
-                  f"{damage}; train --resume would set step {read_step} aside and {instead}",
-                  file=log or sys.stderr)
-        return model, meta
-    finally:
-        ckpt.close()
 
 
 def training_tokenizer(path, meta: dict) -> str:

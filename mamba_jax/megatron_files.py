@@ -91,6 +91,12 @@ def iteration_dir(path) -> Path:
     return folder
 
 
+def iteration_files(path) -> list[Path]:
+    """Every file of the checkpoint's iteration folder (iteration_dir): its ranks' files, or
+    torch_dist's, in the order of their paths."""
+    return sorted(p for p in iteration_dir(path).rglob("*") if p.is_file())
+
+
 # ---------------------------------------------------------------- reading
 
 

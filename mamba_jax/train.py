@@ -54,7 +54,7 @@ from mamba_jax.data import (DEFAULT_CORPUS, data_chat_template, dataset_meta, da
                             fingerprint, is_indexed, load_data, parse_blend)
 from mamba_jax.files import (check_outside_checkpoints, check_writable, checkpoints_above,
                              holds_model, holds_steps, locked, model_file, replace_text)
-from mamba_jax.init_from import InitSource, check_resumed_source
+from mamba_jax.init_from import InitSource, check_resumed_source, placed_state
 from mamba_jax.metrics import (MetricsWriter, Progress, check_metrics_file, peak_flops,
                                peak_memory_gib, train_flops_per_token)
 from mamba_jax.model import REMAT, Fp8, Mamba2LM, check_causal
@@ -374,14 +374,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Mamba2Config]:
     """The command line over the --config recipe over the defaults -> (args, config)."""
     args, overrides = parse_command_line(argv)
     if args.init_from:
-        return args, _init_source(args).config_for(overrides)
+        return args, _init_source(args, overrides).config_for(overrides)
     return args, model_config(args.preset, overrides)
 
 
-def _init_source(args) -> InitSource:
-    """--init-from's source, a folder that cannot give one refused in one line."""
+def _init_source(args, overrides: dict) -> InitSource:
+    """--init-from's source (overrides: the model fields given, which a Megatron-LM
+    checkpoint's config takes), a folder that cannot give one refused in one line."""
     try:
-        return InitSource.open(args.init_from)
+        return InitSource.open(args.init_from, overrides)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--init-from {error}") from None
 
@@ -543,20 +544,6 @@ def _export_dir(args, out: str, resumed: bool, flag="--out", held=model_file) ->
     return free
 
 
-def _from_source(source, base, tuning, seed: int, mesh, shardings):
-    """The run's first parameters (an nnx.State placed on `shardings`) from --init-from's
-    source: its weights read onto the base model's shards, then, with adapters or
-    --train-only, the adapters drawn from `seed` and the frozen part cast to --base-dtype,
-    in one jit over the placed weights (donated: no second copy of the base)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(base))
-    weights = source.load(abstract, parallel.shardings(mesh, parallel.param_specs(abstract,
-                                                                                  mesh)))
-    if not tuning:
-        return weights
-    tune = lambda state: nnx.split(tuning.apply(nnx.merge(graphdef, state), seed))[1]
-    return jax.jit(tune, out_shardings=shardings, donate_argnums=0)(weights)
-
-
 @command("python -m mamba_jax.train")
 def main(argv=None):
     # The trainer is its GPUs' one process: it may take 95% of their memory rather than
@@ -616,7 +603,7 @@ def _train(argv, held: contextlib.ExitStack):
                          f"{model_file(args.checkpoint_dir)}), which the commands that read "
                          "the folder would take for its checkpoints: give the checkpoints a "
                          "folder of their own")
-    source = _init_source(args) if args.init_from else None
+    source = _init_source(args, overrides) if args.init_from else None
     if source:
         args.tokenizer, args.tokenizer_source = source.tokenizer_for(
             args.tokenizer, args.tokenizer_source, args.data)
@@ -682,7 +669,7 @@ def _train(argv, held: contextlib.ExitStack):
     if ckpt and lead and chat_template:  # beside its tokenizer, where serve and convert look
         chat_template.save(args.checkpoint_dir, tokenizer)
 
-    base = build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
+    build = lambda: Mamba2LM(cfg, rngs=nnx.Rngs(args.seed), dtype=dtype)
     # With adapters or --train-only, `params` is what trains (the optimizer sees only it)
     # and `frozen` holds the base: [state], passed to the loss beside them; else [].
     split = tuning.split if tuning else lambda state: (state,)
@@ -694,23 +681,6 @@ def _train(argv, held: contextlib.ExitStack):
     abstract_params, shardings_trained = split(whole)[0], split(param_shardings)[0]
     tx, lr_at = make_optimizer(abstract_params, args.lr, args.steps, args.warmup,
                                args.weight_decay, args.clip, args.schedule)
-    try:
-        # a resumed run's checkpoint replaces the parameters: the source is not read then
-        if source and not (ckpt and ckpt.steps()):
-            state = _from_source(source, base, tuning, args.seed, mesh, param_shardings)
-        else:
-            state = parallel.init_params(build, param_shardings)
-        params, *frozen = split(state)
-        opt_state = init_opt_state(tx, params, shardings_trained, NamedSharding(mesh, P()))
-    except jax.errors.JaxRuntimeError as error:  # before any step: the model alone
-        if not _out_of_memory(error):
-            raise
-        size = sum(x.size for x in jax.tree.leaves(whole))
-        raise SystemExit(f"the model ({size / 1e6:.1f}M parameters, {3 * 4 * size / 2**30:.1f} "
-                         "GiB with AdamW's two float32 moments) does not fit in the devices' "
-                         f"memory ({str(error).splitlines()[0][:160]}): shard it over more "
-                         "devices (--mesh fsdp=N), or a smaller model (--preset, --set)"
-                         ) from None
     effective = {"model": cfg.to_dict(), "train": {
         k: v for k, v in vars(args).items()
         if k not in ("set", "resume", "resume_if_exists", "tokenizer_source")}}
@@ -724,31 +694,61 @@ def _train(argv, held: contextlib.ExitStack):
             checkpoint_dir=str(Path(args.checkpoint_dir).resolve()),
             data_identity=[[weight, fingerprint(path)] for weight, path in parse_blend(args.data)],
             tokenizer_sha256=hashlib.sha256(tokenizer.to_str().encode()).hexdigest())
-        if tuning:
-            effective["train"]["base"] = adapters.identity(cfg, args.seed)
+        if tuning:  # what a resume and the loaders read the base from again
+            effective["train"]["base"] = (source.base() if source
+                                          else adapters.identity(cfg, args.seed))
+
+    def same_model(step, meta):
+        """Refuse to resume checkpoint `step` (its meta) of another run than this one."""
+        # One model however its layers are spelt (ratios, mamba_ssm's blocks, a pattern)
+        saved = Mamba2Config.from_dict(meta["config"]["model"]).spelt_out()
+        trained = meta["config"]["train"]
+        check_resumed_source(step, args.checkpoint_dir, trained, effective["train"])
+        if trained.get("tokenizer_sha256", effective["train"]["tokenizer_sha256"]) != \
+                effective["train"]["tokenizer_sha256"]:  # recorded since, beside the copy
+            raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} was trained with "
+                             f"another tokenizer ({trained['tokenizer']}) than "
+                             f"{args.tokenizer}; pass that one with --tokenizer")
+        if saved != cfg.spelt_out():
+            raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
+                             f"model: {_config_difference(saved, cfg.spelt_out())}; use "
+                             "its --preset/--set or another --checkpoint-dir")
+        try:
+            adapters.check_same_part(trained, effective["train"])
+        except ValueError as error:
+            raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir}: {error}; use "
+                             "its flags or another --checkpoint-dir") from None
+
+    resuming = bool(ckpt and ckpt.steps())
+    if resuming:  # refused before the source is read (restore_latest checks its step again)
+        newest = ckpt.steps()[-1]
+        try:
+            meta = ckpt.read_meta(newest)
+        except Exception:  # noqa: BLE001 - a damaged step: restore_latest says so, goes on
+            meta = None
+        if meta is not None:
+            same_model(newest, meta)
+    try:
+        # A resumed run's checkpoint replaces what trains: the source is read for the frozen
+        # base of a run that trains a part of the model alone (its checkpoints hold the rest)
+        if source and (tuning or not resuming):
+            state = placed_state(build, whole, param_shardings, source.load)
+        else:
+            state = parallel.init_params(build, param_shardings)
+        params, *frozen = split(state)
+        opt_state = init_opt_state(tx, params, shardings_trained, NamedSharding(mesh, P()))
+    except jax.errors.JaxRuntimeError as error:  # before any step: the model alone
+        if not _out_of_memory(error):
+            raise
+        size = sum(x.size for x in jax.tree.leaves(whole))
+        raise SystemExit(f"the model ({size / 1e6:.1f}M parameters, {3 * 4 * size / 2**30:.1f} "
+                         "GiB with AdamW's two float32 moments) does not fit in the devices' "
+                         f"memory ({str(error).splitlines()[0][:160]}): shard it over more "
+                         "devices (--mesh fsdp=N), or a smaller model (--preset, --set)"
+                         ) from None
 
     start, resumed = 0, False
     if ckpt:
-        def same_model(step, meta):
-            # One model however its layers are spelt (ratios, mamba_ssm's blocks, a pattern)
-            saved = Mamba2Config.from_dict(meta["config"]["model"]).spelt_out()
-            trained = meta["config"]["train"]
-            check_resumed_source(step, args.checkpoint_dir, trained, effective["train"])
-            if trained.get("tokenizer_sha256", effective["train"]["tokenizer_sha256"]) != \
-                    effective["train"]["tokenizer_sha256"]:  # recorded since, beside the copy
-                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} was trained with "
-                                 f"another tokenizer ({trained['tokenizer']}) than "
-                                 f"{args.tokenizer}; pass that one with --tokenizer")
-            if saved != cfg.spelt_out():
-                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir} is of another "
-                                 f"model: {_config_difference(saved, cfg.spelt_out())}; use "
-                                 "its --preset/--set or another --checkpoint-dir")
-            try:
-                adapters.check_same_part(trained, effective["train"])
-            except ValueError as error:
-                raise SystemExit(f"checkpoint {step} in {args.checkpoint_dir}: {error}; use "
-                                 "its flags or another --checkpoint-dir") from None
-
         try:
             restored = ckpt.restore_latest(
                 abstract_like({"params": params, "opt_state": opt_state}), same_model)
@@ -916,7 +916,7 @@ def _train(argv, held: contextlib.ExitStack):
     if args.export_adapter and lead:
         where = _export_dir(args, args.export_adapter, resumed, "--export-adapter",
                             adapters.adapter_file)
-        adapters.save_peft_adapter(model, where)
+        adapters.save_peft_adapter(model, where, source.name() if source else None)
         replace_text(Path(where, "train_config.json"), json.dumps(effective, indent=2) + "\n")
         print(f"saved {where} (LoRA adapters in PEFT's layout)", file=sys.stderr)
     if out:

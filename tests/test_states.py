@@ -16,8 +16,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from mamba_jax import Mamba2Config, Mamba2LM, parallel
-from mamba_jax.convert import from_pretrained, load_training_checkpoint, save_pretrained
+from mamba_jax.convert import from_pretrained, save_pretrained
 from mamba_jax.checkpoint import Checkpointer
+from mamba_jax.init_from import load_training_checkpoint
 from mesh_check import FAST_COMPILE, take_the_kernels, tiny_config
 
 CUT, SEQ = 13, 32  # a's length: not a multiple of the chunk (16)

@@ -441,7 +441,8 @@ def test_a_hybrid_no_published_layout_holds_trains_and_exports_in_our_own(tmp_pa
     dt unclamped. No published layout holds it: the run exported it in our own layout,
     said why in one line, and generate reads it (it stopped at the width, then refused
     the default --out in some 700 characters)."""
-    from mamba_jax.convert import flat_params, load_config, load_training_checkpoint
+    from mamba_jax.convert import flat_params, load_config
+    from mamba_jax.init_from import load_training_checkpoint
     from mamba_jax.generate import load_for_generation
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",

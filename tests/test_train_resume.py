@@ -476,7 +476,7 @@ def _damage_the_optimizer_state_only(directory, step):
     """Cut to half a data file of checkpoint `step` that its weights do not read and the
     rest of its state does (Orbax packs arrays into shared files): the first, largest
     first, after which the weights still read and something else is said damaged."""
-    from mamba_jax.convert import load_training_checkpoint
+    from mamba_jax.init_from import load_training_checkpoint
     files = sorted((directory / str(step) / "state").glob("ocdbt.process_*/d/*"),
                    key=lambda f: (-f.stat().st_size, f.name))
     for data in files:

@@ -556,7 +556,8 @@ def load_for_generation(checkpoint, tokenizer=None, dtype="float32"):
     import json
 
     from mamba_jax.convert import (from_pretrained, is_training_checkpoint, load_config,
-                                   load_training_checkpoint, training_tokenizer)
+                                   training_tokenizer)
+    from mamba_jax.init_from import load_training_checkpoint
     from mamba_jax.tokenizer import find_tokenizer, load_tokenizer, special_token_ids
 
     path = checkpoint_dir(checkpoint)
