@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mamba_jax.files import ADAPTER_FILES
 from mamba_jax.formats import export_format
 from mamba_jax.layers.checkpoint_keys import Linear
 from mamba_jax.layers.registry import KINDS
@@ -431,7 +432,7 @@ def peft_tensors(model) -> dict[str, np.ndarray]:
     cfg = model.config
     fmt = layout(cfg)
     out = {}
-    for block, (_, prefix) in zip(model.layers, _layer_keys(cfg, fmt)):
+    for symbol, block, (_, prefix) in zip(cfg.layers, model.layers, _layer_keys(cfg, fmt)):
         if (lora := lora_of(block)) is None:
             continue
         if fmt == "nemotron_h":  # its modules are model.layers..., its files' keys backbone.
@@ -440,12 +441,12 @@ def peft_tensors(model) -> dict[str, np.ndarray]:
             a = np.asarray(adapter.A[...], np.float32)
             key = f"base_model.model.{prefix}{name}"
             out[f"{key}.lora_A.weight"] = Linear("A", inputs=a.ndim - 1).to_torch([a])
-            out[f"{key}.lora_B.weight"] = Linear(*adapter.B).to_torch(
-                [np.asarray(b[...], np.float32) for b in adapter.B.values()])
+            # B's parts in the tensor's order (the key table's): an nnx.Dict that went
+            # through nnx.split and merge (the trainer's model) holds them sorted by name
+            parts = [p for p in kind_targets(symbol, fmt)[name].params if p in adapter.B]
+            out[f"{key}.lora_B.weight"] = Linear(*parts).to_torch(
+                [np.asarray(adapter.B[p][...], np.float32) for p in parts])
     return {key: np.ascontiguousarray(value) for key, value in out.items()}
-
-
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 def adapter_file(path) -> str | None:

@@ -81,6 +81,8 @@ def replace_text(path, text: str) -> None:
 # whose config.json is gone.
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
                "pytorch_model.bin")
+# A PEFT adapter's (mamba_jax.adapters.save_peft_adapter writes them)
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 def model_file(path) -> str | None:
@@ -107,11 +109,12 @@ def holds_steps(path) -> bool:
 
 def holds_checkpoints(path) -> bool:
     """Whether `path` is a trainer's --checkpoint-dir: Orbax step folders, or the run's
-    train_config.json without a model's config.json (written as a run starts, before its
-    first checkpoint)."""
+    train_config.json without a model's config.json or a PEFT adapter's files, which the
+    trainer's exports write it beside (written as a run starts, before its first
+    checkpoint)."""
     path = Path(path)
-    return (path / "train_config.json").exists() and not holds_model(path) \
-        or holds_steps(path)
+    exported = holds_model(path) or any((path / name).exists() for name in ADAPTER_FILES)
+    return (path / "train_config.json").exists() and not exported or holds_steps(path)
 
 
 def checkpoints_above(path) -> Path | None:
