@@ -4,6 +4,7 @@ copy of the whole model it must not make.
 
     python3 -m bench.init_from --dir /tmp/nano9b [--preset nemotron-nano-9b-v2]
                                [--mesh fsdp=1 --mesh fsdp=2]
+                               [--lora-rank 16 --base-dtype bfloat16]
 
 (each --mesh runs in a child that sees as many GPUs as the mesh has devices).
 
@@ -17,8 +18,12 @@ its host RSS before the load and its peak after (ru_maxrss), and each device's p
 in use. The table's baseline, from the same run, is the float32 copy of the whole model
 that a loader reading the checkpoint at once would hold on the host (4 bytes a parameter);
 ratio: the load's growth of the peak RSS over it (about one tensor's bytes over the
-model's: near 0). The largest device's peak against the model's float32 bytes over the
-mesh's fsdp x tp says that no device held more than its shard.
+model's: near 0). The largest device's peak against the model's bytes as the run stores
+them over the mesh's fsdp x tp says that no device held more than its shard. With
+--lora-rank (and --base-dtype bfloat16), the load is a LoRA run's (init_from.placed_state:
+the frozen base read straight into its dtype, the adapters drawn beside it), whose stored
+bytes are the bfloat16 base's: a peak above them is a copy of the base in float32 on the
+devices.
 
 End to end, one step of training from DIR (the optimizer state included: three float32
 copies of the model, so the 9B model needs fsdp=2 on H200s):
@@ -79,30 +84,35 @@ def write(directory: Path, preset: str) -> None:
     (directory / "config.json").write_text(json.dumps(config_dict(cfg, fmt), indent=2))
 
 
-def load(directory: Path, mesh_spec: str) -> None:
-    """Load DIR onto the mesh as the trainer does, and report (result) what it took."""
+def load(directory: Path, mesh_spec: str, lora_rank: int | None, base_dtype: str) -> None:
+    """Load DIR onto the mesh as the trainer does (a LoRA run's state with lora_rank), and
+    report (result) what it took."""
     import jax
     from flax import nnx
 
-    from mamba_jax import parallel
-    from mamba_jax.init_from import InitSource
+    from mamba_jax import adapters, parallel
+    from mamba_jax.init_from import InitSource, placed_state
     from mamba_jax.model import Mamba2LM
 
     mesh = parallel.make_mesh(mesh_spec)
     source = InitSource.open(directory)
-    graphdef, abstract = nnx.split(nnx.eval_shape(
-        lambda: Mamba2LM(source.config, rngs=nnx.Rngs(0))))
+    build = lambda: Mamba2LM(source.config, rngs=nnx.Rngs(0))
+    if lora_rank is not None:
+        tuning = adapters.Tuning(rank=lora_rank, base_dtype=base_dtype).check(source.config)
+        build = tuning.build(build, 0)
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
     shardings = parallel.shardings(mesh, parallel.param_specs(abstract, mesh))
     size = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract))
+    stored = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
     jax.block_until_ready(jax.device_put(0.0))  # the client started: its memory counted before
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    jax.block_until_ready(source.load(abstract, shardings))
+    jax.block_until_ready(placed_state(build, abstract, shardings, source.load))
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     devices = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()]
     result({"mesh": mesh_spec, "seconds": seconds, "rss_before": before, "rss_peak": peak,
-            "float32_bytes": 4 * size, "device_peak": max(devices),
+            "float32_bytes": 4 * size, "stored_bytes": stored, "device_peak": max(devices),
             "split": mesh.shape["fsdp"] * mesh.shape["tp"],
             "device": jax.devices()[0].device_kind})
 
@@ -115,6 +125,10 @@ def main(argv=None):
     parser.add_argument("--preset", default="nemotron-nano-9b-v2")
     parser.add_argument("--mesh", action="append", default=None,
                         help="a mesh to load onto (repeatable; default: fsdp=1 and fsdp=2)")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="load a LoRA run's state: adapters of this rank beside the base")
+    parser.add_argument("--base-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="with --lora-rank: the dtype the frozen base is stored in")
     parser.add_argument("--part", choices=("write", "load"), default=None,
                         help=argparse.SUPPRESS)  # a child's part
     args = parser.parse_args(argv)
@@ -122,7 +136,7 @@ def main(argv=None):
     if args.part == "write":
         return write(args.dir, args.preset)
     if args.part == "load":
-        return load(args.dir, meshes[0])
+        return load(args.dir, meshes[0], args.lora_rank, args.base_dtype)
     if not (args.dir / "config.json").is_file():
         run_module("init_from", ["--dir", str(args.dir), "--preset", args.preset,
                                  "--part", "write"], env={"JAX_PLATFORMS": "cpu"})
@@ -132,8 +146,10 @@ def main(argv=None):
         from mamba_jax.parallel import parse_mesh_spec
 
         visible = gpus(math.prod(parse_mesh_spec(mesh).values()))
+        lora = [] if args.lora_rank is None else ["--lora-rank", str(args.lora_rank),
+                                                  "--base-dtype", args.base_dtype]
         reported = run_module("init_from", ["--dir", str(args.dir), "--mesh", mesh,
-                                            "--part", "load"], visible=visible)
+                                            "--part", "load", *lora], visible=visible)
         if not reported or "error" in reported[-1]:
             rows.append(table_row([mesh, *["error"] * 7, str(reported[-1:])[:200]]))
             continue
@@ -142,11 +158,13 @@ def main(argv=None):
         rows.append(table_row([
             mesh, f"{r['seconds']:.1f}", gib(r["rss_before"]), gib(r["rss_peak"]),
             gib(r["float32_bytes"]), f"{growth:.3f}", gib(r["device_peak"]),
-            gib(r["float32_bytes"] / r["split"]), r["device"]]))
-    print(f"{time.strftime('%Y-%m-%d')} --init-from {args.dir} ({args.preset}, bfloat16)")
+            gib(r["stored_bytes"] / r["split"]), r["device"]]))
+    run = ("" if args.lora_rank is None else
+           f"; a LoRA run's state: rank {args.lora_rank}, the base in {args.base_dtype}")
+    print(f"{time.strftime('%Y-%m-%d')} --init-from {args.dir} ({args.preset}, bfloat16{run})")
     print(table_header(["mesh", "load s", "host RSS before GiB", "host RSS peak GiB",
                         "baseline: float32 model GiB", "ratio: RSS growth / baseline",
-                        "largest device peak GiB", "float32 model / (fsdp x tp) GiB",
+                        "largest device peak GiB", "stored model / (fsdp x tp) GiB",
                         "device"]))
     print("\n".join(rows))
 
