@@ -57,6 +57,9 @@ SKIP = {
                   "(tests/test_serve.py replays its requests)",
     r"^git archive main \|": "the earlier commit's code for bench.serve_load --before (a GPU "
                              "benchmark)",
+    r"^hf download |models/mamba2-130m|runs/chat": (
+        "docs/finetuning.md's walk-through, from a model downloaded from the hub and the "
+        "page's chats: tests/test_finetuning_docs.py runs it on a tiny model in their place"),
 }
 # The start of a line that is a command: an unlabelled block holding one must say ```bash.
 COMMAND_LINE = re.compile(r"^(\$ )?((\S*/)?python3?(\.\d+)? -m |(\S*/)?pip |curl )")
