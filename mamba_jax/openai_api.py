@@ -107,8 +107,11 @@ def _logit_bias(texts: Texts, value: dict | None) -> tuple[tuple[int, float], ..
     """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as (id, bias) pairs."""
     pairs = []
     for key, bias in (value or {}).items():
-        token = int(key) if key.isdigit() else -1
-        if not 0 <= token < texts.vocab_size:
+        # An id as OpenAI's clients write it, ASCII decimals without leading zeros (one key an
+        # id): int() also reads other scripts' digits ("٣" is 3), and str.isdigit() passes
+        # superscripts ("²") that int() refuses
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if str(token) != key or not 0 <= token < texts.vocab_size:
             raise BadRequest("logit_bias", f"logit_bias: {key!r} is not a token id of this "
                              f"model (0 to {texts.vocab_size - 1})")
         if isinstance(bias, bool) or not isinstance(bias, NUMBER) \

@@ -285,6 +285,12 @@ def test_seed_penalties_and_logit_bias_sample_as_generate_does(url, model, monke
      "presence_penalty", "invalid_value", r"in \[-2, 2\]"),
     ("post", "/v1/completions", {"prompt": "hi", "logit_bias": {"999": 1}}, 400, "logit_bias",
      "invalid_value", "'999' is not a token id"),
+    # A key of other digits than ASCII's: "²" was a 500, "٣" read as token 3
+    ("post", "/v1/completions", {"prompt": "hi", "logit_bias": {"²": 1}}, 400, "logit_bias",
+     "invalid_value", "'²' is not a token id"),
+    ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "logit_bias": {"٣": 1}}, 400, "logit_bias",
+     "invalid_value", "'٣' is not a token id"),
     ("post", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
      400, "stream_options", "invalid_value", "stream=true"),
     ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
