@@ -610,12 +610,25 @@ class Engine:
 
     async def score(self, sequences: list[list[int]], top_n: int = 0):
         """Per sequence, per token from position 1 on: (log p, ((id, log p), ...) top_n)."""
+        if not self.learned:  # one batch, left-padded to a bucket
+            return await self._score(sequences, top_n, _bucket(max(map(len, sequences)),
+                                                               least=16))
+        # A learned initial state would enter a row's left padding: each length unpadded
+        out = [[] for _ in sequences]
+        for length in sorted({len(s) for s in sequences} - {1}):  # one token: nothing scored
+            rows = [i for i, s in enumerate(sequences) if len(s) == length]
+            for i, scored in zip(rows, await self._score([sequences[i] for i in rows], top_n,
+                                                         length)):
+                out[i] = scored
+        return out
+
+    async def _score(self, sequences: list[list[int]], top_n: int, l: int):
+        """score of sequences left-padded to l tokens, in one program."""
         b = _bucket(len(sequences))
-        l = _bucket(max(map(len, sequences)), least=16)
         ids = np.zeros((b, l), np.int32)
         for row, seq in zip(ids, sequences):
             row[l - len(seq):] = seq
-        lengths = [len(s) for s in sequences] + [1] * (b - len(sequences))
+        lengths = [len(s) for s in sequences] + [l] * (b - len(sequences))  # fillers: zeros
 
         def scored():
             chosen, top = token_logprobs(self.model, ids, lengths, top_n)

@@ -1,6 +1,8 @@
 """The serving engine (mamba_jax.engine), driven step by step: continuous batching over its
 slots equals generate, per-slot sampling, the prefix cache, a hybrid's attention keys."""
 
+import asyncio
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,7 +242,9 @@ def test_a_hybrids_attention_keys_are_bounded_and_continue_across_chunks():
 
 def test_a_learned_initial_state_starts_every_prompt_unpadded():
     """A model whose Mamba layers start from a learned state: its prompts are never
-    left-padded (the state would enter the padding), so each equals generate alone."""
+    left-padded (the state would enter the padding), so each equals generate alone; nor are
+    the sequences it scores (echo's and Megatron's logprobs: every such request was a 500),
+    each scored as token_logprobs scores it alone."""
     cfg = Mamba2Config.preset("tiny", d_model=64, headdim=16, d_state=16, chunk_size=16,
                               vocab_size=256, **{"mamba2.learnable_init_state": True})
     learned = Mamba2LM(cfg, rngs=nnx.Rngs(0))
@@ -251,6 +255,14 @@ def test_a_learned_initial_state_starts_every_prompt_unpadded():
     drain(engine)
     for prompt, seq in zip(prompts, seqs):  # each alone: generate would pad the shorter
         assert seq.tokens == generated(learned, [(prompt, SamplingParams(5))])[0]
+    scored = asyncio.run(engine.score([p + s.tokens for p, s in zip(prompts, seqs)] + [[7]],
+                                      top_n=2))
+    assert scored[-1] == []  # one token: nothing to score
+    for prompt, seq, got in zip(prompts, seqs, scored):
+        chosen, (top_logp, top_ids) = token_logprobs(learned, np.asarray([prompt + seq.tokens]),
+                                                     top_n=2)
+        np.testing.assert_allclose([lp for lp, _ in got], np.asarray(chosen)[0], atol=1e-5)
+        assert [[i for i, _ in top] for _, top in got] == np.asarray(top_ids)[0].tolist()
 
 
 def test_layers_that_cannot_continue_a_state_prefill_each_prompt_as_one_chunk():
