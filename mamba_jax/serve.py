@@ -51,7 +51,7 @@ except ImportError as missing:
     raise SystemExit(2) from None
 
 from mamba_jax import compilation_cache
-from mamba_jax.chat import ChatTemplate, ChatTemplateError
+from mamba_jax.chat import ChatTemplate, ChatTemplateError, model_special_tokens
 from mamba_jax.cli import HelpFormatter, command, require_at_least
 from mamba_jax.engine import (Engine, EngineOptions, Limits, add_engine_arguments,
                               check_options, engine_options)
@@ -220,11 +220,15 @@ def _check_serving_flags(args):
     on, in that order, before the model loads (minutes for a large one). -> the chat
     template given, or None."""
     try:
-        checkpoint_dir(args.checkpoint)
-        template = None if args.chat_template is None else ChatTemplate.from_file(
-            args.chat_template)
-    except FileNotFoundError as error:
+        checkpoint = checkpoint_dir(args.checkpoint)
+        # The model's special tokens (its tokenizer_config.json's), which transformers hands a
+        # template given apart from the tokenizer too: its bos_token and eos_token were ""
+        special = model_special_tokens(checkpoint)
+    except (FileNotFoundError, ChatTemplateError) as error:
         raise SystemExit(str(error)) from None
+    try:
+        template = None if args.chat_template is None else ChatTemplate.from_file(
+            args.chat_template, special)
     except ChatTemplateError as error:
         raise SystemExit(f"--chat-template {str(error).removeprefix('chat template ')}"
                          ) from None

@@ -946,3 +946,25 @@ def test_a_checkpoint_given_as_dot_names_the_model_by_its_folder(checkpoint, mon
     monkeypatch.chdir(checkpoint)
     serve.main(["--checkpoint", ".", "--port", "0"])
     assert served[0][serve.MODEL_NAME] == checkpoint.name  # it was ""
+
+
+def test_a_chat_template_file_renders_with_the_models_special_tokens(checkpoint, tmp_path,
+                                                                     monkeypatch):
+    """serve --chat-template FILE renders as transformers' apply_chat_template(chat_template=
+    FILE's text) does: with the model's special tokens from its tokenizer_config.json (they
+    rendered as empty text)."""
+    import shutil
+
+    from mamba_jax import serve
+
+    model_dir = shutil.copytree(checkpoint, tmp_path / "model")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}))
+    (tmp_path / "chat.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}")
+    served = []
+    monkeypatch.setattr(serve.web, "run_app", lambda app, **_: served.append(app))
+    serve.main(["--checkpoint", str(model_dir), "--chat-template", str(tmp_path / "chat.jinja"),
+                "--port", "0"])
+    assert served[0][serve.CHAT_TEMPLATE].render([{"role": "user", "content": "Hi"}]) == \
+        "<s>Hi</s>"
