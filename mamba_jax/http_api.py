@@ -61,8 +61,10 @@ class Texts:
     def __init__(self, tokenizer, vocab_size: int, eos: int | None):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """text's ids; add_special_tokens: with those the tokenizer adds to a text (a BOS its
+        post-processor puts first), as a prompt is encoded."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -76,9 +78,10 @@ class Texts:
     def token_of(self, text: str) -> int:
         """The first token text adds after other text (how ":" and "\n" reach the sampler:
         Megatron takes the first token of each alone, which for GPT-2 is the same, and for a
-        SentencePiece model the word-start piece)."""
-        before = self.encode("a")
-        ids = self.encode("a" + text)
+        SentencePiece model the word-start piece): without the special tokens the tokenizer
+        adds to a whole text (an EOS it appends would end "a" but not "a:")."""
+        before = self.encode("a", add_special_tokens=False)
+        ids = self.encode("a" + text, add_special_tokens=False)
         ids = ids[len(before):] if ids[:len(before)] == before else ids
         return ids[0] if ids else -1
 
@@ -102,8 +105,9 @@ class Texts:
         return self.segments(context + new, window)[len(context):]
 
     def single_token(self, text: str | None) -> int | None:
-        """The id of a special token's text where it is one token, else None."""
-        ids = self.encode(text) if text else []
+        """The id of a special token's text where it is one token, else None (encoded without
+        the tokens the tokenizer adds to a text: a BOS put first made two)."""
+        ids = self.encode(text, add_special_tokens=False) if text else []
         return ids[0] if len(ids) == 1 else None
 
 

@@ -363,3 +363,22 @@ def test_a_chat_template_file_that_cannot_be_read_is_refused_before_the_model_lo
         main(["--checkpoint", str(tmp_path), "--chat-template", str(tmp_path / "bad.jinja")])
     assert no.value.code == bad.value.code == 2
     assert capsys.readouterr().err.count("\n") == 2
+
+
+def test_a_tokenizer_that_adds_special_tokens_finds_the_end_of_turn_and_the_colon():
+    """A tokenizer whose post-processor adds BOS and EOS to every text (as many tokenizer.json
+    files do): the chat template's eos_token still reads as one token, the one that ends a
+    reply (with the BOS it was two, and no reply ended at it), and Megatron's
+    prevent_newline_after_colon bans the tokens of ":" and "\\n" (the EOS was taken for
+    ":")."""
+    from tokenizers import processors
+
+    from mamba_jax.http_api import Texts
+
+    tokenizer = byte_tokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="Ā $A ā", special_tokens=[("Ā", 0), ("ā", 1)])  # bytes 0 and 1 as BOS, EOS
+    assert tokenizer.encode("|").ids == [0, ord("|"), 1]
+    texts = Texts(tokenizer, 256, None)
+    assert (texts.single_token("|"), texts.token_of(":"), texts.token_of("\n")) == (
+        ord("|"), ord(":"), ord("\n"))
