@@ -53,6 +53,7 @@ except ImportError as missing:
 from mamba_jax import compilation_cache
 from mamba_jax.chat import ChatTemplate, ChatTemplateError, model_special_tokens
 from mamba_jax.cli import HelpFormatter, command, require_at_least
+from mamba_jax.convert import is_training_checkpoint, load_config
 from mamba_jax.engine import (Engine, EngineOptions, Limits, add_engine_arguments,
                               check_options, engine_options)
 from mamba_jax.generate import (MOST_NEW_TOKENS, add_decode_arguments, checkpoint_dir,
@@ -215,16 +216,20 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
 
 
 def _check_serving_flags(args):
-    """Refuse a checkpoint that is not there, a chat template that does not compile, limits
-    and engine options the server could not serve under and an address it cannot listen
-    on, in that order, before the model loads (minutes for a large one). -> the chat
-    template given, or None."""
+    """Refuse a checkpoint that is not there or holds no model, a chat template that does not
+    compile, limits and engine options the server could not serve under and an address it
+    cannot listen on, in that order, before the model loads (minutes for a large one). -> the
+    chat template given, or None."""
     try:
         checkpoint = checkpoint_dir(args.checkpoint)
+        # A folder that holds no model (no config.json, or none of a known layout) is named
+        # here, before a busy port, which hid it: its config is read in a moment
+        if not is_training_checkpoint(checkpoint):
+            load_config(checkpoint)
         # The model's special tokens (its tokenizer_config.json's), which transformers hands a
         # template given apart from the tokenizer too: its bos_token and eos_token were ""
         special = model_special_tokens(checkpoint)
-    except (FileNotFoundError, ChatTemplateError) as error:
+    except (FileNotFoundError, ValueError) as error:  # ChatTemplateError among the latter
         raise SystemExit(str(error)) from None
     try:
         template = None if args.chat_template is None else ChatTemplate.from_file(

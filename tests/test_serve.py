@@ -881,21 +881,21 @@ def test_without_the_serve_extra_each_command_says_what_to_install(tmp_path, com
     # generate's bound: every request past it was a 500
     (["--max-new-tokens", "2000000"], "--max-new-tokens=2000000 must be at most 1048576"),
 ])
-def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, tmp_path,
+def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, checkpoint,
                                                            capsys):
     from mamba_jax.serve import main
 
     with pytest.raises(SystemExit, match=refusal) as refused:
-        main(["--checkpoint", str(tmp_path), *flags])  # a folder, never read
+        main(["--checkpoint", str(checkpoint), *flags])  # its weights never read
     assert refused.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(
-        tmp_path, capsys):
-    """A port in use is refused at once, naming --host and --port (the checkpoint, an empty
-    folder, is never read); a checkpoint that is not there is named first (a busy port hid
-    it)."""
+        checkpoint, tmp_path, capsys):
+    """A port in use is refused at once, naming --host and --port (the checkpoint's weights
+    are never read); a checkpoint that is not there, or a folder that holds no model, is
+    named first (a busy port hid it)."""
     import socket
 
     from mamba_jax.serve import main
@@ -904,12 +904,15 @@ def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_mode
         port = taken.getsockname()[1]
         with pytest.raises(SystemExit, match=f"--host 127.0.0.1 --port {port}: cannot listen "
                                              "there .*give a free --port") as refused:
-            main(["--checkpoint", str(tmp_path), "--port", str(port)])
+            main(["--checkpoint", str(checkpoint), "--port", str(port)])
         with pytest.raises(SystemExit, match=f"--checkpoint {tmp_path / 'nope'}: no such "
                                              "directory") as missing:
             main(["--checkpoint", str(tmp_path / "nope"), "--port", str(port)])
-    assert refused.value.code == missing.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 2
+        with pytest.raises(SystemExit, match=f"{tmp_path / 'config.json'} not found: a "
+                                             "checkpoint dir needs config.json") as empty:
+            main(["--checkpoint", str(tmp_path), "--port", str(port)])
+    assert refused.value.code == missing.value.code == empty.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 3
 
 
 def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, capsys):

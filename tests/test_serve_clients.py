@@ -357,10 +357,12 @@ def test_a_chat_template_file_that_cannot_be_read_is_refused_before_the_model_lo
 
     with pytest.raises(SystemExit, match=f"--chat-template {tmp_path / 'none.jinja'}: cannot "
                                          "read it") as no:
-        main(["--checkpoint", str(tmp_path), "--chat-template", str(tmp_path / "none.jinja")])
+        main(["--checkpoint", str(FIXTURES / "trained_tiny"), "--chat-template",
+              str(tmp_path / "none.jinja")])
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     with pytest.raises(SystemExit, match="--chat-template .*bad.jinja: not a Jinja") as bad:
-        main(["--checkpoint", str(tmp_path), "--chat-template", str(tmp_path / "bad.jinja")])
+        main(["--checkpoint", str(FIXTURES / "trained_tiny"), "--chat-template",
+              str(tmp_path / "bad.jinja")])
     assert no.value.code == bad.value.code == 2
     assert capsys.readouterr().err.count("\n") == 2
 
