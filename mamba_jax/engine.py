@@ -234,6 +234,7 @@ class Sequence:
         what stats() counts it as; a sequence that a stop string ends after it ended by its
         length counts as "stop" (as its client was told)."""
         self.cancelled = True
+        self.engine._swept = False  # the engine sweeps it out of its queue
         if finish_reason == "stop" and self.finish_reason == "length":
             self.engine._reasons["length"] -= 1
             self.engine._reasons["stop"] += 1
@@ -574,6 +575,7 @@ class Engine:
         self.queued_tokens = 0
         self._wakeup = threading.Event()
         self._waiting: collections.deque[_Request] = collections.deque()
+        self._swept = True  # no sequence was cancelled since _waiting was last swept
         self._staging: list[_Request | None] = [None] * options.prefill_rows
         self._slot: list[_Request | None] = []  # per slot of the current capacity
         self._reserved = 0  # staging requests, each sure of a slot
@@ -761,9 +763,21 @@ class Engine:
                     or any(r is not None for r in self._slot))
 
     def _take_incoming(self):
+        """New requests into the queue, and those cancelled while they wait out of it: their
+        room is free at once (it was held until they reached the front, refusing requests as
+        busy for clients that had left)."""
         with self._lock:
             while self._incoming:
                 self._waiting.append(self._incoming.popleft())
+        if not self._swept:
+            self._swept = True  # before the sweep: a cancel meanwhile sweeps again
+            kept = collections.deque()
+            for req in self._waiting:
+                if req.seq.cancelled:
+                    self._dequeue(req)
+                else:
+                    kept.append(req)
+            self._waiting = kept
 
     def _admit(self):
         """Waiting prompts into free staging rows while a slot is sure for each."""
@@ -771,8 +785,6 @@ class Engine:
         for row, held in enumerate(self._staging):
             if held is not None:
                 continue
-            while self._waiting and self._waiting[0].seq.cancelled:
-                self._dequeue(self._waiting.popleft())
             if not self._waiting or busy + self._reserved >= self.options.slots:
                 return
             req = self._waiting.popleft()

@@ -96,6 +96,25 @@ def test_a_stopped_sequence_frees_its_slot_for_a_waiting_one(model, engine):
     assert seqs[4].tokens == fifth
 
 
+def test_requests_cancelled_while_they_wait_give_back_the_queues_room_at_once(model):
+    """The one slot decoding and a request waiting before them: requests whose clients left
+    leave the queue at the engine's next step, their tokens no longer counted as queued nor
+    against max_queued_tokens (a new request was refused as busy until they reached the
+    queue's front)."""
+    engine = Engine(model, None, Limits(64, 12, max_queued_tokens=60),
+                    **{**OPTIONS, "slots": 1, "prefill_rows": 1})
+    decoding = engine.submit(list(b"decoding"), SamplingParams(12))
+    engine.step()
+    waiting = engine.submit(list(b"waiting"), SamplingParams(12))
+    for seq in [engine.submit(list(b"left"), SamplingParams(12)) for _ in range(2)]:
+        seq.cancel()
+    engine.step()
+    assert decoding.finish_reason is None
+    assert (engine.queued_tokens, engine.stats()["queued"]) == (waiting.cost, 1)
+    engine.submit(list(b"a new one"), SamplingParams(12))  # 19 + 21 tokens of 60: not Busy
+    drain(engine)
+
+
 def test_a_prompt_whose_prefill_fails_fails_only_its_own_sequence(model, engine,
                                                                 monkeypatch):
     """Should a prefill program fail (here a prompt holding "~" before its last token), each
