@@ -362,6 +362,13 @@ def check_top_k(texts: Texts, top_k: int):
 # ------------------------------------------------------------------------------ decoding
 
 
+def row_seed(seed: int | None, j: int) -> int | None:
+    """The seed of a seeded request's j-th sequence (OpenAI's j-th choice of a prompt,
+    Megatron's j-th prompt): the sequences of one request differ, and each repeats with the
+    request (seed + j, wrapped to 64 bits); None: each a random seed."""
+    return None if seed is None else (seed + j + 2**63) % 2**64 - 2**63
+
+
 def submit(request: web.Request, prompts: list[list[int]], params: list[SamplingParams],
            field: str, stops: list[str]) -> list[Choice]:
     """Queue every (prompt, settings) pair, the queue's room checked first, so that a 400

@@ -12,17 +12,18 @@ last newline counts), the ending token kept (Megatron stops at GPT-2's newline i
 the tokens' text decides, for any tokenizer); prevent_newline_after_colon bans the token of
 "\n" right after the token of ":" (each as it reads after other text); top_p decays to
 max(top_p * top_p_decay**i, top_p_bound) at new token i; random_seed makes a request's
-samples reproducible (each prompt samples from it, whatever decodes beside it); add_BOS
-puts the tokenizer's BOS token first; stop_token ends a continuation too (not returned);
-the request is logged unless no_log. The line stops end the text after the decode loop,
-which runs to the token limit or eos. length_penalty is accepted and unused, as Megatron's
-sampling path does (it weighs beam search's hypotheses). logprobs come from one forward
-pass over the prompt and continuation (Engine.score): the raw logits' log-softmax, as
-Megatron's. Like Megatron's server, a null setting is refused.
+samples reproducible (prompt j samples with random_seed + j, whatever decodes beside it);
+add_BOS puts the tokenizer's BOS token first; stop_token ends a continuation too (not
+returned); the request is logged unless no_log. The line stops end the text after the
+decode loop, which runs to the token limit or eos. length_penalty is accepted and unused,
+as Megatron's sampling path does (it weighs beam search's hypotheses). logprobs come from
+one forward pass over the prompt and continuation (Engine.score): the raw logits'
+log-softmax, as Megatron's. Like Megatron's server, a null setting is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from aiohttp import web
@@ -31,7 +32,7 @@ from mamba_jax.engine import SamplingParams
 from mamba_jax.http_api import (BOOL, ENGINE, LIMITS, NUMBER, OPTIONAL, REQUIRED, TEXTS,
                                 BadRequest, Texts, Unsupported, check_ids, check_new_tokens,
                                 check_prompts, check_top_k, finished, float32_or_none, parse,
-                                score, shown, submit, within)
+                                row_seed, score, shown, submit, within)
 from mamba_jax.tokenizer import special_token_ids
 
 log = logging.getLogger("mamba_jax.serve")
@@ -127,12 +128,14 @@ async def megatron_api(request: web.Request):
         params = SamplingParams(
             v["tokens_to_generate"], float(v["temperature"]), v["top_k"],
             float(v["top_p"] or 1.0), float(v["top_p_decay"]), float(v["top_p_bound"]),
-            seed=v["random_seed"],
             banned_after=(texts.token_of(":"), texts.token_of("\n"))
             if v["prevent_newline_after_colon"] else None,
             stop_token_ids=() if v["stop_token"] is None else (v["stop_token"],))
-        choices = await finished(request, submit(request, ids, [params] * len(ids),
-                                                 "prompts", []))
+        # Prompt j samples with random_seed + j: the same prompt twice in a request gives two
+        # samples, as from Megatron's one generator seeded for the batch (they were the same)
+        choices = await finished(request, submit(
+            request, ids, [dataclasses.replace(params, seed=row_seed(v["random_seed"], j))
+                           for j in range(len(ids))], "prompts", []))
         new = [c.new for c in choices]
         if v["stop_on_eol"] or v["stop_on_double_eol"]:
             new = [_line_end(texts, i, n, v["stop_on_double_eol"]) for i, n in zip(ids, new)]

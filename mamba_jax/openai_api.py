@@ -20,7 +20,7 @@ from mamba_jax.http_api import (BOOL, CHAT_TEMPLATE, ENGINE, LIMITS, MODEL_NAME,
                                 OPTIONAL, REQUIRED, TEXTS, BadRequest, Choice, EventStream,
                                 Texts, Unsupported, check_ids, check_new_tokens, check_prompts,
                                 check_top_k, finished, float32_or_none, generation_failed, left,
-                                parse, score, shown, submit, within)
+                                parse, row_seed, score, shown, submit, within)
 
 
 def _token_ids(v) -> bool:
@@ -130,12 +130,6 @@ def _sampling(texts: Texts, v: dict, max_new: int, seed: int | None) -> Sampling
         presence_penalty=float(v["presence_penalty"]),
         frequency_penalty=float(v["frequency_penalty"]),
         logit_bias=_logit_bias(texts, v["logit_bias"]))
-
-
-def _choice_seed(seed: int | None, j: int) -> int | None:
-    """The seed of a prompt's j-th choice: n choices of one seeded request differ, and each
-    repeats with the request (seed + j, wrapped to 64 bits)."""
-    return None if seed is None else (seed + j + 2**63) % 2**64 - 2**63
 
 
 async def _stream(request: web.Request, choices: list[Choice], chunk, usage: dict | None,
@@ -272,7 +266,7 @@ async def completions(request: web.Request):
     if v["max_tokens"] == 0:  # echo: the prompts scored, nothing generated
         choices = [None] * len(prompts) * n
     else:
-        params = [_sampling(texts, v, v["max_tokens"], _choice_seed(v["seed"], j))
+        params = [_sampling(texts, v, v["max_tokens"], row_seed(v["seed"], j))
                   for _ in prompts for j in range(n)]
         choices = submit(request, [p for p in prompts for _ in range(n)], params,
                          "prompt" if n == 1 else "n", stops)
@@ -367,7 +361,7 @@ async def chat_completions(request: web.Request):
     ids, end = _chat_prompt(request, v)
     stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
     n = v["n"]
-    params = [dataclasses.replace(_sampling(texts, v, max_new, _choice_seed(v["seed"], j)),
+    params = [dataclasses.replace(_sampling(texts, v, max_new, row_seed(v["seed"], j)),
                                   stop_token_ids=() if end is None else (end,))
               for j in range(n)]
     choices = submit(request, [ids] * n, params, "messages" if n == 1 else "n", stops)

@@ -742,15 +742,17 @@ def test_random_seed_repeats_a_request_and_beam_search_is_a_400_saying_why(url):
         async with aiohttp.ClientSession() as s:
             out = []
             for body in ({"random_seed": 7}, {"random_seed": 7}, {"random_seed": 8},
-                         {"beam_width": 2}, {"add_BOS": True}, {"top_p_decay": 0.5},
+                         {"random_seed": 7, "prompts": ["Seed", "Seed"]}, {"beam_width": 2}, {"add_BOS": True}, {"top_p_decay": 0.5},
                          {"tokens_to_generate": 0}):
                 async with s.put(url + "/api", json={"prompts": ["Seed"],
                                                      "tokens_to_generate": 8, **body}) as r:
                     out.append((r.status, await r.json()))
             return out
 
-    (s1, a), (s2, b), (s3, c), *refused = run(go())
-    assert s1 == s2 == s3 == 200 and a["tokens"] == b["tokens"] != c["tokens"]
+    (s1, a), (s2, b), (s3, c), (s4, twice), *refused = run(go())
+    assert s1 == s2 == s3 == s4 == 200 and a["tokens"] == b["tokens"] != c["tokens"]
+    # A prompt sent twice: two samples (prompt j seeded random_seed + j), the first as alone
+    assert twice["tokens"][0] == a["tokens"][0] != twice["tokens"][1]
     for (status, error), field, says in zip(refused, (
             "beam_width", "add_BOS", "top_p_decay", "tokens_to_generate"), (
             r"beam search is not supported: the compiled decode loop carries one recurrent "
