@@ -356,9 +356,13 @@ async def chat_completions(request: web.Request):
     if v["top_logprobs"] is not None and not v["logprobs"]:
         raise BadRequest("top_logprobs", "top_logprobs needs logprobs=true")
     name = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
-    max_new = v[name] if v[name] is not None else limits.max_new_tokens
-    check_new_tokens(name, max_new, limits)
+    if v[name] is not None:
+        check_new_tokens(name, v[name], limits)
     ids, end = _chat_prompt(request, v)
+    # OpenAI's default is what fits after the prompt: here the server's limit, and in a model
+    # with attention layers the keys a slot holds (a request that set neither was a 400)
+    room = engine.kv_tokens - len(ids) if engine.kv_tokens else limits.max_new_tokens
+    max_new = v[name] if v[name] is not None else max(1, min(limits.max_new_tokens, room))
     stops = [v["stop"]] if isinstance(v["stop"], str) else v["stop"] or []
     n = v["n"]
     params = [dataclasses.replace(_sampling(texts, v, max_new, row_seed(v["seed"], j)),

@@ -21,6 +21,7 @@ from mamba_jax import engine as engine_module
 from mamba_jax.chat import ChatTemplate
 from mamba_jax.engine import Limits
 from mamba_jax.generate import token_logprobs
+from mamba_jax import http_api
 from mamba_jax.serve import make_app
 from mamba_jax.tokenizer import byte_tokenizer
 from tests.test_serve import serving
@@ -40,9 +41,14 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def url(model):
-    with serving(make_app(model, byte_tokenizer(), LIMITS, model_name="tiny",
-                          engine_options=ENGINE, chat_template=TEMPLATE)) as address:
+def app(model):
+    return make_app(model, byte_tokenizer(), LIMITS, model_name="tiny", engine_options=ENGINE,
+                    chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    with serving(app) as address:
         yield address
 
 
@@ -375,12 +381,30 @@ def test_a_tokenizer_that_adds_special_tokens_finds_the_end_of_turn_and_the_colo
     ":")."""
     from tokenizers import processors
 
-    from mamba_jax.http_api import Texts
-
     tokenizer = byte_tokenizer()
     tokenizer.post_processor = processors.TemplateProcessing(
         single="Ā $A ā", special_tokens=[("Ā", 0), ("ā", 1)])  # bytes 0 and 1 as BOS, EOS
     assert tokenizer.encode("|").ids == [0, ord("|"), 1]
-    texts = Texts(tokenizer, 256, None)
+    texts = http_api.Texts(tokenizer, 256, None)
     assert (texts.single_token("|"), texts.token_of(":"), texts.token_of("\n")) == (
         ord("|"), ord(":"), ord("\n"))
+
+
+def test_a_chat_without_max_tokens_gets_what_fits_in_the_keys_a_slot_holds(app, url, model,
+                                                                           monkeypatch):
+    """OpenAI's default max_tokens is what fits after the prompt: in a model with attention
+    layers the keys a slot holds (--kv-tokens) bound it below the server's limit (the request
+    was a 400 for tokens it did not ask for); one that asks for more is still refused."""
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = TEMPLATE.encode(byte_tokenizer(), messages, add_generation_prompt=True)
+    monkeypatch.setattr(app[http_api.ENGINE], "kv_tokens", len(ids) + 9)  # below 16, the limit
+    status, answer = run(send(url, "POST", "/v1/chat/completions",
+                              {"messages": messages, "temperature": 0}))
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == bytes(greedy(model, ids, 9)).decode(
+        errors="replace")
+    assert (answer["choices"][0]["finish_reason"], answer["usage"]["completion_tokens"]) == (
+        "length", 9)
+    status, answer = run(send(url, "POST", "/v1/chat/completions",
+                              {"messages": messages, "max_tokens": 10}))
+    assert status == 400 and "attention key slots" in answer["error"]["message"]
