@@ -972,8 +972,12 @@ class Engine:
                 self._free(req)
 
     def _free(self, req: _Request):
+        """req leaves its slot. Its index is forgotten: a sequence freed as its last dispatch
+        went out is read after that, when the batch may have shrunk below the index (an
+        IndexError failed every sequence held) or another sequence taken the slot."""
         if req.slot is not None and self._slot[req.slot] is req:
             self._slot[req.slot] = None
+        req.slot = None
 
     def _init_slots(self, capacity: int) -> _Slots:
         m, v = self.model, self.vocab

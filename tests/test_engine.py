@@ -115,6 +115,26 @@ def test_requests_cancelled_while_they_wait_give_back_the_queues_room_at_once(mo
     drain(engine)
 
 
+def test_the_batch_shrinks_while_a_sequence_freed_at_its_last_dispatch_is_read(model,
+                                                                               monkeypatch):
+    """Six sequences in a batch of 8: four end at the first dispatch, the last one (slot 5)
+    as the second goes out, and the batch then shrinks to the one left before that dispatch
+    is read (its slot index past the new batch was an IndexError that failed every sequence
+    held); each equals generate."""
+    monkeypatch.setattr(engine_module, "SHRINK_AFTER_S", 0.0)
+    engine = Engine(model, None, LIMITS, **{**OPTIONS, "slots": 8, "prefill_rows": 8})
+    requests = [(list(b"long one"), SamplingParams(12))]
+    requests += [(list(f"short {i}".encode()), SamplingParams(2)) for i in range(4)]
+    requests += [(list(b"ends later"), SamplingParams(4))]
+    seqs = [engine.submit(*r) for r in requests]
+    for capacity in (8, 8, 1):
+        engine.step()
+        assert len(engine._slot) == capacity
+    drain(engine)
+    assert [(s.tokens, s.finish_reason) for s in seqs] == [
+        (want, "length") for want in generated(model, requests)]
+
+
 def test_a_prompt_whose_prefill_fails_fails_only_its_own_sequence(model, engine,
                                                                 monkeypatch):
     """Should a prefill program fail (here a prompt holding "~" before its last token), each
