@@ -212,6 +212,8 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
     for route, handler in ROUTES.items():
         method, path = route.split()
         app.router.add_route(method, path, handler)
+        if method == "GET":  # and HEAD, as HTTP asks of a server (probes send it)
+            app.router.add_route("HEAD", path, handler)
     return app
 
 

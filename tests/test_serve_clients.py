@@ -318,6 +318,21 @@ def test_every_refusal_has_openais_error_shape(url, method, path, body, status, 
     assert re.search(says, answer["error"]["message"])
 
 
+def test_the_get_endpoints_answer_head_as_http_asks(url):
+    """HEAD, which HTTP servers must take wherever they take GET (health probes send it): the
+    GET answer's status and headers without its body (it was a 405)."""
+    async def head(path):
+        async with aiohttp.ClientSession() as s:
+            async with s.head(url + path) as r:
+                return r.status, r.headers["Content-Type"].split(";")[0], await r.read()
+
+    for path, kind in (("/health", "application/json"), ("/v1/models", "application/json"),
+                       ("/metrics", "text/plain")):
+        assert run(head(path)) == (200, kind, b"")
+    status, answer = run(send(url, "POST", "/health", {}))
+    assert status == 405 and "takes GET or HEAD" in answer["error"]["message"]
+
+
 def test_a_model_without_a_chat_template_names_both_ways_to_give_one(model):
     with serving(make_app(model, byte_tokenizer(), LIMITS, engine_options=ENGINE)) as address:
         status, answer = run(send(address, "POST", "/v1/chat/completions",
