@@ -62,6 +62,7 @@ from mamba_jax.http_api import (CHAT_TEMPLATE, ENGINE, LIMITS, MODEL_NAME, START
                                 ApiError, Texts)
 from mamba_jax.megatron_api import megatron_api
 from mamba_jax.openai_api import chat_completions, completions
+from mamba_jax.tokenizer import find_tokenizer, load_tokenizer
 
 log = logging.getLogger("mamba_jax.serve")
 
@@ -218,16 +219,19 @@ def make_app(model, tokenizer, limits: Limits = Limits(), eos_token_id=None,
 
 
 def _check_serving_flags(args):
-    """Refuse a checkpoint that is not there or holds no model, a chat template that does not
-    compile, limits and engine options the server could not serve under and an address it
-    cannot listen on, in that order, before the model loads (minutes for a large one). -> the
-    chat template given, or None."""
+    """Refuse a checkpoint that is not there or holds no model or tokenizer, a chat template
+    that does not compile, limits and engine options the server could not serve under and
+    an address it cannot listen on, in that order, before the model loads (minutes for a
+    large one). -> the chat template given, or None."""
     try:
         checkpoint = checkpoint_dir(args.checkpoint)
-        # A folder that holds no model (no config.json, or none of a known layout) is named
-        # here, before a busy port, which hid it: its config is read in a moment
+        # A folder that holds no model (no config.json, or none of a known layout) or no
+        # tokenizer is named here, before a busy port, which hid it until the model loaded
+        # (both are read again then, in a moment)
         if not is_training_checkpoint(checkpoint):
             load_config(checkpoint)
+            load_tokenizer(args.tokenizer or find_tokenizer(checkpoint)
+                           or checkpoint / "tokenizer.json")
         # The model's special tokens (its tokenizer_config.json's), which transformers hands a
         # template given apart from the tokenizer too: its bos_token and eos_token were ""
         special = model_special_tokens(checkpoint)

@@ -896,8 +896,8 @@ def test_the_server_refuses_limits_it_could_not_serve_under(flags, refusal, chec
 def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_model(
         checkpoint, tmp_path, capsys):
     """A port in use is refused at once, naming --host and --port (the checkpoint's weights
-    are never read); a checkpoint that is not there, or a folder that holds no model, is
-    named first (a busy port hid it)."""
+    are never read); a checkpoint that is not there, or a folder that holds no model or no
+    tokenizer, is named first (a busy port hid it)."""
     import socket
 
     from mamba_jax.serve import main
@@ -913,8 +913,12 @@ def test_the_server_names_an_address_it_cannot_listen_on_before_loading_the_mode
         with pytest.raises(SystemExit, match=f"{tmp_path / 'config.json'} not found: a "
                                              "checkpoint dir needs config.json") as empty:
             main(["--checkpoint", str(tmp_path), "--port", str(port)])
-    assert refused.value.code == missing.value.code == empty.value.code == 2
-    assert capsys.readouterr().err.count("\n") == 3
+        (tmp_path / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+        with pytest.raises(SystemExit, match=f"tokenizer file {tmp_path / 'tokenizer.json'} "
+                                             "not found: pass --tokenizer") as untokenized:
+            main(["--checkpoint", str(tmp_path), "--port", str(port)])
+    assert {e.value.code for e in (refused, missing, empty, untokenized)} == {2}
+    assert capsys.readouterr().err.count("\n") == 4
 
 
 def test_the_server_names_a_checkpoint_it_cannot_load(tmp_path, checkpoint, capsys):
