@@ -120,6 +120,9 @@ MODEL_NAME = web.AppKey("model_name", str)
 STARTED = web.AppKey("started", int)  # the server's start, seconds since the epoch
 
 
+UTF8_LONGEST = 4  # bytes of the longest UTF-8 character
+
+
 class TextStream:
     """A continuation's text as its tokens come, each token decoded once beside the few
     before it (linear in the tokens, where decoding the whole text at each token is
@@ -141,10 +144,19 @@ class TextStream:
     def add(self, token: int) -> str:
         self.ids.append(token)
         before, after = self._pending()
-        if after.endswith("\ufffd") or len(after) <= len(before):
-            return ""  # a character not yet whole (or a token of no text): wait
-        # The text given out ends on a whole character: decoding may restart there.
-        self.ids, self.read = self.ids[self.read:], len(self.ids) - self.read
+        if len(after) <= len(before):
+            return ""  # a token of no text (yet): wait
+        cut = len(self.ids)
+        if after.endswith("\ufffd"):  # maybe a character not yet whole: wait for it, but
+            # no longer than one can take (4 bytes, so 4 tokens): bytes that begin no
+            # character (a model's invalid UTF-8) go out as U+FFFD, not all at the end
+            held = cut - self.read
+            if held < UTF8_LONGEST:
+                return ""
+            cut -= UTF8_LONGEST - 1
+            after = self.texts.text(self.ids[:cut])
+        # The text given out ends on a token's end: decoding restarts there.
+        self.ids, self.read = self.ids[self.read:], cut - self.read
         return after[len(before):]
 
     def rest(self) -> str:

@@ -269,6 +269,24 @@ def test_a_stream_decodes_each_token_once_whole_characters_and_exact_stops():
     assert sum(decoded) < 16 * len(tokens)
 
 
+def test_a_stream_gives_out_bytes_that_begin_no_character_as_they_come():
+    """Bytes that are no UTF-8 (a model of random weights writes them) go out as U+FFFD
+    within the tokens a character can take, not all at the end (the time to the first
+    token was the whole request's); a character split over tokens after them stays whole."""
+    from mamba_jax.http_api import TextStream, Texts
+
+    class Bytes:
+        def decode(self, ids):
+            return bytes(ids).decode(errors="replace")
+
+    tokens = [0xff, 0xfe, 0x80, 0xff, 0xfe, 0xff] + list("€ ok".encode())
+    stream = TextStream(Texts(Bytes(), 256, None), list(b"p: "))
+    pieces = [stream.add(t) for t in tokens]
+    assert "".join(pieces) + stream.rest() == bytes(tokens).decode(errors="replace")
+    assert [i for i, p in enumerate(pieces) if p][0] == 3  # the fourth token, not the last
+    assert "€" in "".join(pieces)
+
+
 def test_a_client_that_disconnects_mid_stream_does_not_stall_the_others(url, model):
     async def leaver(s):
         async with s.post(url + "/v1/completions", json={
