@@ -6,7 +6,6 @@ the ones that must be killed or need another device count run as subprocesses.
 """
 
 import errno
-import io
 import json
 import os
 import re
@@ -447,7 +446,7 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
         convert([str(torn), str(tmp_path / "from_2"), "--to", "hf", "--step", "2"])
     assert checkpoint._restore_failed  # so its reads' stragglers print nothing after it
     with pytest.raises(SystemExit, match=rf"--checkpoint-dir {final} holds a model \(its "
-                                         "config.json\), which the commands"):
+                                         r"config.json\), which the commands"):
         main([*SMALL, "--steps", "1", "--checkpoint-dir", str(final)])
     # The newest step's optimizer state damaged (a data file cut short), its weights whole:
     # generate and convert read the weights, and say what is damaged and what a resume
@@ -473,23 +472,24 @@ def test_a_trainers_checkpoint_dir_exports_and_generates_as_its_final_export(tmp
 
 
 def _damage_the_optimizer_state_only(directory, step):
-    """Cut to half a data file of checkpoint `step` that its weights do not read and the
-    rest of its state does (Orbax packs arrays into shared files): the first, largest
-    first, after which the weights still read and something else is said damaged."""
-    from mamba_jax.init_from import load_training_checkpoint
-    files = sorted((directory / str(step) / "state").glob("ocdbt.process_*/d/*"),
-                   key=lambda f: (-f.stat().st_size, f.name))
-    for data in files:
-        whole, said = data.read_bytes(), io.StringIO()
-        os.truncate(data, len(whole) // 2)
-        try:
-            load_training_checkpoint(directory, step, log=said)
-            if said.getvalue():
-                return
-        except ValueError:  # the weights' file
-            pass
-        data.write_bytes(whole)
-    raise AssertionError(f"no data file of {directory / str(step)} holds optimizer state alone")
+    """Write checkpoint `step` again with its optimizer state changed and its meta (the
+    checksums of the arrays first saved) as it was: its weights read as saved, its optimizer
+    state is not what was saved. (Cutting a data file short damaged the weights as well
+    where Orbax had packed every array into one file.)"""
+    import orbax.checkpoint as ocp
+
+    manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
+    saved = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                           meta=ocp.args.JsonRestore()))
+    state = {**saved.state, "opt_state": jax.tree_util.tree_map(lambda x: x + 1,
+                                                                 saved.state["opt_state"])}
+    manager.close()
+    shutil.rmtree(directory / str(step))
+    manager = ocp.CheckpointManager(directory, item_names=("state", "meta"))
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               meta=ocp.args.JsonSave(saved.meta)))
+    manager.wait_until_finished()
+    manager.close()
 
 
 def test_an_out_that_holds_a_model_is_kept_unless_overwritten_or_the_same_run(
