@@ -351,7 +351,8 @@ def check_mamba3_step(model, ids, copy):
 def theirs_in_child(preset, batch, prompt, new, reps, copy):
     """theirs() run by this script in a child process (--theirs-child), so that neither
     library's runtime shares a process with the other's, as neither does in use (our decode
-    timed right after mamba_ssm's in one process ran slower: BENCHMARKS.md, Generation)."""
+    timed right after mamba_ssm's in one process ran slower: BENCHMARKS.md, Decoding against
+    mamba_ssm)."""
     reported = run_module("generate", [
         "--theirs-child", "--presets", preset, "--batches", str(batch), "--prompt",
         str(prompt), "--new", str(new), "--reps", str(reps), "--baseline", copy])[-1]

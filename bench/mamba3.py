@@ -54,7 +54,7 @@ and takes the output's cotangent as an argument (harness.forward_and_backward: t
 kernel runs, as mamba_ssm's does before its backward, and nothing folds into the program).
 On a fresh machine mamba_ssm's first calls autotune its kernels (27 configurations of the
 forward for each of its keys, the forward without gradients one of them): of a run of the
-three default shapes on an H200 (468 s), 343 s were its autotuning; TRITON_CACHE_AUTOTUNING=1
+three default shapes most of the time was its autotuning; TRITON_CACHE_AUTOTUNING=1
 keeps the choices in Triton's cache for later processes. --implementations: the columns of
 ours, default the kernels alone; "xla" adds the chunked form's. XLA_FLAGS gets
 `--xla_gpu_enable_triton_gemm=false` unless it names that flag (harness.use_cublas_gemms, as

@@ -2,9 +2,10 @@
 
 jax keeps each compiled program (on a GPU with XLA's autotuning results beside it) in a
 directory, keyed by the program, the jax and XLA versions, the flags and the devices; a
-later run that compiles the same program loads it instead. A repeated training run of
-mamba2-1.3b on an H200 ends its first step 24 s after its launch instead of 97, and a
-restarted server skips compiling its batch buckets. Any change to the model, the batch,
+later run that compiles the same program loads it instead: a repeated training run of
+mamba2-1.3b ends its first step in a fraction of the time after its launch (BENCHMARKS.md,
+rows T9 and T10),
+and a restarted server skips compiling its batch buckets. Any change to the model, the batch,
 the mesh or the code gives new programs, which compile and are added.
 
     compilation_cache.add_argument(parser)       # --compilation-cache DIR | off

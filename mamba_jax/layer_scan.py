@@ -3,8 +3,8 @@ each step's residuals for the backward pass kept in stacks that are never zero-f
 
 Differentiated, `lax.scan` keeps what each step's backward needs in stacked arrays [n, ...]
 that it first fills with zeros (jax lowers their initial value as a broadcast zero), and
-XLA does not elide that fill although every slot is written: in a mamba2-1.3b step at 16 x
-2048 those fills took 31 of the 847 ms (bench/profile_step.py). Here a custom_vjp runs the
+XLA does not elide that fill although every slot is written: in a mamba2-1.3b training step
+those fills were a few percent of the time (bench/profile_step.py). Here a custom_vjp runs the
 forward loop itself: each step takes `jax.vjp` of `step`, whose pullback is a pytree of
 residual arrays, writes those into stacks made by `lax.empty` (XLA's no-op AllocateBuffer
 on a GPU: allocated, not written; zeros on a CPU), and the backward loop reads them back

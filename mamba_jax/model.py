@@ -294,14 +294,14 @@ def init_layers(cfg, key: jax.Array, dtype) -> list[Block]:
     """The Blocks of cfg.layers, layer i drawn from fold_in(key, i). The layers of one kind
     are drawn together, as one init vmapped over their keys: a jitted init (the trainer's,
     which creates the parameters already sharded) then compiles each kind's init once, not
-    once per layer (mamba2-1.3b's 48 layers one by one took 100 s to compile, on a CPU and
-    on an H200 alike, before the first step's compile began).
+    once per layer (mamba2-1.3b's 48 layers drawn one by one were most of the time before the
+    first step's compile began, on a CPU and on a GPU alike).
 
     Each layer's tensors are then taken out of the stack at an offset known only at run time
     (an optimization_barrier hides the offsets from XLA's constant folding), so that every
-    layer's copy of a tensor is the same kernel, which XLA's GPU compiler builds once: on an
-    H200 (2026-12-03) mamba2-1.3b's draw and split compiled in 13.5 s, against 24.8 s with a
-    static slice a layer (818 distinct copy kernels; on a CPU 7.6 against 6.7 s)."""
+    layer's copy of a tensor is the same kernel, which XLA's GPU compiler builds once: a
+    static slice a layer gave mamba2-1.3b hundreds of distinct copy kernels and a slower
+    compile on a GPU (on a CPU the two compile alike; docs/performance.md)."""
     blocks = [None] * len(cfg.layers)
     for symbol in dict.fromkeys(cfg.layers):
         index = [i for i, s in enumerate(cfg.layers) if s == symbol]

@@ -18,8 +18,8 @@ from mamba_jax.sharding import is_param
 SCHEDULES = ("cosine", "wsd")
 
 # XLA's options for the training and evaluation steps on a GPU (ignored on a CPU): cuBLAS's
-# GEMMs rather than XLA's Triton GEMM fusions, whose autotuning kept mamba2-1.3b's first
-# compile past 150 s on an H200, against about 32 s without (docs/performance.md), and no
+# GEMMs rather than XLA's Triton GEMM fusions, whose autotuning made mamba2-1.3b's first
+# compile several times longer on a GPU (docs/performance.md), and no
 # cuBLASLt, without which jax 0.11.2's compile of a hybrid with MLP layers failed there
 # ("BlasLt is unavailable"). The speeds in BENCHMARKS.md were measured with both. Under
 # --fp8 the FP8 GEMMs are cuBLASLt's whatever these say (XLA's GEMM rewriter makes every
@@ -28,10 +28,10 @@ SCHEDULES = ("cosine", "wsd")
 TRAIN_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
                           "xla_gpu_enable_cublaslt": False}
 # Bitwise-reproducible GPU steps (the trainer's --deterministic): XLA's scatter-adds (such
-# as the embedding's gradient) and reductions in a fixed order instead of by atomics. On an
-# H200 two runs of the same 30 tiny steps gave losses that differed from step 3 without it
-# and were identical with it, and mamba2-1.3b's step at 20 x 2048 took 857.8 ms against
-# 787.2 (+9%; docs/performance.md). Our Pallas kernels use no atomics in training.
+# as the embedding's gradient) and reductions in a fixed order instead of by atomics. On a
+# GPU two runs of the same tiny steps gave losses that differed within a few steps without
+# it and were identical with it, for a slower mamba2-1.3b step (docs/performance.md). Our Pallas
+# kernels use no atomics in training.
 DETERMINISTIC_OPTIONS = {"xla_gpu_deterministic_ops": True}
 
 

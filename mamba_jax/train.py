@@ -143,8 +143,8 @@ def build_parser():
     p.add_argument("--deterministic", action="store_true",
                    help="bitwise-reproducible steps on GPUs (XLA's deterministic scatter-adds "
                         "and reductions): two runs of one command give the same losses to the "
-                        "bit, for about 9%% more time a step (mamba2-1.3b on an H200); CPU "
-                        "steps are reproducible without it")
+                        "bit, for more time a step (docs/performance.md); CPU steps are "
+                        "reproducible without it")
     p.add_argument("--remat", choices=REMAT, default="none",
                    help="activation checkpointing per block: block keeps matmul outputs, "
                         "full keeps only each block's input")
@@ -548,8 +548,8 @@ def _export_dir(args, out: str, resumed: bool, flag="--out", held=model_file) ->
 def main(argv=None):
     # The trainer is its GPUs' one process: it may take 95% of their memory rather than
     # jax's default 75%, so that the batches in BENCHMARKS.md fit (mamba2-1.3b's 20 rows of
-    # 2048 tokens plan 116 GiB of an H200's 140). Read when jax first uses a GPU, so set
-    # before; an XLA_PYTHON_CLIENT_MEM_FRACTION the user gives is kept.
+    # 2048 tokens plan more than 75% of an H200's 141 GB). Read when jax first uses a GPU,
+    # so set before; an XLA_PYTHON_CLIENT_MEM_FRACTION the user gives is kept.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     with contextlib.ExitStack() as held:  # the --checkpoint-dir lock, to the end
         _train(argv, held)
@@ -859,8 +859,8 @@ def _train(argv, held: contextlib.ExitStack):
             progress.update(record["step"], record)
 
     # Each step is dispatched before the loss of the step before it is read, so that the
-    # device does not wait between steps while the host dispatches (about 2% of
-    # mamba2-1.3b's step on an H200, docs/performance.md). A step that saves or evaluates,
+    # device does not wait between steps while the host dispatches (docs/performance.md).
+    # A step that saves or evaluates,
     # the last step and a step after a stop request are read at once: a state is checked
     # before it is kept.
     step = start

@@ -37,8 +37,8 @@ from mamba_jax.model import check_causal
 
 # The decode loop as one CUDA graph: XLA's command buffers with the while loop itself a
 # conditional graph node (XLA's default leaves the loop to the host, which launches its
-# body's command buffers at every token). 3% less time per token on an H200 at batch 1
-# (bench/generate.py --command-buffers on,off; BENCHMARKS.md). Ignored on CPU.
+# body's command buffers at every token). Less time per token at batch 1
+# (bench/generate.py --command-buffers on,off; docs/performance.md). Ignored on CPU.
 DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
                            "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
 SSM_STATE_DTYPES = ("float32", "bfloat16", "int8")
@@ -643,9 +643,9 @@ def prefill(model, input_ids, prepared: Prepared, seed=0):
     the row's logits are NaN (decode raises for it), the cache after the prompt, as the
     decode loop carries it)."""
     # The model goes to both programs as the pytree it is (flax's Modules are pytrees): its
-    # structure keys the compile cache through a treedef that hashes in microseconds, where
-    # nnx.split and a static GraphDef cost ~11 ms and ~2 ms a call on the host for a
-    # 48-layer model (BENCHMARKS.md), before the GPU starts.
+    # structure keys the compile cache through a treedef that hashes quickly, where
+    # nnx.split and a static GraphDef cost far more a call on the host for a 48-layer model
+    # (BENCHMARKS.md, row G1), before the GPU starts.
     p = prepared
     return _prefill(model, jnp.asarray(input_ids), p.prompt_lengths,
                     row_streams(seed, len(p.limits)),
@@ -727,7 +727,7 @@ def generate(model, input_ids, max_new_tokens=64, temperature=0.0, top_k=None, t
     moves, which at large batches are mostly states (bench/generate.py), and rounds the
     state at every token. "int8" stores each headdim channel's d_state values as int8 with
     a float32 scale (pallas_kernels.ssd.step.Int8State), quantised afresh from float32 at
-    every token: 0.52x bf16's bytes at d_state 128, each value off by at most half its
+    every token: about half bf16's bytes at d_state 128, each value off by at most half its
     row's step (max / 254). Its steps never run fused (mamba_jax.generate.plan): it is for
     large batches.
 

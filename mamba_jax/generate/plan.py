@@ -22,10 +22,9 @@ from pallas_kernels import fallback
 
 STEP_IMPLEMENTATIONS = ("auto", "xla", "triton")
 # The largest batch whose step runs its layers "fused" under "triton" (larger batches take
-# the step kernels alone between XLA's projections). Measured on an H200 (BENCHMARKS.md): at
-# batch 8 an earlier fused Mamba step took 2.5x and 4.0x the XLA step's time for mamba2-370m
-# and mamba2-1.3b (the norm-matmul kernels unroll the rows: each row's products are reduced
-# apart).
+# the step kernels alone between XLA's projections). At batch 8 an earlier fused Mamba step
+# was several times slower than the XLA step for mamba2-370m and mamba2-1.3b (docs/
+# performance.md): the norm-matmul kernels unroll the rows, each row's products reduced apart.
 FUSED_STEP_MAX_BATCH = 1
 # The SSM state dtypes the fused steps take. An int8 state (generate's ssm_state_dtype="int8")
 # is for large batches, where its bytes are what a step moves and no layer is fused anyway:
@@ -42,11 +41,9 @@ class DecodePlan:
 
 def resolve_implementation(implementation: str, model, backend: str | None = None) -> str:
     """"xla" or "triton" for one of STEP_IMPLEMENTATIONS. "auto" is "triton" on a GPU where
-    every layer's step kernels take the model's shapes, "xla" otherwise: measured on an H200
-    (BENCHMARKS.md), at batch 1 the fused steps took 0.44-0.45x the XLA step's time for
-    mamba2-370m and 0.72-0.81x for mamba2-1.3b; the step kernel alone took 0.34-0.44x XLA's
-    step at batch 8, 0.40-0.55x at 16 and 0.86-0.88x at 64 (bf16 states). backend: default
-    jax.default_backend()."""
+    every layer's step kernels take the model's shapes, "xla" otherwise: the fused steps at
+    batch 1 and the step kernels alone at batches 8 to 64 took less time than XLA's step
+    (docs/performance.md). backend: default jax.default_backend()."""
     if implementation not in STEP_IMPLEMENTATIONS:
         raise ValueError(f"step_implementation={implementation!r}; use one of "
                          f"{STEP_IMPLEMENTATIONS}")

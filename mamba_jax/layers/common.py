@@ -50,7 +50,7 @@ def _compute_matmul(spec, a, b, dtype, out_dtype):
     """matmul in the compute dtype. Its custom JVP takes the tangent matmuls in dtype, so the
     transposed (backward) matmuls take the cotangent in dtype. Differentiated as is, each
     backward matmul would mix a float32 cotangent with a bf16 operand, which XLA runs as a
-    float32 (TF32) matmul, about 2x slower (a third of the 1.3b train step's time,
+    float32 (TF32) matmul, much slower (a large share of the 1.3b train step's time,
     bench/profile_step.py). The weight's gradient is rounded to dtype before it is widened
     to b's dtype, as before the cast. A JVP rather than a VJP keeps the matmuls visible to
     jax.checkpoint policies (a custom_vjp's residuals are saved whatever the policy)."""
@@ -82,7 +82,7 @@ def split_last(a, sizes):
     """a [..., sum(sizes)] -> its consecutive parts [..., size] along the last axis, as
     jnp.split, with the parts' cotangents concatenated once. Left to XLA, that concatenation
     was made once for each backward matmul of the in-projection that reads it: two copies of
-    the projection's width a layer (25 of the 880 ms of a mamba2-1.3b step at 16 x 2048,
+    the projection's width a layer (a few percent of a mamba2-1.3b training step,
     bench/profile_step.py). An optimization barrier keeps one."""
     return tuple(jnp.split(a, list(itertools.accumulate(sizes[:-1])), axis=-1))
 

@@ -467,7 +467,7 @@ class Mamba2Mixer(Mixer):
         the bias (this rank's share), through out_proj [d, h*p] (StepWeights.out_proj)."""
         # XLA rewrites a matrix-vector product as a product and a sum, which against
         # [h, p, d] it ran as an elementwise product [h*p, d] written out in float32 and
-        # summed over columns, 3x the weight's bytes (bench/profile_step.py). Against
+        # summed over columns, several times the weight's bytes (bench/profile_step.py). Against
         # [d, h*p] the sum runs over each contiguous row.
         return matmul("...e,de->...d", y.reshape(*y.shape[:-2], -1), out_proj, self.dtype)
 

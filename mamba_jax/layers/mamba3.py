@@ -125,10 +125,9 @@ class Mamba3Mixer(Mixer):
     Config = Mamba3Section
     checkpoint_keys = {"mamba_ssm": _KEYS}
     step_kernels = ("kernel", "fused")
-    # Measured on an H200 (mamba3-1.3b, float32 states, bench.generate): the step kernel
-    # between XLA's projections took 0.97x XLA's step's time at batch 8, 1.08x at 16, 1.16x
-    # at 32 and 1.17x at 64, where its per-head programs move the state more slowly than
-    # XLA's fusions.
+    # Measured with bench.generate (mamba3-1.3b, float32 states; docs/performance.md): the
+    # step kernel between XLA's projections is on par with XLA's step at batch 8 and slower
+    # above it, where its per-head programs move the state more slowly than XLA's fusions.
     step_kernel_max_batch = 8
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype=jnp.float32):

@@ -55,12 +55,10 @@ class Config:
     row's loads wait on nothing of the row before, so several in flight at once hide the
     memory's latency that one row a step waited out at every row). With parts, the block
     divides every part: 128 channels at mamba2-1.3b's x, B, C of 4096, 128, 128. A run of 128
-    rows re-reads k - 1 rows at its start. There, 16 x 2048 rows as the Mamba2 mixer calls
-    the kernels, on an H200 (timed as bench.tiles times them): at two warps each, forward
-    0.204 ms and backward 0.359 against 0.277 and 0.454 for the earlier runs of 64 rows one
-    row a step; 4 rows a step or runs of 256 rows within 3% of it; 16 rows a step backward
-    0.43. One warp took the forward 0.184-0.188 ms (0.207 against 0.222 at two in a later
-    call) and the backward 0.42-0.44, so each has its own warps."""
+    rows re-reads k - 1 rows at its start. As the Mamba2 mixer calls the kernels (timed as
+    bench.tiles times them), these runs beat the earlier runs of 64 rows one row a step
+    both ways, and one warp suits the forward but not the backward, so each has its own
+    warps (docs/performance.md)."""
     run: int = 128
     block_e: int = 256
     forward_warps: int = 1

@@ -30,8 +30,7 @@ as mamba_ssm computes it) and the MLP's, except where the norm's operand is roun
 model rounds v * rstd * weight, this v * weight. One rounding of each term either way, so the
 two products differ by at most 2**-8 of the sum of the terms' magnitudes (tests). Applying
 rstd after the product lets the kernel reduce the sum of squares beside the product rather
-than before it: 40-50 us a token less for mamba2-1.3b at batch 1 on an H200 (BENCHMARKS.md,
-Generation).
+than before it, for less time a token (docs/performance.md).
 
 window: None, or (conv_state [b, e, k], at) with out's columns [at, at + e) the newest
 inputs of a causal conv's e channels (a Mamba block's in_proj output holds xBC there): then
@@ -43,7 +42,7 @@ its own columns' channels.
 program loads its bn rows of w whole, then reads every row of x whole (a few KB each, from
 L2), normalises it and reduces it against them: w read once, the reference's arithmetic
 summed in another order. A decode step at batch 1 is bound by its kernel count
-(BENCHMARKS.md, Generation): this is one kernel where XLA runs a norm fusion and a
+(BENCHMARKS.md, Decoding, ours alone): this is one kernel where XLA runs a norm fusion and a
 matrix-vector product. The rows are unrolled in the kernel, so it is for a few of them; w
 [n, k] (w_transposed) reads contiguous rows of k, where [k, n] reads bn columns at a stride
 of n. `blocks` (Blocks) sets its tiles. On a machine without a GPU it runs in Pallas's
@@ -178,8 +177,8 @@ def filled_blocks(blocks, k, k_group, n, columns_divisor):
     keeps that slab within SLAB_ELEMENTS (128 registers a thread at 4 warps, for bf16) and
     gives at least two waves of programs over the SMs (hardware.two_waves), except that a
     long row (k >= 4096) takes 8 rows: every program also reads all of x, so fewer programs read
-    less of it (mamba2-1.3b's out_proj, k 4096: 8.8-8.9 us at 8 rows and 4 warps against
-    10.1-10.5 at 4 rows and 8 warps, two runs; BENCHMARKS.md, Generation). bk is at most
+    less of it (mamba2-1.3b's out_proj, k 4096: 8 rows and 4 warps beat 4 rows and 8 warps;
+    docs/performance.md). bk is at most
     2048. bn divides columns_divisor (n, or where a window's columns start and end)."""
     bn = blocks.block_n or (min(8, SLAB_ELEMENTS // k) if k >= 4096
                             else min(4, n // hardware.two_waves()))
@@ -194,7 +193,7 @@ def k_tiles(k_group, ngroups, bk):
     form. Triton takes only power-of-two block widths, and tiles of k_group's largest
     power-of-two divisor alone can be many: nemotron-nano-9b-v2's MLP, k 15680 = 245 x 64,
     unrolled 245 loads a row (351 KB of Triton IR a kernel, 25 of them in a batch-1 decode
-    loop that did not compile in 280 s on an H200); in these tiles it takes 10."""
+    loop that did not finish compiling); in these tiles it takes 10."""
     tiles = []
     for group in range(ngroups):
         first, end, width = group * k_group, (group + 1) * k_group, bk

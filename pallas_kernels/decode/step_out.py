@@ -99,7 +99,7 @@ def _arrive_and_wait(sync_ref, programs, threads):
     arrived = plgpu.atomic_add(sync_ref, zero, zero + 1)
     target = (arrived // programs + 1) * programs
     # Polled by the atomic, not by plain (volatile) loads and an acquire after them: that
-    # took about 30 us a token more in mamba2-1.3b (BENCHMARKS.md, Generation). carry[1] * 0
+    # took more time a token in mamba2-1.3b (docs/performance.md). carry[1] * 0
     # is a zero made in the loop: Pallas's interpreter takes no constant array there.
     jax.lax.while_loop(lambda carry: carry[0] < carry[1],
                        lambda carry: (plgpu.atomic_add(sync_ref, carry[1] * 0, carry[1] * 0),

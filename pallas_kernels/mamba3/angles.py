@@ -18,10 +18,8 @@ the angles' gradients through pi tanh(angles) dt (the wrap's is one; its floor's
 The forward writes theta once, where XLA's form wrote the increments, their sums (a
 float32 product on FMA units) and the wrapped angles, and its gradient as many passes more.
 The angles' gradient leaves each program per head ([b, h, l, a]), summed over the heads by
-XLA. On an H200 (2026-12-02, 64 heads of 32 angles, one call): the scan's forward at 8 x
-2048 took 1.17 and 1.28 ms against 1.44 and 1.62 with XLA's sums, forward and backward 5.41
-and 5.39 against 5.71 and 5.84; at 8 x 8192 4.15 and 4.14 against 4.53 and 4.51, 19.40 and
-19.65 against 20.78 and 20.50 (`bench.mamba3 --only-ours`, alternating).
+XLA. The scan took less time with it than with XLA's sums, forward and forward+backward,
+at 8 x 2048 and 8 x 8192 (`bench.mamba3 --only-ours`; docs/performance.md).
 
 A program walks its row's blocks in turn, so `takes` keeps XLA's log-depth form where the
 (row, head) programs are fewer than two waves of the multiprocessors (a long single row).
@@ -41,9 +39,8 @@ from pallas_kernels.mamba3.reference import wrap
 from pallas_kernels.triton_call import call, off_gpu
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots (not TF32): sums of angles
-# Tokens a step of the walk. Alone at 8 x 2048 and 8 x 8192 (64 heads of 32 angles, an H200,
-# forward; with its gradient): 16 took 0.54 and 0.88 ms (0.77, 1.55), 32 0.41 and 0.75 (0.49,
-# 1.00), 64 0.35 and 1.10 (0.41, 1.38); XLA's sums 0.60 and 1.24 (0.50, 1.54).
+# Tokens a step of the walk: 32 was the fastest of 16, 32 and 64 alone at 8 x 2048 and
+# 8 x 8192, forward and with its gradient (docs/performance.md).
 BLOCK = 32
 _WARPS = 4
 

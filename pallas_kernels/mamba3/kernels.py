@@ -17,13 +17,12 @@ token's own pairs are weighted w_t - eta_t, so the two local terms above are com
 q . k and v already are, and their gradients with the others'. For SISO (r = 1) it is
 -eta_t (q_t . k_t) v_t, a per-token skip (ssd_weighted's `skip`) that the kernels apply as
 they apply D, so XLA makes no pass over y and x for it, nor over dy and x for its gradients
-(about 0.4 of 4.8 ms of kernel time at 8 x 2048 with 64 heads on an H200, docs/kernels.md);
+(docs/performance.md);
 q . k comes from the unrotated C and B (`token_products`). Written in XLA around the
 kernels instead (q_t,R . k_t,r from the unrotated B and C, then a product with v per
-token), the MIMO term took 7.6 of the 11.0 ms of a rank-4 forward at 8 x 2048 with 64 heads
-on an H200 as dot_generals (batches of r x r products); as sums in fusions the scan took
-3.70 ms forward and 20.52 forward and backward where, in the same call, the term in the
-kernels took 3.04 and 17.56 (docs/kernels.md).
+token), the MIMO term was most of a rank-4 forward's time as dot_generals (batches of r x r
+products), and as sums in fusions still slower than the term in the kernels
+(docs/performance.md).
 The initial state enters with its previous token's trapezoid term folded in, as in the
 chunked form.
 
@@ -31,18 +30,18 @@ The rotation is the forward kernel's own (ssd_weighted's `rotation`): it reads t
 and B and, per head, adds its biases and turns them by its angles theta as it loads each
 chunk (`to_kernel_order` puts the pairs the rotary turns where the kernels turn them), so the
 forward has no per-head q or k in memory: written out by XLA, with the turn's cos and sin,
-they were 1.2 of the 1.5 ms of GPU time of a forward at 8 x 2048 on an H200 (64 heads, one
-group; docs/kernels.md). The backward kernels turn them too, with a kernel of their own
-turning the gradients back (triton.turned_back), where the batch gives their chunk walks
-enough programs; else they read per-head turned copies that XLA makes inside the
-custom_vjp (triton.turned; triton.Config.backward_turns says where and why).
+they were most of a forward's GPU time (docs/performance.md). The backward kernels turn
+them too, with a kernel of their own turning the gradients back (triton.turned_back), where
+the batch gives their chunk walks enough programs; else they read per-head turned copies
+that XLA makes inside the custom_vjp (triton.turned; triton.Config.backward_turns says where
+and why).
 
 A long row with few (row, head) programs is scanned in parts at once (`segments`, as
 pallas_kernels.ssd's): the angles are per token, so a part reads its own, and the state
 entering each part is joined from the parts' zero-state final states in the turned values
 (ssd.vjp, `weighted_state` turning B as the forward kernel does, and C with C's biases for
-the backward's read-out). On an H200 at 1 x 65536 with 64 heads, 8 parts took 0.57x the
-whole row's time forward and 0.73x forward and backward (BENCHMARKS.md).
+the backward's read-out). At 1 x 65536 with 64 heads, 8 parts take less time than the whole
+row, forward and backward (BENCHMARKS.md, Mamba-3 against mamba_ssm).
 
 The angle state theta is summed by a kernel of its own each way (angles.py) where its walks,
 one (row, head) a program, have two waves of programs (`angles.takes`), else by XLA
@@ -70,8 +69,8 @@ from pallas_kernels.ssd.vjp import ssd_weighted
 
 # The SSD kernels' settings for Mamba-3. The per-chunk states are recomputed in the backward,
 # not kept from the forward (triton.Config.keep_states, as mamba_ssm's Mamba-3 keeps them):
-# kept, mamba3-1.3b's training step fits 12 rows of 2048 where it fits 16, and its tokens/s
-# at 12 rows kept were 1.022x those at 16 recomputed (docs/performance.md).
+# kept, mamba3-1.3b's training step fits fewer rows of 2048, for about the same tokens/s at
+# the largest batch each fits (docs/performance.md).
 CONFIG = triton.Config()
 
 

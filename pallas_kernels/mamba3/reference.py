@@ -101,8 +101,8 @@ def cumulative_angles(increments, starts, initial=None, block=64):
     c = (l + pad) // block
     inc = inc.reshape(b, c, block, h, a)
     # The sums within each block as a product with a triangle of ones, in full float32: a
-    # cumulative sum is a reduce-window on a GPU, which took 0.29 ms of a mamba3-1.3b-sized
-    # forward at 8 x 2048 on an H200 (docs/kernels.md), and its transpose 0.86 ms. One
+    # cumulative sum is a reduce-window on a GPU, a visible share of a mamba3-1.3b-sized
+    # forward, and its transpose more (docs/performance.md). One
     # triangle a block, as a batched product [t, s] x [s, h * a] whose result is already in
     # [b, c, t, h * a] order: with one shared triangle the product's free axes came out
     # [t, b, c, h, a], and XLA transposed the increments in and the sums out.

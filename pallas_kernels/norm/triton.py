@@ -66,15 +66,12 @@ class Config:
     `backward_prefetch`: the backward's loop loads the next block before it computes this
     one (carried in registers in the arrays' dtype), so that a program's loads overlap its
     arithmetic; taken where a thread's share of a block is at most PREFETCH_BYTES of each
-    array. The gated norm's backward as the Mamba2 mixer calls it (mamba2-1.3b, 16 x 2048
-    bf16 rows of 4096, the output recomputed, an H200, timed as bench.tiles times them):
-    0.52 ms at 8 warps with it, 0.69 at 4 without (8 warps without it were slower than 4 in
-    an earlier sweep: 1.03 against 0.84 ms); at 4 warps with it, 64 bytes a thread, 1.77:
-    the carried loads spill. The add-and-norm backward (mamba2-1.3b's float32 residual rows
-    of 2048) took 0.317 ms with it over blocks of one row (8 warps, 32 bytes a thread)
-    against 0.329 over blocks of two rows without it (4 warps; blocks of one row without it
-    0.373), and its forward over blocks of one row 0.226 against 0.236 (one call):
-    ADD_CONFIG. `backward_warps` None: 8 where the backward prefetches, else 4."""
+    array. The gated norm's backward as the Mamba2 mixer calls it (timed as bench.tiles
+    times them) was fastest at 8 warps with it, and slowest at 4 warps with it, 64 bytes a
+    thread, where the carried loads spill; the add-and-norm backward was fastest with it
+    over blocks of one row (8 warps, 32 bytes a thread), and its forward over blocks of one
+    row: ADD_CONFIG (docs/performance.md). `backward_warps` None: 8 where the backward
+    prefetches, else 4."""
     block_elements: int = 4096
     num_warps: int | None = None
     backward_warps: int | None = None

@@ -35,8 +35,8 @@ the kernels' custom_vjp joins them with one kernel over x and B in the forward a
 dy and C in the backward, whose kernels then carry the join's gradients (vjp.py). 1 scans
 each row whole. "auto" (the default, `auto_segments`): 8 where the kernels run, batch x
 heads x 8 is at most 512 programs and each part keeps at least 8192 tokens, else 1:
-measured on an H200 at batch 1 x 65536 x 64 heads, 8 parts took 0.63-0.68x the whole row's
-time, and at batch 8 (512 rows) parts took 1.2-1.8x (BENCHMARKS.md).
+at batch 1 x 65536 x 64 heads, 8 parts took less time than the whole row, and at batch 8
+(512 rows) more (docs/performance.md).
 
 `inputs=(fn, args)`, with x, B and C None: the scan of `x, B, C = fn(*args)` (Mamba2's conv
 over its projections). The kernels compute them inside their custom_vjp and recompute them

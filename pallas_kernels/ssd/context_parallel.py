@@ -27,8 +27,8 @@ states the same way for a diagonal RNN):
 
 So the whole costs one scan plus step 1's einsum, and no pass over y: an earlier version
 scanned each part from zero and added the entering state's read-out exp(cumsum) C_t . S_k
-to y afterwards, a float32 [l, h, p] product and a pass over y (at batch 1 x 65536 in 8
-segments, an estimated 0.8 ms of a 2.3 ms forward: BENCHMARKS.md). Gradients flow through
+to y afterwards, a float32 [l, h, p] product and a pass over y (a third of a long row's
+forward by an estimate; docs/performance.md). Gradients flow through
 the scan's initial state, the fold, the all-gather (its transpose is a reduce-scatter) and
 the einsum.
 """

@@ -41,8 +41,8 @@ into a new buffer, since a group's programs read its old B and C columns while o
 stores the shifted ones), reads its [bp, n] of the state once and writes it in place; bp < p
 only where b * h is small, or as `blocks` (Blocks) sets; on a machine without a GPU it runs
 in Pallas's interpreter). A decode step at batch 1 is bound by its kernel count, not its
-bytes (BENCHMARKS.md, Generation): the window's shift and the projection's split are in
-kernels rather than XLA fusions of their own. pallas_kernels.decode.step_out goes on
+bytes (BENCHMARKS.md, Decoding, ours alone): the window's shift and the projection's split
+are in kernels rather than XLA fusions of their own. pallas_kernels.decode.step_out goes on
 through the out-projection, at batch 1 in the same kernel where it can.
 
 An Int8State stores each (row, head, headdim channel)'s n state values as int8 with one
@@ -387,8 +387,8 @@ def filled_blocks(blocks, b, h, p, n):
     if bp & (bp - 1) or p % bp:
         raise ValueError(f"mamba_step: Blocks(block_p={bp}) must be a power of two dividing "
                          f"headdim {p}")
-    # At batch 64 (bp = p = 64, n = 128) 2 warps took 0.87-0.88x the time of 4, and 8
-    # warps 4.2-4.8x; at bp = 32, 4 warps beat 2 (bench/step.py, BENCHMARKS.md, Generation).
+    # At batch 64 (bp = p = 64, n = 128) 2 warps beat 4, and 8 were much slower; at
+    # bp = 32, 4 warps beat 2 (bench/step.py; docs/performance.md).
     return bp, blocks.num_warps or (2 if bp * n >= 8192 else 4)
 
 

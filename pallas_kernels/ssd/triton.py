@@ -76,46 +76,41 @@ class Config:
     backward_bc_warps: int = 8
     # The dB/dC kernel's warps where each of its programs takes one head (Mamba-3's turned B
     # and C, which differ per head; or one head a group): b * chunks * h small programs,
-    # which fewer warps let share a multiprocessor. Measured on an H200 (the Mamba-3 scan,
-    # SISO, 64 heads of 64, d_state 128, bf16, forward+backward, two runs): 4 warps took
-    # 0.83-0.86x the time of 8 at 8 x 2048 and 0.88x at 8 x 8192.
+    # which fewer warps let share a multiprocessor: 4 warps beat 8 for the Mamba-3 scan
+    # (docs/performance.md).
     one_head_bc_warps: int = 4
     # Heads of a group that one dB/dC program loops over; None: all of them. Fewer heads
     # per program multiply the programs (b * chunks * g is small for short batches) at the
     # cost of one float32 dB/dC partial per program, summed after the kernel.
     backward_bc_heads: int | None = None
     # Software-pipelining stages of the chunk and head loops. One for the backward kernels:
-    # measured on an H200 at (8, 8192), 2 stages made the state kernel 1.09x and the dB/dC
-    # kernel 1.27x slower (their registers, not their loads, bound them).
+    # 2 stages made the state and dB/dC kernels slower (their registers, not their loads,
+    # bound them; docs/performance.md).
     forward_stages: int = 2
     backward_stages: int = 1
     # The dB/dC kernel's stages where its programs loop over several heads (a group's): the
-    # next head's x, dy, state and state gradient load while a head is computed. Measured
-    # on an H200 (docs/performance.md): mamba2-1.3b's training step at 24 x 2048 took 0.99x
-    # the time with 2 (twice, alternating in one call), mamba2-370m's at 44 x 2048 1.00x,
-    # and the kernel alone 0.81x at 1 x 65536; at 8192-token rows, within the spread. A
+    # next head's x, dy, state and state gradient load while a head is computed: a long
+    # row's kernel gains, training steps are on par (docs/performance.md). A
     # program of one head (Mamba-3's turned B and C) has no loop to pipeline: it keeps
     # backward_stages.
     backward_bc_stages: int = 2
-    # The forward's stages when it turns B and C (`rotation`): at 8 x 2048 with 64 heads on
-    # an H200 its kernel took 0.64 ms with one stage, 1.16 with two.
+    # The forward's stages when it turns B and C (`rotation`): two were much slower than one
+    # (docs/performance.md).
     rotation_forward_stages: int = 1
     # The per-chunk states the backward pass recomputes and their gradients, stored in x's
     # dtype instead of float32 (they are carried and summed in float32 either way): half
     # their memory and traffic for bf16 inputs, at bf16 rounding of what the backward reads,
-    # as mamba_ssm's chunk scan reads its states in C's dtype. Measured on an H200
-    # (BENCHMARKS.md): forward+backward 0.70x the float32 states' time at 8 x 2048, 0.73x at
-    # 8 x 8192, with the same error against mamba_ssm. float32 inputs keep float32 states.
+    # as mamba_ssm's chunk scan reads its states in C's dtype: less time forward+backward
+    # than float32 states, with the same error against mamba_ssm (BENCHMARKS.md, SSD scan).
+    # float32 inputs keep float32 states.
     states_in_input_dtype: bool = True
     # The per-chunk states kept from the forward kernel for the backward (under
     # differentiation only; a forward alone writes none) instead of recomputed there by
     # `chunk_states`: the forward writes them as it walks, and the backward skips a walk
     # that reads x and B again, at twice x's memory (t = 64, d_state 128, in x's dtype) a
-    # layer until its backward. Measured on an H200 with Mamba-3's scan (SISO, 64 heads of
-    # 64, bf16): forward+backward alone within the spread at 8 x 2048 and 8 x 8192; in
-    # mamba3-1.3b's training step at 12 x 2048 600.2 and 602.4 ms against 610.5, with 114.6
-    # GiB against 96.5 (docs/performance.md). Off by default: it lowers the largest batch
-    # that fits (mamba3-1.3b: 12 rows where 16 fit, for 1.022x the tokens/s at each one's).
+    # layer until its backward. With Mamba-3's scan it saved little time alone or in
+    # mamba3-1.3b's training step, for more memory (docs/performance.md). Off by default: it
+    # lowers the largest batch that fits, for about the same tokens/s at each one's.
     keep_states: bool = False
     # With `rotation`, the backward's B and C and their gradients: True, its kernels turn the
     # group's B and C as they load them, as the forward does, and a kernel turns their
@@ -123,17 +118,14 @@ class Config:
     # XLA writes (`turned`) and XLA's vjp of that turn takes their gradients back (at 8 x
     # 2048 with 64 heads and d_state 128 each copy and each gradient is 268 MB in bf16).
     # None: True where the kernels that walk the chunks (grid (b, h, p / bp)) have at least
-    # two waves of (batch, head) programs (`turns_in_backward`). Measured on an H200 (scan
-    # forward+backward, 64 heads of 64, d_state 128, bf16): turning took 0.90-0.95x the
-    # copies' time at 8 x 2048 and 8 x 8192, and 1.22x at 1 x 65536, where each of the 128
-    # programs walks 1,024 chunks and the turn lengthens every step of the walk.
+    # two waves of (batch, head) programs (`turns_in_backward`): turning beat the copies at
+    # 8 x 2048 and 8 x 8192 and lost at 1 x 65536, where each of the 128 programs walks
+    # 1,024 chunks and the turn lengthens every step of the walk (docs/performance.md).
     backward_turns: bool | None = None
     # The positions (rows) of one turned_back program; None: 16, or 32 where the biases have
-    # several rows (MIMO ranks; at least the rank, and dividing the rows). On an H200 (the
-    # Mamba-3 scan forward and backward, 64 heads of 64, d_state 128, bf16, 8 x 2048): SISO
-    # took 4.07 and 4.11 ms at 32 and 64 rows against 3.92 at 16; MIMO rank 4 took 16.49 and
-    # 16.94 against 17.56 (16 rows are 4 of its tokens, and its biases' partial sums, a
-    # [rank, n] per program and head, were 1 GB in float32).
+    # several rows (MIMO ranks; at least the rank, and dividing the rows): 16 suited SISO
+    # and 32 MIMO rank 4, where 16 rows are 4 of its tokens and its biases' partial sums, a
+    # [rank, n] per program and head, were 1 GB in float32 (docs/performance.md).
     turned_back_rows: int | None = None
 
     def turns_in_backward(self, b, h):
@@ -251,8 +243,7 @@ def cos_and_sin(theta):
     to 1e4; the kernels' angles are wrapped to [0, 2 pi)). libdevice's cosf and sinf, which
     Pallas lowers jnp.cos and jnp.sin to, each reduce the argument on their own and guard
     a slow path for huge arguments: with them Mamba-3's scan, whose kernels turn B and C by
-    each head's angles at every chunk, took 1.10x this function's time forward+backward on
-    an H200 (docs/kernels.md)."""
+    each head's angles at every chunk, took longer forward+backward (docs/performance.md)."""
     q = jnp.floor(theta * (2 / math.pi) + 0.5)  # the nearest multiple of pi / 2
     r = ((theta - q * _HALF_PI[0]) - q * _HALF_PI[1]) - q * _HALF_PI[2]
     r2 = r * r
@@ -316,8 +307,8 @@ def turned(B, C, rotation):
     in XLA: per head, [b, l, h, n] each in B's dtype. The backward pass's kernels read these
     copies unless they turn B and C themselves (Config.backward_turns); this function's vjp,
     or `turned_back`, turns their per-head gradients back (inside the dB/dC kernel, with the
-    angles' gradients, that bound its registers: 3.7 ms where the copies and the per-head
-    kernels take about 1.4, at 8 x 2048 with 64 heads on an H200). The turn as XLA fuses it
+    angles' gradients, that bound its registers: slower than the copies and the per-head
+    kernels; docs/performance.md). The turn as XLA fuses it
     best: each pair's angle on both its entries and the pair's entries swapped (v0 cos - v1
     sin, v1 cos + v0 sin), where the kernels' split and join of the pairs (_turned) became
     concatenations that kept the gradient's per-head copies apart from their sum over the
@@ -749,8 +740,8 @@ def chunk_states(x, dt, cs, B, initial_state, doc, *, config, rotation=None, int
                                has_doc=doc is not None, has_rotation=rotation is not None)
     out_shape = [jax.ShapeDtypeStruct((b, h, p, n), jnp.float32), _states_shape(config, x, n)]
     # forward_stages with or without the turn: without the read-out the walk has registers
-    # for a second stage (on an H200 at 8 x 8192, the Mamba-3 scan's forward+backward took
-    # 0.97-0.98x the time with it; the same at 8 x 2048)
+    # for a second stage, which the Mamba-3 scan's forward+backward gains a little from
+    # (docs/performance.md)
     return call(kernel, (b, h, p // bp), out_shape, config.forward_warps,
                 config.forward_stages, interpret, "ssd_chunk_states")(
         x, dt, cs, B, initial_state, *present(doc), *_rotation_args(rotation, config, B))[1]

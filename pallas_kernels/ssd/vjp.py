@@ -6,11 +6,11 @@ kernel chunk.
 The core takes what the kernels need, all chunk-padded: x, dt [b, h, l] after softplus, cs
 [b, h, l] (the chunk-local cumulative sum of dt * A), B, C, initial_state, doc [b, l], and
 D [h, p] float32 (the skip y += D x, inside the kernels: as an XLA fusion after the
-forward kernel it read y and x and wrote y again, 0.37 of the 1.26 ms of kernel time of a
-forward at batch 8 x 8192 on an H200, and its gradient was more passes over dy, x and dx;
-BENCHMARKS.md). Its custom_vjp pairs the
-backend's `forward` and `backward`. Everything around it (dt bias, softplus and clamp,
-padding, the cumulative sum, D's broadcast to [h, p]) is ordinary JAX, so automatic
+forward kernel it read y and x and wrote y again, a large share of a forward's kernel
+time, and its gradient was more passes over dy, x and dx; docs/performance.md). Its
+custom_vjp pairs the backend's `forward` and `backward`. Everything around it (dt bias,
+softplus and clamp, padding, the cumulative sum, D's broadcast to [h, p]) is ordinary JAX,
+so automatic
 differentiation carries the core's gradients to dt, A, D, dt_bias: d(cs) turns into dt and A
 gradients through cumsum's transpose.
 
@@ -22,9 +22,8 @@ backward runs the kernels' backward once, with each part's final-state cotangent
 gradient of the state its last token passes on: that state is the next part's initial
 state, whose gradient is the next part's read-out of it (`weighted_state` over dy and C)
 plus what its own final state passes back. So the kernels' backward carries the join's
-gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (at batch 1 x
-65536 x 64 heads on an H200 that transpose took about 1.3 ms of an 8.8 ms
-forward+backward, BENCHMARKS.md).
+gradients to x, B and dt: no einsum's transpose over x-sized float32 arrays (a visible
+share of a long row's forward+backward; docs/performance.md).
 
 A backend is a module with `Config`, `forward(x, dt, cs, B, C, initial_state, doc, *,
 config, D, rotation, keep_states, interpret)`, `chunk_states(x, dt, cs, B, initial_state,
@@ -220,9 +219,9 @@ def ssd_weighted(x, weights, log_decay, B, C, *, backend, config=None, interpret
     token's weight that belongs to the next token; it puts a token's decay on its first
     position, so L_t = L_s inside a token. Computed in the kernels' intra-chunk products,
     eta's gradient with the others (triton.forward's `eta`). With one position a token the
-    term is a per-position skip: as `skip`, computed outside, the SISO scan took 3.90 ms
-    forward and backward on an H200 at 8 x 2048 (64 heads of 64, d_state 128) against 4.38
-    as rank 1 and eta, whose [t, s] selects cost more than the skip's products in XLA.
+    term is a per-position skip: as `skip`, computed outside, the SISO scan took less time
+    than as rank 1 and eta, whose [t, s] selects cost more than the skip's products in XLA
+    (docs/performance.md).
     rotation: None, or (theta [b, l / rank, h, a], C_bias, B_bias [h, q, n]; position s adds
     the biases' row s % q): each head reads B and C with its biases, turned by its angles,
     its token's (Mamba-3's rotary embedding, the same for a token's MIMO ranks: read once a
