@@ -125,7 +125,7 @@ class Mamba3Mixer(Mixer):
     Config = Mamba3Section
     checkpoint_keys = {"mamba_ssm": _KEYS}
     step_kernels = ("kernel", "fused")
-    # Measured with bench.generate (mamba3-1.3b, float32 states; docs/performance.md): the
+    # Measured with bench.generate (mamba3-1.3b, float32 states; BENCHMARKS.md, row E5): the
     # step kernel between XLA's projections is on par with XLA's step at batch 8 and slower
     # above it, where its per-head programs move the state more slowly than XLA's fusions.
     step_kernel_max_batch = 8
