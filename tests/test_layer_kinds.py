@@ -81,27 +81,38 @@ def test_checkpoint_keys_invert(symbol, fmt):
         np.testing.assert_array_equal(back[name], params[name], err_msg=name)
 
 
+# The decoding cases' programs, jitted once for the module: the float32 and int8 cases of a
+# kind share the prefill's and the XLA step's compiles (a model of the same structure, the
+# same shapes). Prompts of 8 tokens, then 3 steps, 1 row (the fused step kernels' batch).
+LENGTH, PROMPT = 11, 8
+_prefill = nnx.jit(lambda model, ids: model.prefill(ids, cache_len=LENGTH))
+_step = nnx.jit(lambda model, token, cache, steps: model.step(token, cache, steps=steps),
+                static_argnums=3)
+
+
+def decoding_case(symbol, seed):
+    """(config, model, ids [1, LENGTH], the prefill's (logits, cache) of the first PROMPT)."""
+    cfg = kind_config(symbol)
+    model = Mamba2LM(cfg, rngs=nnx.Rngs(seed))
+    ids = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, LENGTH)))
+    return cfg, model, ids, _prefill(model, ids[:, :PROMPT])
+
+
 @pytest.mark.parametrize("symbol", CAUSAL)
 def test_one_token_steps_follow_the_forward(symbol):
     # float32: the XLA step is the recurrence where the forward is the chunked scan (1e-4);
     # each step kernel the kind has, in Pallas's interpreter, equals the XLA step within
     # float32 sums in another order (1e-4).
-    cfg = kind_config(symbol)
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(2))
-    ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 12)))
+    cfg, model, ids, (logits, cache) = decoding_case(symbol, 2)
     full = nnx.jit(lambda model, ids: model(ids))(model, ids)  # one compile, not one an op
-    logits, cache = nnx.jit(lambda model, ids: model.prefill(ids, cache_len=12))(model,
-                                                                                ids[:, :8])
-    np.testing.assert_allclose(logits, full[:, :8], rtol=0, atol=1e-5)
-    step = nnx.jit(lambda model, token, cache, steps: model.step(token, cache, steps=steps),
-                   static_argnums=3)
+    np.testing.assert_allclose(logits, full[:, :PROMPT], rtol=0, atol=1e-5)
     xla = ("xla",) * len(cfg.layers)
     kernels = decode_plan(model, 1, "triton").steps  # fused where a kind has it
-    for t in range(8, 11):
-        logits, new_cache = step(model, ids[:, t], cache, xla)
+    for t in range(PROMPT, LENGTH):
+        logits, new_cache = _step(model, ids[:, t], cache, xla)
         np.testing.assert_allclose(logits, full[:, t], rtol=0, atol=1e-4)
         if set(kernels) != {"xla"}:
-            logits_k, _ = step(model, ids[:, t], cache, kernels)
+            logits_k, _ = _step(model, ids[:, t], cache, kernels)
             np.testing.assert_allclose(logits_k, logits, rtol=0, atol=1e-4)
         cache = new_cache
 
@@ -113,10 +124,7 @@ def test_one_token_steps_over_int8_states_follow_float32s(symbol):
     # steps in float32 and quantises afresh: three steps' logits within 2e-2 of the float32
     # cache's (a value is off by at most half its row's step, max / 254), not equal to them.
     from pallas_kernels.ssd.step import Int8State
-    cfg = kind_config(symbol)
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(3))
-    ids = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 11)))
-    _, cache32 = nnx.jit(lambda model, ids: model.prefill(ids, cache_len=11))(model, ids[:, :8])
+    cfg, model, ids, (_, cache32) = decoding_case(symbol, 3)
     xla = ("xla",) * len(cfg.layers)
     cache8 = model.cache_for_decoding(cache32, xla, "int8")
     quantised = [isinstance(leaf, Int8State) for c in cache8
@@ -124,11 +132,10 @@ def test_one_token_steps_over_int8_states_follow_float32s(symbol):
     # the kind's layers (positions 0, 2, 3) and the Mamba2 layer (1) hold Int8States where
     # they have SSM states; attention and MLP layers keep what they had
     assert sum(quantised) == (4 if KINDS[symbol].name in ("mamba1", "mamba2", "mamba3") else 1)
-    step = nnx.jit(lambda model, token, cache: model.step(token, cache, steps=xla))
     worst = 0.0
-    for t in range(8, 11):
-        logits32, cache32 = step(model, ids[:, t], cache32)
-        logits8, cache8 = step(model, ids[:, t], cache8)
+    for t in range(PROMPT, LENGTH):
+        logits32, cache32 = _step(model, ids[:, t], cache32, xla)
+        logits8, cache8 = _step(model, ids[:, t], cache8, xla)
         assert np.all(np.isfinite(logits8))
         worst = max(worst, float(jnp.max(jnp.abs(logits8 - logits32))))
     assert 0.0 < worst < 2e-2, worst
