@@ -43,52 +43,69 @@ def loss_and_grads(cfg, mesh_spec=None):
     return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
 
 
-@pytest.mark.parametrize("ngroups,mesh_spec,D_has_hdim", [
-    (8, None, False),              # pallas_kernels.mamba2_mixer
-    (1, None, False),
-    (8, "tp=4,dp=2", False),       # the same on each rank's heads and groups
-    (2, "tp=4,dp=2", False),       # each rank's heads read one of 2 groups, which spans 2
+@pytest.mark.parametrize("ngroups,mesh_specs,D_has_hdim", [
+    (8, ["tp=4,dp=2"], False),     # each rank's heads and groups (one device at 8 groups:
+                                   # test_kernel_path_continues_from_states)
+    (2, ["tp=4,dp=2"], False),     # each rank's heads read one of 2 groups, which spans 2
                                    # ranks
-    (1, "cp=2,tp=2,dp=2", True),   # the conv's halo and the scan's state cross devices; the
-                                   # one group spans the tp ranks; D [h, p] split by heads
-], ids=["g8", "g1", "g8-tp4", "g2-tp4", "g1-cp2-tp2-D_has_hdim"])
-def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_spec, D_has_hdim):
+    (1, [None,                     # pallas_kernels.mamba2_mixer; D [h, p]
+         "cp=2,tp=2,dp=2"], True), # the conv's halo and the scan's state cross devices; the
+                                   # one group spans the tp ranks; D split by heads
+], ids=["g8-tp4", "g2-tp4", "g1-one_device-cp2-tp2-D_has_hdim"])
+def test_kernel_path_equals_the_xla_path(monkeypatch, ngroups, mesh_specs, D_has_hdim):
+    # Each mesh (None: one device) on the kernels against the one XLA reference.
     cfg = mamba_config(ngroups=ngroups).replace(n_layer=1,
                                                 **{"mamba2.D_has_hdim": D_has_hdim})
     value, grads = loss_and_grads(cfg)
-    calls = take_the_kernels(monkeypatch)
-    kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
-    assert calls  # one custom_vjp on the kernels
     assert np.isfinite(float(value))
-    np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL)
     reference = dict(jax.tree_util.tree_leaves_with_path(grads))
-    for path, g in jax.tree_util.tree_leaves_with_path(kernel_grads):
-        np.testing.assert_allclose(g, reference[path], rtol=GRAD_RTOL, atol=GRAD_ATOL,
-                                   err_msg=param_name(path))
+    calls = take_the_kernels(monkeypatch)
+    for mesh_spec in mesh_specs:
+        calls.clear()
+        kernel_value, kernel_grads = loss_and_grads(cfg, mesh_spec)
+        assert calls, mesh_spec  # one custom_vjp on the kernels
+        np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL,
+                                   err_msg=str(mesh_spec))
+        for path, g in jax.tree_util.tree_leaves_with_path(kernel_grads):
+            np.testing.assert_allclose(g, reference[path], rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                       err_msg=f"{mesh_spec}: {param_name(path)}")
+
+
+CUT = 13  # the first piece: states of a document that goes on past it in some rows
+
+
+def second_piece(remat, params, states):
+    """(value, (d params, d states)) of a fixed projection of the second piece's hidden
+    states, continued from `states` (2 layers)."""
+    cfg = mamba_config(ngroups=8).replace(n_layer=2)
+    graphdef, _, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
+    weight = np.random.default_rng(4).standard_normal(ids[:, CUT:].shape + (cfg.d_model,))
+
+    def objective(params, states):
+        return (nnx.merge(graphdef, params).hidden(ids[:, CUT:], seq_idx[:, CUT:],
+                                                   initial_states=states, remat=remat)
+                * weight).sum()
+    return jax.jit(jax.value_and_grad(objective, (0, 1)),
+                   compiler_options=FAST_COMPILE)(params, states)
+
+
+@pytest.fixture(scope="module")
+def continued():
+    """(params, the first piece's states, the XLA path's value and gradients without
+    remat): the reference each --remat choice on the kernels is compared with."""
+    cfg = mamba_config(ngroups=8).replace(n_layer=2)
+    graphdef, params, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
+    _, states = jax.jit(lambda p: nnx.merge(graphdef, p).hidden(
+        ids[:, :CUT], seq_idx[:, :CUT], return_states=True))(params)
+    return params, states, second_piece("none", params, states)
 
 
 @pytest.mark.parametrize("remat", ["none", "block", "full"])
-def test_kernel_path_continues_from_states(monkeypatch, remat):
+def test_kernel_path_continues_from_states(monkeypatch, continued, remat):
     # The kernel path under each --remat choice against the XLA path without remat.
-    cfg = mamba_config(ngroups=8).replace(n_layer=2)
-    graphdef, params, (ids, _, seq_idx) = model_and_batch(cfg, seq_len=SEQ, packed=True)
-    cut = 13  # the first piece: states of a document that goes on past it in some rows
-
-    def hidden(params, ids, seq_idx, states, return_states, remat="none"):
-        return nnx.merge(graphdef, params).hidden(ids, seq_idx, initial_states=states,
-                                                  return_states=return_states, remat=remat)
-    _, states = jax.jit(lambda p: hidden(p, ids[:, :cut], seq_idx[:, :cut], None, True))(
-        params)
-    weight = np.random.default_rng(4).standard_normal(ids[:, cut:].shape + (cfg.d_model,))
-
-    def run(remat):  # a fixed projection of the second piece's hidden states
-        objective = lambda params, states: (hidden(params, ids[:, cut:], seq_idx[:, cut:],
-                                                   states, False, remat) * weight).sum()
-        return jax.jit(jax.value_and_grad(objective, (0, 1)),
-                       compiler_options=FAST_COMPILE)(params, states)
-    value, grads = run("none")
+    params, states, (value, grads) = continued
     calls = take_the_kernels(monkeypatch)
-    kernel_value, kernel_grads = run(remat)
+    kernel_value, kernel_grads = second_piece(remat, params, states)
     assert calls  # the conv window before the first token read by the fused mixer
     assert np.isfinite(float(value))
     np.testing.assert_allclose(kernel_value, value, rtol=0, atol=LOGIT_ATOL * abs(float(value)))

@@ -71,9 +71,10 @@ CASES = {  # name: (b, l, h, p, g, n, documents, initial state, conv bias, D per
     "window_before_D_per_channel_head_groups": (2, 29, 4, 16, 3, 16, True, True, True, True,
                                                 True, (1, 1, 2, 2)),
 }
-# bf16 changes only where values are rounded: the new operands' cases run in float32
+# bf16 changes only where values are rounded, the same points on every case's path: it runs
+# on the first case alone
 RUNS = [(case, dtype) for case in CASES for dtype in ("float32", "bfloat16")
-        if dtype == "float32" or CASES[case][-1] is None]
+        if dtype == "float32" or case == "documents_initial_state"]
 
 
 @pytest.mark.parametrize("case,dtype", RUNS, ids=[f"{c}-{d}" for c, d in RUNS])

@@ -7,6 +7,7 @@ tests/fixtures/make_mamba3_fixtures.py) for the mixer, the LM and greedy decodin
 mamba_ssm checkpoints round-trip. The shared cases (mesh equality, decoding steps against
 the forward, int8 states, checkpoint tables) run in tests/test_layer_kinds.py, on MIMO."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -290,11 +291,8 @@ KERNEL_CASES = [  # (b, l, h, p, r, g, n, a, docs, state): each over several ker
 ]
 
 
-@pytest.mark.parametrize("angle_kernel", [True, False],
-                         ids=["angle-kernel,states-recomputed", "angles-xla,states-kept"])
 @pytest.mark.parametrize("case", KERNEL_CASES)
-def test_kernels_values_states_and_every_gradient_match_the_recurrence(case, angle_kernel,
-                                                                       monkeypatch):
+def test_kernels_values_states_and_every_gradient_match_the_recurrence(case, monkeypatch):
     # The SSD's Pallas kernels (in the interpreter without a GPU), turning each head's B and
     # C by its angles as they load them, with the work around them (kernels.py) and the
     # angle state summed by its kernel (angles.py) or by XLA, the per-chunk states
@@ -302,11 +300,9 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case, ang
     # of several kernel chunks (64 positions), packed documents, from an initial state:
     # values and final states within 1e-5 of the largest, and every input's gradient (the
     # angles', trap's, the biases', mimo_x's and the initial state's included) within
-    # float32 sums in another order.
+    # float32 sums in another order. Both options against one run of the recurrence.
     from pallas_kernels.mamba3 import kernels
     from pallas_kernels.ssd import triton
-    monkeypatch.setattr(kernels, "angles_take", lambda b, h: angle_kernel)
-    monkeypatch.setattr(kernels, "CONFIG", triton.Config(keep_states=not angle_kernel))
     kw = make_inputs(4, *case[:8], jnp.float32, *case[8:])
     seq_idx, rotary = kw.pop("seq_idx", None), kw.pop("rotary")
     y_cot = jnp.asarray(np.random.default_rng(5).standard_normal(
@@ -316,33 +312,36 @@ def test_kernels_values_states_and_every_gradient_match_the_recurrence(case, ang
         y, s = scan(**kw, rotary=rotary, seq_idx=seq_idx)
         return (jnp.sum(y * y_cot) + jnp.sum(s.ssm ** 2) + jnp.sum(s.k)
                 + jnp.sum(jnp.sin(s.angle))), (y, s)
-    kernels = lambda **a: mamba3_scan(**a, chunk_size=8, implementation="triton")
+    scan = lambda **a: mamba3_scan(**a, chunk_size=8, implementation="triton")
     (_, (y_ref, s_ref)), ref = jax.jit(jax.value_and_grad(
         lambda kw: loss(mamba3_naive, kw), has_aux=True))(kw)
-    (_, (y, s)), got = jax.jit(jax.value_and_grad(lambda kw: loss(kernels, kw),
-                                                  has_aux=True))(kw)
-    assert relative(y, y_ref) < 1e-5
-    for name, a, b in zip(Mamba3State._fields, s, s_ref):
-        assert relative(a, b) < 1e-5, name
     ref = dict(jax.tree_util.tree_leaves_with_path(ref))
-    for path, g in jax.tree_util.tree_leaves_with_path(got):
-        assert np.all(np.isfinite(ref[path]))
-        np.testing.assert_allclose(g, ref[path], rtol=1e-4, atol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+    for angle_kernel in (True, False):  # states recomputed with the angle kernel, else kept
+        monkeypatch.setattr(kernels, "angles_take", lambda b, h: angle_kernel)
+        monkeypatch.setattr(kernels, "CONFIG", triton.Config(keep_states=not angle_kernel))
+        (_, (y, s)), got = jax.jit(jax.value_and_grad(lambda kw: loss(scan, kw),
+                                                      has_aux=True))(kw)
+        assert relative(y, y_ref) < 1e-5, angle_kernel
+        for name, a, b in zip(Mamba3State._fields, s, s_ref):
+            assert relative(a, b) < 1e-5, (angle_kernel, name)
+        for path, g in jax.tree_util.tree_leaves_with_path(got):
+            assert np.all(np.isfinite(ref[path]))
+            np.testing.assert_allclose(g, ref[path], rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{angle_kernel}: {jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("turns", [True, False], ids=["turning", "copies"])
 @pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[0]], ids=["siso", "mimo"])
-def test_a_row_in_parts_equals_it_whole(case, turns, monkeypatch):
+def test_a_row_in_parts_equals_it_whole(case, monkeypatch):
     # The kernels scanning each row as 4 parts at once (kernels.mamba3_kernels' segments,
     # joined in the turned values: ssd.vjp's weighted_state with a rotation), against the
     # row whole, over 96 tokens with documents starting at random, inside a part and
     # exactly at two parts' boundaries (24, 48), from an initial state, with the backward's
-    # kernels turning B and C or reading per-head copies: values, final states and every
-    # gradient within float32 sums in another order.
+    # kernels turning B and C and with them reading per-head copies (each against the whole
+    # row's copies, which test_backward_turning_gives_the_turned_copies_gradients checks
+    # against the turning): values, final states and every gradient within float32 sums in
+    # another order.
     from pallas_kernels.mamba3.kernels import mamba3_kernels
     from pallas_kernels.ssd import triton
-    monkeypatch.setattr(triton.Config, "turns_in_backward", lambda self, b, h: turns)
     b, _, *shape, docs, state = case
     kw = make_inputs(6, b, 96, *shape, jnp.float32, docs, state)
     starts = np.diff(np.asarray(kw["seq_idx"]), prepend=0, axis=1) > 0
@@ -351,7 +350,9 @@ def test_a_row_in_parts_equals_it_whole(case, turns, monkeypatch):
     y_cot = jnp.asarray(np.random.default_rng(7).standard_normal(
         kw["x"].shape[:2] + (case[4],) + kw["x"].shape[2:]), jnp.float32)
 
-    def run(segments):
+    def run(segments, turns):
+        monkeypatch.setattr(triton.Config, "turns_in_backward", lambda self, b, h: turns)
+
         def loss(kw):
             y, s = mamba3_kernels(**kw, segments=segments)
             return (jnp.sum(y * y_cot) + jnp.sum(s.ssm ** 2) + jnp.sum(s.k)
@@ -360,15 +361,16 @@ def test_a_row_in_parts_equals_it_whole(case, turns, monkeypatch):
         fixed = {k: kw[k] for k in ("seq_idx", "rotary")}
         return jax.jit(jax.value_and_grad(lambda d: loss({**d, **fixed}), has_aux=True))(
             differentiable)
-    (_, (y, s)), got = run(4)
-    (_, (y_ref, s_ref)), ref = run(1)
-    assert relative(y, y_ref) < 1e-5
-    for name, a, b in zip(Mamba3State._fields, s, s_ref):
-        assert relative(a, b) < 1e-5, name
+    (_, (y_ref, s_ref)), ref = run(1, False)
     ref = dict(jax.tree_util.tree_leaves_with_path(ref))
-    for path, g in jax.tree_util.tree_leaves_with_path(got):
-        assert np.all(np.isfinite(ref[path])), jax.tree_util.keystr(path)
-        assert relative(g, ref[path]) < 1e-5, jax.tree_util.keystr(path)
+    for turns in (True, False):
+        (_, (y, s)), got = run(4, turns)
+        assert relative(y, y_ref) < 1e-5, turns
+        for name, a, b in zip(Mamba3State._fields, s, s_ref):
+            assert relative(a, b) < 1e-5, (turns, name)
+        for path, g in jax.tree_util.tree_leaves_with_path(got):
+            assert np.all(np.isfinite(ref[path])), jax.tree_util.keystr(path)
+            assert relative(g, ref[path]) < 1e-5, (turns, jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("token", [1, 2], ids=["positions", "tokens"])
@@ -483,13 +485,19 @@ def test_the_backward_copies_gradients_are_rounded_once():
                               v[..., 1] * cos + v[..., 0] * sin], -1).reshape(b, l, h, n)
         return turn(B, B_bias), turn(C, C_bias)
 
+    @functools.partial(jax.jit, static_argnums=0)  # one compile, not one an operation
+    def values_and_gradients(f, inputs, cotangents):
+        values, vjp = jax.vjp(f, *inputs)
+        return values, vjp(cotangents)
+
     inputs = (B, C, theta, C_bias, B_bias)
     with jax.enable_x64(True):
-        want, vjp = jax.vjp(turned64, *(jnp.asarray(x, jnp.float64) for x in inputs))
-        want_grads = vjp((jnp.asarray(dB, jnp.float64), jnp.asarray(dC, jnp.float64)))
+        want, want_grads = values_and_gradients(
+            turned64, tuple(jnp.asarray(x, jnp.float64) for x in inputs),
+            (jnp.asarray(dB, jnp.float64), jnp.asarray(dC, jnp.float64)))
         want, want_grads = ([np.asarray(w) for w in ws] for ws in (want, want_grads))
-    got, vjp = jax.vjp(lambda *x: turned(x[0], x[1], x[2:]), *inputs)
-    got_grads = vjp((dB, dC))
+    got, got_grads = values_and_gradients(lambda *x: turned(x[0], x[1], x[2:]), inputs,
+                                          (dB, dC))
     for v, w in zip(got, want):
         assert v.dtype == jnp.bfloat16
         assert relative(np.asarray(v, np.float64), w) < 2 ** -8

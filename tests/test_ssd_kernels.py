@@ -249,13 +249,13 @@ def test_weighted_state_kernel_matches_the_reference(dtype, p):
     assert errors["state"] < 1e-5, errors  # the same products, summed in another order
 
 
-@pytest.mark.parametrize("segments", [1, 3], ids=["whole", "3-parts"])
-def test_a_per_token_skip_adds_skip_times_x_and_its_gradients(segments):
+def test_a_per_token_skip_adds_skip_times_x_and_its_gradients():
     # ssd_weighted's `skip` (Mamba-3 SISO's own-token term, applied in the forward kernel
     # and the backward's state kernel) against the same scan without it plus skip_t x_t in
     # XLA: 2 rows of 48 positions (3 kernel chunks of 16), 4 heads in 2 groups, documents,
-    # an initial state, D, the row whole or in 3 parts; values, the final state and every
-    # input's gradient, skip's own included, within float32 sums in another order.
+    # an initial state, D, the row whole and in 3 parts (each against the row whole without
+    # skip); values, the final state and every input's gradient, skip's own included, within
+    # float32 sums in another order.
     rng = np.random.default_rng()
     b, l, h, p, g, n = 2, 48, 4, 16, 2, 16
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -265,35 +265,38 @@ def test_a_per_token_skip_adds_skip_times_x_and_its_gradients(segments):
     skip, seq_idx = arr(b, l, h), jnp.asarray(np.cumsum(document_starts(rng, b, l), axis=1))
     wy, ws = arr(b, l, h, p), arr(b, h, p, n)
     scan = functools.partial(vjp.ssd_weighted, backend=triton, seq_idx=seq_idx,
-                             segments=segments, config=triton.Config(chunk=16, block_p=8))
+                             config=triton.Config(chunk=16, block_p=8))
 
-    def loss(diff, with_skip):
+    def loss(diff, with_skip, segments):
         kw = {k: v for k, v in diff.items() if k != "skip"}
         if with_skip:
-            y, s = scan(**kw, skip=diff["skip"])
+            y, s = scan(**kw, skip=diff["skip"], segments=segments)
         else:
-            y, s = scan(**kw)
+            y, s = scan(**kw, segments=segments)
             y = y + diff["skip"][..., None] * kw["x"]
         return jnp.vdot(y, wy) + jnp.vdot(s, ws), (y, s)
 
-    results = [jax.jit(jax.value_and_grad(functools.partial(loss, with_skip=w), has_aux=True))(
-        {**args, "skip": skip}) for w in (True, False)]
-    flat = [{"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
-            for (_, (y, s)), grads in results]
-    errors = relative_errors(*flat)
-    assert all(e < 1e-5 for e in errors.values()), errors  # NaN fails too
+    def run(with_skip, segments):
+        (_, (y, s)), grads = jax.jit(jax.value_and_grad(
+            functools.partial(loss, with_skip=with_skip, segments=segments), has_aux=True))(
+            {**args, "skip": skip})
+        return {"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
+    reference = run(False, 1)
+    for segments in (1, 3):
+        errors = relative_errors(run(True, segments), reference)
+        assert all(e < 1e-5 for e in errors.values()), (segments, errors)  # NaN fails too
 
 
 @pytest.mark.parametrize("rank", [1, 4], ids=["rank1", "rank4"])
-@pytest.mark.parametrize("segments", [1, 3], ids=["whole", "3-parts"])
-def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank, segments):
+def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank):
     # ssd_weighted's `rank` and `eta` (Mamba-3's own-token terms, inside the kernels) against
     # the same scan without them plus, in XLA, what they add to y at position (t, R) of token
     # t: sum_{r > R} weights_t,r (C_t,R . B_t,r) x_t,r - sum_r eta_t,r (C_t,R . B_t,r) x_t,r
     # (the decay on each token's first position, so none inside a token). 2 rows of 12
     # tokens (48 positions, 3 kernel chunks of 16), 4 heads in 2 groups, documents that
-    # start at tokens, an initial state, D, the row whole or in 3 parts; values, the final
-    # state and every input's gradient, eta's included, within float32 sums in another order.
+    # start at tokens, an initial state, D, the row whole and in 3 parts (each against the
+    # row whole without them); values, the final state and every input's gradient, eta's
+    # included, within float32 sums in another order.
     rng = np.random.default_rng()
     b, tokens, h, p, g, n = 2, 48 // rank, 4, 16, 2, 16
     l = tokens * rank
@@ -308,7 +311,7 @@ def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank,
     seq_idx = per_rank(jnp.asarray(np.cumsum(document_starts(rng, b, tokens), axis=1)))
     wy, ws = arr(b, l, h, p), arr(b, h, p, n)
     scan = functools.partial(vjp.ssd_weighted, backend=triton, seq_idx=seq_idx,
-                             segments=segments, config=triton.Config(chunk=16, block_p=8))
+                             config=triton.Config(chunk=16, block_p=8))
 
     def own_token_terms(x, weights, B, C, eta):
         by_token = lambda a: a.reshape(b, tokens, rank, *a.shape[2:])
@@ -320,22 +323,26 @@ def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank,
         return positions(jnp.einsum("bTRrh,bTrhp->bTRhp", coefficient, by_token(x),
                                     precision=jax.lax.Precision.HIGHEST))
 
-    def loss(diff, in_kernels):
+    def loss(diff, in_kernels, segments):
         kw = {k: v for k, v in diff.items() if k not in ("eta", "token_decay")}
         log_decay = positions(first * diff["token_decay"][:, :, None])
         if in_kernels:
-            y, s = scan(**kw, log_decay=log_decay, rank=rank, eta=diff["eta"])
+            y, s = scan(**kw, log_decay=log_decay, rank=rank, eta=diff["eta"],
+                        segments=segments)
         else:
-            y, s = scan(**kw, log_decay=log_decay)
+            y, s = scan(**kw, log_decay=log_decay, segments=segments)
             y = y + own_token_terms(kw["x"], kw["weights"], kw["B"], kw["C"], diff["eta"])
         return jnp.vdot(y, wy) + jnp.vdot(s, ws), (y, s)
 
-    results = [jax.jit(jax.value_and_grad(functools.partial(loss, in_kernels=k),
-                                          has_aux=True))(args) for k in (True, False)]
-    flat = [{"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
-            for (_, (y, s)), grads in results]
-    errors = relative_errors(*flat)
-    assert all(e < 1e-5 for e in errors.values()), errors  # NaN fails too
+    def run(in_kernels, segments):
+        (_, (y, s)), grads = jax.jit(jax.value_and_grad(
+            functools.partial(loss, in_kernels=in_kernels, segments=segments),
+            has_aux=True))(args)
+        return {"y": y, "final_state": s, **{f"d{k}": v for k, v in grads.items()}}
+    reference = run(False, 1)
+    for segments in (1, 3):
+        errors = relative_errors(run(True, segments), reference)
+        assert all(e < 1e-5 for e in errors.values()), (segments, errors)  # NaN fails too
 
 
 def test_tokens_must_divide_the_chunk():
