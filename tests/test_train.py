@@ -39,8 +39,9 @@ def test_set_overrides_config_fields(tmp_path):
                             "tie_embeddings=false", "norm_eps=1e-6", "attn_num_heads=4"]) == {
         "mamba2.ngroups": 2, "mamba2.dt_limit": (0.001, 0.2), "tie_embeddings": False,
         "norm_eps": 1e-6, "attn_num_heads": 4}  # the flat spelling of a section field too
-    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "mamba2.ngroups=2",
-          "--set", "tie_embeddings=false", "--out", str(tmp_path)])
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--set", "mamba2.ngroups=2", "--set", "tie_embeddings=false",
+          "--out", str(tmp_path)])
     cfg = mamba_jax.from_pretrained(tmp_path).config
     assert cfg.mamba2.ngroups == 2 and not cfg.tie_embeddings
 
@@ -67,9 +68,10 @@ def test_a_recipes_values_are_checked_as_their_flags_are(tmp_path, line, refusal
 def test_a_metrics_file_in_a_folder_not_yet_made_is_written(tmp_path):
     """As --tensorboard's folder is made (it was "[Errno 2] No such file or directory")."""
     metrics = tmp_path / "logs" / "run" / "m.jsonl"
-    main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+    # the step program of the other short runs here (--steps 2, the default --lr and --warmup)
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
           "--set", "n_layer=1", "--metrics-file", str(metrics), "--out", "none"])
-    assert json.loads(metrics.read_text())["step"] == 1
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
 
 
 def test_set_takes_fields_of_a_number_or_a_word():
@@ -656,10 +658,10 @@ def test_each_step_is_dispatched_before_the_loss_before_it_is_read(tmp_path, mon
 
     monkeypatch.setattr(train, "make_train_step", recording)
     metrics = tmp_path / "m.jsonl"
-    main(["--steps", "7", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=1",
-          "--warmup", "2", "--lr", "1e-3", "--save-every", "3", "--eval-every", "1000",
-          "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-file", str(metrics),
-          "--out", "none"])
+    main(["--steps", "7", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--warmup", "2", "--lr", "1e-3", "--save-every", "3",
+          "--eval-every", "1000", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics-file",
+          str(metrics), "--out", "none"])
     assert events == [("dispatch", 1), ("dispatch", 2), ("read", 1), ("dispatch", 3),
                       ("read", 2), ("read", 3),  # saved at 3
                       ("dispatch", 4), ("dispatch", 5), ("read", 4), ("dispatch", 6),
@@ -696,8 +698,8 @@ def test_deterministic_compiles_the_step_with_xla_deterministic_ops(tmp_path, mo
     monkeypatch.setattr(optim.jax, "jit", lambda *a, **k: jit_options.append(
         k.get("compiler_options")) or jit(*a, **k))
     metrics = tmp_path / "metrics.jsonl"
-    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "n_layer=1",
-          "--deterministic", "--out", "none", "--metrics-file", str(metrics)])
+    main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
+          "--set", "n_layer=1", "--deterministic", "--out", "none", "--metrics-file", str(metrics)])
     assert {"xla_gpu_deterministic_ops": True, "xla_gpu_enable_triton_gemm": False,
             "xla_gpu_enable_cublaslt": False} in jit_options
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
