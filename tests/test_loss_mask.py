@@ -52,6 +52,14 @@ def reference(params, inputs, targets, seq_idx, mask):
 
 
 @functools.cache
+def reference_value_and_grad():
+    """(loss, gradients) of reference for model_and_batch(), on one device: computed once
+    for every mesh it is compared on."""
+    _, params, batch = model_and_batch()
+    return jax.jit(jax.value_and_grad(reference), compiler_options=FAST_COMPILE)(params, *batch)
+
+
+@functools.cache
 def sharded_value_and_grad(spec):
     """(jitted value_and_grad of make_loss_fn on `spec`, params and a function placing a
     batch there)."""
@@ -74,8 +82,7 @@ def assert_close(grads, ref_grads):
 @pytest.mark.parametrize("spec", ["dp=8", "dp=2,cp=2,tp=2"])
 def test_the_masked_loss_is_the_mean_over_counted_tokens_on_every_mesh(spec):
     _, params, batch = model_and_batch()
-    ref_value, ref_grads = jax.jit(jax.value_and_grad(reference),
-                                   compiler_options=FAST_COMPILE)(params, *batch)
+    ref_value, ref_grads = reference_value_and_grad()
     assert np.isfinite(float(ref_value))
     step, placed_params, place = sharded_value_and_grad(spec)
     value, grads = step(placed_params, *place(batch))
@@ -151,9 +158,12 @@ def test_grad_accum_gives_the_mean_over_the_batchs_counted_tokens():
     whole, params, opt_state, step, rows = train("dp=2,cp=2,tp=2", 1, batches)
     split, *_ = train("dp=2,cp=2,tp=2", 2, batches)
     np.testing.assert_allclose(split, whole, rtol=LOSS_RTOL)
-    one_device = jax.jit(reference, compiler_options=FAST_COMPILE)
-    first = [float(one_device(model_and_batch()[1], *(a[half] for a in batches[0])))
-             for half in (slice(0, 4), slice(4, 8))]
+    # each micro-batch's own mean: the masked loss of the whole batch with the other
+    # micro-batch's mask cleared (the program the masked-loss test compiled on this mesh)
+    loss, placed_params, place = sharded_value_and_grad("dp=2,cp=2,tp=2")
+    *tokens, first_mask = batches[0]
+    first = [float(loss(placed_params, *place((*tokens, first_mask & half[:, None])))[0])
+             for half in (np.arange(ROWS) < 4, np.arange(ROWS) >= 4)]
     assert abs(np.mean(first) - whole[0]) > 100 * LOSS_RTOL * whole[0]
     # a step on a batch with no counted token
     nothing = (*batch[:3], np.zeros_like(mask))
