@@ -41,7 +41,7 @@ def test_set_overrides_config_fields(tmp_path):
         "norm_eps": 1e-6, "attn_num_heads": 4}  # the flat spelling of a section field too
     main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
           "--set", "n_layer=1", "--set", "mamba2.ngroups=2", "--set", "tie_embeddings=false",
-          "--out", str(tmp_path)])
+          "--eval-every", "0", "--out", str(tmp_path)])
     cfg = mamba_jax.from_pretrained(tmp_path).config
     assert cfg.mamba2.ngroups == 2 and not cfg.tie_embeddings
 
@@ -249,7 +249,7 @@ def test_recipe_file_sets_flags_and_model_and_the_command_line_wins(tmp_path):
                       '[model]\nd_model = 64\n[model.mamba2]\nheaddim = 16\nd_state = 16\n')
     out = tmp_path / "out"
     main(["--config", str(recipe), "--steps", "2", "--set", "n_layer=1",
-          "--set", "mamba2.d_state=32", "--out", str(out)])
+          "--set", "mamba2.d_state=32", "--eval-every", "0", "--out", str(out)])
     effective = json.loads((out / "train_config.json").read_text())
     assert effective["train"]["steps"] == 2 and effective["train"]["lr"] == 1e-3
     assert effective["model"]["d_model"] == 64 and effective["model"]["n_layer"] == 1
@@ -418,7 +418,7 @@ def test_a_mamba_ssm_style_hybrid_exports_in_mamba_ssms_layout(tmp_path, capsys)
     out = tmp_path / "out"
     main(["--steps", "1", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
           "--set", "n_layer=4", "--set", "layer_pattern=M-*-", "--set",
-          "mlp.d_intermediate=128", "--out", str(out)])
+          "mlp.d_intermediate=128", "--eval-every", "0", "--out", str(out)])
     assert f"saved {out} (mamba_ssm's layout); try:" in capsys.readouterr().err
     cfg, fmt = load_config(out)
     assert fmt == "mamba_ssm" and cfg.layers == "M-*-"
@@ -559,8 +559,8 @@ def test_layers_one_after_the_other_train_as_the_scan_does(tmp_path, capsys, lay
     # (--scan-layers; float32; XLA may fuse the two programs apart: 1e-5 relative).
     def losses(*flags):
         metrics = tmp_path / f"m{len(flags)}.jsonl"
-        main(["--steps", "4", "--batch-size", "8", "--seq-len", "32",
-              "--warmup", "1", "--metrics-file", str(metrics), "--out", "none", *flags])
+        main(["--steps", "4", "--batch-size", "8", "--seq-len", "32", "--warmup", "1",
+              "--eval-every", "0", "--metrics-file", str(metrics), "--out", "none", *flags])
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     unrolled = losses()
     assert not layer_scans
@@ -699,7 +699,8 @@ def test_deterministic_compiles_the_step_with_xla_deterministic_ops(tmp_path, mo
         k.get("compiler_options")) or jit(*a, **k))
     metrics = tmp_path / "metrics.jsonl"
     main(["--steps", "2", "--batch-size", "8", "--seq-len", "32", "--set", "d_model=64",
-          "--set", "n_layer=1", "--deterministic", "--out", "none", "--metrics-file", str(metrics)])
+          "--set", "n_layer=1", "--deterministic", "--eval-every", "0", "--out", "none",
+          "--metrics-file", str(metrics)])
     assert {"xla_gpu_deterministic_ops": True, "xla_gpu_enable_triton_gemm": False,
             "xla_gpu_enable_cublaslt": False} in jit_options
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]

@@ -34,10 +34,11 @@ from mesh_check import xla_flags
 ROOT = Path(__file__).parents[1]
 SMALL = ["--batch-size", "8", "--seq-len", "32", "--set", "d_model=64", "--set", "n_layer=1",
          "--set", "headdim=16", "--set", "d_state=16", "--set", "chunk_size=16",
-         "--eval-every", "1000", "--out", "none", "--warmup", "2"]
+         "--eval-every", "0", "--out", "none", "--warmup", "2"]
 # The learning rate's schedule (--lr, --steps, --warmup) is compiled into the step: the runs
 # here train --steps 2 or 10 (the resumed run's) where the count is theirs to choose, so
-# that most of them run a step program compiled before (jax's compilation cache).
+# that most of them run a step program compiled before (jax's compilation cache). They
+# evaluate only where a test asks for it (--eval-every N after SMALL).
 
 
 def losses(metrics: Path) -> list[float]:
