@@ -317,8 +317,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_at_once_keeping_the_o
 
     monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full_at_step_20)
     ck, metrics = tmp_path / "ck", tmp_path / "m"
-    with pytest.raises(SystemExit) as stopped:  # a run that goes on until stopped
-        main([*SMALL, "--steps", "10000", "--save-every", "10", "--checkpoint-dir", str(ck),
+    with pytest.raises(SystemExit) as stopped:
+        main([*SMALL, "--steps", "40", "--save-every", "10", "--checkpoint-dir", str(ck),
               "--metrics-file", str(metrics)])
     assert stopped.value.code == 2
     assert "checkpoint 20 could not be written" in str(stopped.value)
