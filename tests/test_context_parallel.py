@@ -9,6 +9,7 @@ gradients to the unsplit scan's within 1e-4 absolute + 1e-4 relative (each a sum
 64 tokens of O(1) terms).
 """
 
+import functools
 import json
 import re
 
@@ -28,6 +29,10 @@ from pallas_kernels.ssd import auto_segments, ssd
 from pallas_kernels.ssd.reference import ssd_naive
 
 SEQ_CP = 64
+# The model-level cases on one layer: what crosses the cp devices (the conv's halo, the
+# scan's state, the documents' boundaries) is each layer's own; two layers, one scan, under
+# cp: the training test here and tests/test_parallel.py's unrolled layers.
+ONE_LAYER = mamba_config().replace(n_layer=1)
 SCAN_ATOL, SCAN_GRAD_TOL = 2e-5, 1e-4
 
 
@@ -40,6 +45,34 @@ def scan_inputs(seq_len=64, b=4, h=4, p=8, g=2, n=16):
                 seq_idx=jnp.asarray(packed_seq_idx(seq_len)))
 
 
+SCAN_OPTIONS = dict(dt_softplus=True, dt_limit=(0.0, 0.5), chunk_size=8)
+# The fixed projection of (y, final state) the scan-level gradients are taken of.
+WEIGHTS = (jax.random.normal(jax.random.key(1), (4, 64, 4, 8)),
+           jax.random.normal(jax.random.key(2), (4, 4, 8, 16)))
+
+
+def objective(y, final):
+    return jnp.sum(y * WEIGHTS[0]) + jnp.sum(final * WEIGHTS[1])
+
+
+@functools.cache
+def whole_sequence(implementation, packed):
+    """scan_inputs' whole sequence in one piece (no segments, no devices), packed or one
+    document a row: (the naive recurrence's y and final state, the gradients of `objective`
+    of `implementation`'s scan with respect to every float input). Shared by the tests
+    that split the sequence."""
+    args = scan_inputs()
+    seq_idx = args.pop("seq_idx")
+    if not packed:
+        seq_idx = None
+    y_ref, final_ref = ssd_naive(**args, seq_idx=seq_idx, dt_softplus=True,
+                                 dt_limit=(0.0, 0.5))
+    grads = jax.jit(jax.grad(lambda floats: objective(*ssd(
+        **floats, **SCAN_OPTIONS, implementation=implementation, seq_idx=seq_idx,
+        return_final_state=True))))(args)
+    return (y_ref, final_ref), grads
+
+
 @pytest.mark.parametrize("implementation,segments", [("auto", "auto"), ("triton", 2)])
 def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients(
         implementation, segments):
@@ -47,8 +80,7 @@ def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients(
     # custom_vjp's join, packed documents), in Pallas's interpreter, inside the state passing
     # across devices.
     args = scan_inputs()
-    options = dict(dt_softplus=True, dt_limit=(0.0, 0.5), chunk_size=8,
-                   implementation=implementation, segments=segments)
+    options = dict(SCAN_OPTIONS, implementation=implementation, segments=segments)
     # Auto axes: jit moves the unplaced inputs where the in_specs want them.
     mesh = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     split = {"x": P(None, "cp"), "dt": P(None, "cp"), "B": P(None, "cp"), "C": P(None, "cp"),
@@ -61,28 +93,25 @@ def test_scan_split_over_8_devices_equals_the_whole_sequence_and_its_gradients(
     split_scan = jax.shard_map(local, mesh=mesh, in_specs=(split,),
                                out_specs=(P(None, "cp"), P("cp")), check_vma=False)
 
-    def outputs(kw, sharded):
-        if sharded:
-            y, finals = split_scan(kw)
-            return y, finals[-1]  # the state after the last part's last token
-        return ssd(**kw, **options, return_final_state=True)
-
-    y, final = jax.jit(outputs, static_argnums=1)(args, True)
-    y_ref, final_ref = ssd_naive(**args, dt_softplus=True, dt_limit=(0.0, 0.5))
-    np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
-    np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
+    def outputs(kw):
+        y, finals = split_scan(kw)
+        return y, finals[-1]  # the state after the last part's last token
 
     # Gradients of every input, through the scan's initial state, the fold, the all-gather
-    # and the parts' states.
-    weights = jax.random.normal(jax.random.key(1), y.shape), jax.random.normal(
-        jax.random.key(2), final.shape)
-
-    def objective(floats, sharded):
-        y, final = outputs({**floats, "seq_idx": args["seq_idx"]}, sharded)
-        return jnp.sum(y * weights[0]) + jnp.sum(final * weights[1])
+    # and the parts' states, against the whole sequence's on one device ("auto" is XLA's
+    # on the CPU).
     floats = {k: v for k, v in args.items() if k != "seq_idx"}
-    grad = jax.jit(jax.grad(objective), static_argnums=1)
-    got, want = grad(floats, True), grad(floats, False)
+
+    @jax.jit
+    def run(floats):
+        (y, final), vjp = jax.vjp(lambda floats: outputs({**floats, "seq_idx": args["seq_idx"]}),
+                                  floats)
+        return y, final, vjp(WEIGHTS)[0]
+    y, final, got = run(floats)
+    (y_ref, final_ref), want = whole_sequence(
+        "xla" if implementation == "auto" else implementation, packed=True)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
+    np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
     for name in floats:
         np.testing.assert_allclose(got[name], want[name], rtol=SCAN_GRAD_TOL, atol=SCAN_GRAD_TOL,
                                    err_msg=name)
@@ -109,19 +138,15 @@ def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementa
     seq_idx = args.pop("seq_idx")
     if not packed:
         seq_idx = None
-    options = dict(dt_softplus=True, dt_limit=(0.0, 0.5), chunk_size=8,
-                   implementation=implementation, return_final_state=True, seq_idx=seq_idx)
+    options = dict(SCAN_OPTIONS, implementation=implementation, return_final_state=True,
+                   seq_idx=seq_idx)
 
-    def objective(floats, segments, weights):
-        y, final = ssd(**floats, segments=segments, **options)
-        return jnp.sum(y * weights[0]) + jnp.sum(final * weights[1]), (y, final)
-    weights = (jax.random.normal(jax.random.key(1), args["x"].shape),
-               jax.random.normal(jax.random.key(2), args["initial_state"].shape))
-    grad = jax.jit(jax.grad(objective, has_aux=True), static_argnums=1)
-    got, (y, final) = grad(args, 4, weights)
-    want, _ = grad(args, 1, weights)
-    y_ref, final_ref = ssd_naive(**args, seq_idx=seq_idx, dt_softplus=True,
-                                 dt_limit=(0.0, 0.5))
+    @jax.jit
+    def run(floats):
+        (y, final), vjp = jax.vjp(lambda floats: ssd(**floats, segments=4, **options), floats)
+        return y, final, vjp(WEIGHTS)[0]
+    y, final, got = run(args)
+    (y_ref, final_ref), want = whole_sequence(implementation, packed)
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=SCAN_ATOL)
     np.testing.assert_allclose(final, final_ref, rtol=0, atol=SCAN_ATOL)
     for name in args:
@@ -139,7 +164,7 @@ def test_scan_in_segments_equals_the_whole_sequence_and_its_gradients(implementa
     ("dp=2,cp=2,tp=2", False),
 ])
 def test_cp_logits_loss_and_gradients_over_packed_documents_match_single_device(spec, sp):
-    assert_matches_single_device(mamba_config(), spec, sp, seq_len=SEQ_CP, packed=True)
+    assert_matches_single_device(ONE_LAYER, spec, sp, seq_len=SEQ_CP, packed=True)
 
 
 def test_fsdp2_cp2_tp2_five_training_steps_with_grad_accum_give_the_single_device_losses():
@@ -151,7 +176,7 @@ def collective_bytes_over_cp(seq_len):
     """Bytes of the collectives over cp in the compiled cp=2 loss+gradient step, by kind
     (the all-gathers, all-reduces and reduce-scatters whose replica groups include cp, and
     every collective-permute: on this mesh only the conv halo permutes)."""
-    graphdef, params, batch = model_and_batch(mamba_config(), seq_len=seq_len, packed=True)
+    graphdef, params, batch = model_and_batch(ONE_LAYER, seq_len=seq_len, packed=True)
     mesh = parallel.make_mesh("cp=2,dp=4")
     specs = parallel.param_specs(params, mesh)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
@@ -178,9 +203,9 @@ def test_cp_bytes_per_step_do_not_grow_with_the_sequence():
     # The exchange is there: the scan's state all-gather (forward) and the conv halo.
     assert short["collective-permute"] > 0 and short["all-gather"] > 0
     # Per Mamba layer the all-gathered states are [cp, b/dp, h, p, n] floats: 16 KiB here.
-    d = mamba2.dims(tiny_config())
+    d = mamba2.dims(ONE_LAYER)
     state = 2 * 1 * d.h * d.p * d.n * 4
-    assert short["all-gather"] >= state  # in the body of the scan over layers
+    assert short["all-gather"] >= state
 
 
 def test_cp_layout_errors_name_the_lengths_and_the_fix():
@@ -200,7 +225,8 @@ def test_cp_layout_errors_name_the_lengths_and_the_fix():
 def test_trainer_with_cp_and_packed_documents_gives_the_data_parallel_losses(tmp_path):
     args = ["--steps", "2", "--batch-size", "8", "--seq-len", "64", "--eval-every", "2",
             "--no-cross-document-state", "--out", "none", "--set", "d_model=64",
-            "--set", "d_state=16", "--set", "headdim=16", "--set", "chunk_size=16"]
+            "--set", "d_state=16", "--set", "headdim=16", "--set", "chunk_size=16",
+            "--set", "n_layer=1"]
     losses = {}
     for mesh in ("dp=8", "dp=2,cp=2,tp=2"):
         metrics = tmp_path / f"{mesh}.jsonl"

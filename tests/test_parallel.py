@@ -18,7 +18,10 @@ from mesh_check import (BATCH, FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, SE
                         assert_matches_single_device, mamba_config, model_and_batch,
                         single_device_train_losses, tiny_config, train_losses, xla_flags)
 
-MESHES = ["tp=2,dp=4", "tp=4,dp=2", "tp=8", "dp=2,tp=4", "fsdp=2,tp=2,dp=2"]
+# tp over 2, 8 and 2 ranks with fsdp: tp=4 is the training tests' mesh
+# (test_five_training_steps_give_the_single_device_losses), and a spec's axes may come in
+# any order (test_mesh_spec_errors_name_the_sizes_and_the_devices).
+MESHES = ["tp=2,dp=4", "tp=8", "fsdp=2,tp=2,dp=2"]
 
 
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "no_sp"])
@@ -26,6 +29,13 @@ MESHES = ["tp=2,dp=4", "tp=4,dp=2", "tp=8", "dp=2,tp=4", "fsdp=2,tp=2,dp=2"]
 def test_ngroups1_logits_loss_and_gradients_match_single_device(spec, sp):
     # ngroups=1 (the published checkpoints): B, C replicated, the norm group spans all ranks.
     assert_matches_single_device(mamba_config(ngroups=1), spec, sp)
+
+
+def one_layer(ngroups, nheads=8):
+    """A one-layer model: how heads and groups split over the tp ranks is each layer's own
+    matter (two layers, one scan, on a mesh: the ngroups=1 tests above and the training
+    tests)."""
+    return mamba_config(ngroups=ngroups, nheads=nheads).replace(n_layer=1)
 
 
 @pytest.mark.parametrize("spec,sp,ngroups", [
@@ -37,7 +47,7 @@ def test_ngroups1_logits_loss_and_gradients_match_single_device(spec, sp):
     ("dp=2,tp=4", False, 8),
 ])
 def test_ngroups2_and_8_logits_loss_and_gradients_match_single_device(spec, sp, ngroups):
-    assert_matches_single_device(mamba_config(ngroups=ngroups), spec, sp)
+    assert_matches_single_device(one_layer(ngroups), spec, sp)
 
 
 def test_loss_in_sequence_chunks_matches_single_device():
@@ -47,7 +57,7 @@ def test_loss_in_sequence_chunks_matches_single_device():
 
 def test_groups_that_straddle_ranks_match_single_device():
     # nheads 6, ngroups 3, tp 2: rank 0 holds heads 0-2, which read groups 0, 0, 1.
-    assert_matches_single_device(mamba_config(ngroups=3, nheads=6), "tp=2,dp=4", True)
+    assert_matches_single_device(one_layer(ngroups=3, nheads=6), "tp=2,dp=4", True)
 
 
 @pytest.mark.parametrize("spec,sp,grad_accum", [("tp=4,dp=2", True, 1),
@@ -107,11 +117,7 @@ def test_mesh_spec_errors_name_the_sizes_and_the_devices():
 def test_the_mesh_functions_refuse_a_sequence_the_mesh_cannot_split():
     """Two tokens a device under cp=4, fewer than the conv's halo: make_hidden_fn and
     make_loss_fn returned other numbers than one device's, without an error."""
-    from flax import nnx
-
-    from mamba_jax import Mamba2LM
-
-    graphdef, params = nnx.split(Mamba2LM(tiny_config(n_layer=1), rngs=nnx.Rngs(0)))
+    graphdef, params, _ = model_and_batch(mamba_config())  # the tests' above
     mesh = parallel.make_mesh("dp=2,cp=4")
     specs = parallel.param_specs(params, mesh)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
@@ -129,34 +135,47 @@ def test_the_mesh_functions_refuse_a_sequence_the_mesh_cannot_split():
             np.zeros((2, 4), np.int32), NamedSharding(mesh, parallel.TOKENS)))
 
 
-@pytest.mark.parametrize("shape,axes", [((2, 4), ("data", "model")),
-                                        ((2, 1, 2, 2), ("data", "shard", "seq", "model"))])
-def test_hidden_states_on_a_mesh_of_the_users_names_equal_one_devices(shape, axes):
-    """README's Research use: a mesh named as the user likes, lacking roles or not (the
-    specs named fsdp and cp, which a two-axis mesh lacks: a device_put error); its states
-    continue a sequence as one device's do."""
+@pytest.fixture(scope="module")
+def one_device_hidden():
+    """(graphdef, params, ids [4, 32], one device's hidden states of ids, and of ids again
+    continued from the states after ids): one program for both meshes."""
     import jax.numpy as jnp
     from flax import nnx
 
     from mamba_jax import Mamba2LM
+
+    graphdef, params = nnx.split(Mamba2LM(tiny_config(), rngs=nnx.Rngs(0)))
+    ids = np.random.default_rng(0).integers(0, 100, (4, 32)).astype(np.int32)
+
+    @jax.jit
+    def hidden(params, ids):
+        model = nnx.merge(graphdef, params)
+        _, states = model.hidden(ids, return_states=True)
+        return model.hidden(ids), model.hidden(ids, initial_states=states)
+    return graphdef, params, ids, *hidden(params, jnp.asarray(ids))
+
+
+@pytest.mark.parametrize("shape,axes", [((2, 4), ("data", "model")),
+                                        ((2, 1, 2, 2), ("data", "shard", "seq", "model"))])
+def test_hidden_states_on_a_mesh_of_the_users_names_equal_one_devices(shape, axes,
+                                                                        one_device_hidden):
+    """README's Research use: a mesh named as the user likes, lacking roles or not (the
+    specs named fsdp and cp, which a two-axis mesh lacks: a device_put error); its states
+    continue a sequence as one device's do."""
     from mamba_jax.sharding import AxisNames
 
-    model = Mamba2LM(tiny_config(), rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
+    graphdef, params, ids, want, want_after = one_device_hidden
     mesh = jax.make_mesh(shape, axes)
     names = AxisNames(dp="data", fsdp="shard", cp="seq", tp="model")
     specs = parallel.param_specs(params, mesh, names)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
-    ids = np.random.default_rng(0).integers(0, 100, (4, 32)).astype(np.int32)
     placed = jax.device_put(ids, NamedSharding(mesh, parallel.token_spec(names, mesh)))
     hidden, states = parallel.make_hidden_fn(graphdef, specs, mesh, axis_names=names,
                                              return_states=True)(params, placed)
-    np.testing.assert_allclose(hidden, model.hidden(jnp.asarray(ids)), atol=2e-5)
+    np.testing.assert_allclose(hidden, want, atol=2e-5)
     after = parallel.make_hidden_fn(graphdef, specs, mesh, axis_names=names)(
         params, placed, initial_states=states)
-    _, alone = model.hidden(jnp.asarray(ids), return_states=True)
-    np.testing.assert_allclose(after, model.hidden(jnp.asarray(ids), initial_states=alone),
-                               atol=2e-5)
+    np.testing.assert_allclose(after, want_after, atol=2e-5)
 
 
 def test_nheads_not_divisible_by_tp_names_both_and_the_sizes_that_work():
@@ -182,9 +201,11 @@ def free_port():
 
 @pytest.mark.subprocess
 def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
+    # One layer: what crosses the processes (the batch's rows, the parameters and their
+    # gradients, the checkpoint) is each layer's alike; each process compiles the step.
     args = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--mesh", "dp=2,tp=4",
             "--eval-every", "1000", "--set", "d_model=64", "--set", "d_state=16",
-            "--set", "headdim=16", "--set", "chunk_size=16"]
+            "--set", "headdim=16", "--set", "chunk_size=16", "--set", "n_layer=1"]
     env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.getcwd())  # four devices a process
     port = free_port()
@@ -207,29 +228,30 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
     assert (tmp_path / "ck" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(remat, layer_scans):
+def test_layers_one_after_the_other_give_the_scans_loss_and_gradients(layer_scans):
     # scan_layers=False (the trainer's default) under fsdp x cp x tp over packed
-    # documents: no layer scan (so no weight, gradient or residual stack), the same loss and
-    # every gradient.
-    cfg = tiny_config(n_layer=3, ngroups=2)
+    # documents, without and with remat "full": no layer scan (so no weight, gradient or
+    # residual stack), the same loss and every gradient as the scan without remat (remat
+    # changes no value).
+    cfg = tiny_config(ngroups=2)
     graphdef, params, batch = model_and_batch(cfg, packed=True)
     mesh = parallel.make_mesh("fsdp=2,cp=2,tp=2")
     specs = parallel.param_specs(params, mesh)
     params = jax.device_put(params, parallel.shardings(mesh, specs))
     batch = jax.device_put(batch, NamedSharding(mesh, parallel.TOKENS))
 
-    def value_and_grads(scan_layers):
+    def value_and_grads(scan_layers, remat):
         loss = parallel.make_loss_fn(graphdef, specs, mesh, remat=remat,
                                      scan_layers=scan_layers)
         return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)(params, *batch)
-    value, grads = value_and_grads(False)
+    unscanned = {remat: value_and_grads(False, remat) for remat in ("none", "full")}
     assert not layer_scans
-    ref_value, ref_grads = value_and_grads(True)
+    ref_value, ref_grads = value_and_grads(True, "none")
     assert layer_scans
-    assert np.isfinite(float(value))
-    np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
-                            jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=GRAD_ATOL,
-                                   err_msg=jax.tree_util.keystr(path))
+    for remat, (value, grads) in unscanned.items():
+        assert np.isfinite(float(value))
+        np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL, err_msg=remat)
+        for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(g, r, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                       err_msg=f"{remat} {jax.tree_util.keystr(path)}")

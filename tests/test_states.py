@@ -143,20 +143,20 @@ def test_every_kinds_states_from_a_mesh_are_the_one_devices(layers):
                 "*": {"attention.num_heads": 4, "attention.num_heads_kv": 2}}
     cfg = Mamba2Config.preset("tiny", n_layer=2, layer_pattern=layers, **{
         key: value for symbol in layers for key, value in sections.get(symbol, {}).items()})
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     ids = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
     mesh = parallel.make_mesh("dp=2,cp=2,tp=2")
     specs = parallel.param_specs(params, mesh)
-    params = jax.device_put(params, parallel.shardings(mesh, specs))
+    sharded_params = jax.device_put(params, parallel.shardings(mesh, specs))
     states_fn = parallel.make_hidden_fn(graphdef, specs, mesh, return_states=True)
     if "*" in layers:
         with pytest.raises(ValueError, match=r"an attention layer's state is the keys and "
                                              r"values of every token"):
-            states_fn(params, ids)
+            states_fn(sharded_params, ids)
         return
-    _, one = model.hidden(ids, return_states=True)
-    _, sharded = jax.jit(states_fn)(params, jax.device_put(ids, NamedSharding(
+    _, one = jax.jit(lambda params: nnx.merge(graphdef, params).hidden(
+        ids, return_states=True))(params)
+    _, sharded = jax.jit(states_fn)(sharded_params, jax.device_put(ids, NamedSharding(
         mesh, parallel.TOKENS)))
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(sharded),
                                  jax.tree.leaves(one)):
@@ -219,28 +219,32 @@ def test_a_learnable_initial_state_trains_and_is_checkpointed(tmp_path):
 
 
 def test_initial_states_for_a_layer_without_state_are_refused():
-    model = Mamba2LM(CFG, rngs=nnx.Rngs(3))
+    # Traced, not run: the refusals are of the states' kinds, not their values.
+    model = nnx.eval_shape(lambda: Mamba2LM(CFG, rngs=nnx.Rngs(3)))
     ids, _ = batch(CFG)
-    states = model.init_cache(2)  # (MambaCache, MambaCache, None): the MLP has none
+    # (MambaCache, MambaCache, None): the MLP has none
+    states = nnx.eval_shape(lambda model: model.init_cache(2), model)
     with pytest.raises(ValueError, match=r"initial_states\[2\] \(or a prefill's cache\): "
                                          r"layer 2 is MLP"):
-        model(ids, initial_states=states[:2] + (states[0],))
+        nnx.eval_shape(lambda model: model(ids, initial_states=states[:2] + (states[0],)),
+                       model)
     with pytest.raises(ValueError, match="give a state for all of them or for none"):
-        model(ids, initial_states=(states[0], None, None))
+        nnx.eval_shape(lambda model: model(ids, initial_states=(states[0], None, None)), model)
 
 
 def test_states_a_layer_cannot_take_back_are_refused_naming_it():
     """Mamba-1 layers give their states (return_states) but do not continue from one: the
     call and a prefill from its cache are refused, naming the layer and the ways on."""
     cfg = Mamba2Config.preset("tiny-mamba1", d_model=32, n_layer=1, layer_pattern="1")
-    model = Mamba2LM(cfg, rngs=nnx.Rngs(0))
+    # Traced, not run: the refusals are of the states' kinds, not their values.
+    model = nnx.eval_shape(lambda: Mamba2LM(cfg, rngs=nnx.Rngs(0)))
     ids = jnp.ones((1, 8), jnp.int32)
-    _, states = model(ids, return_states=True)
+    _, states = nnx.eval_shape(lambda model: model(ids, return_states=True), model)
     refusal = (r"initial_states\[0\] \(or a prefill's cache\): layer 0 is Mamba1Mixer, which "
                r"cannot continue from a state \(Mamba2 layers can\); give None for it, or run "
                r"the whole sequence at once")
     with pytest.raises(ValueError, match=refusal):
-        model(ids, initial_states=states)
-    _, cache = model.prefill(ids)
+        nnx.eval_shape(lambda model: model(ids, initial_states=states), model)
+    _, cache = nnx.eval_shape(lambda model: model.prefill(ids), model)
     with pytest.raises(ValueError, match=refusal):
-        model.prefill(ids, cache=cache)
+        nnx.eval_shape(lambda model: model.prefill(ids, cache=cache), model)
