@@ -18,16 +18,14 @@ from mesh_check import (BATCH, FAST_COMPILE, GRAD_ATOL, GRAD_RTOL, LOSS_RTOL, SE
                         assert_matches_single_device, mamba_config, model_and_batch,
                         single_device_train_losses, tiny_config, train_losses, xla_flags)
 
-# tp over 2, 8 and 2 ranks with fsdp: tp=4 is the training tests' mesh
-# (test_five_training_steps_give_the_single_device_losses), and a spec's axes may come in
-# any order (test_mesh_spec_errors_name_the_sizes_and_the_devices).
-MESHES = ["tp=2,dp=4", "tp=8", "fsdp=2,tp=2,dp=2"]
-
-
-@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no_sp"])
-@pytest.mark.parametrize("spec", MESHES)
+# ngroups=1 (the published checkpoints): B, C replicated, the norm group spans all ranks;
+# tp over 2 ranks with and without sequence parallelism, over 8, and with fsdp (tp=4 is the
+# training tests' mesh, test_five_training_steps_give_the_single_device_losses; fsdp without
+# sequence parallelism: the ngroups=2 case below; a spec's axes in another order:
+# test_mesh_spec_errors_name_the_sizes_and_the_devices).
+@pytest.mark.parametrize("spec,sp", [("tp=2,dp=4", True), ("tp=2,dp=4", False),
+                                     ("tp=8", True), ("fsdp=2,tp=2,dp=2", True)])
 def test_ngroups1_logits_loss_and_gradients_match_single_device(spec, sp):
-    # ngroups=1 (the published checkpoints): B, C replicated, the norm group spans all ranks.
     assert_matches_single_device(mamba_config(ngroups=1), spec, sp)
 
 
@@ -39,9 +37,8 @@ def one_layer(ngroups, nheads=8):
 
 
 @pytest.mark.parametrize("spec,sp,ngroups", [
-    ("tp=2,dp=4", True, 2),          # groups split over tp
     ("tp=4,dp=2", True, 2),          # two ranks per group: each reads one group
-    ("fsdp=2,tp=2,dp=2", False, 2),
+    ("fsdp=2,tp=2,dp=2", False, 2),  # one group per rank
     ("tp=8", True, 8),               # one group per rank
     ("fsdp=2,tp=2,dp=2", True, 8),
     ("dp=2,tp=4", False, 8),
@@ -216,7 +213,8 @@ def test_two_processes_of_four_devices_get_the_single_process_losses(tmp_path):
          "--process-id", str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for i in range(2)]
     from mamba_jax.train import main
-    main([*args, "--out", "none", "--metrics-file", str(tmp_path / "single.jsonl")])
+    main([*args, "--out", "none", "--eval-every", "0",  # its evaluation: test_train.py's
+          "--metrics-file", str(tmp_path / "single.jsonl")])
     for proc in procs:
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out.decode()[-3000:]
