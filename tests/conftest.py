@@ -14,6 +14,8 @@ import tempfile
 
 import pytest
 
+import seeds
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8"
                            + " --xla_backend_optimization_level=0").strip()
@@ -72,3 +74,19 @@ def layer_scans(monkeypatch):
     scan = layer_scan.scan
     monkeypatch.setattr(layer_scan, "scan", lambda *args: calls.append(1) or scan(*args))
     return calls
+
+
+@pytest.fixture(autouse=True)
+def _seeds():
+    """Each test's fresh_rng seeds from none (tests/seeds.py)."""
+    seeds.start()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that drew random inputs names their seeds, to run it again on them."""
+    report = yield
+    if report.failed and seeds.drawn:
+        report.sections.append(("random inputs", "MAMBA_JAX_TEST_SEEDS="
+                                + ",".join(map(str, seeds.drawn)) + f" pytest {item.nodeid}"))
+    return report

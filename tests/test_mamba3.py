@@ -24,6 +24,7 @@ from mamba_jax.convert import load_config
 from pallas_kernels.mamba3 import Mamba3State, mamba3_scan
 from pallas_kernels.mamba3.context_parallel import entering_states, zero_state_finals
 from pallas_kernels.mamba3.reference import cumulative_angles, mamba3_chunked, mamba3_naive
+from seeds import fresh_rng
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ARGS = ("C", "B", "x", "adt", "dt", "trap", "angles", "C_bias", "B_bias")
@@ -120,7 +121,7 @@ def test_the_angle_state_stays_exact_over_long_rows(packed):
     # token's angle against the float64 sum from its document's start (from the initial
     # angle in the first), mod 2 pi. Blocks of 64 composed in a log-depth scan, each partial
     # sum wrapped: within 2e-4 rad, where a float32 sum over the row was off by 1e-2.
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     b, l, h, a = 2, 16384, 2, 3
     inc = rng.uniform(0, 0.3, (b, l, h, a)).astype(np.float32)
     starts = rng.random((b, l)) < (1e-3 if packed else 0.0)
@@ -152,7 +153,7 @@ def test_the_angle_kernel_equals_the_angle_sums_in_float64(b, l, h, a, block, do
     # initial angle within 1e-5 of the largest.
     from pallas_kernels.mamba3.angles import angle_sums
     from pallas_kernels.mamba3.reference import angle_increments
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     angles = jnp.asarray(rng.standard_normal((b, l, a)), jnp.float32)
     dt = jnp.asarray(rng.uniform(0, 2, (b, l, h)), jnp.float32)
     starts = rng.random((b, l)) < 0.1
@@ -391,7 +392,7 @@ def test_backward_turning_gives_the_turned_copies_gradients(dtype, token):
     from pallas_kernels.ssd import triton
     from pallas_kernels.ssd.vjp import ssd_weighted
     b, l, h, p, g, n, a, rank = 2, 40, 4, 16, 2, 16, 4, 2
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     arr = lambda *shape, dt=jnp.float32: jnp.asarray(rng.standard_normal(shape), dt)
     args = dict(x=arr(b, l, h, p, dt=dtype), B=arr(b, l, g, n, dt=dtype),
                 C=arr(b, l, g, n, dt=dtype),
@@ -431,7 +432,7 @@ def test_the_kernels_cos_and_sin_meet_float64():
     # 2e-7 of float64 (about 1.5 float32 roundings of a value near 1; seen 9.3e-8, as
     # numpy's float32 cos and sin are within 7e-8).
     from pallas_kernels.ssd.triton import cos_and_sin
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     edges = np.arange(-64, 65) * (np.pi / 4)
     theta = np.concatenate([rng.uniform(0, 2 * np.pi, 200_000), rng.uniform(-1e4, 1e4, 200_000),
                             edges, np.nextafter(edges.astype(np.float32), np.inf)])

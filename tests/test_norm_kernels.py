@@ -27,6 +27,7 @@ import pytest
 from pallas_kernels import fallback, hardware
 from pallas_kernels.norm import add_rms_norm, gated_rms_norm, triton
 from pallas_kernels.norm.reference import add_rms_norm_reference, gated_rms_norm_reference
+from seeds import fresh_rng
 
 EPS = 1e-5
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2.0 ** -7}
@@ -83,7 +84,7 @@ def assert_matches_reference(fn, case, dtype):
     """fn(y, z, weight, ngroups) -> out: values and gradients against the float64 reference
     on fresh inputs of case's shapes (CASES' tuples)."""
     lead, h, p, ngroups = case
-    y, z, weight, dout = make_inputs(np.random.default_rng(), lead, h, p, dtype)
+    y, z, weight, dout = make_inputs(fresh_rng(), lead, h, p, dtype)
     ours = values_and_grads(lambda y, z, w: fn(y, z, w, ngroups), y, z, weight, dout)
     for k, v in ours.items():
         assert v.shape == {"dweight": weight}.get(k, y).shape
@@ -134,7 +135,7 @@ def test_the_backward_recomputes_the_output_on_request(dtype):
     the forward's output from the same pass, beside the same gradients, over blocks that
     each program loops over (the last past the rows' end)."""
     lead, h, p, ngroups = CASES["group_of_24_not_a_power_of_two"]
-    y, z, weight, dout = make_inputs(np.random.default_rng(), lead, h, p, dtype)
+    y, z, weight, dout = make_inputs(fresh_rng(), lead, h, p, dtype)
     ours = dict(zip(("dy", "dz", "dweight", "out"), triton.backward(
         y, z, weight, dout, EPS, ngroups, config=SMALL_TILES, interpret=True, with_out=True)))
     assert ours["out"].dtype == y.dtype and ours["out"].shape == y.shape
@@ -147,7 +148,7 @@ def test_the_comparison_fails_for_a_wrong_result():
     """The check is not vacuous: the reference's output is not the input, and results of a
     slightly different norm (one group for two, eps 1e-2, dy and dz swapped) fail it."""
     lead, h, p, ngroups = CASES["two_groups"]
-    y, z, weight, dout = make_inputs(np.random.default_rng(), lead, h, p, jnp.float32)
+    y, z, weight, dout = make_inputs(fresh_rng(), lead, h, p, jnp.float32)
     reference = reference_float64(y, z, weight, dout, ngroups)
     assert not np.allclose(reference["out"], np.asarray(y), atol=1e-2)
     kernels = lambda groups, eps: lambda y, z, w: gated_rms_norm(
@@ -163,7 +164,7 @@ def test_the_comparison_fails_for_a_wrong_result():
 
 
 def test_auto_uses_xla_without_a_gpu():
-    y, z, weight, _ = make_inputs(np.random.default_rng(), (2, 3), 4, 16, jnp.bfloat16)
+    y, z, weight, _ = make_inputs(fresh_rng(), (2, 3), 4, 16, jnp.bfloat16)
     auto = jax.make_jaxpr(lambda y, z, w: gated_rms_norm(y, z, w, EPS, 2))(y, z, weight)
     assert "pallas_call" not in str(auto)
 
@@ -173,7 +174,7 @@ def test_auto_on_hopper_takes_the_kernels_and_says_when_it_does_not(monkeypatch,
     a group of 24; float16, which they do not take, the XLA path, logged once."""
     monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
     traced = lambda dtype: str(jax.make_jaxpr(lambda y, z, w: gated_rms_norm(y, z, w, EPS, 2))(
-        *make_inputs(np.random.default_rng(), (2, 3), 6, 8, dtype)[:3]))
+        *make_inputs(fresh_rng(), (2, 3), 6, 8, dtype)[:3]))
     assert "pallas_call" in traced(jnp.bfloat16)
     monkeypatch.setattr(fallback, "_said", set())  # what earlier tests had said
     with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
@@ -236,7 +237,7 @@ def test_add_kernels_match_the_float64_reference(case, config, delta_dtype):
     default tiles and with blocks of 64 entries and 7 backward programs (each walks several
     blocks, the last past the rows' end, and dweight sums 7 partials)."""
     lead, d = ADD_CASES[case]
-    inputs = add_inputs(np.random.default_rng(), lead, d, jnp.float32, delta_dtype)
+    inputs = add_inputs(fresh_rng(), lead, d, jnp.float32, delta_dtype)
     ours = add_values_and_grads(
         lambda r, x, w: triton.add_rms_norm(r, x, w, EPS, config, True), *inputs)
     residual, delta, weight = inputs[:3]
@@ -253,7 +254,7 @@ def test_add_kernels_with_a_bfloat16_residual_match_the_xla_path():
     bf16 before adding dsummed where the kernel adds in float32: the gradients differ by up
     to two bf16 roundings, 2**-7 of a value, so the bound is 2**-6 of the largest."""
     lead, d = ADD_CASES["odd_rows_d_40_not_a_power_of_two"]
-    inputs = add_inputs(np.random.default_rng(), lead, d, jnp.bfloat16, jnp.bfloat16)
+    inputs = add_inputs(fresh_rng(), lead, d, jnp.bfloat16, jnp.bfloat16)
     ours = add_values_and_grads(
         lambda r, x, w: add_rms_norm(r, x, w, EPS, implementation="triton"), *inputs)
     xla = add_values_and_grads(
@@ -269,7 +270,7 @@ def test_the_add_comparison_fails_for_a_wrong_result():
     """The check is not vacuous: a norm of the residual alone (delta not added) and the two
     input gradients each other's fail it."""
     lead, d = ADD_CASES["d_64"]
-    inputs = add_inputs(np.random.default_rng(), lead, d, jnp.float32, jnp.float32)
+    inputs = add_inputs(fresh_rng(), lead, d, jnp.float32, jnp.float32)
     reference = add_reference_float64(*inputs)
     kernels = lambda r, x, w: triton.add_rms_norm(r, x, w, EPS, triton.ADD_CONFIG, True)
     right = add_values_and_grads(kernels, *inputs)
@@ -284,7 +285,7 @@ def test_the_add_comparison_fails_for_a_wrong_result():
 def test_add_auto_on_hopper_takes_the_kernels_and_says_when_it_does_not(monkeypatch, caplog):
     """"auto": the XLA path on a CPU; on an H200 (patched in) the kernels for a float32
     residual and bf16 delta, the XLA path for float16, logged once."""
-    residual, delta, weight = add_inputs(np.random.default_rng(), (2, 3), 40, jnp.float32,
+    residual, delta, weight = add_inputs(fresh_rng(), (2, 3), 40, jnp.float32,
                                          jnp.bfloat16)[:3]
     traced = lambda delta: str(jax.make_jaxpr(
         lambda r, x, w: add_rms_norm(r, x, w, EPS))(residual, delta, weight))

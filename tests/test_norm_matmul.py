@@ -13,6 +13,7 @@ from mamba_jax import Mamba2Config, Mamba2LM
 from mamba_jax.generate.plan import FUSED_STEP_MAX_BATCH, decode_plan
 from mamba_jax.layers.common import dense, gated_rms_norm, matmul, rms_norm
 from pallas_kernels.decode.norm_matmul import Blocks, _activate, k_tiles, rms_norm_matmul
+from seeds import fresh_rng
 
 
 def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
@@ -36,7 +37,7 @@ def _inputs(rng, b, k, n, ngroups, dtype, gate, bias, residual, w_transposed):
     (1, jnp.bfloat16, False, 1, True, False, True, Blocks(), jnp.float32)])
 def test_kernel_equals_the_reference(b, dtype, gate, ngroups, bias, residual, w_transposed,
                                      blocks, out_dtype):
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     args = _inputs(rng, b, 1536, 40, ngroups, dtype, gate, bias, residual, w_transposed)
     ref = rms_norm_matmul(**args, eps=1e-5, out_dtype=out_dtype, implementation="xla")
     out = rms_norm_matmul(**args, eps=1e-5, out_dtype=out_dtype, implementation="triton",
@@ -57,7 +58,7 @@ def test_the_gated_out_projection_at_headdims_that_are_no_power_of_two(p):
     """A Mamba block's out_proj input of 4 heads of p (80, Nemotron Nano 2's; 96; 192) in 2
     norm groups: k = 4p features, groups of 2p, each read in power-of-two tiles (128 and 32,
     128 and 64, 256 and 128 here); float32, the same arithmetic summed in another order."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     args = _inputs(rng, 2, 4 * p, 8, 2, jnp.float32, True, False, True, True)
     ref = rms_norm_matmul(**args, eps=1e-5, implementation="xla")
     out = rms_norm_matmul(**args, eps=1e-5, implementation="triton")
@@ -89,7 +90,7 @@ def test_without_a_norm_it_is_an_mlps_down_projection(activation):
     product, rounded, plus the residual: the MLP layer's arithmetic (layers.MLP), by the
     reference and the kernel. k = 448 = 7 x 64 (as Nemotron Nano 2's 15680 = 245 x 64) is
     read in tiles of 256, 128 and 64."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     up, gate, down, residual = arr(2, 448), arr(2, 448), arr(448, 40) / 448 ** 0.5, arr(2, 40)
     down = down.astype(jnp.bfloat16)
@@ -118,7 +119,7 @@ def test_without_a_norm_it_is_an_mlps_down_projection(activation):
 def test_the_window_takes_the_outputs_columns(window_dtype):
     """window=(conv_state, at): conv_state shifted by one with out's columns [at, at + e)
     appended in its dtype, by the kernel (in place) as by the reference."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     args = _inputs(rng, 2, 256, 48, 1, jnp.bfloat16, False, True, False, True)
     conv_state = jnp.asarray(rng.standard_normal((2, 24, 4)), window_dtype)
     for implementation in ("xla", "triton"):
@@ -140,7 +141,7 @@ def test_the_reference_is_the_models_norm_then_matmul():
     rstd to the product): one rounding of each term either way, of at most 2**-9 of it, so
     the two products differ by at most 2**-8 of the sum of the terms' magnitudes; each then
     rounds to bf16, half a bf16 ulp (at most 2**-8 of the value) each."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     x, weight, w = (_inputs(rng, 2, 256, 48, 1, jnp.bfloat16, False, False, False, False)[key]
                     for key in ("x", "weight", "w"))
 
@@ -174,7 +175,7 @@ def test_fused_decoding_step_matches_the_xla_step(batch):
     the fused kernels (Mamba2Mixer.fused_step), above it the step kernel alone."""
     cfg = Mamba2Config.preset("tiny")
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    ids = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (batch, 9)))
+    ids = jnp.asarray(fresh_rng().integers(0, cfg.vocab_size, (batch, 9)))
     _, cache = model.prefill(ids[:, :8])
     logits, new = model.step(ids[:, 8], cache)
     logits_k, new_k = model.step(ids[:, 8], cache, steps=decode_plan(model, batch, "triton").steps)
@@ -208,7 +209,7 @@ def test_fused_decoding_step_of_a_hybrid_matches_the_xla_step(activation, attent
                        attn_out_bias=attention_extras,
                        attn_rotary_emb_dim=8 if attention_extras else 0)
     model = Mamba2LM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     if attention_extras:  # the biases start at zero: make them count
         attention = model.layers[2].mixer
         for name in ("q_bias", "k_bias", "v_bias", "out_bias"):

@@ -35,6 +35,7 @@ import pytest
 from pallas_kernels import fallback, hardware
 from pallas_kernels.ssd import ssd, triton, vjp
 from pallas_kernels.ssd.reference import process_dt, ssd_naive, weighted_state
+from seeds import fresh_rng
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 DA_TOLERANCE = {jnp.float32: 1e-3, jnp.bfloat16: 3e-2}  # see the module docstring
@@ -131,7 +132,7 @@ def assert_matches_naive(run, case, dtype, D_per_channel=False):
     """run(**inputs) -> (y, final_state): values and gradients against the float64 naive
     recurrence on fresh inputs of case's shapes (CASES' tuples)."""
     b, l, h, p, g, n, with_state, docs = case
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     args = make_inputs(rng, b, l, h, p, g, n, dtype, with_state, docs)
     if D_per_channel:
         args["D"] = jnp.asarray(rng.standard_normal((h, p)), jnp.float32)
@@ -186,7 +187,7 @@ def test_headdims_96_and_192_run_in_power_of_two_blocks(p):
     """96 and 192 (3 blocks of 32 and of 64): the forward's y and final state against the
     naive recurrence, with documents and an initial state (the backward kernels walk the
     blocks as at headdim 80, above)."""
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     args = make_inputs(rng, 1, 32, 1, p, 1, 16, jnp.float32, True, True)
     y, s = vjp.ssd(**args, dt_softplus=True, backend=triton, config=triton.Config(chunk=16))
     with jax.enable_x64(True):
@@ -198,7 +199,7 @@ def test_headdims_96_and_192_run_in_power_of_two_blocks(p):
 
 
 def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     args = make_inputs(rng, 2, 150, 4, 16, 2, 16, jnp.float32, True, True)
     y, s = ssd(**args, chunk_size=32, dt_softplus=True, return_final_state=True,
                implementation="triton")
@@ -209,7 +210,7 @@ def test_public_ssd_runs_the_triton_kernels_with_their_default_config():
 
 
 def test_auto_uses_xla_without_a_gpu():
-    args = make_inputs(np.random.default_rng(), 1, 8, 2, 16, 1, 16, jnp.float32, False,
+    args = make_inputs(fresh_rng(), 1, 8, 2, 16, 1, 16, jnp.float32, False,
                        False)
     auto = jax.make_jaxpr(lambda a: ssd(**a, chunk_size=8, implementation="auto"))(args)
     assert "pallas_call" not in str(auto)
@@ -221,7 +222,7 @@ def test_auto_on_hopper_takes_the_kernels_at_headdim_80_and_says_when_it_does_no
     at headdim 24, which they do not take, the XLA path, logged once for that reason."""
     monkeypatch.setattr(hardware, "compute_capability", lambda: 9.0)
     traced = lambda p: str(jax.make_jaxpr(lambda a: ssd(**a, chunk_size=16))(make_inputs(
-        np.random.default_rng(), 1, 16, 1, p, 1, 16, jnp.float32, False, False)))
+        fresh_rng(), 1, 16, 1, p, 1, 16, jnp.float32, False, False)))
     assert "pallas_call" in traced(80)
     monkeypatch.setattr(fallback, "_said", set())  # what earlier tests had said
     with caplog.at_level("WARNING", logger="pallas_kernels.fallback"):
@@ -237,7 +238,7 @@ def test_weighted_state_kernel_matches_the_reference(dtype, p):
     # The join of a row's parts (vjp.py): 2 rows of 48 positions (3 kernel chunks of 16), 4
     # heads in 2 groups; the same rounding of the weighted x as reference.weighted_state.
     # Headdim 80: 5 blocks of 16.
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     rows, l, h, g, n = 2, 48, 4, 2, 32
     x = jnp.asarray(rng.standard_normal((rows, l, h, p)), dtype)
     B = jnp.asarray(rng.standard_normal((rows, l, g, n)), dtype)
@@ -256,7 +257,7 @@ def test_a_per_token_skip_adds_skip_times_x_and_its_gradients():
     # an initial state, D, the row whole and in 3 parts (each against the row whole without
     # skip); values, the final state and every input's gradient, skip's own included, within
     # float32 sums in another order.
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     b, l, h, p, g, n = 2, 48, 4, 16, 2, 16
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     weights = jax.nn.softplus(arr(b, l, h))
@@ -297,7 +298,7 @@ def test_tokens_of_rank_positions_read_their_whole_token_weighted_less_eta(rank)
     # start at tokens, an initial state, D, the row whole and in 3 parts (each against the
     # row whole without them); values, the final state and every input's gradient, eta's
     # included, within float32 sums in another order.
-    rng = np.random.default_rng()
+    rng = fresh_rng()
     b, tokens, h, p, g, n = 2, 48 // rank, 4, 16, 2, 16
     l = tokens * rank
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)

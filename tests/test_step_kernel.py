@@ -14,6 +14,7 @@ from pallas_kernels.decode import step_out
 from pallas_kernels.decode.step_out import mamba_step_out
 from pallas_kernels.ssd.step import (Blocks, Int8State, dequantize, mamba_step,
                                      mamba_step_shifted, quantize, quantized_values)
+from seeds import fresh_rng
 
 
 def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias, D_per_channel=False):
@@ -40,7 +41,7 @@ def _inputs(rng, b, h, p, g, n, k, window_dtype, state_dtype, bias, D_per_channe
     (jnp.float32, jnp.float32, 1, False, (0.0, 0.05), False)])
 def test_kernel_equals_the_reference(window_dtype, state_dtype, g, bias, dt_limit,
                                      D_per_channel):
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     # 16 heads' programs: each head's p = 32 is split in two programs of 16 rows.
     args = _inputs(rng, b=2, h=8, p=32, g=g, n=32, k=4, window_dtype=window_dtype,
                    state_dtype=state_dtype, bias=bias, D_per_channel=D_per_channel)
@@ -97,7 +98,7 @@ def test_kernel_gates_and_weighs_y_for_the_norm_after_the_product(g, y_dtype):
     """norm_weight: y rounded to y_dtype, times silu(z), times the norm's weight, stored
     [b, h*p] in y_dtype, and the squares of y * silu(z) summed per head; with each head's
     headdim split over two programs (their partial sums added), kernel against reference."""
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     args = _inputs(rng, b=2, h=8, p=32, g=g, n=32, k=4, window_dtype=jnp.float32,
                    state_dtype=jnp.float32, bias=True)
     weight = jnp.asarray(rng.uniform(0.5, 1.5, 8 * 32), jnp.float32)
@@ -138,7 +139,7 @@ def test_int8_round_trip_is_within_half_a_step_of_each_row():
     values integers in [-127, 127] each within half a step of the state; a row's largest
     value is exact, an all-zero row stays zero (scale 0), and a decay of the whole row (a
     head's, at every token) moves the scale, not the values."""
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     # rows of magnitudes 1e-6 to 1e3: each row's step is its own
     state = rng.standard_normal((2, 4, 16, 32)) * 10.0 ** rng.uniform(-6, 3, (2, 4, 16, 1))
     state[1, 2, 3] = 0.0
@@ -167,7 +168,7 @@ def test_int8_values_round_to_the_nearest_integer_half_to_even():
     """quantized_values rounds state * 127 / peak by adding 1.5 * 2**23 in float32: over the
     whole range, at and between the half steps, numpy's rint (half to even) of the same
     float32 product; and the extremes stay within [-127, 127]."""
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     steps = np.arange(-127.0, 127.25, 0.25, dtype=np.float32)  # ties at every .5
     noise = rng.uniform(-127.0, 127.0, 4096).astype(np.float32)
     for v in (steps, noise):
@@ -185,7 +186,7 @@ def test_int8_states_step_in_the_kernel_as_in_the_reference():
     reference, with each head's headdim split over two programs. y and the scales are the
     same float32 arithmetic (1e-5 of the largest value); a value within float32's rounding
     of a half step may round to its neighbour, one step of its row."""
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     args = _inputs(rng, b=2, h=8, p=32, g=4, n=32, k=4, window_dtype=jnp.float32,
                    state_dtype=jnp.float32, bias=True)
     args["state"] = quantize(args["state"].at[0, 3].set(0.0))  # a head with zero state
@@ -217,7 +218,7 @@ def test_int8_states_step_in_the_kernel_as_in_the_reference():
 def test_tiles_split_or_join_the_headdim_to_the_same_values(block_p):
     # The default splits each head's p = 32 in two programs here; 8 rows a program and the
     # whole head are the same arithmetic per row: bit for bit.
-    args = _inputs(np.random.default_rng(), b=2, h=8, p=32, g=4, n=32, k=4,
+    args = _inputs(fresh_rng(), b=2, h=8, p=32, g=4, n=32, k=4,
                    window_dtype=jnp.bfloat16, state_dtype=jnp.bfloat16, bias=True)
     default = mamba_step(**args, implementation="triton")
     tiled = mamba_step(**args, implementation="triton", blocks=Blocks(block_p, num_warps=2))
@@ -232,7 +233,7 @@ def test_headdims_that_are_no_power_of_two_run_in_power_of_two_blocks(p):
     rows'); the step, then (at 80) the rest of the block after it as the fused step runs it
     (the step kernel and the norm-matmul kernel over out_proj's k = h * p inputs), against
     the reference: the same float32 arithmetic, 1e-5 of the largest value."""
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     b = h = 2 if p == 80 else 1  # fewer programs where only the tiling differs
     args = _inputs(rng, b=b, h=h, p=p, g=1, n=16, k=4, window_dtype=jnp.float32,
                    state_dtype=jnp.float32, bias=True, D_per_channel=True)
@@ -258,7 +259,7 @@ def test_cooperative_kernel_computes_the_two_kernels_values(norm_groups, bias):
     Its residual and state equal the two kernels' (the step kernel, then the norm-matmul
     kernel) bit for bit, and it adds one arrival to the counter from where it was. With a
     bias, D per head channel too."""
-    rng = np.random.default_rng()  # fresh inputs every run
+    rng = fresh_rng()  # fresh inputs every run (tests/seeds.py)
     h, p, n, d = 1, 32, 16, 8  # one head, one program of its 32 rows
     args = _inputs(rng, b=1, h=h, p=p, g=1, n=n, k=4, window_dtype=jnp.bfloat16,
                    state_dtype=jnp.float32, bias=bias, D_per_channel=bias)
