@@ -406,8 +406,9 @@ def test_tiles_times_each_config_of_the_conv_and_the_norm_on_a_cpu(capsys):
     for row in rows:
         assert float(row[2]) > 0 and float(row[3]) > 0 and row[4:7] == ["", "", ""]
         # float32 partial sums in another order, over a leaf's largest value (dbias, sums of
-        # 40 rows that nearly cancel, seen up to 2.7e-5 of its largest); NaN fails
-        assert float(row[7]) < 1e-4
+        # 40 rows that nearly cancel: seen up to 1.7e-4 of its largest on fresh inputs; a
+        # wrong tile's result is off by its whole size); NaN fails
+        assert float(row[7]) < 1e-3
     norm, conv = tiles.norm, tiles.conv
     config = tiles.parse_config(norm.Config(), "backward_prefetch=0,backward_programs=none")
     assert config == norm.Config(backward_prefetch=False, backward_programs=None)
