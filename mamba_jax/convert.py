@@ -387,7 +387,7 @@ def from_pretrained(path, dtype=None, overrides: dict | None = None) -> Mamba2LM
     from mamba_jax import megatron
 
     path = Path(path)
-    if is_megatron_checkpoint(path) and not holds_model(path):
+    if is_megatron_checkpoint(path):
         (cfg, tensors), fmt = megatron.read_megatron(path, overrides), "megatron"
     elif overrides:
         raise ValueError(f"{path}: its config.json gives the model's config; config fields "

@@ -89,7 +89,7 @@ class InitSource:
         config: read it as a model of this config (a run's, whose base it is) instead."""
         path, checkpoints, step = locate(path)
         if checkpoints is None:
-            if megatron_files.is_megatron_checkpoint(path) and not holds_model(path):
+            if megatron_files.is_megatron_checkpoint(path):
                 layout = "megatron"
                 if config is None:
                     config = megatron.read_megatron(path, overrides)[0]
@@ -265,7 +265,7 @@ def locate(path) -> tuple[Path, Path | None, int | None]:
         checkpoints, step = path, None
     elif path.name.isdigit() and holds_steps(path.parent):
         checkpoints, step = path.parent, int(path.name)
-    elif megatron_files.is_megatron_checkpoint(path) and not holds_model(path):
+    elif megatron_files.is_megatron_checkpoint(path):
         megatron_files.iteration_dir(path)  # (its tracker's iteration, there)
         return path, None, None
     elif holds_model(path):
@@ -342,7 +342,7 @@ def init_identity(path) -> str:
             **({"base": base} if base else {})}, sort_keys=True).encode())
         return digest.hexdigest()
     files = (megatron_files.iteration_files(path)
-             if megatron_files.is_megatron_checkpoint(path) and not holds_model(path)
+             if megatron_files.is_megatron_checkpoint(path)
              else [path / "config.json", *weight_files(path)])
     for file in files:
         size = file.stat().st_size

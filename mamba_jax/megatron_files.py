@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mamba_jax.files import holds_model
+
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?")
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -66,10 +68,12 @@ def torch_module(what: str):
 
 def is_megatron_checkpoint(path) -> bool:
     """Whether `path` is a Megatron-LM --save dir (its tracker file) or one iteration's
-    folder of it (legacy rank folders, or torch_dist's metadata.json)."""
+    folder of it (legacy rank folders, or torch_dist's metadata.json), and holds no model of
+    another layout (files.holds_model: a model folder may hold a metadata.json too)."""
     path = Path(path)
-    return (path / TRACKER).is_file() or (path / "metadata.json").is_file() \
-        or path.is_dir() and any(RANK_DIR.fullmatch(p.name) for p in path.iterdir())
+    return ((path / TRACKER).is_file() or (path / "metadata.json").is_file()
+            or path.is_dir() and any(RANK_DIR.fullmatch(p.name) for p in path.iterdir())) \
+        and not holds_model(path)
 
 
 def iteration_dir(path) -> Path:
